@@ -1,0 +1,34 @@
+/* p2pxfer's own C helpers (native/src/p2p.c). */
+struct p2p_poller {
+    int ncq;
+    int wake_fd;
+    int64_t max_runs;
+    int32_t *run_cq;
+    uint64_t *run_ctx;
+    uint64_t *run_flags;
+    uint64_t *run_data;
+    int64_t *run_count;
+    int64_t *run_bytes;
+    int err_cq;
+    int64_t backoff_ns;
+    int64_t backoff_max_ns;
+    int64_t entries;
+    int64_t wakeups;
+    ...;
+};
+int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
+                        const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                        int64_t start, int64_t end, uint64_t src_base, void *src_desc,
+                        uint64_t dst_base, uint64_t dst_key,
+                        uint64_t imm, int with_imm, uint64_t context, int64_t *err);
+int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
+int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq,
+                      int fd);
+int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries);
+int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t spin_ns,
+                            int64_t timeout_ns);
+int64_t p2p_baseline_write(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
+                           const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                           int64_t n, uint64_t src_base, void *src_desc,
+                           uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm);
+int64_t p2p_now_ns(void);

@@ -1,0 +1,272 @@
+/* p2pxfer's C helpers; see p2p.h for what belongs here. */
+#define _GNU_SOURCE
+#include "p2p.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define P2P_CQ_BATCH 64
+#define P2P_RUN_LOOKBACK 8
+
+int64_t p2p_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Post pieces [start, end) as RMA writes. Returns the index of the first piece
+ * not posted: end when all went out, earlier when the TX queue pushed back
+ * (-FI_EAGAIN, *err left 0) or a post failed (*err set to the negative code).
+ * The remote address is dst_base + dst_off: dst_base is the peer's virtual
+ * base under FI_MR_VIRT_ADDR and 0 under offset addressing. */
+int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
+                        const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                        int64_t start, int64_t end,
+                        uint64_t src_base, void *src_desc,
+                        uint64_t dst_base, uint64_t dst_key,
+                        uint64_t imm, int with_imm, uint64_t context, int64_t *err)
+{
+    int64_t i;
+    ssize_t rc;
+    void *ctx = (void *)(uintptr_t)context;
+
+    *err = 0;
+    for (i = start; i < end; i++) {
+        const void *buf = (const void *)(uintptr_t)(src_base + (uint64_t)src_off[i]);
+        uint64_t raddr = dst_base + (uint64_t)dst_off[i];
+        if (with_imm)
+            rc = fi_writedata(ep, buf, (size_t)len[i], src_desc, imm, (fi_addr_t)dest,
+                              raddr, dst_key, ctx);
+        else
+            rc = fi_write(ep, buf, (size_t)len[i], src_desc, (fi_addr_t)dest, raddr,
+                          dst_key, ctx);
+        if (rc == 0)
+            continue;
+        if (rc != -FI_EAGAIN)
+            *err = rc;
+        break;
+    }
+    return i;
+}
+
+int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns)
+{
+    p->ncq = 0;
+    p->wake_fd = wake_fd;
+    p->err_cq = -1;
+    p->backoff_ns = 0;
+    p->backoff_max_ns = backoff_max_ns;
+    p->entries = 0;
+    p->wakeups = 0;
+    return 0;
+}
+
+int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq, int fd)
+{
+    if (p->ncq >= P2P_MAX_CQ)
+        return -FI_ENOMEM;
+    p->fabric[p->ncq] = fabric;
+    p->cq[p->ncq] = cq;
+    p->fd[p->ncq] = fd;
+    p->ncq++;
+    return 0;
+}
+
+static int64_t add_entry(struct p2p_poller *p, int64_t nruns, int cq,
+                         const struct fi_cq_data_entry *e)
+{
+    uint64_t ctx, data;
+    int64_t k, lo;
+
+    if (e->flags & FI_REMOTE_CQ_DATA) {
+        /* A target-side arrival: only the immediate means anything. */
+        ctx = 0;
+        data = e->data;
+    } else {
+        ctx = (uint64_t)(uintptr_t)e->op_context;
+        data = 0;
+    }
+    lo = nruns > P2P_RUN_LOOKBACK ? nruns - P2P_RUN_LOOKBACK : 0;
+    for (k = nruns - 1; k >= lo; k--) {
+        if (p->run_cq[k] == cq && p->run_ctx[k] == ctx && p->run_flags[k] == e->flags &&
+            p->run_data[k] == data) {
+            p->run_count[k]++;
+            p->run_bytes[k] += (int64_t)e->len;
+            return nruns;
+        }
+    }
+    p->run_cq[nruns] = cq;
+    p->run_ctx[nruns] = ctx;
+    p->run_flags[nruns] = e->flags;
+    p->run_data[nruns] = data;
+    p->run_count[nruns] = 1;
+    p->run_bytes[nruns] = (int64_t)e->len;
+    return nruns + 1;
+}
+
+/* Read every CQ once, up to max_entries in all, into runs. Returns the number
+ * of runs; stops early at a CQ that reports an error (p->err_cq set) or when
+ * the run table might overflow. Negative only for an unexpected read error. */
+int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries)
+{
+    struct fi_cq_data_entry buf[P2P_CQ_BATCH];
+    int64_t nruns = 0, seen = 0;
+    int c;
+
+    p->err_cq = -1;
+    for (c = 0; c < p->ncq; c++) {
+        for (;;) {
+            int64_t room = p->max_runs - nruns;
+            size_t want = P2P_CQ_BATCH;
+            ssize_t n, j;
+
+            if (room <= 0 || seen >= max_entries)
+                goto out;
+            if ((int64_t)want > room)
+                want = (size_t)room;
+            if ((int64_t)want > max_entries - seen)
+                want = (size_t)(max_entries - seen);
+            n = fi_cq_read(p->cq[c], buf, want);
+            if (n == -FI_EAGAIN)
+                break;
+            if (n == -FI_EAVAIL) {
+                p->err_cq = c;
+                goto out;
+            }
+            if (n < 0)
+                return n;
+            for (j = 0; j < n; j++)
+                nruns = add_entry(p, nruns, c, &buf[j]);
+            seen += n;
+            if ((size_t)n < want)
+                break;
+        }
+    }
+out:
+    p->entries += seen;
+    return nruns;
+}
+
+static int all_have_fds(const struct p2p_poller *p)
+{
+    int c;
+    for (c = 0; c < p->ncq; c++)
+        if (p->fd[c] < 0)
+            return 0;
+    return 1;
+}
+
+static void drain_wake_fd(int fd)
+{
+    uint64_t v;
+    ssize_t r = read(fd, &v, sizeof(v));
+    (void)r;
+}
+
+/* Block until a CQ or the wake fd is readable, or timeout_ns passes. Where
+ * every CQ has a wait fd, fi_trywait makes sure nothing is left unread before
+ * we sleep; otherwise we sleep a growing back-off (capped), which keeps an idle
+ * shm poller near 0% CPU at the cost of up to backoff_max_ns of latency. */
+static void wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
+{
+    struct pollfd pfd[P2P_MAX_CQ + 1];
+    struct timespec ts;
+    int n = 0, c, rc;
+    int blockable = all_have_fds(p);
+    int64_t sleep_ns = timeout_ns;
+
+    if (blockable) {
+        for (c = 0; c < p->ncq; c++) {
+            struct fid *f = &p->cq[c]->fid;
+            if (fi_trywait(p->fabric[c], &f, 1) != FI_SUCCESS)
+                return;   /* something arrived meanwhile: go read it */
+            pfd[n].fd = p->fd[c];
+            pfd[n].events = POLLIN;
+            n++;
+        }
+    } else {
+        p->backoff_ns = p->backoff_ns ? p->backoff_ns * 2 : 2000;
+        if (p->backoff_ns > p->backoff_max_ns)
+            p->backoff_ns = p->backoff_max_ns;
+        if (sleep_ns < 0 || sleep_ns > p->backoff_ns)
+            sleep_ns = p->backoff_ns;
+    }
+    if (p->wake_fd >= 0) {
+        pfd[n].fd = p->wake_fd;
+        pfd[n].events = POLLIN;
+        n++;
+    }
+    if (sleep_ns >= 0) {
+        ts.tv_sec = sleep_ns / 1000000000LL;
+        ts.tv_nsec = sleep_ns % 1000000000LL;
+    }
+    rc = ppoll(pfd, (nfds_t)n, sleep_ns >= 0 ? &ts : NULL, NULL);
+    p->wakeups++;
+    if (rc > 0 && p->wake_fd >= 0 && (pfd[n - 1].revents & POLLIN))
+        drain_wake_fd(p->wake_fd);
+}
+
+/* The poller's one call: drain; if nothing came, spin for spin_ns (reading
+ * keeps manual-progress providers moving), then block up to timeout_ns
+ * (negative: no limit; 0: do not block). Returns runs found (0 when the wait
+ * ended empty: timeout or a wake-up) or a negative error. */
+int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t spin_ns,
+                            int64_t timeout_ns)
+{
+    int64_t n, t0 = 0;
+
+    n = p2p_poller_drain(p, max_entries);
+    if (n != 0 || p->err_cq >= 0)
+        goto found;
+    if (spin_ns > 0) {
+        t0 = p2p_now_ns();
+        do {
+            n = p2p_poller_drain(p, max_entries);
+            if (n != 0 || p->err_cq >= 0)
+                goto found;
+        } while (p2p_now_ns() - t0 < spin_ns);
+    }
+    if (timeout_ns == 0)
+        return 0;
+    wait_for_work(p, timeout_ns);
+    n = p2p_poller_drain(p, max_entries);
+    if (n == 0 && p->err_cq < 0)
+        return 0;
+found:
+    if (n > 0)
+        p->backoff_ns = 0;
+    return n;
+}
+
+/* The baseline every benchmark compares against: the same posting loop with
+ * completions counted in C, no Python anywhere. */
+int64_t p2p_baseline_write(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
+                           const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                           int64_t n, uint64_t src_base, void *src_desc,
+                           uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm)
+{
+    struct fi_cq_data_entry buf[P2P_CQ_BATCH];
+    int64_t posted = 0, done = 0, err = 0;
+
+    while (done < n) {
+        if (posted < n) {
+            posted = p2p_post_writes(ep, dest, src_off, dst_off, len, posted, n, src_base,
+                                     src_desc, dst_base, dst_key, imm, with_imm, 1, &err);
+            if (err)
+                return err;
+        }
+        for (;;) {
+            ssize_t r = fi_cq_read(cq, buf, P2P_CQ_BATCH);
+            if (r == -FI_EAGAIN)
+                break;
+            if (r < 0)
+                return r;
+            done += r;
+        }
+    }
+    return 0;
+}

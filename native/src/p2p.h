@@ -1,0 +1,60 @@
+/* p2pxfer's C helpers: the loops that must not run in Python.
+ *
+ * Everything here works on flat arrays handed in by the caller; nothing here
+ * allocates per page, takes the GIL or knows about Python objects. Completion
+ * contexts are plain integers (transfer ids), never pointers to objects. */
+#ifndef P2P_H
+#define P2P_H
+
+#include <stdint.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_rma.h>
+#include <rdma/fi_eq.h>
+
+#define P2P_MAX_CQ 16
+
+/* What one drain produced: runs of consecutive completions that share
+ * (cq, context, flags, data), so a batch of thousands of pieces reaches Python
+ * as a handful of rows. */
+struct p2p_poller {
+    int ncq;
+    struct fid_fabric *fabric[P2P_MAX_CQ];
+    struct fid_cq *cq[P2P_MAX_CQ];
+    int fd[P2P_MAX_CQ];          /* wait fd of each CQ, -1 where it has none */
+    int wake_fd;                 /* eventfd that interrupts a blocked wait, or -1 */
+    int64_t max_runs;
+    int32_t *run_cq;
+    uint64_t *run_ctx;
+    uint64_t *run_flags;
+    uint64_t *run_data;
+    int64_t *run_count;
+    int64_t *run_bytes;
+    int err_cq;                  /* CQ with an error entry waiting (-FI_EAVAIL), or -1 */
+    int64_t backoff_ns;          /* current sleep where a CQ has no wait fd */
+    int64_t backoff_max_ns;
+    int64_t entries;             /* completions seen, lifetime */
+    int64_t wakeups;             /* times a blocked wait returned */
+};
+
+int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
+                        const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                        int64_t start, int64_t end,
+                        uint64_t src_base, void *src_desc,
+                        uint64_t dst_base, uint64_t dst_key,
+                        uint64_t imm, int with_imm, uint64_t context, int64_t *err);
+
+int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
+int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq, int fd);
+int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries);
+int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t spin_ns,
+                            int64_t timeout_ns);
+
+int64_t p2p_baseline_write(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
+                           const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                           int64_t n, uint64_t src_base, void *src_desc,
+                           uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm);
+int64_t p2p_now_ns(void);
+
+#endif

@@ -1,0 +1,5 @@
+"""setuptools hook for the one thing pyproject.toml cannot say: cffi's build step."""
+
+from setuptools import setup
+
+setup(cffi_modules=["native/build_fabric.py:ffibuilder"])

@@ -1,0 +1,70 @@
+"""The error tree: one base, ``P2PXferError``, and a few branches under it.
+
+Every failure p2pxfer reports is one of these, so callers can catch the base.
+Foreign errors (libfabric return codes, trio exception groups) are mapped here
+or at the API edge, once; nothing below re-wraps an error that is already ours.
+"""
+
+from __future__ import annotations
+
+
+class P2PXferError(Exception):
+    """Base of every error p2pxfer raises."""
+
+
+class FabricError(P2PXferError):
+    """A libfabric call failed: carries the call, its negative return code and
+    ``fi_strerror``'s text (plus the provider's own words where it gave any)."""
+
+    def __init__(self, call: str, code: int, text: str, context: str | None = None) -> None:
+        self.call = call
+        self.code = code
+        self.text = text
+        self.context = context
+        where = f" ({context})" if context else ""
+        super().__init__(f"{call} failed{where}: {text} [{code}]")
+
+
+class ProviderNotFound(FabricError, LookupError):
+    """No provider/interface matched what was asked for."""
+
+
+class TransferError(P2PXferError):
+    """A transfer failed after it was accepted (a completion came back with an
+    error); the message carries the provider's words."""
+
+
+class RemoteClosed(TransferError):
+    """The peer is gone (connection refused or reset) while a transfer ran."""
+
+
+class EngineClosed(P2PXferError):
+    """The engine or rail was closed while the operation was pending."""
+
+
+class InvalidArgument(P2PXferError, ValueError):
+    """Bad input from the caller; nothing was posted."""
+
+
+class ScatterError(InvalidArgument):
+    """A scatter list is malformed or does not fit the regions it names."""
+
+
+class RegistrationError(P2PXferError):
+    """Memory cannot be registered or is not registered where it must be."""
+
+
+class UnregisteredMemory(RegistrationError, InvalidArgument):
+    """The buffer (or region) used was never registered with this rail."""
+
+
+class ReadOnlyBuffer(RegistrationError, InvalidArgument):
+    """A read-only buffer was offered where a peer must be able to write."""
+
+
+class DescriptorError(InvalidArgument):
+    """A region descriptor is malformed, or does not match this provider."""
+
+
+class WaitTimeout(P2PXferError, TimeoutError):
+    """A bounded wait ran out before the awaited condition held."""

@@ -1,0 +1,25 @@
+"""Layer 2: thin Python objects over the libfabric binding.
+
+This package is the only place that touches ``ffi``/``lib``. It opens
+providers, registers memory, posts whole scatter lists through the C helper and
+drains completions in batches; it holds no per-transfer bookkeeping.
+"""
+
+from ._info import SUPPORTED_MR_MODE as SUPPORTED_MR_MODE
+from ._info import FabricInfo as FabricInfo
+from ._info import MrMode as MrMode
+from ._info import getinfo as getinfo
+from ._objects import ACCESS_REMOTE_WRITE as ACCESS_REMOTE_WRITE
+from ._objects import ACCESS_WRITE as ACCESS_WRITE
+from ._objects import AddressVector as AddressVector
+from ._objects import CompletionQueue as CompletionQueue
+from ._objects import Domain as Domain
+from ._objects import Endpoint as Endpoint
+from ._objects import Fabric as Fabric
+from ._objects import MemoryRegion as MemoryRegion
+from ._rail import FLAG_REMOTE_CQ_DATA as FLAG_REMOTE_CQ_DATA
+from ._rail import CompletionError as CompletionError
+from ._rail import Completions as Completions
+from ._rail import Poller as Poller
+from ._rail import Rail as Rail
+from ._baseline import baseline_write as baseline_write

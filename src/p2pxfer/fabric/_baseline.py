@@ -1,0 +1,42 @@
+"""The raw C baseline that benchmarks measure the Python paths against.
+
+``baseline_write`` runs the whole post-and-drain loop inside
+``p2p_baseline_write``; it exists for ``bench/`` and is not a user API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._binding import check, ffi, lib
+from ._rail import Rail
+
+
+def baseline_write(
+    rail: Rail,
+    dest: int,
+    src_off: npt.NDArray[np.int64],
+    dst_off: npt.NDArray[np.int64],
+    length: npt.NDArray[np.int64],
+    src_base: int,
+    src_desc: Any,
+    dst_base: int,
+    dst_key: int,
+    imm: int | None,
+) -> None:
+    rc = lib.p2p_baseline_write(
+        rail.endpoint.handle, rail.cq.handle, dest,
+        ffi.cast("int64_t *", src_off.ctypes.data),
+        ffi.cast("int64_t *", dst_off.ctypes.data),
+        ffi.cast("int64_t *", length.ctypes.data),
+        len(length), src_base, src_desc, dst_base, dst_key,
+        0 if imm is None else imm, imm is not None,
+    )
+    check(rc, "p2p_baseline_write")
+
+
+def now_ns() -> int:
+    return int(lib.p2p_now_ns())

@@ -1,0 +1,41 @@
+"""The one door to the compiled binding: ``ffi``/``lib`` and the return-code check.
+
+Only modules inside ``p2pxfer.fabric`` import this. Every libfabric return code
+is checked by :func:`check`, so each failure becomes a :class:`FabricError`
+carrying the call name, the code and ``fi_strerror``'s words.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from p2pxfer.errors import FabricError
+
+try:
+    from p2pxfer._fabric import ffi, lib
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "p2pxfer's native binding is not built: install the package with "
+        "`pip install -e .` on a machine with libfabric-dev"
+    ) from exc
+
+__all__ = ["check", "ffi", "fi_strerror", "lib", "raise_fabric_error"]
+
+
+def fi_strerror(code: int) -> str:
+    """libfabric's words for a (positive or negative) error code."""
+    return str(ffi.string(lib.fi_strerror(abs(int(code)))).decode(errors="replace"))
+
+
+def raise_fabric_error(
+    call: str, code: int, context: str | None = None, cls: type[FabricError] = FabricError
+) -> NoReturn:
+    raise cls(call, int(code), fi_strerror(code), context)
+
+
+def check(rc: Any, call: str, context: str | None = None) -> int:
+    """Return ``rc`` if it is not an error, else raise :class:`FabricError`."""
+    rc = int(rc)
+    if rc < 0:
+        raise_fabric_error(call, rc, context)
+    return rc

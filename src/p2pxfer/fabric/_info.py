@@ -1,0 +1,191 @@
+"""Provider discovery: ``fi_getinfo`` with p2pxfer's hints, and ``FabricInfo``.
+
+We ask for RDM endpoints with RMA write and remote CQ data, and tell the
+provider which ``mr_mode`` bits we know how to honour (see ``SUPPORTED_MR_MODE``);
+a provider that needs anything else (``FI_MR_RAW``, MMU notify) is not offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from p2pxfer.errors import ProviderNotFound
+
+from ._binding import check, ffi, lib
+
+__all__ = ["SUPPORTED_MR_MODE", "FabricInfo", "MrMode", "getinfo"]
+
+# The mr_mode bits p2pxfer implements. FI_MR_HMEM is declared so providers that
+# register device memory stay visible; host buffers are registered the same way.
+SUPPORTED_MR_MODE = (
+    lib.FI_MR_LOCAL
+    | lib.FI_MR_VIRT_ADDR
+    | lib.FI_MR_ALLOCATED
+    | lib.FI_MR_PROV_KEY
+    | lib.FI_MR_ENDPOINT
+    | lib.FI_MR_HMEM
+)
+
+
+@dataclass(frozen=True)
+class MrMode:
+    """The registration rules a provider imposes, decoded from ``mr_mode``."""
+
+    bits: int
+
+    @property
+    def virt_addr(self) -> bool:
+        """Remote addresses are the target's virtual addresses (else offsets from 0)."""
+        return bool(self.bits & lib.FI_MR_VIRT_ADDR)
+
+    @property
+    def prov_key(self) -> bool:
+        """The provider picks keys; otherwise we request random ones."""
+        return bool(self.bits & lib.FI_MR_PROV_KEY)
+
+    @property
+    def endpoint(self) -> bool:
+        """Registrations must be bound to an endpoint and enabled."""
+        return bool(self.bits & lib.FI_MR_ENDPOINT)
+
+    @property
+    def local(self) -> bool:
+        """Local buffers need a registration and their descriptor on every post."""
+        return bool(self.bits & lib.FI_MR_LOCAL)
+
+    @property
+    def allocated(self) -> bool:
+        """Only memory backed by pages may be registered."""
+        return bool(self.bits & lib.FI_MR_ALLOCATED)
+
+    def names(self) -> list[str]:
+        out = []
+        for name in ("LOCAL", "VIRT_ADDR", "ALLOCATED", "PROV_KEY", "ENDPOINT", "HMEM"):
+            if self.bits & getattr(lib, f"FI_MR_{name}"):
+                out.append(name)
+        return out
+
+
+def _str(ptr: Any) -> str:
+    return "" if ptr == ffi.NULL else str(ffi.string(ptr).decode(errors="replace"))
+
+
+class FabricInfo:
+    """One provider/interface as ``fi_getinfo`` described it.
+
+    Owns a private copy of the ``fi_info`` (``fi_dupinfo``), freed by
+    :meth:`close` or, as a backstop, when garbage collected.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        dup = lib.fi_dupinfo(raw)
+        if dup == ffi.NULL:
+            raise MemoryError("fi_dupinfo returned NULL")
+        self._raw = ffi.gc(dup, lib.fi_freeinfo)
+
+    @property
+    def raw(self) -> Any:
+        return self._raw
+
+    @property
+    def provider(self) -> str:
+        return _str(self._raw.fabric_attr.prov_name)
+
+    @property
+    def fabric_name(self) -> str:
+        return _str(self._raw.fabric_attr.name)
+
+    @property
+    def domain_name(self) -> str:
+        return _str(self._raw.domain_attr.name)
+
+    @property
+    def mr_mode(self) -> MrMode:
+        return MrMode(int(self._raw.domain_attr.mr_mode))
+
+    @property
+    def cq_data_size(self) -> int:
+        return int(self._raw.domain_attr.cq_data_size)
+
+    @property
+    def mr_key_size(self) -> int:
+        return int(self._raw.domain_attr.mr_key_size)
+
+    @property
+    def max_msg_size(self) -> int:
+        return int(self._raw.ep_attr.max_msg_size)
+
+    @property
+    def tx_size(self) -> int:
+        return int(self._raw.tx_attr.size)
+
+    @property
+    def manual_progress(self) -> bool:
+        # tcp reports AUTO yet needs the CQ read for data to move: treat every
+        # provider as manual and always progress; this flag is informational.
+        return int(self._raw.domain_attr.data_progress) == lib.FI_PROGRESS_MANUAL
+
+    def __repr__(self) -> str:
+        return (
+            f"FabricInfo(provider={self.provider!r}, domain={self.domain_name!r}, "
+            f"fabric={self.fabric_name!r}, mr_mode={self.mr_mode.names()})"
+        )
+
+
+def getinfo(
+    provider: str,
+    *,
+    node: str | None = None,
+    service: str | None = None,
+    domain: str | None = None,
+) -> list[FabricInfo]:
+    """Every interface of ``provider`` that can do RDM RMA writes with remote CQ data.
+
+    ``node``/``service`` name the local address to bind (``FI_SOURCE``), e.g.
+    ``node="127.0.0.1"`` keeps tcp traffic on loopback. ``domain`` keeps only
+    interfaces of that domain name (a NIC, e.g. ``"lo"`` or ``"veth0"``).
+    Raises :class:`ProviderNotFound` when nothing matches.
+    """
+    if not provider or not isinstance(provider, str):
+        raise ProviderNotFound("fi_getinfo", -lib.FI_ENODATA, "no provider named", repr(provider))
+    hints = ffi.gc(lib.fi_dupinfo(ffi.NULL), lib.fi_freeinfo)
+    hints.caps = lib.FI_RMA | lib.FI_WRITE | lib.FI_REMOTE_WRITE
+    hints.mode = 0
+    hints.ep_attr.type = lib.FI_EP_RDM
+    hints.domain_attr.mr_mode = SUPPORTED_MR_MODE
+    hints.domain_attr.threading = lib.FI_THREAD_SAFE
+    # fi_freeinfo frees prov_name/name, so they must come from malloc.
+    hints.fabric_attr.prov_name = lib.strdup(provider.encode())
+    if domain:
+        hints.domain_attr.name = lib.strdup(domain.encode())
+    out = ffi.new("struct fi_info **")
+    c_node = node.encode() if node else ffi.NULL
+    c_service = service.encode() if service else ffi.NULL
+    flags = lib.FI_SOURCE if (node or service) else 0
+    version = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
+    rc = lib.fi_getinfo(version, c_node, c_service, flags, hints, out)
+    context = f"provider={provider!r} node={node!r} domain={domain!r}"
+    if rc == -lib.FI_ENODATA:
+        raise ProviderNotFound("fi_getinfo", int(rc), "no matching provider or interface", context)
+    check(rc, "fi_getinfo", context)
+    infos: list[FabricInfo] = []
+    seen: set[tuple[str, str]] = set()
+    try:
+        cur = out[0]
+        while cur != ffi.NULL:
+            info = FabricInfo(cur)
+            # Layered providers are matched by their full name ("tcp;ofi_rxm"),
+            # and rxm lists each interface several times: keep its first entry.
+            where = (info.fabric_name, info.domain_name)
+            if info.provider == provider and info.cq_data_size > 0 and where not in seen:
+                seen.add(where)
+                infos.append(info)
+            cur = cur.next
+    finally:
+        lib.fi_freeinfo(out[0])
+    if not infos:
+        raise ProviderNotFound(
+            "fi_getinfo", -lib.FI_ENODATA, "no interface with RMA write and CQ data", context
+        )
+    return infos

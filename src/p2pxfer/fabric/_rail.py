@@ -1,0 +1,236 @@
+"""A rail (one NIC's domain, CQ, AV and endpoint) and the poller that drains rails.
+
+``Rail.post_writes`` and ``Poller.progress`` are the two calls on the data
+path; both run a C loop (``native/src/p2p.c``) over whole arrays and return.
+Nothing here keeps per-transfer state: that belongs to the layers above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from p2pxfer.errors import FabricError
+
+from ._binding import ffi, lib, raise_fabric_error
+from ._info import FabricInfo, getinfo
+from ._objects import AddressVector, CompletionQueue, Domain, Endpoint, Fabric, MemoryRegion
+
+__all__ = ["FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail"]
+
+log = structlog.get_logger("p2pxfer.fabric")
+
+FLAG_REMOTE_CQ_DATA = int(lib.FI_REMOTE_CQ_DATA)
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+
+
+class Rail:
+    """Everything p2pxfer opens on one NIC. Close it (or use ``with``) to release
+    registrations, endpoint, AV, CQ, domain and fabric, in that order."""
+
+    def __init__(self, info: FabricInfo, *, cq_size: int = 0) -> None:
+        self.info = info
+        self._closing: list[Any] = []
+        try:
+            self.fabric = self._own(Fabric(info))
+            self.domain = self._own(Domain(self.fabric, info))
+            self.cq = self._own(CompletionQueue(self.domain, cq_size))
+            self.av = self._own(AddressVector(self.domain))
+            self.endpoint = self._own(Endpoint(self.domain, info, self.cq, self.av))
+        except BaseException:
+            self.close()
+            raise
+        self._mrs: set[MemoryRegion] = set()
+        self.address: bytes = self.endpoint.address
+        self.imm_bytes = info.cq_data_size
+        log.debug(
+            "rail.open", provider=info.provider, domain=info.domain_name,
+            address=self.address.hex(), mr_mode=info.mr_mode.names(),
+        )
+
+    def _own(self, obj: Any) -> Any:
+        self._closing.append(obj)
+        return obj
+
+    @classmethod
+    def open(cls, provider: str, *, node: str | None = None, domain: str | None = None) -> Rail:
+        """Open the first interface of ``provider`` that matches."""
+        return cls(getinfo(provider, node=node, domain=domain)[0])
+
+    @property
+    def provider(self) -> str:
+        return self.info.provider
+
+    @property
+    def name(self) -> str:
+        return self.info.domain_name
+
+    def register(self, address: int, length: int, access: int) -> MemoryRegion:
+        mr = MemoryRegion(self.domain, address, length, access, endpoint=self.endpoint)
+        self._mrs.add(mr)
+        return mr
+
+    def deregister(self, mr: MemoryRegion) -> None:
+        self._mrs.discard(mr)
+        mr.close()
+
+    def peer(self, address: bytes) -> int:
+        """The ``fi_addr_t`` of a peer endpoint address (inserted on first use)."""
+        return self.av.insert(address)
+
+    def post_writes(
+        self,
+        dest: int,
+        src_off: I64,
+        dst_off: I64,
+        length: I64,
+        start: int,
+        end: int,
+        src_base: int,
+        src_desc: Any,
+        dst_base: int,
+        dst_key: int,
+        imm: int | None,
+        context: int,
+    ) -> int:
+        """Post pieces ``[start, end)``; returns the first index not posted
+        (``end`` when all went out; earlier when the TX queue is full)."""
+        err = ffi.new("int64_t *")
+        nxt = lib.p2p_post_writes(
+            self.endpoint.handle, dest,
+            ffi.cast("int64_t *", src_off.ctypes.data),
+            ffi.cast("int64_t *", dst_off.ctypes.data),
+            ffi.cast("int64_t *", length.ctypes.data),
+            start, end, src_base, src_desc, dst_base, dst_key,
+            0 if imm is None else imm, imm is not None, context, err,
+        )
+        if err[0]:
+            raise_fabric_error("fi_writedata" if imm is not None else "fi_write", err[0],
+                               f"piece {nxt} on {self.name}")
+        return int(nxt)
+
+    def close(self) -> None:
+        for mr in list(getattr(self, "_mrs", ())):
+            mr.close()
+        errors = []
+        while self._closing:
+            obj = self._closing.pop()
+            try:
+                obj.close()
+            except FabricError as exc:  # keep closing the rest
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class CompletionError:
+    """A failed operation as its CQ reported it."""
+
+    rail: int
+    context: int
+    flags: int
+    code: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Completions:
+    """What one poll found, as runs of alike completions. Arrays are views into
+    the poller's buffers: valid until its next ``progress`` call."""
+
+    rail: npt.NDArray[np.int32]
+    context: U64
+    flags: U64
+    data: U64
+    count: I64
+    nbytes: I64
+    error: CompletionError | None = None
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+
+class Poller:
+    """Drains the CQs of a set of rails through one C call per batch.
+
+    ``progress`` spins briefly, then sleeps on the CQs' wait fds (plus an
+    optional wake-up eventfd), so an idle poller costs ~0% CPU. Where a CQ has
+    no wait fd (shm) it sleeps a growing back-off capped at ``backoff_max_ns``.
+    Not thread-safe: one thread calls ``progress``.
+    """
+
+    def __init__(
+        self,
+        rails: list[Rail],
+        *,
+        max_runs: int = 1024,
+        wake_fd: int = -1,
+        backoff_max_ns: int = 200_000,
+    ) -> None:
+        self.rails = list(rails)
+        self._p = ffi.new("struct p2p_poller *")
+        lib.p2p_poller_init(self._p, wake_fd, backoff_max_ns)
+        self._rail = np.zeros(max_runs, np.int32)
+        self._ctx = np.zeros(max_runs, np.uint64)
+        self._flags = np.zeros(max_runs, np.uint64)
+        self._data = np.zeros(max_runs, np.uint64)
+        self._count = np.zeros(max_runs, np.int64)
+        self._bytes = np.zeros(max_runs, np.int64)
+        p = self._p
+        p.max_runs = max_runs
+        p.run_cq = ffi.cast("int32_t *", self._rail.ctypes.data)
+        p.run_ctx = ffi.cast("uint64_t *", self._ctx.ctypes.data)
+        p.run_flags = ffi.cast("uint64_t *", self._flags.ctypes.data)
+        p.run_data = ffi.cast("uint64_t *", self._data.ctypes.data)
+        p.run_count = ffi.cast("int64_t *", self._count.ctypes.data)
+        p.run_bytes = ffi.cast("int64_t *", self._bytes.ctypes.data)
+        for rail in self.rails:
+            rc = lib.p2p_poller_add_cq(p, rail.fabric.handle, rail.cq.handle, rail.cq.wait_fd)
+            if rc < 0:
+                raise_fabric_error("p2p_poller_add_cq", rc, "too many rails for one poller")
+
+    @property
+    def blocks_on_fds(self) -> bool:
+        return all(r.cq.wait_fd >= 0 for r in self.rails)
+
+    @property
+    def entries(self) -> int:
+        """Completions seen over the poller's life."""
+        return int(self._p.entries)
+
+    def progress(
+        self, *, spin_ns: int = 0, timeout_ns: int = 0, max_entries: int = 1 << 16
+    ) -> Completions:
+        """Drain what is there; if nothing, spin ``spin_ns`` then wait up to
+        ``timeout_ns`` (negative: until something happens). Releases the GIL
+        while in C. A woken or timed-out wait returns empty completions."""
+        n = lib.p2p_poller_progress(self._p, max_entries, spin_ns, timeout_ns)
+        if n < 0:
+            raise_fabric_error("fi_cq_read", n, "poller")
+        error = None
+        if self._p.err_cq >= 0:
+            r = int(self._p.err_cq)
+            ctx, flags, code, text = self.rails[r].cq.read_error()
+            error = CompletionError(r, ctx, flags, code, text)
+        return Completions(
+            self._rail[:n], self._ctx[:n], self._flags[:n], self._data[:n],
+            self._count[:n], self._bytes[:n], error,
+        )

@@ -1,0 +1,117 @@
+"""Scatter lists: three ``int64`` arrays (source offset, destination offset,
+length), validated as a whole with numpy before anything is posted.
+
+What lives here: construction from arrays, bounds checks against both regions,
+splitting over-long pieces and striping pieces across rails by bytes. What must
+not: any Python loop over pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from p2pxfer.errors import ScatterError
+
+__all__ = ["ScatterList"]
+
+I64 = npt.NDArray[np.int64]
+
+
+def _column(name: str, value: object) -> I64:
+    if not isinstance(value, np.ndarray):
+        raise ScatterError(f"{name} must be a numpy int64 array, got {type(value).__name__}")
+    if value.dtype != np.int64:
+        raise ScatterError(f"{name} must have dtype int64, got {value.dtype}")
+    if value.ndim != 1:
+        raise ScatterError(f"{name} must be one-dimensional, got shape {value.shape}")
+    # The C helper reads raw memory: it needs a contiguous array of its own.
+    return np.ascontiguousarray(value)
+
+
+@dataclass(frozen=True, eq=False)
+class ScatterList:
+    """Pieces ``i``: copy ``length[i]`` bytes from ``src[i]`` to ``dst[i]``.
+
+    Construction checks shapes, dtypes, and that offsets are >= 0 and lengths
+    > 0; :meth:`check_bounds` checks the pieces against two region sizes.
+    """
+
+    src: I64
+    dst: I64
+    length: I64
+
+    def __init__(self, src: I64, dst: I64, length: I64) -> None:
+        s, d, n = _column("src offsets", src), _column("dst offsets", dst), _column(
+            "lengths", length
+        )
+        if not (len(s) == len(d) == len(n)):
+            raise ScatterError(
+                f"scatter arrays differ in length: src={len(s)} dst={len(d)} lengths={len(n)}"
+            )
+        if len(n) == 0:
+            raise ScatterError("scatter list is empty")
+        if int(n.min()) <= 0:
+            i = int(np.argmin(n))
+            raise ScatterError(f"piece {i} has length {int(n[i])}: lengths must be > 0")
+        for name, arr in (("src", s), ("dst", d)):
+            if int(arr.min()) < 0:
+                i = int(np.argmin(arr))
+                raise ScatterError(f"piece {i} has negative {name} offset {int(arr[i])}")
+        object.__setattr__(self, "src", s)
+        object.__setattr__(self, "dst", d)
+        object.__setattr__(self, "length", n)
+
+    @classmethod
+    def contiguous(cls, nbytes: int, src: int = 0, dst: int = 0) -> ScatterList:
+        return cls(np.array([src], np.int64), np.array([dst], np.int64),
+                   np.array([nbytes], np.int64))
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def check_bounds(self, src_size: int, dst_size: int) -> None:
+        """Raise :class:`ScatterError` naming the first piece that does not fit."""
+        for name, off, size in (("source", self.src, src_size), ("destination", self.dst, dst_size)):
+            # off + len <= size, written so it cannot overflow int64.
+            bad = off > size - self.length
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ScatterError(
+                    f"piece {i} ({name} offset {int(off[i])}, length {int(self.length[i])}) "
+                    f"ends past the {name} region's {size} bytes"
+                )
+
+    def split(self, max_piece: int) -> ScatterList:
+        """Cut pieces longer than ``max_piece`` into ``max_piece`` chunks
+        (deterministic, so both sides can count the pieces)."""
+        if max_piece <= 0:
+            raise ScatterError(f"max_piece must be > 0, got {max_piece}")
+        chunks = (self.length + (max_piece - 1)) // max_piece
+        if int(chunks.max()) == 1:
+            return self
+        idx = np.repeat(np.arange(len(self)), chunks)
+        first = np.cumsum(chunks) - chunks
+        k = np.arange(len(idx), dtype=np.int64) - np.repeat(first, chunks)
+        step = k * max_piece
+        length = np.minimum(self.length[idx] - step, max_piece)
+        return ScatterList(self.src[idx] + step, self.dst[idx] + step, length)
+
+    def stripes(self, weights: int) -> list[tuple[int, int]]:
+        """Split pieces ``[0, n)`` into ``weights`` contiguous ranges of about
+        equal bytes (one per rail). Ranges may be empty."""
+        if weights <= 1:
+            return [(0, len(self))]
+        ends = np.cumsum(self.length)
+        total = int(ends[-1])
+        cuts = np.searchsorted(ends, [total * (k + 1) // weights for k in range(weights - 1)],
+                               side="left")
+        bounds = [0, *[min(len(self), int(c) + 1) for c in cuts], len(self)]
+        bounds = list(np.maximum.accumulate(np.array(bounds)))
+        return [(int(bounds[k]), int(bounds[k + 1])) for k in range(weights)]
