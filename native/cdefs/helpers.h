@@ -16,6 +16,26 @@ struct p2p_poller {
     int64_t wakeups;
     ...;
 };
+struct p2p_cursor {
+    struct fid_ep *ep;
+    uint64_t dest;
+    const int64_t *src_off;
+    const int64_t *dst_off;
+    const int64_t *len;
+    int64_t next;
+    int64_t end;
+    uint64_t src_base;
+    void *src_desc;
+    uint64_t dst_base;
+    uint64_t dst_key;
+    uint64_t imm;
+    int with_imm;
+    uint64_t context;
+    int64_t err;
+    int64_t bytes_posted;
+};
+int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
+                         int64_t budget_ns);
 int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
                         const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                         int64_t start, int64_t end, uint64_t src_base, void *src_desc,

@@ -108,16 +108,16 @@ static int64_t add_entry(struct p2p_poller *p, int64_t nruns, int cq,
     return nruns + 1;
 }
 
-/* Read every CQ once, up to max_entries in all, into runs. Returns the number
- * of runs; stops early at a CQ that reports an error (p->err_cq set) or when
- * the run table might overflow. Negative only for an unexpected read error. */
-int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries)
+/* Read every CQ once, up to max_entries in all, appending to the runs from
+ * index nruns. Returns the new number of runs; stops early at a CQ that
+ * reports an error (p->err_cq set) or when the run table is full. Negative
+ * only for an unexpected read error. */
+static int64_t drain_into(struct p2p_poller *p, int64_t nruns, int64_t max_entries)
 {
     struct fi_cq_data_entry buf[P2P_CQ_BATCH];
-    int64_t nruns = 0, seen = 0;
+    int64_t seen = 0;
     int c;
 
-    p->err_cq = -1;
     for (c = 0; c < p->ncq; c++) {
         for (;;) {
             int64_t room = p->max_runs - nruns;
@@ -149,6 +149,46 @@ int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries)
 out:
     p->entries += seen;
     return nruns;
+}
+
+int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries)
+{
+    p->err_cq = -1;
+    return drain_into(p, 0, max_entries);
+}
+
+/* Post every cursor's pieces, draining the CQs into the run table whenever a
+ * TX queue pushes back, until all are posted, a CQ reports an error, the run
+ * table is nearly full, or budget_ns passes. One call replaces what would
+ * otherwise be a Python loop per -FI_EAGAIN. Returns the runs drained. */
+int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
+                         int64_t budget_ns)
+{
+    int64_t nruns = 0, t0 = p2p_now_ns();
+    int k;
+
+    p->err_cq = -1;
+    for (;;) {
+        int pending = 0;
+        for (k = 0; k < ncur; k++) {
+            struct p2p_cursor *c = &cur[k];
+            int64_t i, from = c->next;
+            if (c->next >= c->end || c->err)
+                continue;
+            c->next = p2p_post_writes(c->ep, c->dest, c->src_off, c->dst_off, c->len, c->next,
+                                      c->end, c->src_base, c->src_desc, c->dst_base,
+                                      c->dst_key, c->imm, c->with_imm, c->context, &c->err);
+            for (i = from; i < c->next; i++)
+                c->bytes_posted += c->len[i];
+            pending |= c->next < c->end && !c->err;
+        }
+        if (!pending)
+            return nruns;
+        nruns = drain_into(p, nruns, 1 << 20);
+        if (nruns < 0 || p->err_cq >= 0 || nruns > p->max_runs - P2P_RUN_LOOKBACK ||
+            p2p_now_ns() - t0 > budget_ns)
+            return nruns;
+    }
 }
 
 static int all_have_fds(const struct p2p_poller *p)

@@ -1,0 +1,32 @@
+"""p2pxfer: asynchronous point-to-point RDMA writes of scatter lists over libfabric.
+
+This module only re-exports the public API; see ``docs/architecture.md`` for
+the layers behind it.
+"""
+
+from p2pxfer.log import ensure_default as _ensure_default
+
+_ensure_default()
+
+from p2pxfer.errors import DescriptorError as DescriptorError  # noqa: E402
+from p2pxfer.errors import EngineClosed as EngineClosed  # noqa: E402
+from p2pxfer.errors import FabricError as FabricError  # noqa: E402
+from p2pxfer.errors import InvalidArgument as InvalidArgument  # noqa: E402
+from p2pxfer.errors import P2PXferError as P2PXferError  # noqa: E402
+from p2pxfer.errors import ProviderNotFound as ProviderNotFound  # noqa: E402
+from p2pxfer.errors import ReadOnlyBuffer as ReadOnlyBuffer  # noqa: E402
+from p2pxfer.errors import RegistrationError as RegistrationError  # noqa: E402
+from p2pxfer.errors import RemoteClosed as RemoteClosed  # noqa: E402
+from p2pxfer.errors import ScatterError as ScatterError  # noqa: E402
+from p2pxfer.errors import TransferError as TransferError  # noqa: E402
+from p2pxfer.errors import UnregisteredMemory as UnregisteredMemory  # noqa: E402
+from p2pxfer.errors import WaitTimeout as WaitTimeout  # noqa: E402
+from p2pxfer.memory import LocalRegion as LocalRegion  # noqa: E402
+from p2pxfer.memory import RegionDescriptor as RegionDescriptor  # noqa: E402
+from p2pxfer.memory import RegistrationCache as RegistrationCache  # noqa: E402
+from p2pxfer.memory import SharedBuffer as SharedBuffer  # noqa: E402
+from p2pxfer.memory import alloc_shared as alloc_shared  # noqa: E402
+from p2pxfer.scatter import ScatterList as ScatterList  # noqa: E402
+from p2pxfer.transport import Transport as Transport  # noqa: E402
+
+__version__ = "0.1.0"

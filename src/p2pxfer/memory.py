@@ -67,7 +67,8 @@ def buffer_span(obj: Any) -> BufferSpan:
         raise InvalidArgument(f"cannot register {type(obj).__name__}: buffer is not contiguous")
     if view.nbytes == 0:
         raise InvalidArgument(f"cannot register {type(obj).__name__}: buffer is empty")
-    arr = np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, np.uint8)
+    flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    arr = np.frombuffer(flat, np.uint8)
     return BufferSpan(int(arr.ctypes.data), int(view.nbytes), bool(view.readonly), obj)
 
 
@@ -81,7 +82,8 @@ class SharedBuffer:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, nbytes)
-            self.mmap = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            self.mmap = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, prot)
         except BaseException:
             os.close(self.fd)
             raise
@@ -150,9 +152,8 @@ class RegionDescriptor:
         known = {"v", "name", "node", "inc", "len", "rails"}
         if extra := set(obj) - known:
             raise bad(f"unknown fields {sorted(map(str, extra))}")
-        name, node, inc, length, rails = (
-            obj.get("name"), obj.get("node", ""), obj.get("inc", 0), obj.get("len"), obj.get("rails")
-        )
+        name, node, inc = obj.get("name"), obj.get("node", ""), obj.get("inc", 0)
+        length, rails = obj.get("len"), obj.get("rails")
         if not isinstance(name, str):
             raise bad("name must be a string")
         if not isinstance(node, str):

@@ -78,7 +78,8 @@ class ScatterList:
 
     def check_bounds(self, src_size: int, dst_size: int) -> None:
         """Raise :class:`ScatterError` naming the first piece that does not fit."""
-        for name, off, size in (("source", self.src, src_size), ("destination", self.dst, dst_size)):
+        sides = (("source", self.src, src_size), ("destination", self.dst, dst_size))
+        for name, off, size in sides:
             # off + len <= size, written so it cannot overflow int64.
             bad = off > size - self.length
             if bad.any():

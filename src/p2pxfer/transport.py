@@ -29,7 +29,7 @@ from p2pxfer.errors import (
     UnregisteredMemory,
     WaitTimeout,
 )
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, getinfo
+from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, WriteBatch, getinfo
 from p2pxfer.memory import LocalRegion, RegionDescriptor, RegistrationCache, buffer_span
 from p2pxfer.scatter import ScatterList
 
@@ -179,42 +179,34 @@ class Transport:
              sl: ScatterList, stripes: list[Stripe], imm: int | None,
              timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        cursors = []
+        batch = WriteBatch(sl.src, sl.dst, sl.length, tid, imm, len(stripes))
         for st in stripes:
             rail, rd = self.rails[st.rail], dst.rails[st.rail]
-            cursors.append([st.rail, rail, rail.peer(rd.address), st.start, st.end,
-                            region.mrs[st.rail].desc, rd.base, rd.key])
-        while True:
-            pending = False
-            for cur in cursors:
-                r, rail, dest, start, end, desc, dbase, dkey = cur
-                if start >= end:
-                    continue
-                if tid in self._failures:  # stop posting once a piece failed
-                    self._remaining[tid] -= end - start
-                    cur[3] = end
-                    continue
-                try:
-                    nxt = rail.post_writes(dest, sl.src, sl.dst, sl.length, start, end, base,
-                                           desc, dbase, dkey, imm, tid)
-                except TransferError:
-                    raise
-                except Exception as exc:
-                    self._failures[tid] = str(exc)
-                    self._remaining[tid] -= end - start
-                    cur[3] = end
-                    continue
-                self.pieces_posted[r] += nxt - start
-                self.bytes_posted[r] += int(sl.length[start:nxt].sum())
-                cur[3] = nxt
-                pending |= nxt < end
-            if not pending and self._remaining[tid] <= 0:
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise WaitTimeout(f"write to {dst.name!r} timed out with "
-                                  f"{self._remaining[tid]} pieces outstanding")
-            # With pieces still to post, completions are imminent: spin, don't sleep.
-            self.progress(spin_ns=SPIN_NS, timeout_ns=1_000_000 if pending else BLOCK_NS)
+            batch.add(st.rail, rail, rail.peer(rd.address), st.start, st.end, base,
+                      region.mrs[st.rail].desc, rd.base, rd.key)
+        try:
+            while not batch.posted:
+                self._absorb(self.poller.post(batch))
+                if tid in self._failures:
+                    break
+                self._check_deadline(deadline, tid, dst)
+        finally:
+            for r, pieces, nbytes in batch.progress():
+                self.pieces_posted[r] += pieces
+                self.bytes_posted[r] += nbytes
+            # Pieces that will never go out will never complete either.
+            never = batch.cancel()
+            if failures := batch.failures():
+                self._failures.setdefault(tid, "; ".join(failures))
+            self._remaining[tid] -= never
+        while self._remaining[tid] > 0:
+            self._check_deadline(deadline, tid, dst)
+            self.progress(spin_ns=SPIN_NS, timeout_ns=BLOCK_NS)
+
+    def _check_deadline(self, deadline: float | None, tid: int, dst: RegionDescriptor) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise WaitTimeout(f"write to {dst.name!r} timed out with "
+                              f"{self._remaining[tid]} pieces outstanding")
 
     # -- completions ----------------------------------------------------------
 

@@ -5,6 +5,7 @@ providers, registers memory, posts whole scatter lists through the C helper and
 drains completions in batches; it holds no per-transfer bookkeeping.
 """
 
+from ._baseline import baseline_write as baseline_write
 from ._info import SUPPORTED_MR_MODE as SUPPORTED_MR_MODE
 from ._info import FabricInfo as FabricInfo
 from ._info import MrMode as MrMode
@@ -22,4 +23,4 @@ from ._rail import CompletionError as CompletionError
 from ._rail import Completions as Completions
 from ._rail import Poller as Poller
 from ._rail import Rail as Rail
-from ._baseline import baseline_write as baseline_write
+from ._rail import WriteBatch as WriteBatch

@@ -38,4 +38,4 @@ def check(rc: Any, call: str, context: str | None = None) -> int:
     rc = int(rc)
     if rc < 0:
         raise_fabric_error(call, rc, context)
-    return rc
+    return int(rc)

@@ -124,7 +124,7 @@ class FabricInfo:
     def manual_progress(self) -> bool:
         # tcp reports AUTO yet needs the CQ read for data to move: treat every
         # provider as manual and always progress; this flag is informational.
-        return int(self._raw.domain_attr.data_progress) == lib.FI_PROGRESS_MANUAL
+        return bool(int(self._raw.domain_attr.data_progress) == lib.FI_PROGRESS_MANUAL)
 
     def __repr__(self) -> str:
         return (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -17,15 +17,18 @@ import structlog
 
 from p2pxfer.errors import FabricError
 
-from ._binding import ffi, lib, raise_fabric_error
+from ._binding import ffi, fi_strerror, lib, raise_fabric_error
 from ._info import FabricInfo, getinfo
 from ._objects import AddressVector, CompletionQueue, Domain, Endpoint, Fabric, MemoryRegion
 
-__all__ = ["FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail"]
+__all__ = [
+    "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "WriteBatch",
+]
 
 log = structlog.get_logger("p2pxfer.fabric")
 
 FLAG_REMOTE_CQ_DATA = int(lib.FI_REMOTE_CQ_DATA)
+_T = TypeVar("_T")
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 
@@ -54,7 +57,7 @@ class Rail:
             address=self.address.hex(), mr_mode=info.mr_mode.names(),
         )
 
-    def _own(self, obj: Any) -> Any:
+    def _own(self, obj: _T) -> _T:
         self._closing.append(obj)
         return obj
 
@@ -84,37 +87,6 @@ class Rail:
         """The ``fi_addr_t`` of a peer endpoint address (inserted on first use)."""
         return self.av.insert(address)
 
-    def post_writes(
-        self,
-        dest: int,
-        src_off: I64,
-        dst_off: I64,
-        length: I64,
-        start: int,
-        end: int,
-        src_base: int,
-        src_desc: Any,
-        dst_base: int,
-        dst_key: int,
-        imm: int | None,
-        context: int,
-    ) -> int:
-        """Post pieces ``[start, end)``; returns the first index not posted
-        (``end`` when all went out; earlier when the TX queue is full)."""
-        err = ffi.new("int64_t *")
-        nxt = lib.p2p_post_writes(
-            self.endpoint.handle, dest,
-            ffi.cast("int64_t *", src_off.ctypes.data),
-            ffi.cast("int64_t *", dst_off.ctypes.data),
-            ffi.cast("int64_t *", length.ctypes.data),
-            start, end, src_base, src_desc, dst_base, dst_key,
-            0 if imm is None else imm, imm is not None, context, err,
-        )
-        if err[0]:
-            raise_fabric_error("fi_writedata" if imm is not None else "fi_write", err[0],
-                               f"piece {nxt} on {self.name}")
-        return int(nxt)
-
     def close(self) -> None:
         for mr in list(getattr(self, "_mrs", ())):
             mr.close()
@@ -138,6 +110,72 @@ class Rail:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class WriteBatch:
+    """The per-rail cursors of one transfer, posted by ``Poller.post`` in C.
+
+    Each cursor covers pieces ``[start, end)`` of the same three arrays; its
+    ``next`` advances as pieces go out. The arrays are kept alive here.
+    """
+
+    def __init__(self, src_off: I64, dst_off: I64, length: I64, context: int,
+                 imm: int | None, capacity: int) -> None:
+        self._arrays = (src_off, dst_off, length)
+        self._c = ffi.new("struct p2p_cursor[]", capacity)
+        self._ptrs = tuple(ffi.cast("int64_t *", a.ctypes.data) for a in self._arrays)
+        self.context = context
+        self.imm = imm
+        self.rails: list[int] = []
+        self.starts: list[int] = []
+
+    def add(self, rail_index: int, rail: Rail, dest: int, start: int, end: int,
+            src_base: int, src_desc: Any, dst_base: int, dst_key: int) -> None:
+        c = self._c[len(self.rails)]
+        c.ep = rail.endpoint.handle
+        c.dest = dest
+        c.src_off, c.dst_off, c.len = self._ptrs
+        c.next, c.end = start, end
+        c.src_base, c.src_desc = src_base, src_desc
+        c.dst_base, c.dst_key = dst_base, dst_key
+        c.imm = 0 if self.imm is None else self.imm
+        c.with_imm = self.imm is not None
+        c.context = self.context
+        self.rails.append(rail_index)
+        self.starts.append(start)
+
+    def __len__(self) -> int:
+        return len(self.rails)
+
+    @property
+    def posted(self) -> bool:
+        """Every piece is out (or its cursor failed)."""
+        return all(c.next >= c.end or c.err for c in self._c[0:len(self.rails)])
+
+    def unposted(self) -> int:
+        return sum(int(c.end - c.next) for c in self._c[0:len(self.rails)])
+
+    def progress(self) -> list[tuple[int, int, int]]:
+        """(rail index, pieces posted, bytes posted) per cursor so far."""
+        return [(r, int(c.next) - s, int(c.bytes_posted))
+                for r, s, c in zip(self.rails, self.starts, self._c[0:len(self.rails)],
+                                   strict=True)]
+
+    def failures(self) -> list[str]:
+        out = []
+        for r, c in zip(self.rails, self._c[0:len(self.rails)], strict=True):
+            if c.err:
+                out.append(f"posting piece {int(c.next)} on rail {r} failed: "
+                           f"{fi_strerror(int(c.err))} [{int(c.err)}]")
+        return out
+
+    def cancel(self) -> int:
+        """Stop posting: returns how many pieces will now never be posted."""
+        n = 0
+        for c in self._c[0:len(self.rails)]:
+            n += int(c.end - c.next)
+            c.end = c.next
+        return n
 
 
 @dataclass(frozen=True)
@@ -216,13 +254,22 @@ class Poller:
         """Completions seen over the poller's life."""
         return int(self._p.entries)
 
+    def post(self, batch: WriteBatch, budget_ns: int = 2_000_000) -> Completions:
+        """Post the batch's pieces; whenever a TX queue is full, drain
+        completions (returned) instead of returning to Python."""
+        n = lib.p2p_post_cursors(self._p, batch._c, len(batch), budget_ns)
+        return self._completions(n)
+
     def progress(
         self, *, spin_ns: int = 0, timeout_ns: int = 0, max_entries: int = 1 << 16
     ) -> Completions:
         """Drain what is there; if nothing, spin ``spin_ns`` then wait up to
         ``timeout_ns`` (negative: until something happens). Releases the GIL
         while in C. A woken or timed-out wait returns empty completions."""
-        n = lib.p2p_poller_progress(self._p, max_entries, spin_ns, timeout_ns)
+        return self._completions(lib.p2p_poller_progress(self._p, max_entries, spin_ns,
+                                                         timeout_ns))
+
+    def _completions(self, n: int) -> Completions:
         if n < 0:
             raise_fabric_error("fi_cq_read", n, "poller")
         error = None

@@ -1,0 +1,63 @@
+"""Shared fixtures: real libfabric providers on this machine, loopback only.
+
+``tcp;ofi_rxm`` is always bound to 127.0.0.1 (``node=``) so no test traffic
+leaves loopback; ``shm`` needs no address. No mocks: every fixture opens real
+fabric objects and closes them afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from p2pxfer.transport import Transport
+
+LOOPBACK = "127.0.0.1"
+
+# (provider, node): what Transport.open needs to stay on this machine.
+PROVIDERS: list[tuple[str, str | None]] = [("tcp;ofi_rxm", LOOPBACK), ("shm", None)]
+
+
+def open_transport(provider: str, node: str | None) -> Transport:
+    """Open a one-rail transport on ``provider``; tcp is pinned to loopback."""
+    if provider.startswith("tcp") and node != LOOPBACK:
+        raise AssertionError(f"tcp tests must bind {LOOPBACK}, got node={node!r}")
+    return Transport.open(provider, node=node)
+
+
+def posted(transport: Transport) -> int:
+    """Pieces this transport has posted over its life, all rails together."""
+    return sum(transport.pieces_posted)
+
+
+@pytest.fixture(params=PROVIDERS, ids=[p for p, _ in PROVIDERS])
+def provider(request: pytest.FixtureRequest) -> tuple[str, str | None]:
+    """(provider name, node) for each real provider this machine has."""
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def transport(provider: tuple[str, str | None]) -> Iterator[Transport]:
+    """A transport on each provider, closed after the test."""
+    t = open_transport(*provider)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+@pytest.fixture
+def tcp_transport() -> Iterator[Transport]:
+    """A tcp;ofi_rxm transport on loopback, for tests that need only one provider."""
+    t = open_transport("tcp;ofi_rxm", LOOPBACK)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20240611)
