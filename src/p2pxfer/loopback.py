@@ -23,7 +23,7 @@ __all__ = ["LoopbackTarget", "digest", "loopback_node"]
 
 def loopback_node(provider: str) -> str | None:
     """The bind address that keeps ``provider``'s traffic on this machine."""
-    return "127.0.0.1" if provider.split(";")[0] in ("tcp", "sockets", "udp", "net") else None
+    return "127.0.0.1" if provider.split(";", maxsplit=1)[0] in ("tcp", "sockets", "udp", "net") else None
 
 
 def digest(buf: Any) -> str:

@@ -33,12 +33,52 @@ from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, Write
 from p2pxfer.memory import LocalRegion, RegionDescriptor, RegistrationCache, buffer_span
 from p2pxfer.scatter import ScatterList
 
-__all__ = ["Stripe", "Transport", "plan_stripes"]
+__all__ = ["PreparedWrite", "Stripe", "Tally", "Transport", "plan_stripes", "tally"]
 
 log = structlog.get_logger("p2pxfer.transport")
 
 SPIN_NS = 50_000
 BLOCK_NS = 100_000_000
+
+
+@dataclass(frozen=True)
+class PreparedWrite:
+    """A validated write laid out on rails, ready for ``Poller.post``."""
+
+    tid: int
+    region: LocalRegion
+    batch: WriteBatch
+    pieces: int
+    nbytes: int
+    dst_name: str
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Completions summed per transfer id and per immediate value."""
+
+    done: list[tuple[int, int]]
+    imms: list[tuple[int, int]]
+    entries: int
+
+
+def tally(c: Completions) -> Tally:
+    """Sum a poll's runs; O(runs), never O(pieces). An error entry counts in
+    ``entries`` but is left to the caller (``c.error``)."""
+    done: list[tuple[int, int]] = []
+    imms: list[tuple[int, int]] = []
+    n = 1 if c.error is not None else 0
+    if len(c):
+        remote = ((c.flags & np.uint64(FLAG_REMOTE_CQ_DATA)) != 0).tolist()
+        counts = c.count.tolist()
+        n += sum(counts)
+        for is_remote, ctx, data, cnt in zip(remote, c.context.tolist(), c.data.tolist(),
+                                             counts, strict=True):
+            if is_remote:
+                imms.append((data, cnt))
+            else:
+                done.append((ctx, cnt))
+    return Tally(done, imms, n)
 
 
 @dataclass(frozen=True)
@@ -141,6 +181,29 @@ class Transport:
                     f"speaks {self.provider!r}"
                 )
 
+    def prepare(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
+                imm: int | None, tid: int, rail_offset: int = 0) -> PreparedWrite:
+        """Validate a write and lay it out on the rails, posting nothing.
+
+        Raises ``ScatterError``/``InvalidArgument``/``DescriptorError``/
+        ``UnregisteredMemory`` naming what is wrong. ``rail_offset`` rotates
+        which of the target's rails our rail 0 writes to."""
+        if not isinstance(scatter, ScatterList):
+            raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
+        self.check_imm(imm)
+        self.check_destination(dst)
+        region, base, size = self.source(src)
+        scatter.check_bounds(size, dst.length)
+        nrails = min(len(self.rails), len(dst.rails))
+        sl, stripes = plan_stripes(scatter, nrails, self.max_msg)
+        batch = WriteBatch(sl.src, sl.dst, sl.length, tid, imm, len(stripes))
+        for st in stripes:
+            rail = self.rails[st.rail]
+            rd = dst.rails[(st.rail + rail_offset) % len(dst.rails)]
+            batch.add(st.rail, rail, rail.peer(rd.address), st.start, st.end, base,
+                      region.mrs[st.rail].desc, rd.base, rd.key)
+        return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name)
+
     def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
               imm: int | None = None, timeout: float | None = None) -> int:
         """Write every piece of ``scatter`` from ``src`` (a registered buffer or
@@ -151,45 +214,32 @@ class Transport:
         input, ``TransferError`` with the provider's words if a piece fails (after
         every posted piece has finished), ``WaitTimeout`` if ``timeout`` passes.
         """
-        if not isinstance(scatter, ScatterList):
-            raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
-        self.check_imm(imm)
-        self.check_destination(dst)
-        region, base, size = self.source(src)
-        scatter.check_bounds(size, dst.length)
-        nrails = min(len(self.rails), len(dst.rails))
-        sl, stripes = plan_stripes(scatter, nrails, self.max_msg)
         tid = self._next_id
         self._next_id += 1
-        self._remaining[tid] = len(sl)
-        region.pins += 1
+        w = self.prepare(src, dst, scatter, imm, tid)
+        self._remaining[tid] = w.pieces
+        w.region.pins += 1
         try:
-            self._run(tid, region, base, dst, sl, stripes, imm, timeout)
+            self._run(w, timeout)
         finally:
             if self._remaining.get(tid) == 0:
                 del self._remaining[tid]
-            self.cache.unpin(region)
+            self.cache.unpin(w.region)
         failure = self._failures.pop(tid, None)
         if failure is not None:
             raise TransferError(f"write to {dst.name!r} failed: {failure}")
-        log.debug("transfer.complete", transfer_id=tid, nbytes=sl.nbytes, pieces=len(sl))
-        return len(sl)
+        log.debug("transfer.complete", transfer_id=tid, nbytes=w.nbytes, pieces=w.pieces)
+        return w.pieces
 
-    def _run(self, tid: int, region: LocalRegion, base: int, dst: RegionDescriptor,
-             sl: ScatterList, stripes: list[Stripe], imm: int | None,
-             timeout: float | None) -> None:
+    def _run(self, w: PreparedWrite, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        batch = WriteBatch(sl.src, sl.dst, sl.length, tid, imm, len(stripes))
-        for st in stripes:
-            rail, rd = self.rails[st.rail], dst.rails[st.rail]
-            batch.add(st.rail, rail, rail.peer(rd.address), st.start, st.end, base,
-                      region.mrs[st.rail].desc, rd.base, rd.key)
+        tid, batch = w.tid, w.batch
         try:
             while not batch.posted:
                 self._absorb(self.poller.post(batch))
                 if tid in self._failures:
                     break
-                self._check_deadline(deadline, tid, dst)
+                self._check_deadline(deadline, w)
         finally:
             for r, pieces, nbytes in batch.progress():
                 self.pieces_posted[r] += pieces
@@ -200,13 +250,13 @@ class Transport:
                 self._failures.setdefault(tid, "; ".join(failures))
             self._remaining[tid] -= never
         while self._remaining[tid] > 0:
-            self._check_deadline(deadline, tid, dst)
+            self._check_deadline(deadline, w)
             self.progress(spin_ns=SPIN_NS, timeout_ns=BLOCK_NS)
 
-    def _check_deadline(self, deadline: float | None, tid: int, dst: RegionDescriptor) -> None:
+    def _check_deadline(self, deadline: float | None, w: PreparedWrite) -> None:
         if deadline is not None and time.monotonic() > deadline:
-            raise WaitTimeout(f"write to {dst.name!r} timed out with "
-                              f"{self._remaining[tid]} pieces outstanding")
+            raise WaitTimeout(f"write to {w.dst_name!r} timed out with "
+                              f"{self._remaining[w.tid]} pieces outstanding")
 
     # -- completions ----------------------------------------------------------
 
@@ -216,26 +266,19 @@ class Transport:
         return self._absorb(c)
 
     def _absorb(self, c: Completions) -> int:
-        n = 0
-        if len(c):
-            remote = (c.flags & np.uint64(FLAG_REMOTE_CQ_DATA)) != 0
-            counts = c.count.tolist()
-            n = sum(counts)
-            for is_remote, ctx, data, cnt in zip(remote.tolist(), c.context.tolist(),
-                                                 c.data.tolist(), counts, strict=True):
-                if is_remote:
-                    self._imm[data] += cnt
-                elif ctx in self._remaining:
-                    self._remaining[ctx] -= cnt
-        if c.error is not None:
-            e = c.error
-            n += 1
+        t = tally(c)
+        for ctx, cnt in t.done:
+            if ctx in self._remaining:
+                self._remaining[ctx] -= cnt
+        for imm, cnt in t.imms:
+            self._imm[imm] += cnt
+        if (e := c.error) is not None:
             if e.context in self._remaining:
                 self._remaining[e.context] -= 1
                 self._failures.setdefault(e.context, e.text)
             log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
                         error=e.text, rail=self.rails[e.rail].name)
-        return n
+        return t.entries
 
     def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
         """Progress until ``count`` pieces carrying ``imm`` have landed, then

@@ -1,0 +1,417 @@
+"""Bad input becomes one clear ``P2PXferError`` subclass, and nothing is posted.
+
+A single transport per provider writes into a region it exported itself (its
+one CQ sees both the write completions and the arriving immediates), so every
+check runs against real registrations and real descriptors. After each refused
+call: no piece was posted, the poller saw no completion, and after a moment of
+progress the destination is still all zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from conftest import posted
+from p2pxfer.errors import (
+    DescriptorError,
+    FabricError,
+    InvalidArgument,
+    P2PXferError,
+    ProviderNotFound,
+    ReadOnlyBuffer,
+    ScatterError,
+    UnregisteredMemory,
+)
+from p2pxfer.fabric import Poller, getinfo
+from p2pxfer.fabric._binding import check, fi_strerror, lib
+from p2pxfer.memory import DESCRIPTOR_VERSION, RegionDescriptor
+from p2pxfer.scatter import ScatterList
+from p2pxfer.transport import Transport
+
+SRC = 1 << 16
+DST = 1 << 16
+IMM = 7
+
+
+@dataclass
+class Setup:
+    t: Transport
+    src: np.ndarray
+    dst: np.ndarray
+    desc: RegionDescriptor
+    entries: int
+
+    def write(self, scatter: Any, **kw: Any) -> int:
+        kw.setdefault("imm", IMM)
+        kw.setdefault("timeout", 10)
+        return self.t.write(kw.pop("source", self.src), kw.pop("to", self.desc), scatter, **kw)
+
+    def assert_nothing_posted(self) -> None:
+        assert posted(self.t) == 0
+        assert sum(self.t.bytes_posted) == 0
+        assert self.t.poller.entries == self.entries
+        self.t.progress(timeout_ns=5_000_000)
+        assert self.t.poller.entries == self.entries
+        assert self.t.imm_count(IMM) == 0
+        assert not self.dst.any(), "bytes landed in the destination"
+
+
+@pytest.fixture
+def s(transport: Transport) -> Iterator[Setup]:
+    src = np.arange(SRC, dtype=np.uint64).astype(np.uint8)
+    dst = np.zeros(DST, np.uint8)
+    desc = transport.export(dst, "dst")
+    transport.register(src)
+    setup = Setup(transport, src, dst, desc, transport.poller.entries)
+    yield setup
+    setup.assert_nothing_posted()
+
+
+def pieces(src: list[int], dst: list[int], length: list[int]) -> ScatterList:
+    return ScatterList(np.array(src, np.int64), np.array(dst, np.int64),
+                       np.array(length, np.int64))
+
+
+# -- the positive control: a transport writes into its own export ----------------
+
+def test_write_to_own_export_lands(transport: Transport) -> None:
+    src = np.random.default_rng(1).integers(0, 256, SRC, dtype=np.uint8)
+    dst = np.zeros(DST, np.uint8)
+    desc = transport.export(dst, "self")
+    transport.register(src)
+    sl = pieces([0, 100, SRC - 1], [DST - 500, 0, 5000], [500, 4000, 1])
+    n = transport.write(src, desc, sl, imm=99, timeout=10)
+    assert n == 3
+    transport.wait_imm(99, n, timeout=10)
+    assert transport.imm_count(99) == 0
+    expected = np.zeros(DST, np.uint8)
+    expected[DST - 500:] = src[:500]
+    expected[:4000] = src[100:4100]
+    expected[5000] = src[SRC - 1]
+    assert np.array_equal(dst, expected)
+    assert posted(transport) == 3 and sum(transport.bytes_posted) == 4501
+
+
+# -- scatter lists ------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("src", "dst", "length", "words"),
+    [
+        ([SRC], [0], [1], "source offset 65536, length 1"),
+        ([SRC + 10_000], [0], [1], "ends past the source region"),
+        ([0], [DST], [1], "destination offset 65536, length 1"),
+        ([0, 0], [0, 2 * DST], [1, 1], "piece 1 (destination"),
+        ([0], [0], [SRC + 1], "ends past the source region's 65536 bytes"),
+        ([0], [DST - 10], [11], "ends past the destination region's 65536 bytes"),
+        ([SRC - 1], [0], [2], "ends past the source region"),
+        # These would overflow int64 if the check were written as off + len > size.
+        ([2**63 - 1], [0], [1], "source offset 9223372036854775807"),
+        ([0], [2**63 - 1], [1], "destination offset 9223372036854775807"),
+        ([0], [2**62], [SRC], "ends past the destination region"),
+        ([0], [0], [2**63 - 1], "ends past the source region"),
+    ],
+    ids=["src-at-end", "src-far", "dst-at-end", "dst-second-piece", "len-past-src",
+         "len-past-dst", "src-straddles-end", "src-max", "dst-max", "dst-huge", "len-max"],
+)
+def test_out_of_range_offsets(s: Setup, src: list[int], dst: list[int], length: list[int],
+                              words: str) -> None:
+    with pytest.raises(ScatterError) as exc:
+        s.write(pieces(src, dst, length))
+    assert words in str(exc.value)
+    assert str(exc.value).startswith("piece ")
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "length", "words"),
+    [
+        ([-1], [0], [1], "piece 0 has negative src offset -1"),
+        ([0, 0], [0, -4096], [1, 1], "piece 1 has negative dst offset -4096"),
+        ([0], [0], [0], "piece 0 has length 0: lengths must be > 0"),
+        ([0, 0, 0], [0, 10, 20], [5, 5, -3], "piece 2 has length -3"),
+    ],
+    ids=["negative-src", "negative-dst", "zero-length", "negative-length"],
+)
+def test_negative_offsets_and_empty_pieces(src: list[int], dst: list[int], length: list[int],
+                                           words: str) -> None:
+    with pytest.raises(ScatterError) as exc:
+        pieces(src, dst, length)
+    assert words in str(exc.value)
+
+
+def test_arrays_of_different_lengths() -> None:
+    with pytest.raises(ScatterError, match=r"differ in length: src=2 dst=1 lengths=2"):
+        ScatterList(np.zeros(2, np.int64), np.zeros(1, np.int64), np.ones(2, np.int64))
+
+
+def test_empty_scatter_list() -> None:
+    with pytest.raises(ScatterError, match="empty"):
+        ScatterList(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint64, np.float64, np.float32])
+def test_wrong_dtype(dtype: type) -> None:
+    good = np.ones(3, np.int64)
+    with pytest.raises(ScatterError, match=f"lengths must have dtype int64, got {np.dtype(dtype)}"):
+        ScatterList(good, good, np.ones(3, dtype))
+    with pytest.raises(ScatterError, match="src offsets must have dtype int64"):
+        ScatterList(np.zeros(3, dtype), good, good)
+
+
+def test_not_arrays() -> None:
+    good = np.ones(3, np.int64)
+    with pytest.raises(ScatterError, match="dst offsets must be a numpy int64 array, got list"):
+        ScatterList(good, [0, 1, 2], good)  # type: ignore[arg-type]
+
+
+def test_two_dimensional_arrays() -> None:
+    flat = np.ones(4, np.int64)
+    with pytest.raises(ScatterError, match=r"one-dimensional, got shape \(2, 2\)"):
+        ScatterList(flat.reshape(2, 2), flat.reshape(2, 2), flat.reshape(2, 2))
+    with pytest.raises(ScatterError, match="lengths must be one-dimensional"):
+        ScatterList(flat, flat, flat.reshape(4, 1))
+
+
+def test_scatter_errors_are_value_errors() -> None:
+    assert issubclass(ScatterError, InvalidArgument)
+    assert issubclass(ScatterError, ValueError)
+    assert issubclass(InvalidArgument, P2PXferError)
+
+
+def test_scatter_must_be_a_scatter_list(s: Setup) -> None:
+    raw = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64))
+    with pytest.raises(InvalidArgument, match="scatter must be a ScatterList, got tuple"):
+        s.write(raw)
+
+
+# -- memory --------------------------------------------------------------------------
+
+def test_read_only_bytes_cannot_be_exported(s: Setup) -> None:
+    with pytest.raises(ReadOnlyBuffer, match="read-only bytes"):
+        s.t.export(bytes(4096), "x")
+    ro = np.zeros(4096, np.uint8)
+    ro.setflags(write=False)
+    with pytest.raises(ReadOnlyBuffer, match="read-only ndarray"):
+        s.t.export(ro, "y")
+    with pytest.raises(ReadOnlyBuffer, match="read-only"):
+        s.t.register(bytes(10), writable=True)
+    assert issubclass(ReadOnlyBuffer, InvalidArgument)
+
+
+def test_read_only_registration_cannot_be_described(s: Setup) -> None:
+    region = s.t.register(np.zeros(64, np.uint8))
+    with pytest.raises(ReadOnlyBuffer, match="not registered for remote writes"):
+        region.descriptor("z")
+
+
+def test_read_only_bytes_are_a_fine_source(s: Setup) -> None:
+    # The other side of the coin: a read-only buffer can be written *from*.
+    data = bytes(range(256)) * 4
+    s.t.register(data)
+    assert s.t.cache.require(data).length == len(data)
+
+
+def test_unregistered_source(s: Setup) -> None:
+    with pytest.raises(UnregisteredMemory, match="are not registered: register the buffer"):
+        s.write(ScatterList.contiguous(16), source=np.ones(SRC, np.uint8))
+    # A buffer that only starts inside a registration is not covered by it.
+    bigger = np.ones(2 * SRC, np.uint8)
+    s.t.register(bigger[:SRC])
+    with pytest.raises(UnregisteredMemory):
+        s.write(ScatterList.contiguous(16), source=bigger)
+
+
+@pytest.mark.parametrize(
+    ("obj", "words"),
+    [
+        ("a string", "does not support the buffer protocol"),
+        (12345, "does not support the buffer protocol"),
+        (np.zeros(0, np.uint8), "buffer is empty"),
+        (np.zeros(64, np.uint8)[::2], "not contiguous"),
+    ],
+    ids=["str", "int", "empty", "strided"],
+)
+def test_unusable_buffers(s: Setup, obj: Any, words: str) -> None:
+    with pytest.raises(InvalidArgument, match=words):
+        s.t.register(obj)
+    with pytest.raises(InvalidArgument, match=words):
+        s.write(ScatterList.contiguous(1), source=obj)
+
+
+# -- immediates ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("imm", [1 << 64, 1 << 100, -1, 1.0, "7"],
+                         ids=["2^64", "2^100", "negative", "float", "str"])
+def test_immediate_out_of_range(s: Setup, imm: Any) -> None:
+    assert s.t.imm_bits == 64
+    with pytest.raises(InvalidArgument, match="does not fit in 64 bits"):
+        s.write(ScatterList.contiguous(16), imm=imm)
+    with pytest.raises(InvalidArgument, match="does not fit in 64 bits"):
+        s.t.wait_imm(imm, 1, timeout=0.01)
+
+
+def test_wait_imm_count_must_be_positive(s: Setup) -> None:
+    with pytest.raises(InvalidArgument, match="count must be > 0, got 0"):
+        s.t.wait_imm(IMM, 0)
+
+
+def test_largest_immediate_is_accepted(transport: Transport) -> None:
+    dst = np.zeros(64, np.uint8)
+    desc = transport.export(dst, "top")
+    src = np.full(64, 9, np.uint8)
+    transport.register(src)
+    top = (1 << 64) - 1
+    n = transport.write(src, desc, ScatterList.contiguous(64), imm=top, timeout=10)
+    transport.wait_imm(top, n, timeout=10)
+    assert (dst == 9).all()
+
+
+# -- providers and libfabric errors ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["nope", "", "tcp;nope"])
+def test_unknown_provider(name: str) -> None:
+    with pytest.raises(ProviderNotFound) as exc:
+        Transport.open(name)
+    err = exc.value
+    assert isinstance(err, FabricError) and isinstance(err, LookupError)
+    assert err.call == "fi_getinfo"
+    assert err.code == -int(lib.FI_ENODATA)
+    assert repr(name) in str(err)
+    assert str(err).startswith("fi_getinfo failed")
+
+
+def test_getinfo_bogus_provider_is_a_fabric_error() -> None:
+    with pytest.raises(FabricError) as exc:
+        getinfo("bogus-provider", node="127.0.0.1")
+    err = exc.value
+    assert type(err) is ProviderNotFound
+    assert (err.call, err.code) == ("fi_getinfo", -int(lib.FI_ENODATA))
+    assert err.text and err.context and "bogus-provider" in err.context
+    assert f"[{err.code}]" in str(err)
+
+
+def test_fabric_error_carries_call_code_and_strerror(transport: Transport) -> None:
+    # A real failure from a real object: one poller takes at most 16 CQs.
+    with pytest.raises(FabricError) as exc:
+        Poller(transport.rails * 17)
+    err = exc.value
+    assert err.call == "p2p_poller_add_cq"
+    assert err.code == -int(lib.FI_ENOMEM)
+    assert err.text == fi_strerror(lib.FI_ENOMEM) != ""
+    assert err.context == "too many rails for one poller"
+    assert str(err) == (f"p2p_poller_add_cq failed (too many rails for one poller): "
+                        f"{err.text} [{err.code}]")
+
+
+@pytest.mark.parametrize("code", ["FI_EAGAIN", "FI_EINVAL", "FI_ENOKEY", "FI_EAVAIL"])
+def test_check_maps_every_negative_code(code: str) -> None:
+    value = int(getattr(lib, code))
+    assert check(0, "fi_x") == 0 and check(5, "fi_x") == 5
+    with pytest.raises(FabricError) as exc:
+        check(-value, "fi_x", "ctx")
+    assert (exc.value.call, exc.value.code, exc.value.context) == ("fi_x", -value, "ctx")
+    assert exc.value.text == fi_strerror(value) == fi_strerror(-value)
+
+
+# -- descriptors -------------------------------------------------------------------------
+
+def wire(desc: RegionDescriptor, **changes: Any) -> bytes:
+    obj = desc.to_wire()
+    for k, v in changes.items():
+        if v is KeyError:
+            del obj[k]
+        else:
+            obj[k] = v
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def test_descriptor_round_trip(s: Setup) -> None:
+    again = RegionDescriptor.from_bytes(s.desc.to_bytes())
+    assert again == s.desc
+    assert again.rails[0].provider == s.t.provider
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", b"\x92\x01", b"\x91" * 100_000, b"garbage!", bytes(range(256)),
+     msgpack.packb({"v": 1}) + b"x", "not bytes", None],
+    ids=["empty", "reserved-byte", "truncated", "too-deep", "ascii", "all-bytes",
+         "trailing", "str", "none"],
+)
+def test_garbage_descriptor(data: Any) -> None:
+    with pytest.raises(DescriptorError, match="malformed region descriptor"):
+        RegionDescriptor.from_bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"v": 2}, "unsupported version 2"),
+        ({"v": KeyError}, "unsupported version None"),
+        ({"v": "1"}, "unsupported version '1'"),
+        ({"name": KeyError}, "name must be a string"),
+        ({"len": KeyError}, "len must be an integer > 0"),
+        ({"rails": KeyError}, "rails must be a non-empty list"),
+        ({"name": 5}, "name must be a string"),
+        ({"node": b"bytes"}, "node must be a string"),
+        ({"inc": -1}, "incarnation must be an integer >= 0"),
+        ({"inc": "3"}, "incarnation must be an integer >= 0"),
+        ({"len": "4096"}, "len must be an integer > 0"),
+        ({"len": 0}, "len must be an integer > 0"),
+        ({"len": 1.5}, "len must be an integer > 0"),
+        ({"rails": []}, "rails must be a non-empty list"),
+        ({"rails": {"a": 1}}, "rails must be a non-empty list"),
+        ({"rails": [["shm", b"a", 1]]}, "rail 0 must be [provider, address, key, base]"),
+        ({"rails": ["shm"]}, "rail 0 must be"),
+        ({"rails": [[1, b"a", 1, 0]]}, "rail 0: provider must be a string"),
+        ({"rails": [["shm", "addr", 1, 0]]}, "address non-empty bytes"),
+        ({"rails": [["shm", b"", 1, 0]]}, "address non-empty bytes"),
+        ({"rails": [["shm", b"a", -1, 0]]}, "rail 0: key must be an unsigned 64-bit integer"),
+        ({"rails": [["shm", b"a", "k", 0]]}, "rail 0: key must be"),
+        ({"rails": [["shm", b"a", 1, 2**64]]}, "rail 0: base must be an unsigned 64-bit"),
+        ({"rails": [["shm", b"a", 1, 0], ["shm", b"b", 1, None]]}, "rail 1: base must be"),
+        ({"extra": 1}, "unknown fields ['extra']"),
+        ({"key": 1, "zz": 2}, "unknown fields ['key', 'zz']"),
+    ],
+)
+def test_malformed_descriptor_fields(s: Setup, changes: dict[str, Any], words: str) -> None:
+    with pytest.raises(DescriptorError) as exc:
+        RegionDescriptor.from_bytes(wire(s.desc, **changes))
+    assert "malformed region descriptor" in str(exc.value)
+    assert words in str(exc.value)
+
+
+def test_descriptor_must_be_a_map() -> None:
+    with pytest.raises(DescriptorError, match="expected a map, got list"):
+        RegionDescriptor.from_bytes(msgpack.packb([1, DESCRIPTOR_VERSION]))
+
+
+def test_provider_mismatch_at_write_time(s: Setup) -> None:
+    other = "shm" if s.t.provider != "shm" else "tcp;ofi_rxm"
+    foreign = dataclasses.replace(
+        s.desc, rails=tuple(dataclasses.replace(r, provider=other) for r in s.desc.rails))
+    # It parses fine: which provider is right is only known where it is used.
+    assert RegionDescriptor.from_bytes(foreign.to_bytes()) == foreign
+    with pytest.raises(DescriptorError) as exc:
+        s.write(ScatterList.contiguous(16), to=foreign)
+    assert f"provider {other!r}" in str(exc.value)
+    assert f"speaks {s.t.provider!r}" in str(exc.value)
+
+
+@pytest.mark.parametrize("bad", [b"bytes", {"v": 1}, None], ids=["bytes", "dict", "none"])
+def test_destination_must_be_a_descriptor(s: Setup, bad: Any) -> None:
+    with pytest.raises(DescriptorError, match="destination must be a RegionDescriptor"):
+        s.write(ScatterList.contiguous(16), to=bad)
+
+
+def test_smaller_remote_region_bounds_the_write(s: Setup) -> None:
+    # The descriptor's length is what the initiator checks against.
+    short = dataclasses.replace(s.desc, length=100)
+    with pytest.raises(ScatterError, match="ends past the destination region's 100 bytes"):
+        s.write(pieces([0], [50], [51]), to=short)
