@@ -23,7 +23,8 @@ __all__ = ["LoopbackTarget", "digest", "loopback_node"]
 
 def loopback_node(provider: str) -> str | None:
     """The bind address that keeps ``provider``'s traffic on this machine."""
-    return "127.0.0.1" if provider.split(";", maxsplit=1)[0] in ("tcp", "sockets", "udp", "net") else None
+    ip_based = provider.split(";", maxsplit=1)[0] in ("tcp", "sockets", "udp", "net")
+    return "127.0.0.1" if ip_based else None
 
 
 def digest(buf: Any) -> str:
@@ -36,6 +37,7 @@ def _serve(provider: str, nbytes: int, conn: Any) -> None:
     try:
         with Transport.open(provider, node=loopback_node(provider)) as t:
             region = np.zeros(nbytes, np.uint8)
+            region.fill(0)  # fault the pages in now, not during the first transfer
             conn.send(("ready", t.export(region, "loopback").to_bytes()))
             while True:
                 # Keep the CQ progressed while idle: on manual-progress providers
