@@ -157,6 +157,58 @@ int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries)
     return drain_into(p, 0, max_entries);
 }
 
+static int post_pass(struct p2p_cursor *cur, int ncur)
+{
+    int pending = 0, k;
+    for (k = 0; k < ncur; k++) {
+        struct p2p_cursor *c = &cur[k];
+        int64_t i, from = c->next;
+        if (c->next >= c->end || c->err)
+            continue;
+        c->next = p2p_post_writes(c->ep, c->dest, c->src_off, c->dst_off, c->len, c->next,
+                                  c->end, c->src_base, c->src_desc, c->dst_base,
+                                  c->dst_key, c->imm, c->with_imm, c->context, &c->err);
+        for (i = from; i < c->next; i++)
+            c->bytes_posted += c->len[i];
+        pending |= c->next < c->end && !c->err;
+    }
+    return pending;
+}
+
+/* One pass over the cursors, no CQ reads: for a thread that does not own the
+ * CQs. Returns 1 if pieces are left (TX queue full), else 0. */
+int64_t p2p_post_once(struct p2p_cursor *cur, int ncur)
+{
+    return post_pass(cur, ncur);
+}
+
+/* Validate a scatter list in one pass: offsets >= 0, lengths > 0, every piece
+ * inside [0, src_size) and [0, dst_size) (written so nothing overflows).
+ * Returns -1 when all fit, else the first bad index with *what set:
+ * 1 negative src, 2 negative dst, 3 length <= 0, 4 past src end, 5 past dst end.
+ * Also reports the total and largest length. */
+int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
+                          int64_t src_size, int64_t dst_size, int32_t *what, int64_t *total,
+                          int64_t *max_len)
+{
+    int64_t i, sum = 0, mx = 0;
+    for (i = 0; i < n; i++) {
+        int64_t l = len[i];
+        if (src[i] < 0) { *what = 1; return i; }
+        if (dst[i] < 0) { *what = 2; return i; }
+        if (l <= 0) { *what = 3; return i; }
+        if (src[i] > src_size - l) { *what = 4; return i; }
+        if (dst[i] > dst_size - l) { *what = 5; return i; }
+        sum += l;
+        if (l > mx)
+            mx = l;
+    }
+    *what = 0;
+    *total = sum;
+    *max_len = mx;
+    return -1;
+}
+
 /* Post every cursor's pieces, draining the CQs into the run table whenever a
  * TX queue pushes back, until all are posted, a CQ reports an error, the run
  * table is nearly full, or budget_ns passes. One call replaces what would
@@ -165,24 +217,10 @@ int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
                          int64_t budget_ns)
 {
     int64_t nruns = 0, t0 = p2p_now_ns();
-    int k;
 
     p->err_cq = -1;
     for (;;) {
-        int pending = 0;
-        for (k = 0; k < ncur; k++) {
-            struct p2p_cursor *c = &cur[k];
-            int64_t i, from = c->next;
-            if (c->next >= c->end || c->err)
-                continue;
-            c->next = p2p_post_writes(c->ep, c->dest, c->src_off, c->dst_off, c->len, c->next,
-                                      c->end, c->src_base, c->src_desc, c->dst_base,
-                                      c->dst_key, c->imm, c->with_imm, c->context, &c->err);
-            for (i = from; i < c->next; i++)
-                c->bytes_posted += c->len[i];
-            pending |= c->next < c->end && !c->err;
-        }
-        if (!pending)
+        if (!post_pass(cur, ncur))
             return nruns;
         nruns = drain_into(p, nruns, 1 << 20);
         if (nruns < 0 || p->err_cq >= 0 || nruns > p->max_runs - P2P_RUN_LOOKBACK ||
@@ -211,7 +249,7 @@ static void drain_wake_fd(int fd)
  * every CQ has a wait fd, fi_trywait makes sure nothing is left unread before
  * we sleep; otherwise we sleep a growing back-off (capped), which keeps an idle
  * shm poller near 0% CPU at the cost of up to backoff_max_ns of latency. */
-static void wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
+static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
 {
     struct pollfd pfd[P2P_MAX_CQ + 1];
     struct timespec ts;
@@ -223,7 +261,7 @@ static void wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
         for (c = 0; c < p->ncq; c++) {
             struct fid *f = &p->cq[c]->fid;
             if (fi_trywait(p->fabric[c], &f, 1) != FI_SUCCESS)
-                return;   /* something arrived meanwhile: go read it */
+                return 0;   /* something arrived meanwhile: go read it */
             pfd[n].fd = p->fd[c];
             pfd[n].events = POLLIN;
             n++;
@@ -246,8 +284,11 @@ static void wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
     }
     rc = ppoll(pfd, (nfds_t)n, sleep_ns >= 0 ? &ts : NULL, NULL);
     p->wakeups++;
-    if (rc > 0 && p->wake_fd >= 0 && (pfd[n - 1].revents & POLLIN))
+    if (rc > 0 && p->wake_fd >= 0 && (pfd[n - 1].revents & POLLIN)) {
         drain_wake_fd(p->wake_fd);
+        return 1;
+    }
+    return 0;
 }
 
 /* The poller's one call: drain; if nothing came, spin for spin_ns (reading
@@ -272,10 +313,21 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t s
     }
     if (timeout_ns == 0)
         return 0;
-    wait_for_work(p, timeout_ns);
-    n = p2p_poller_drain(p, max_entries);
-    if (n == 0 && p->err_cq < 0)
-        return 0;
+    /* Keep waiting here, not in Python, until work, a wake-up or the timeout:
+     * a back-off sleeper (shm) would otherwise cost a Python round per nap. */
+    t0 = p2p_now_ns();
+    for (;;) {
+        int64_t left = timeout_ns < 0 ? -1 : timeout_ns - (p2p_now_ns() - t0);
+        int woken;
+        if (timeout_ns >= 0 && left <= 0)
+            return 0;
+        woken = wait_for_work(p, left);
+        n = p2p_poller_drain(p, max_entries);
+        if (n != 0 || p->err_cq >= 0)
+            break;
+        if (woken)
+            return 0;
+    }
 found:
     if (n > 0)
         p->backoff_ns = 0;

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2pxfer.errors import ScatterError
+from p2pxfer.fabric import check_scatter
 
 __all__ = ["ScatterList"]
 
@@ -53,16 +54,22 @@ class ScatterList:
             )
         if len(n) == 0:
             raise ScatterError("scatter list is empty")
-        if int(n.min()) <= 0:
-            i = int(np.argmin(n))
-            raise ScatterError(f"piece {i} has length {int(n[i])}: lengths must be > 0")
-        for name, arr in (("src", s), ("dst", d)):
-            if int(arr.min()) < 0:
-                i = int(np.argmin(arr))
-                raise ScatterError(f"piece {i} has negative {name} offset {int(arr[i])}")
+        chk = check_scatter(s, d, n)
+        if chk.bad >= 0:
+            raise ScatterError(self._describe(chk.bad, chk.reason, s, d, n))
         object.__setattr__(self, "src", s)
         object.__setattr__(self, "dst", d)
         object.__setattr__(self, "length", n)
+        object.__setattr__(self, "nbytes", chk.total)
+        object.__setattr__(self, "max_length", chk.max_len)
+
+    nbytes: int
+    max_length: int
+
+    @staticmethod
+    def _describe(i: int, reason: str, s: I64, d: I64, n: I64) -> str:
+        return (f"piece {i} (source offset {int(s[i])}, destination offset {int(d[i])}, "
+                f"length {int(n[i])}): {reason}")
 
     @classmethod
     def contiguous(cls, nbytes: int, src: int = 0, dst: int = 0) -> ScatterList:
@@ -72,31 +79,23 @@ class ScatterList:
     def __len__(self) -> int:
         return len(self.length)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
-
     def check_bounds(self, src_size: int, dst_size: int) -> None:
         """Raise :class:`ScatterError` naming the first piece that does not fit."""
-        sides = (("source", self.src, src_size), ("destination", self.dst, dst_size))
-        for name, off, size in sides:
-            # off + len <= size, written so it cannot overflow int64.
-            bad = off > size - self.length
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise ScatterError(
-                    f"piece {i} ({name} offset {int(off[i])}, length {int(self.length[i])}) "
-                    f"ends past the {name} region's {size} bytes"
-                )
+        chk = check_scatter(self.src, self.dst, self.length, src_size, dst_size)
+        if chk.bad >= 0:
+            region = "source" if "source" in chk.reason else "destination"
+            size = src_size if region == "source" else dst_size
+            raise ScatterError(self._describe(chk.bad, chk.reason, self.src, self.dst,
+                                              self.length) + f" of {size} bytes")
 
     def split(self, max_piece: int) -> ScatterList:
         """Cut pieces longer than ``max_piece`` into ``max_piece`` chunks
         (deterministic, so both sides can count the pieces)."""
         if max_piece <= 0:
             raise ScatterError(f"max_piece must be > 0, got {max_piece}")
-        chunks = (self.length + (max_piece - 1)) // max_piece
-        if int(chunks.max()) == 1:
+        if self.max_length <= max_piece:
             return self
+        chunks = (self.length + (max_piece - 1)) // max_piece
         idx = np.repeat(np.arange(len(self)), chunks)
         first = np.cumsum(chunks) - chunks
         k = np.arange(len(idx), dtype=np.int64) - np.repeat(first, chunks)
@@ -107,8 +106,8 @@ class ScatterList:
     def stripes(self, weights: int) -> list[tuple[int, int]]:
         """Split pieces ``[0, n)`` into ``weights`` contiguous ranges of about
         equal bytes (one per rail). Ranges may be empty."""
-        if weights <= 1:
-            return [(0, len(self))]
+        if weights <= 1 or len(self) == 1:
+            return [(0, len(self))] + [(len(self), len(self))] * max(0, weights - 1)
         ends = np.cumsum(self.length)
         total = int(ends[-1])
         cuts = np.searchsorted(ends, [total * (k + 1) // weights for k in range(weights - 1)],

@@ -29,7 +29,15 @@ from p2pxfer.errors import (
     UnregisteredMemory,
     WaitTimeout,
 )
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, WriteBatch, getinfo
+from p2pxfer.fabric import (
+    FLAG_REMOTE_CQ_DATA,
+    INT64_MAX,
+    Completions,
+    Poller,
+    Rail,
+    WriteBatch,
+    getinfo,
+)
 from p2pxfer.memory import LocalRegion, RegionDescriptor, RegistrationCache, buffer_span
 from p2pxfer.scatter import ScatterList
 
@@ -95,19 +103,19 @@ def plan_stripes(scatter: ScatterList, nrails: int, max_msg: int) -> tuple[Scatt
     """Split pieces the provider cannot take in one message, and, with several
     rails, pieces too large to balance; then give each rail a contiguous range
     of about equal bytes. Deterministic: the target can compute the count."""
-    sl = scatter.split(max_msg) if int(scatter.length.max()) > max_msg else scatter
-    if nrails > 1:
-        # Aim for >= 4 pieces per rail so a few big pieces still balance.
-        chunk = max(1 << 16, -(-sl.nbytes // (4 * nrails)))
-        if int(sl.length.max()) > chunk:
-            sl = sl.split(chunk)
+    sl = scatter.split(max_msg)
+    if nrails == 1:
+        return sl, [Stripe(0, 0, len(sl))]
+    # Aim for >= 4 pieces per rail so a few big pieces still balance.
+    sl = sl.split(max(1 << 16, -(-sl.nbytes // (4 * nrails))))
     return sl, [Stripe(r, s, e) for r, (s, e) in enumerate(sl.stripes(nrails)) if e > s]
 
 
 class Transport:
     """Blocking transfers over the rails of one provider."""
 
-    def __init__(self, rails: list[Rail], *, cache_entries: int = 1024) -> None:
+    def __init__(self, rails: list[Rail], *, cache_entries: int = 1024, wake_fd: int = -1,
+                 backoff_max_ns: int = 200_000) -> None:
         if not rails:
             raise InvalidArgument("a transport needs at least one rail")
         providers = {r.provider for r in rails}
@@ -116,8 +124,8 @@ class Transport:
         self.rails = rails
         self.provider = rails[0].provider
         self.cache = RegistrationCache(rails, max_entries=cache_entries)
-        self.poller = Poller(rails)
-        self.max_msg = min(r.info.max_msg_size for r in rails)
+        self.poller = Poller(rails, wake_fd=wake_fd, backoff_max_ns=backoff_max_ns)
+        self.max_msg = min(INT64_MAX, *(r.info.max_msg_size for r in rails))
         self.imm_bits = 8 * min(r.imm_bytes for r in rails)
         self._next_id = 1
         self._remaining: dict[int, int] = {}

@@ -29,9 +29,9 @@ def baseline_write(
 ) -> None:
     rc = lib.p2p_baseline_write(
         rail.endpoint.handle, rail.cq.handle, dest,
-        ffi.cast("int64_t *", src_off.ctypes.data),
-        ffi.cast("int64_t *", dst_off.ctypes.data),
-        ffi.cast("int64_t *", length.ctypes.data),
+        ffi.from_buffer("int64_t[]", src_off),
+        ffi.from_buffer("int64_t[]", dst_off),
+        ffi.from_buffer("int64_t[]", length),
         len(length), src_base, src_desc, dst_base, dst_key,
         0 if imm is None else imm, imm is not None,
     )

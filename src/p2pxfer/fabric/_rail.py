@@ -123,7 +123,7 @@ class WriteBatch:
                  imm: int | None, capacity: int) -> None:
         self._arrays = (src_off, dst_off, length)
         self._c = ffi.new("struct p2p_cursor[]", capacity)
-        self._ptrs = tuple(ffi.cast("int64_t *", a.ctypes.data) for a in self._arrays)
+        self._ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in self._arrays)
         self.context = context
         self.imm = imm
         self.rails: list[int] = []
@@ -146,6 +146,11 @@ class WriteBatch:
 
     def __len__(self) -> int:
         return len(self.rails)
+
+    def post_once(self) -> bool:
+        """One posting pass without reading any CQ (for a thread that does not
+        own them); True if pieces are left because a TX queue was full."""
+        return bool(lib.p2p_post_once(self._c, len(self.rails)))
 
     @property
     def posted(self) -> bool:

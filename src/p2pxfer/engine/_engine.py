@@ -1,0 +1,288 @@
+"""The engine: shards per NUMA node, opened as an async context manager.
+
+``open_engine(config)`` discovers the NICs (``p2pxfer.topology``), opens one
+rail per NIC grouped into shards, starts each shard's poller thread, and
+closes everything on exit, failing transfers still in flight with
+``EngineClosed``. Public calls raise plain ``P2PXferError`` subclasses, never
+exception groups.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import trio
+
+from p2pxfer.errors import EngineClosed, InvalidArgument
+from p2pxfer.fabric import Rail
+from p2pxfer.memory import RailDescriptor, RegionDescriptor
+from p2pxfer.scatter import ScatterList
+from p2pxfer.topology import Topology, discover
+
+from ._shard import Shard
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "open_engine"]
+
+log = structlog.get_logger("p2pxfer.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to open an engine. Every field has a working default for loopback."""
+
+    provider: str = "tcp;ofi_rxm"
+    #: local address to bind (IP providers); keeps tcp on loopback when "127.0.0.1"
+    node: str | None = None
+    #: use exactly these interfaces / domains (e.g. ["veth0", "veth1"]), in order
+    interfaces: tuple[str, ...] | None = None
+    #: NUMA node per interface, where sysfs is wrong or silent
+    numa_override: Mapping[str, int] | None = None
+    sysfs_root: str = "/sys"
+    #: transfers queued or in flight per shard before ``write`` waits (backpressure)
+    max_inflight: int = 256
+    #: poller spins this long after activity before sleeping on the CQ wait fd
+    spin_ns: int = 20_000
+    #: longest single sleep of an idle poller
+    idle_timeout_ns: int = 200_000_000
+    #: longest back-off nap where a CQ has no wait fd (shm)
+    backoff_max_ns: int = 1_000_000
+    pin_threads: bool = True
+    cache_entries: int = 1024
+    node_name: str = ""
+    incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class NicStats:
+    shard: int
+    name: str
+    provider: str
+    bytes: int
+    pieces: int
+    completed: int
+    inflight: int
+    errors: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    nics: tuple[NicStats, ...]
+    queue_depth: tuple[int, ...]
+    completed: int
+    failed: int
+
+
+class Engine:
+    """Many trio tasks' transfers over every NIC of the machine. Use
+    :func:`open_engine`; do not construct directly."""
+
+    def __init__(self, config: EngineConfig, topology: Topology) -> None:
+        self.config = config
+        self.topology = topology
+        self.shards: list[Shard] = []
+        self._imm = Counter[int]()
+        self._imm_waiters: dict[int, list[tuple[int, trio.Event]]] = {}
+        self._exports: dict[str, Any] = {}
+        self._closed = False
+
+    # -- memory ---------------------------------------------------------------
+
+    def register(self, obj: Any, *, writable: bool = False) -> None:
+        """Register ``obj`` on every shard (cached: registering twice is free)."""
+        self._check_open()
+        for shard in self.shards:
+            shard.transport.register(obj, writable=writable)
+
+    def export(self, obj: Any, name: str) -> RegionDescriptor:
+        """Register ``obj`` for remote writes on every rail, pin it, and return
+        the descriptor peers write through."""
+        self._check_open()
+        if not name or not isinstance(name, str):
+            raise InvalidArgument(f"region name must be a non-empty string, got {name!r}")
+        if name in self._exports:
+            raise InvalidArgument(f"a region named {name!r} is already exported")
+        rails: list[RailDescriptor] = []
+        length = 0
+        for shard in self.shards:
+            d = shard.transport.export(obj, name)
+            rails.extend(d.rails)
+            length = d.length
+        self._exports[name] = obj
+        return RegionDescriptor(name, length, tuple(rails), self.config.node_name,
+                                self.config.incarnation)
+
+    def unexport(self, name: str) -> None:
+        obj = self._exports.pop(name, None)
+        if obj is None:
+            raise InvalidArgument(f"no region named {name!r} is exported")
+        for shard in self.shards:
+            region = shard.transport.cache.require(obj)
+            shard.transport.cache.unpin(region)
+
+    # -- transfers ------------------------------------------------------------
+
+    def _pick_shard(self) -> Shard:
+        return min(self.shards, key=lambda s: s.queued)
+
+    async def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
+                    imm: int | None = None, dry_run: bool = False) -> int:
+        """Write ``scatter`` from ``src`` (a registered buffer) into ``dst``.
+
+        Returns the number of pieces written, each carrying ``imm`` (the target
+        waits for that many with :meth:`wait_imm`). Bad input raises before
+        anything is posted; a failed piece raises ``TransferError`` with the
+        provider's words once every posted piece has finished.
+
+        Cancellation: a cancelled write stops posting new pieces, then waits,
+        shielded, until the pieces already posted have completed or failed, and
+        only then raises ``trio.Cancelled``: ``src`` may be reused once this
+        returns or raises, never earlier.
+
+        ``dry_run`` does everything but the provider calls (for measuring the
+        engine's own cost per page).
+        """
+        self._check_open()
+        shard = self._pick_shard()
+        async with shard.slots:
+            tr = shard.prepare(src, dst, scatter, imm, dry_run)
+            shard.submit(tr)
+            try:
+                await tr.done.wait()
+            except trio.Cancelled:
+                shard.cancel(tr)
+                with trio.CancelScope(shield=True):
+                    await tr.done.wait()
+                raise
+        if (exc := tr.exception()) is not None:
+            raise exc
+        log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,
+                  pieces=tr.w.pieces, peer=dst.node, region=dst.name)
+        return tr.w.pieces
+
+    async def wait_imm(self, imm: int, count: int) -> None:
+        """Return once ``count`` pieces carrying ``imm`` have landed here (and
+        consume them). Cancellation leaves the counts in place for a later wait."""
+        self._check_open()
+        self.shards[0].transport.check_imm(imm)
+        if count <= 0:
+            raise InvalidArgument(f"count must be > 0, got {count}")
+        if self._imm[imm] >= count and not self._imm_waiters.get(imm):
+            self._take(imm, count)
+            await trio.lowlevel.checkpoint()
+            return
+        ev = trio.Event()
+        entry = (count, ev)
+        self._imm_waiters.setdefault(imm, []).append(entry)
+        try:
+            await ev.wait()
+        except trio.Cancelled:
+            waiters = self._imm_waiters.get(imm, [])
+            if entry in waiters:
+                waiters.remove(entry)
+            elif ev.is_set() and not self._closed:
+                self._imm[imm] += count  # satisfied as we were cancelled: give it back
+            raise
+        if self._closed:
+            raise EngineClosed(f"engine closed while waiting for immediate {imm}")
+
+    def _take(self, imm: int, count: int) -> None:
+        self._imm[imm] -= count
+        if self._imm[imm] == 0:
+            del self._imm[imm]
+
+    def _deliver_imms(self, arrivals: list[tuple[int, int]]) -> None:
+        for imm, cnt in arrivals:
+            self._imm[imm] += cnt
+            waiters = self._imm_waiters.get(imm)
+            while waiters and self._imm[imm] >= waiters[0][0]:
+                count, ev = waiters.pop(0)
+                self._take(imm, count)
+                ev.set()
+            if waiters == []:
+                del self._imm_waiters[imm]
+
+    def imm_count(self, imm: int) -> int:
+        """Pieces with ``imm`` that landed and no waiter has consumed yet."""
+        return self._imm[imm]
+
+    def statistics(self) -> EngineStats:
+        nics = []
+        for shard in self.shards:
+            t = shard.transport
+            for r, rail in enumerate(t.rails):
+                done = int(shard.pieces_done[r])
+                nics.append(NicStats(shard.index, rail.name, rail.provider, t.bytes_posted[r],
+                                     t.pieces_posted[r], done,
+                                     max(0, t.pieces_posted[r] - done), shard.errors[r]))
+        return EngineStats(tuple(nics), tuple(s.queued for s in self.shards),
+                           sum(s.completed for s in self.shards),
+                           sum(s.failed for s in self.shards))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+
+    async def aclose(self) -> None:
+        """Stop the pollers, fail what is in flight with ``EngineClosed``, close rails."""
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            for shard in self.shards:
+                shard.stop()
+            for shard in self.shards:
+                await shard.thread_done.wait()
+        for waiters in self._imm_waiters.values():
+            for _, ev in waiters:
+                ev.set()
+        self._imm_waiters.clear()
+        for shard in self.shards:
+            shard.close()
+        log.info("engine.closed", shards=len(self.shards))
+
+
+@asynccontextmanager
+async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+    """Open an engine for the duration of the ``async with`` block."""
+    config = config or EngineConfig()
+    topo = discover(config.provider, node=config.node, sysfs_root=config.sysfs_root,
+                    interfaces=list(config.interfaces) if config.interfaces else None,
+                    numa_override=config.numa_override)
+    token = trio.lowlevel.current_trio_token()
+    engine = Engine(config, topo)
+    shards = engine.shards
+    try:
+        for i, st in enumerate(topo.shards):
+            rails: list[Rail] = []
+            try:
+                for nic in st.nics:
+                    assert nic.info is not None
+                    rails.append(Rail(nic.info))
+            except BaseException:
+                for r in rails:
+                    r.close()
+                raise
+            shards.append(Shard(
+                i, st, rails, token=token, deliver_imms=engine._deliver_imms,
+                max_inflight=config.max_inflight,
+                spin_ns=config.spin_ns, idle_timeout_ns=config.idle_timeout_ns,
+                pin=config.pin_threads, cache_entries=config.cache_entries,
+                backoff_max_ns=config.backoff_max_ns,
+            ))
+        for shard in shards:
+            shard.start()
+        log.info("engine.open", provider=config.provider, shards=len(shards),
+                 nics=[n.domain_name for n in topo.nics])
+    except BaseException:
+        for shard in shards:
+            shard.close()
+        raise
+    try:
+        yield engine
+    finally:
+        await engine.aclose()

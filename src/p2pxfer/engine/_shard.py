@@ -1,0 +1,255 @@
+"""One shard: the rails of one NUMA node, their transport, and its poller thread.
+
+The poller thread is the only thread that posts to or reads from this shard's
+endpoints and CQs (pplx-garden's worker model): trio hands it prepared
+transfers through a deque plus an eventfd wake-up, and it hands finished
+transfers and immediate counts back through deques plus one coalesced
+``TrioToken.run_sync_soon(..., idempotent=True)`` per drained batch.
+Operation contexts are integer transfer ids; no Python object crosses into C.
+
+What must not live here: validation (done by ``Transport.prepare`` in the trio
+thread, before anything is queued) and any Python loop over pieces.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+import trio
+
+from p2pxfer.errors import EngineClosed, TransferError
+from p2pxfer.fabric import Completions, Rail
+from p2pxfer.topology import Shard as ShardTopology
+from p2pxfer.transport import PreparedWrite, Transport, tally
+
+__all__ = ["Shard", "TransferState"]
+
+log = structlog.get_logger("p2pxfer.engine")
+
+
+@dataclass(eq=False)
+class TransferState:
+    """A transfer between submission and its waiter waking. ``remaining`` and
+    ``error`` are written by the poller thread only; ``done`` is set in trio."""
+
+    w: PreparedWrite
+    dry_run: bool = False
+    remaining: int = 0
+    error: str | None = None
+    closed: bool = False
+    cancel_requested: bool = False
+    done: trio.Event = field(default_factory=trio.Event)
+
+    def exception(self) -> BaseException | None:
+        if self.closed:
+            return EngineClosed(f"engine closed while writing to {self.w.dst_name!r}")
+        if self.error is not None:
+            return TransferError(f"write to {self.w.dst_name!r} failed: {self.error}")
+        return None
+
+
+class Shard:
+    """Rails of one NUMA node driven by one pinned poller thread."""
+
+    def __init__(self, index: int, topo: ShardTopology, rails: list[Rail], *,
+                 token: trio.lowlevel.TrioToken, deliver_imms: Any, max_inflight: int,
+                 spin_ns: int, idle_timeout_ns: int, pin: bool, cache_entries: int,
+                 backoff_max_ns: int) -> None:
+        self.index = index
+        self.topo = topo
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.transport = Transport(rails, cache_entries=cache_entries, wake_fd=self.wake_fd,
+                                   backoff_max_ns=backoff_max_ns)
+        self.slots = trio.Semaphore(max_inflight)
+        self._token = token
+        self._deliver_imms = deliver_imms
+        self._spin_ns = spin_ns
+        self._idle_ns = idle_timeout_ns
+        self._pin = pin
+        self._next_id = 1
+        self._inbox: deque[tuple[str, TransferState | None]] = deque()
+        self._finished: deque[TransferState] = deque()
+        self._imms: deque[list[tuple[int, int]]] = deque()
+        self._inflight: dict[int, TransferState] = {}
+        self._posting: list[TransferState] = []
+        self.thread_done = trio.Event()
+        self.thread_error: BaseException | None = None
+        nrails = len(rails)
+        self.pieces_done = np.zeros(nrails, np.int64)
+        self.errors = [0] * nrails
+        self.queued = 0
+        self.completed = 0
+        self.failed = 0
+
+    # -- trio side ------------------------------------------------------------
+
+    def start(self) -> None:
+        trio.lowlevel.start_thread_soon(self._thread_main, self._thread_exited,
+                                        name=f"p2pxfer-poller-{self.index}")
+
+    def _thread_exited(self, outcome: Any) -> None:
+        try:
+            outcome.unwrap()
+        except BaseException as exc:
+            self.thread_error = exc
+            log.error("engine.poller_failed", shard=self.index, error=repr(exc))
+        self._token.run_sync_soon(self._deliver)
+        self._token.run_sync_soon(self.thread_done.set)
+
+    def prepare(self, src: Any, dst: Any, scatter: Any, imm: int | None,
+                dry_run: bool) -> TransferState:
+        """Validate and lay out (raises on bad input; nothing queued)."""
+        tid = self._next_id
+        self._next_id += 1
+        w = self.transport.prepare(src, dst, scatter, imm, tid)
+        w.region.pins += 1
+        return TransferState(w, dry_run, w.pieces)
+
+    def submit(self, tr: TransferState) -> None:
+        """Post what the TX queues take right now, from this (trio) thread: it
+        saves a thread hop on small writes. The poller posts whatever is left.
+        The endpoint is FI_THREAD_SAFE; the CQs stay the poller's alone."""
+        self.queued += 1
+        # Registered before the first post, so no completion can miss it.
+        self._inflight[tr.w.tid] = tr
+        if tr.dry_run or tr.w.batch.post_once():
+            self._send("write", tr)
+        elif tr.w.batch.failures():
+            self._send("write", tr)  # the poller turns the failed post into an error
+
+    def cancel(self, tr: TransferState) -> None:
+        tr.cancel_requested = True
+        self._send("cancel", tr)
+
+    def stop(self) -> None:
+        self._send("stop", None)
+
+    def _send(self, what: str, tr: TransferState | None) -> None:
+        self._inbox.append((what, tr))
+        os.eventfd_write(self.wake_fd, 1)
+
+    def _deliver(self) -> None:
+        """Runs in trio: wake finished transfers' waiters, pass immediates on."""
+        while self._finished:
+            tr = self._finished.popleft()
+            self.queued -= 1
+            self.transport.cache.unpin(tr.w.region)
+            if tr.error is not None or tr.closed:
+                self.failed += 1
+            else:
+                self.completed += 1
+            tr.done.set()
+        while self._imms:
+            self._deliver_imms(self._imms.popleft())
+
+    def close(self) -> None:
+        self.transport.close()
+        os.close(self.wake_fd)
+
+    # -- poller thread --------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        if self._pin and self.topo.cpus:
+            # Pin to the node's CPUs (not one core: these machines have two).
+            os.sched_setaffinity(0, self.topo.cpus)
+        poller = self.transport.poller
+        while True:
+            if self._inbox and self._take_commands():
+                break
+            self._post_pending()
+            self._flush()
+            # With pieces waiting for TX room, only drain; otherwise spin, then sleep.
+            busy = bool(self._posting)
+            c = poller.progress(spin_ns=0 if busy else self._spin_ns,
+                                timeout_ns=0 if busy else self._idle_ns)
+            self._absorb(c)
+            self._flush()
+        self._shutdown()
+
+    def _flush(self) -> None:
+        if self._finished or self._imms:
+            self._token.run_sync_soon(self._deliver, idempotent=True)
+
+    def _take_commands(self) -> bool:
+        while self._inbox:
+            what, tr = self._inbox.popleft()
+            if what == "stop":
+                return True
+            assert tr is not None
+            if what == "write":
+                if tr.dry_run:
+                    tr.remaining -= tr.w.batch.cancel()
+                    self._finish_if_done(tr)
+                else:
+                    self._posting.append(tr)
+            elif what == "cancel" and tr in self._posting:
+                tr.remaining -= tr.w.batch.cancel()
+                self._posting.remove(tr)
+                self._finish_if_done(tr)
+        return False
+
+    def _post_pending(self) -> None:
+        poller = self.transport.poller
+        for tr in list(self._posting):
+            self._absorb(poller.post(tr.w.batch))
+            if tr.error is not None:
+                tr.remaining -= tr.w.batch.cancel()  # stop posting after a failure
+            if tr.w.batch.posted:
+                self._posting.remove(tr)
+                if failures := tr.w.batch.failures():
+                    tr.error = tr.error or "; ".join(failures)
+                    # A failed post counts in what cancel() reports as never posted.
+                    tr.remaining -= tr.w.batch.cancel()
+                self._finish_if_done(tr)
+
+    def _account_posted(self, tr: TransferState) -> None:
+        t = self.transport
+        for r, pieces, nbytes in tr.w.batch.progress():
+            t.pieces_posted[r] += pieces
+            t.bytes_posted[r] += nbytes
+
+    def _absorb(self, c: Completions) -> None:
+        if len(c):
+            np.add.at(self.pieces_done, c.rail, c.count)
+        t = tally(c)
+        for tid, cnt in t.done:
+            tr = self._inflight.get(tid)
+            if tr is not None:
+                tr.remaining -= cnt
+                self._finish_if_done(tr)
+        if t.imms:
+            self._imms.append(t.imms)
+        if (e := c.error) is not None:
+            self.errors[e.rail] += 1
+            log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
+                        error=e.text, shard=self.index)
+            tr = self._inflight.get(e.context)
+            if tr is not None:
+                tr.error = tr.error or e.text
+                tr.remaining -= 1
+                self._finish_if_done(tr)
+
+    def _finish_if_done(self, tr: TransferState) -> None:
+        if tr.remaining <= 0 and tr not in self._posting and tr.w.tid in self._inflight:
+            del self._inflight[tr.w.tid]
+            self._account_posted(tr)
+            self._finished.append(tr)
+
+    def _shutdown(self) -> None:
+        """Fail everything still queued or in flight: the engine is closing."""
+        for tr in list(self._inflight.values()):
+            tr.w.batch.cancel()
+            tr.closed = True
+            self._finished.append(tr)
+        self._inflight.clear()
+        self._posting.clear()
+        while self._inbox:
+            what, queued = self._inbox.popleft()
+            if what == "write" and queued is not None:
+                queued.closed = True
+                self._finished.append(queued)
