@@ -10,8 +10,15 @@ progress the destination is still all zeros.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import re
+import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -27,6 +34,7 @@ from p2pxfer.errors import (
     ProviderNotFound,
     ReadOnlyBuffer,
     ScatterError,
+    TransferError,
     UnregisteredMemory,
 )
 from p2pxfer.fabric import Poller, getinfo
@@ -100,49 +108,65 @@ def test_write_to_own_export_lands(transport: Transport) -> None:
 
 
 # -- scatter lists ------------------------------------------------------------------
+# Messages are checked for the facts they must name (which piece, which side, the
+# offending value, what is wrong), not for their exact wording.
+
+def assert_names(err: BaseException, patterns: list[str]) -> None:
+    msg = str(err)
+    for pat in patterns:
+        assert re.search(pat, msg), f"{pat!r} not in {msg!r}"
+
 
 @pytest.mark.parametrize(
-    ("src", "dst", "length", "words"),
+    ("src", "dst", "length", "patterns"),
     [
-        ([SRC], [0], [1], "source offset 65536, length 1"),
-        ([SRC + 10_000], [0], [1], "ends past the source region"),
-        ([0], [DST], [1], "destination offset 65536, length 1"),
-        ([0, 0], [0, 2 * DST], [1, 1], "piece 1 (destination"),
-        ([0], [0], [SRC + 1], "ends past the source region's 65536 bytes"),
-        ([0], [DST - 10], [11], "ends past the destination region's 65536 bytes"),
-        ([SRC - 1], [0], [2], "ends past the source region"),
+        ([SRC], [0], [1], [r"piece 0\b", "source offset 65536", r"length 1\b",
+                           "ends past the source region", "65536 bytes"]),
+        ([SRC + 10_000], [0], [1], ["source offset 75536", "ends past the source region"]),
+        ([0], [DST], [1], [r"piece 0\b", "destination offset 65536",
+                           "ends past the destination region"]),
+        ([0, 0], [0, 2 * DST], [1, 1], [r"piece 1\b", "destination offset 131072",
+                                        "ends past the destination region"]),
+        ([0], [0], [SRC + 1], ["length 65537", "ends past the source region", "65536 bytes"]),
+        ([0], [DST - 10], [11], ["destination offset 65526", r"length 11\b",
+                                 "ends past the destination region", "65536 bytes"]),
+        ([SRC - 1], [0], [2], ["source offset 65535", r"length 2\b",
+                               "ends past the source region"]),
         # These would overflow int64 if the check were written as off + len > size.
-        ([2**63 - 1], [0], [1], "source offset 9223372036854775807"),
-        ([0], [2**63 - 1], [1], "destination offset 9223372036854775807"),
-        ([0], [2**62], [SRC], "ends past the destination region"),
-        ([0], [0], [2**63 - 1], "ends past the source region"),
+        ([2**63 - 1], [0], [1], ["source offset 9223372036854775807",
+                                 "ends past the source region"]),
+        ([0], [2**63 - 1], [1], ["destination offset 9223372036854775807",
+                                 "ends past the destination region"]),
+        ([0], [2**62], [SRC], ["destination offset 4611686018427387904",
+                               "ends past the destination region"]),
+        ([0], [0], [2**63 - 1], ["length 9223372036854775807", "ends past the source region"]),
     ],
     ids=["src-at-end", "src-far", "dst-at-end", "dst-second-piece", "len-past-src",
          "len-past-dst", "src-straddles-end", "src-max", "dst-max", "dst-huge", "len-max"],
 )
 def test_out_of_range_offsets(s: Setup, src: list[int], dst: list[int], length: list[int],
-                              words: str) -> None:
+                              patterns: list[str]) -> None:
     with pytest.raises(ScatterError) as exc:
         s.write(pieces(src, dst, length))
-    assert words in str(exc.value)
-    assert str(exc.value).startswith("piece ")
+    assert_names(exc.value, patterns)
 
 
 @pytest.mark.parametrize(
-    ("src", "dst", "length", "words"),
+    ("src", "dst", "length", "patterns"),
     [
-        ([-1], [0], [1], "piece 0 has negative src offset -1"),
-        ([0, 0], [0, -4096], [1, 1], "piece 1 has negative dst offset -4096"),
-        ([0], [0], [0], "piece 0 has length 0: lengths must be > 0"),
-        ([0, 0, 0], [0, 10, 20], [5, 5, -3], "piece 2 has length -3"),
+        ([-1], [0], [1], [r"piece 0\b", r"-1\b", "negative (src|source) offset"]),
+        ([0, 0], [0, -4096], [1, 1], [r"piece 1\b", "-4096",
+                                      "negative (dst|destination) offset"]),
+        ([0], [0], [0], [r"piece 0\b", r"length 0\b", "must be > 0"]),
+        ([0, 0, 0], [0, 10, 20], [5, 5, -3], [r"piece 2\b", r"length -3\b", "must be > 0"]),
     ],
     ids=["negative-src", "negative-dst", "zero-length", "negative-length"],
 )
 def test_negative_offsets_and_empty_pieces(src: list[int], dst: list[int], length: list[int],
-                                           words: str) -> None:
+                                           patterns: list[str]) -> None:
     with pytest.raises(ScatterError) as exc:
         pieces(src, dst, length)
-    assert words in str(exc.value)
+    assert_names(exc.value, patterns)
 
 
 def test_arrays_of_different_lengths() -> None:
@@ -413,5 +437,90 @@ def test_destination_must_be_a_descriptor(s: Setup, bad: Any) -> None:
 def test_smaller_remote_region_bounds_the_write(s: Setup) -> None:
     # The descriptor's length is what the initiator checks against.
     short = dataclasses.replace(s.desc, length=100)
-    with pytest.raises(ScatterError, match="ends past the destination region's 100 bytes"):
+    with pytest.raises(ScatterError) as exc:
         s.write(pieces([0], [50], [51]), to=short)
+    assert_names(exc.value, ["destination offset 50", "ends past the destination region",
+                             "100 bytes"])
+
+
+# -- a descriptor whose owner is gone ------------------------------------------------------
+# Run in child processes: on shm one of these crashes the process that tries it.
+
+GONE_ERRORS = {cls.__name__ for cls in (TransferError, *TransferError.__subclasses__(),
+                                        DescriptorError)}
+
+
+def export_and_leave(provider: str, node: str | None, results: Any) -> None:
+    """Child: export a region, hand out its descriptor, close everything, exit."""
+    with Transport.open(provider, node=node) as peer:
+        results.put(peer.export(np.zeros(4096, np.uint8), "gone").to_bytes())
+
+
+def write_to_departed(provider: str, node: str | None, desc: bytes | None, workdir: str,
+                      results: Any) -> None:
+    """Child: write to ``desc`` (``None``: export one here first, then close it)."""
+    os.chdir(workdir)  # a crash report, if any, lands here and not in the checkout
+    try:
+        if desc is None:
+            with Transport.open(provider, node=node) as peer:
+                desc = peer.export(np.zeros(4096, np.uint8), "gone").to_bytes()
+        with Transport.open(provider, node=node) as t:
+            src = np.ones(4096, np.uint8)
+            t.register(src)
+            try:
+                t.write(src, RegionDescriptor.from_bytes(desc), ScatterList.contiguous(16),
+                        imm=1, timeout=1)
+            except P2PXferError as exc:
+                results.put(f"{type(exc).__name__}: {exc}")
+            else:
+                results.put("no error")
+    except BaseException:
+        results.put(traceback.format_exc())
+
+
+def run_child(ctx: Any, target: Any, *args: Any) -> tuple[int | None, Any]:
+    results = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, results))
+    child.start()
+    got = None
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            try:
+                got = results.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if child.exitcode is not None:  # died without a word: a crash
+                    break
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+    return child.exitcode, got
+
+
+@pytest.mark.xfail(strict=True, reason="a departed peer is never reported: posts keep "
+                   "returning -FI_EAGAIN (tcp: refused connection; shm: unlinked segment), "
+                   "so write() ends in WaitTimeout, or hangs without a timeout, instead of "
+                   "raising RemoteClosed")
+def test_write_to_a_peer_that_left_raises_remote_closed(
+    provider: tuple[str, str | None], tmp_path: Path,
+) -> None:
+    ctx = mp.get_context("spawn")
+    code, desc = run_child(ctx, export_and_leave, *provider)
+    assert code == 0 and isinstance(desc, bytes)
+    code, got = run_child(ctx, write_to_departed, *provider, desc, str(tmp_path))
+    assert code == 0, f"writer died with exit code {code}: {got}"
+    assert got is not None and got.split(":")[0] in GONE_ERRORS, got
+
+
+@pytest.mark.xfail(strict=True, reason="libfabric 1.17 shm: fi_av_insert (AddressVector."
+                   "insert, via Transport.prepare -> Rail.peer) of an endpoint that was "
+                   "closed in the same process segfaults, or the write 'succeeds' and "
+                   "the bytes go nowhere")
+def test_write_to_an_endpoint_closed_in_this_process_fails_cleanly(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    code, got = run_child(ctx, write_to_departed, "shm", None, None, str(tmp_path))
+    assert code == 0, f"writer died with exit code {code}: {got}"
+    assert got is not None and got.split(":")[0] in GONE_ERRORS, got

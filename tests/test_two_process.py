@@ -253,3 +253,11 @@ def test_plan_is_deterministic_and_non_overlapping() -> None:
 @pytest.mark.slow
 def test_scatter_write_between_processes(provider: tuple[str, str | None]) -> None:
     run_pair(*provider, SEED)
+
+
+def test_child_failures_reach_the_parent() -> None:
+    # The harness itself: a child that fails must fail the test, with its traceback.
+    with pytest.raises(AssertionError) as exc:
+        run_pair("no-such-provider", None, SEED)
+    assert "ProviderNotFound" in str(exc.value)
+    assert "process A failed" in str(exc.value) or "process B failed" in str(exc.value)
