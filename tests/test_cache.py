@@ -267,14 +267,8 @@ def test_close_deregisters_everything(transport: Transport) -> None:
 
 # -- known bug: a new registration can be evicted before it is returned ----------
 
-BUG_NEW_ENTRY_EVICTED = (
-    "memory.py RegistrationCache._register calls _evict() after inserting the new "
-    "entry but before register() applies pin=True, so when every older entry is "
-    "pinned the new one is deregistered and returned closed"
-)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_NEW_ENTRY_EVICTED)
 def test_new_pinned_registration_survives_a_full_pinned_cache(
     small_cache: RegistrationCache,
 ) -> None:
@@ -285,7 +279,6 @@ def test_new_pinned_registration_survives_a_full_pinned_cache(
     assert not rc.closed
 
 
-@pytest.mark.xfail(strict=True, reason=BUG_NEW_ENTRY_EVICTED)
 def test_export_into_a_full_pinned_cache_stays_registered(small_transport: Transport) -> None:
     t = small_transport
     t.export(np.zeros(64, np.uint8), "a")

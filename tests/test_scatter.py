@@ -208,9 +208,6 @@ def test_write_stripes_across_two_rails(name: str, node: str | None, domain: str
         assert np.array_equal(dst, want)
 
 
-@pytest.mark.xfail(strict=True, reason="ScatterList.nbytes wraps around int64: the total is "
-                   "summed without an overflow check (p2p_check_scatter's `sum += l` in "
-                   "native/src/p2p.c; numpy's length.sum() before it)")
 def test_total_length_past_int64_is_refused_or_exact() -> None:
     half = np.full(2, 1 << 62, np.int64)
     try:

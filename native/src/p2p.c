@@ -185,7 +185,8 @@ int64_t p2p_post_once(struct p2p_cursor *cur, int ncur)
 /* Validate a scatter list in one pass: offsets >= 0, lengths > 0, every piece
  * inside [0, src_size) and [0, dst_size) (written so nothing overflows).
  * Returns -1 when all fit, else the first bad index with *what set:
- * 1 negative src, 2 negative dst, 3 length <= 0, 4 past src end, 5 past dst end.
+ * 1 negative src, 2 negative dst, 3 length <= 0, 4 past src end, 5 past dst end,
+ * 6 the total length overflows int64.
  * Also reports the total and largest length. */
 int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
                           int64_t src_size, int64_t dst_size, int32_t *what, int64_t *total,
@@ -199,6 +200,7 @@ int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t 
         if (l <= 0) { *what = 3; return i; }
         if (src[i] > src_size - l) { *what = 4; return i; }
         if (dst[i] > dst_size - l) { *what = 5; return i; }
+        if (l > INT64_MAX - sum) { *what = 6; return i; }
         sum += l;
         if (l > mx)
             mx = l;

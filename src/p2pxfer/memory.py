@@ -280,11 +280,10 @@ class RegistrationCache:
         region = self.lookup(span.address, span.nbytes, writable)
         if region is not None:
             self._hits += 1
+            region.pins += int(pin)
         else:
             self._misses += 1
-            region = self._register(span, writable)
-        if pin:
-            region.pins += 1
+            region = self._register(span, writable, int(pin))
         return region
 
     def require(self, obj: Any) -> LocalRegion:
@@ -298,7 +297,7 @@ class RegistrationCache:
             )
         return region
 
-    def _register(self, span: BufferSpan, writable: bool) -> LocalRegion:
+    def _register(self, span: BufferSpan, writable: bool, pins: int) -> LocalRegion:
         access = ACCESS_WRITE | (ACCESS_REMOTE_WRITE if writable else 0)
         mrs: list[MemoryRegion] = []
         try:
@@ -309,14 +308,16 @@ class RegistrationCache:
                 rail.deregister(mr)
             raise
         region = LocalRegion(span, self.rails, mrs, writable)
+        region.pins = pins
         self._lru[id(region)] = region
         self._bytes += span.nbytes
-        self._evict()
+        # Never evict what we are about to hand out, even if all else is pinned.
+        self._evict(keep=id(region))
         log.debug("memory.register", address=hex(span.address), nbytes=span.nbytes,
                   writable=writable)
         return region
 
-    def _evict(self) -> None:
+    def _evict(self, keep: int | None = None) -> None:
         over = len(self._lru) > self.max_entries or self._bytes > self.max_bytes
         if not over:
             return
@@ -324,7 +325,7 @@ class RegistrationCache:
             if len(self._lru) <= self.max_entries and self._bytes <= self.max_bytes:
                 break
             region = self._lru[key]
-            if region.pins == 0:
+            if region.pins == 0 and key != keep:
                 self._drop(key)
                 self._evictions += 1
 

@@ -131,6 +131,9 @@ class Transport:
         self._remaining: dict[int, int] = {}
         self._failures: dict[int, str] = {}
         self._imm: Counter[int] = Counter()
+        # Transfers whose caller stopped waiting (timeout) with pieces in flight:
+        # forgotten once their last completion arrives.
+        self._abandoned: set[int] = set()
         self.bytes_posted = [0] * len(rails)
         self.pieces_posted = [0] * len(rails)
 
@@ -232,6 +235,8 @@ class Transport:
         finally:
             if self._remaining.get(tid) == 0:
                 del self._remaining[tid]
+            else:
+                self._abandoned.add(tid)
             self.cache.unpin(w.region)
         failure = self._failures.pop(tid, None)
         if failure is not None:
@@ -278,15 +283,23 @@ class Transport:
         for ctx, cnt in t.done:
             if ctx in self._remaining:
                 self._remaining[ctx] -= cnt
+                self._forget_if_abandoned(ctx)
         for imm, cnt in t.imms:
             self._imm[imm] += cnt
         if (e := c.error) is not None:
             if e.context in self._remaining:
                 self._remaining[e.context] -= 1
                 self._failures.setdefault(e.context, e.text)
+                self._forget_if_abandoned(e.context)
             log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
                         error=e.text, rail=self.rails[e.rail].name)
         return t.entries
+
+    def _forget_if_abandoned(self, tid: int) -> None:
+        if tid in self._abandoned and self._remaining[tid] <= 0:
+            self._abandoned.discard(tid)
+            del self._remaining[tid]
+            self._failures.pop(tid, None)
 
     def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
         """Progress until ``count`` pieces carrying ``imm`` have landed, then

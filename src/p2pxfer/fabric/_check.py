@@ -22,6 +22,7 @@ REASONS = {
     3: "length must be > 0",
     4: "ends past the source region",
     5: "ends past the destination region",
+    6: "total length of the list overflows 64 bits",
 }
 
 

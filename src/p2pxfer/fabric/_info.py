@@ -12,7 +12,7 @@ from typing import Any
 
 from p2pxfer.errors import ProviderNotFound
 
-from ._binding import check, ffi, lib
+from ._binding import check, ffi, fi_strerror, lib
 
 __all__ = ["SUPPORTED_MR_MODE", "FabricInfo", "MrMode", "getinfo"]
 
@@ -148,7 +148,8 @@ def getinfo(
     Raises :class:`ProviderNotFound` when nothing matches.
     """
     if not provider or not isinstance(provider, str):
-        raise ProviderNotFound("fi_getinfo", -lib.FI_ENODATA, "no provider named", repr(provider))
+        raise ProviderNotFound("fi_getinfo", -lib.FI_ENODATA,
+                               f"{fi_strerror(lib.FI_ENODATA)}: no provider named", repr(provider))
     hints = ffi.gc(lib.fi_dupinfo(ffi.NULL), lib.fi_freeinfo)
     hints.caps = lib.FI_RMA | lib.FI_WRITE | lib.FI_REMOTE_WRITE
     hints.mode = 0
@@ -167,7 +168,8 @@ def getinfo(
     rc = lib.fi_getinfo(version, c_node, c_service, flags, hints, out)
     context = f"provider={provider!r} node={node!r} domain={domain!r}"
     if rc == -lib.FI_ENODATA:
-        raise ProviderNotFound("fi_getinfo", int(rc), "no matching provider or interface", context)
+        raise ProviderNotFound("fi_getinfo", int(rc),
+                               f"{fi_strerror(rc)}: no matching provider or interface", context)
     check(rc, "fi_getinfo", context)
     infos: list[FabricInfo] = []
     seen: set[tuple[str, str]] = set()
@@ -186,6 +188,7 @@ def getinfo(
         lib.fi_freeinfo(out[0])
     if not infos:
         raise ProviderNotFound(
-            "fi_getinfo", -lib.FI_ENODATA, "no interface with RMA write and CQ data", context
+            "fi_getinfo", -lib.FI_ENODATA,
+            f"{fi_strerror(lib.FI_ENODATA)}: no interface with RMA write and CQ data", context
         )
     return infos

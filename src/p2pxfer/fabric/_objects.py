@@ -9,13 +9,14 @@ loops over pages: the data path lives in ``native/src/p2p.c``.
 
 from __future__ import annotations
 
+import os
 import secrets
 from types import TracebackType
 from typing import Any, Self
 
 import structlog
 
-from p2pxfer.errors import FabricError, RegistrationError
+from p2pxfer.errors import FabricError, RegistrationError, RemoteClosed
 
 from ._binding import check, ffi, lib, raise_fabric_error
 from ._info import FabricInfo
@@ -169,11 +170,14 @@ class AddressVector(_Fid):
         check(lib.fi_av_open(domain.handle, attr, out, ffi.NULL), "fi_av_open")
         super().__init__(out[0])
         self._by_addr: dict[bytes, int] = {}
+        self._shm = domain.info.provider == "shm"
 
     def insert(self, address: bytes) -> int:
         hit = self._by_addr.get(address)
         if hit is not None:
             return hit
+        if self._shm:
+            _check_shm_peer(address)
         fi_addr = ffi.new("fi_addr_t *")
         n = lib.fi_av_insert(self.handle, address, 1, fi_addr, 0, ffi.NULL)
         if n != 1:
@@ -194,6 +198,15 @@ class AddressVector(_Fid):
         s = lib.fi_av_straddr(self.handle, address, buf, n)
         # Some providers (mrail) return NULL here.
         return address.hex() if s == ffi.NULL else str(ffi.string(s).decode(errors="replace"))
+
+
+def _check_shm_peer(address: bytes) -> None:
+    """libfabric 1.17's shm segfaults in fi_av_insert when the peer's segment is
+    gone; its segment lives at /dev/shm/<name>, so look before inserting."""
+    text = address.rstrip(b"\0").decode(errors="replace")
+    name = text.removeprefix("fi_shm://")
+    if "/" in name or not os.path.exists(os.path.join("/dev/shm", name)):
+        raise RemoteClosed(f"shm peer {text!r} is gone: no /dev/shm/{name}")
 
 
 class Endpoint(_Fid):
