@@ -178,6 +178,10 @@ async def test_64_concurrent_writers(provider: str) -> None:
         assert all(b.imm_count(0x1000 + t) == 0 for t in range(TASKS))
 
         # statistics(): what every NIC carried adds up to what was written.
+        # (These sums come up short now and then while the machine is busy: the
+        # poller accounts a transfer from its cursors when its last completion
+        # arrives, which can be before the trio thread's post_once has stored
+        # how far it posted: a race in Shard._account_posted.)
         st = a.statistics()
         assert sum(n.bytes for n in st.nics) == sum(sl.nbytes for sl in lists)
         assert sum(n.pieces for n in st.nics) == sum(len(sl) for sl in lists)
@@ -402,7 +406,7 @@ async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
 
 
 async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
-    size = 32 << 20
+    size = 64 << 20
     source = random_bytes(9, size)
     region = np.zeros(size, np.uint8)
     sl = contiguous_pieces(size // (64 << 10), 64 << 10)
@@ -417,12 +421,12 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
                 errors.append(exc)
 
         with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                async with open_engine(config("tcp;ofi_rxm")) as a:
-                    a.register(source)
-                    for k in range(3):
-                        nursery.start_soon(writer, a, k)
-                    await trio.sleep(0.03)
+            async with trio.open_nursery() as nursery, open_engine(config("tcp;ofi_rxm")) as a:
+                a.register(source)
+                for k in range(3):
+                    nursery.start_soon(writer, a, k)
+                await trio.sleep(0.03)
+                assert a.statistics().queue_depth[0] > 0, "writes finished too soon"
         assert len(errors) == 3
         assert all(type(e) is EngineClosed for e in errors), errors
 
@@ -430,7 +434,7 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
 async def test_close_fails_writers_waiting_for_a_slot() -> None:
     """Writers queued behind ``max_inflight`` when the engine closes get
     ``EngineClosed`` too, not an error from the closed registration cache."""
-    size = 16 << 20
+    size = 64 << 20
     source = random_bytes(10, size)
     region = np.zeros(size, np.uint8)
     sl = contiguous_pieces(size // (64 << 10), 64 << 10)
@@ -451,6 +455,7 @@ async def test_close_fails_writers_waiting_for_a_slot() -> None:
                     for k in range(4):
                         nursery.start_soon(writer, k)
                     await trio.sleep(0.02)
+                    assert a.statistics().queue_depth[0] > 0, "writes finished too soon"
                     await a.aclose()
         assert len(errors) == 4
         assert [type(e).__name__ for e in errors] == ["EngineClosed"] * 4, errors
@@ -530,13 +535,13 @@ async def test_wait_imm_rejects_bad_arguments(provider: str) -> None:
     never a foreign error); every case is tried and the misses listed together."""
     async with open_engine(config(provider)) as b:
         bits = b.shards[0].transport.imm_bits
-        cases = [(imm, 1) for imm in (-1, 1 << bits, "7", 1.0, None)]
+        cases: list[tuple[Any, Any]] = [(imm, 1) for imm in (-1, 1 << bits, "7", 1.0, None)]
         cases += [(1, count) for count in (0, -3, "3", 2.5, None)]
         wrong = []
         for imm, count in cases:
             try:
                 with trio.fail_after(0.5):
-                    await b.wait_imm(imm, count)  # type: ignore[arg-type]
+                    await b.wait_imm(imm, count)
             except InvalidArgument:
                 continue
             except trio.TooSlowError:
@@ -607,8 +612,8 @@ async def test_bad_input_raises_and_engine_keeps_working(provider: str) -> None:
         for exc_type, src, dst, sl, kw in cases:
             with trio.fail_after(5), pytest.raises(exc_type) as info:
                 await a.write(src, dst, sl, **kw)
-            assert type(info.value) is not BaseExceptionGroup
             assert isinstance(info.value, p2pxfer.P2PXferError)
+            assert not isinstance(info.value, BaseExceptionGroup)
         st = a.statistics()
         assert st.queue_depth == (0,) and st.completed == 0 and st.failed == 0
         assert nic_totals(a) == (0, 0)

@@ -50,7 +50,7 @@ class EngineConfig:
     #: longest single sleep of an idle poller
     idle_timeout_ns: int = 200_000_000
     #: longest back-off nap where a CQ has no wait fd (shm)
-    backoff_max_ns: int = 1_000_000
+    backoff_max_ns: int = 4_000_000
     pin_threads: bool = True
     cache_entries: int = 1024
     node_name: str = ""
@@ -67,6 +67,7 @@ class NicStats:
     completed: int
     inflight: int
     errors: int
+    received: int
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class Engine:
         self._check_open()
         shard = self._pick_shard()
         async with shard.slots:
+            self._check_open()  # the engine may have closed while we waited for a slot
             tr = shard.prepare(src, dst, scatter, imm, dry_run)
             shard.submit(tr)
             try:
@@ -168,9 +170,11 @@ class Engine:
         """Return once ``count`` pieces carrying ``imm`` have landed here (and
         consume them). Cancellation leaves the counts in place for a later wait."""
         self._check_open()
+        if not isinstance(imm, int) or isinstance(imm, bool):
+            raise InvalidArgument(f"immediate must be an integer, got {imm!r}")
         self.shards[0].transport.check_imm(imm)
-        if count <= 0:
-            raise InvalidArgument(f"count must be > 0, got {count}")
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
         if self._imm[imm] >= count and not self._imm_waiters.get(imm):
             self._take(imm, count)
             await trio.lowlevel.checkpoint()
@@ -184,6 +188,8 @@ class Engine:
             waiters = self._imm_waiters.get(imm, [])
             if entry in waiters:
                 waiters.remove(entry)
+                if not waiters:
+                    self._imm_waiters.pop(imm, None)
             elif ev.is_set() and not self._closed:
                 self._imm[imm] += count  # satisfied as we were cancelled: give it back
             raise
@@ -214,11 +220,13 @@ class Engine:
         nics = []
         for shard in self.shards:
             t = shard.transport
+            posting = shard.posted_in_flight()
             for r, rail in enumerate(t.rails):
                 done = int(shard.pieces_done[r])
+                posted = t.pieces_posted[r] + posting[r]
                 nics.append(NicStats(shard.index, rail.name, rail.provider, t.bytes_posted[r],
-                                     t.pieces_posted[r], done,
-                                     max(0, t.pieces_posted[r] - done), shard.errors[r]))
+                                     t.pieces_posted[r], done, max(0, posted - done),
+                                     shard.errors[r], int(shard.pieces_received[r])))
         return EngineStats(tuple(nics), tuple(s.queued for s in self.shards),
                            sum(s.completed for s in self.shards),
                            sum(s.failed for s in self.shards))

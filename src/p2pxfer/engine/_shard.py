@@ -23,7 +23,7 @@ import structlog
 import trio
 
 from p2pxfer.errors import EngineClosed, TransferError
-from p2pxfer.fabric import Completions, Rail
+from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Rail
 from p2pxfer.topology import Shard as ShardTopology
 from p2pxfer.transport import PreparedWrite, Transport, tally
 
@@ -66,6 +66,7 @@ class Shard:
         self.transport = Transport(rails, cache_entries=cache_entries, wake_fd=self.wake_fd,
                                    backoff_max_ns=backoff_max_ns)
         self.slots = trio.Semaphore(max_inflight)
+        self._blocks_on_fds = self.transport.poller.blocks_on_fds
         self._token = token
         self._deliver_imms = deliver_imms
         self._spin_ns = spin_ns
@@ -80,7 +81,8 @@ class Shard:
         self.thread_done = trio.Event()
         self.thread_error: BaseException | None = None
         nrails = len(rails)
-        self.pieces_done = np.zeros(nrails, np.int64)
+        self.pieces_done = np.zeros(nrails, np.int64)  # our writes' completions
+        self.pieces_received = np.zeros(nrails, np.int64)  # peers' writes that landed here
         self.errors = [0] * nrails
         self.queued = 0
         self.completed = 0
@@ -121,6 +123,10 @@ class Shard:
             self._send("write", tr)
         elif tr.w.batch.failures():
             self._send("write", tr)  # the poller turns the failed post into an error
+        elif not self._blocks_on_fds:
+            # A poller napping without CQ fds (shm) would see the completion only
+            # after its back-off: wake it now so it spins for it.
+            os.eventfd_write(self.wake_fd, 1)
 
     def cancel(self, tr: TransferState) -> None:
         tr.cancel_requested = True
@@ -138,6 +144,10 @@ class Shard:
         while self._finished:
             tr = self._finished.popleft()
             self.queued -= 1
+            # Accounted here, in trio, after submit() has returned: the poller
+            # may see the last completion before the posting call has stored
+            # how far it got.
+            self._account_posted(tr)
             self.transport.cache.unpin(tr.w.region)
             if tr.error is not None or tr.closed:
                 self.failed += 1
@@ -207,6 +217,15 @@ class Shard:
                     tr.remaining -= tr.w.batch.cancel()
                 self._finish_if_done(tr)
 
+    def posted_in_flight(self) -> list[int]:
+        """Pieces posted per rail by transfers not yet delivered (a snapshot)."""
+        out = [0] * len(self.transport.rails)
+        pending = list(self._inflight.values()) + list(self._finished)
+        for tr in pending:
+            for r, pieces, _ in tr.w.batch.progress():
+                out[r] += pieces
+        return out
+
     def _account_posted(self, tr: TransferState) -> None:
         t = self.transport
         for r, pieces, nbytes in tr.w.batch.progress():
@@ -215,7 +234,9 @@ class Shard:
 
     def _absorb(self, c: Completions) -> None:
         if len(c):
-            np.add.at(self.pieces_done, c.rail, c.count)
+            remote = (c.flags & np.uint64(FLAG_REMOTE_CQ_DATA)) != 0
+            np.add.at(self.pieces_done, c.rail[~remote], c.count[~remote])
+            np.add.at(self.pieces_received, c.rail[remote], c.count[remote])
         t = tally(c)
         for tid, cnt in t.done:
             tr = self._inflight.get(tid)
@@ -237,7 +258,6 @@ class Shard:
     def _finish_if_done(self, tr: TransferState) -> None:
         if tr.remaining <= 0 and tr not in self._posting and tr.w.tid in self._inflight:
             del self._inflight[tr.w.tid]
-            self._account_posted(tr)
             self._finished.append(tr)
 
     def _shutdown(self) -> None:

@@ -1,0 +1,120 @@
+"""Two "hosts" on one machine: network namespaces joined by veth pairs.
+
+``two_hosts()`` creates namespaces ``A`` and ``B`` (names unique per process
+and call), ``rails`` veth pairs between them (each pair one "NIC" per host),
+addresses ``10.77.<rail+1>.1`` (A) and ``10.77.<rail+1>.2`` (B) on ``/24``s,
+and brings ``lo`` and every link up. Whatever happens, the namespaces (and
+with them the veths) are deleted on exit. Where namespaces cannot be created
+(not root, no ``ip``), the calling test is skipped with the reason.
+
+All traffic stays inside these namespaces: nothing is routed to the host.
+This module is a helper, not a test file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+__all__ = ["Host", "ip", "two_hosts"]
+
+_counter = itertools.count()
+IP_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Host:
+    """One namespace: its name, its veth interfaces (one per rail) and their
+    addresses, in rail order."""
+
+    ns: str
+    interfaces: tuple[str, ...]
+    addresses: tuple[str, ...]
+
+    def exec_argv(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this namespace."""
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``ip ARGS``; raises ``RuntimeError`` with ip's own words on failure."""
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT,
+                          check=False)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed ({proc.returncode}): "
+                           f"{proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def _wait_up(ns: str, dev: str, timeout: float = 5.0) -> None:
+    """Wait until ``dev`` has carrier (libfabric's tcp provider skips links
+    that are down or have no carrier)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = ip("-n", ns, "-o", "link", "show", "dev", dev).stdout
+        flags = out.split("<", 1)[-1].split(">", 1)[0].split(",")
+        if "UP" in flags and "LOWER_UP" in flags:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{dev} in {ns} did not come up: {out.strip()}")
+        time.sleep(0.02)
+
+
+@contextmanager
+def two_hosts(rails: int = 2) -> Iterator[tuple[Host, Host]]:
+    """Namespaces A and B with ``rails`` veth links between them; see the module doc."""
+    if not 1 <= rails <= 9:
+        raise ValueError(f"rails must be 1..9, got {rails}")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = f"{os.getpid()}{next(_counter)}"
+    names = {side: f"p2p{tag}{side}" for side in "ab"}
+    # Interface names must fit IFNAMSIZ (15 characters).
+    ifaces = {side: tuple(f"p2{tag}{side}{r}" for r in range(rails)) for side in "ab"}
+    assert all(len(n) <= 15 for side in "ab" for n in ifaces[side]), ifaces
+    created: list[str] = []
+    try:
+        try:
+            for side in "ab":
+                ip("netns", "add", names[side])
+                created.append(names[side])
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            pytest.skip(f"cannot create a network namespace: {exc}")
+        for r in range(rails):
+            a_if, b_if = ifaces["a"][r], ifaces["b"][r]
+            # Created straight inside the namespaces: never a link in the host's.
+            ip("link", "add", a_if, "netns", names["a"], "type", "veth",
+               "peer", "name", b_if, "netns", names["b"])
+            for side, dev, host_part in (("a", a_if, 1), ("b", b_if, 2)):
+                ip("-n", names[side], "addr", "add", f"10.77.{r + 1}.{host_part}/24",
+                   "dev", dev)
+                ip("-n", names[side], "link", "set", dev, "up")
+        for side in "ab":
+            ip("-n", names[side], "link", "set", "lo", "up")
+        for side in "ab":
+            for dev in ifaces[side]:
+                _wait_up(names[side], dev)
+        hosts = tuple(
+            Host(names[side], ifaces[side],
+                 tuple(f"10.77.{r + 1}.{1 if side == 'a' else 2}" for r in range(rails)))
+            for side in "ab"
+        )
+        yield hosts[0], hosts[1]
+    finally:
+        errors = []
+        for ns in reversed(created):
+            proc = ip("netns", "del", ns, check=False)
+            if proc.returncode != 0:
+                errors.append(f"{ns}: {proc.stderr.strip()}")
+        if errors:
+            raise RuntimeError(f"could not delete namespaces: {errors}")
