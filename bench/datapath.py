@@ -40,6 +40,34 @@ def patterns(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray
     }
 
 
+def python_time_per_call(t: Any, fn: Any, repeat: int) -> float:
+    """Median time one write spends outside the C calls that post and poll:
+    everything Python adds (validation glue, layout, bookkeeping)."""
+    poller = t.poller
+    in_c = [0.0]
+
+    def timed(method: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                in_c[0] += time.perf_counter() - t0
+        return wrapper
+
+    poller.post, poller.progress = timed(poller.post), timed(poller.progress)
+    try:
+        out = []
+        for _ in range(repeat):
+            in_c[0] = 0.0
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0 - in_c[0])
+        return statistics.median(out)
+    finally:
+        del poller.post, poller.progress
+
+
 def node_for(provider: str) -> str | None:
     return "127.0.0.1" if provider.startswith("tcp") else None
 
@@ -82,6 +110,7 @@ def initiator(provider: str, desc_bytes: bytes, repeat: int) -> list[dict[str, A
                     t0 = time.perf_counter()
                     fn()
                     times[key].append(time.perf_counter() - t0)
+            python_ms = python_time_per_call(t, lambda sl=sl: py_path(sl), repeat) * 1e3
             nbytes = int(ln.sum())
             c_s, py_s = statistics.median(times["c"]), statistics.median(times["py"])
             out.append({
@@ -89,6 +118,7 @@ def initiator(provider: str, desc_bytes: bytes, repeat: int) -> list[dict[str, A
                 "baseline_seconds": c_s, "seconds": py_s,
                 "baseline_gbps": nbytes / c_s / 1e9, "gbps": nbytes / py_s / 1e9,
                 "ratio": c_s / py_s, "python_overhead_ms": (py_s - c_s) * 1e3,
+                "python_ms_per_call": python_ms,
                 "repeat": repeat,
             })
         t.write(region, desc, ScatterList.contiguous(1), imm=STOP_IMM)

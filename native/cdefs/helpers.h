@@ -45,8 +45,8 @@ int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
 int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq,
                       int fd);
 int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries);
-int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t spin_ns,
-                            int64_t timeout_ns);
+int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
+                            int64_t spin_ns, int64_t timeout_ns);
 int64_t p2p_baseline_write(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
                            const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                            int64_t n, uint64_t src_base, void *src_desc,

@@ -293,47 +293,48 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
     return 0;
 }
 
-/* The poller's one call: drain; if nothing came, spin for spin_ns (reading
- * keeps manual-progress providers moving), then block up to timeout_ns
- * (negative: no limit; 0: do not block). Returns runs found (0 when the wait
- * ended empty: timeout or a wake-up) or a negative error. */
-int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t spin_ns,
-                            int64_t timeout_ns)
+/* The poller's one call: drain every CQ, accumulating runs, until at least
+ * min_entries completions were seen (or an error entry, a nearly full run
+ * table, max_entries, a wake-up, or timeout_ns since the call: negative means
+ * no limit, 0 means do not block). Between batches it spins (reading keeps
+ * manual-progress providers moving) for spin_ns after the last activity, then
+ * sleeps on the wait fds. Returns the number of runs, or a negative error. */
+int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
+                            int64_t spin_ns, int64_t timeout_ns)
 {
-    int64_t n, t0 = 0;
+    int64_t nruns = 0, start = p->entries, t0 = p2p_now_ns(), active = t0;
 
-    n = p2p_poller_drain(p, max_entries);
-    if (n != 0 || p->err_cq >= 0)
-        goto found;
-    if (spin_ns > 0) {
-        t0 = p2p_now_ns();
-        do {
-            n = p2p_poller_drain(p, max_entries);
-            if (n != 0 || p->err_cq >= 0)
-                goto found;
-        } while (p2p_now_ns() - t0 < spin_ns);
-    }
-    if (timeout_ns == 0)
-        return 0;
-    /* Keep waiting here, not in Python, until work, a wake-up or the timeout:
-     * a back-off sleeper (shm) would otherwise cost a Python round per nap. */
-    t0 = p2p_now_ns();
+    p->err_cq = -1;
+    if (min_entries < 1)
+        min_entries = 1;
     for (;;) {
-        int64_t left = timeout_ns < 0 ? -1 : timeout_ns - (p2p_now_ns() - t0);
-        int woken;
-        if (timeout_ns >= 0 && left <= 0)
-            return 0;
-        woken = wait_for_work(p, left);
-        n = p2p_poller_drain(p, max_entries);
-        if (n != 0 || p->err_cq >= 0)
+        int64_t before = p->entries, got, now, left;
+
+        nruns = drain_into(p, nruns, max_entries - (p->entries - start));
+        if (nruns < 0)
+            return nruns;
+        got = p->entries - start;
+        if (got >= min_entries || got >= max_entries || p->err_cq >= 0 ||
+            nruns > p->max_runs - P2P_RUN_LOOKBACK)
             break;
-        if (woken)
-            return 0;
+        now = p2p_now_ns();
+        if (p->entries > before)
+            active = now;
+        if (now - active < spin_ns)
+            continue;
+        if (timeout_ns == 0)
+            break;
+        left = timeout_ns < 0 ? -1 : timeout_ns - (now - t0);
+        if (timeout_ns > 0 && left <= 0)
+            break;
+        if (wait_for_work(p, left)) {
+            nruns = drain_into(p, nruns, max_entries - (p->entries - start));
+            break;
+        }
     }
-found:
-    if (n > 0)
+    if (p->entries > start)
         p->backoff_ns = 0;
-    return n;
+    return nruns;
 }
 
 /* The baseline every benchmark compares against: the same posting loop with

@@ -47,6 +47,9 @@ log = structlog.get_logger("p2pxfer.transport")
 
 SPIN_NS = 50_000
 BLOCK_NS = 100_000_000
+# A blocking write returns to Python from the posting loop only this often
+# (to check its deadline): each return is a Python round.
+POST_BUDGET_NS = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,7 @@ class Transport:
         tid, batch = w.tid, w.batch
         try:
             while not batch.posted:
-                self._absorb(self.poller.post(batch))
+                self._absorb(self.poller.post(batch, POST_BUDGET_NS))
                 if tid in self._failures:
                     break
                 self._check_deadline(deadline, w)
@@ -264,7 +267,8 @@ class Transport:
             self._remaining[tid] -= never
         while self._remaining[tid] > 0:
             self._check_deadline(deadline, w)
-            self.progress(spin_ns=SPIN_NS, timeout_ns=BLOCK_NS)
+            # Ask C to gather everything still due in one call, not a batch per round.
+            self.progress(spin_ns=SPIN_NS, timeout_ns=BLOCK_NS, min_entries=self._remaining[tid])
 
     def _check_deadline(self, deadline: float | None, w: PreparedWrite) -> None:
         if deadline is not None and time.monotonic() > deadline:
@@ -273,9 +277,9 @@ class Transport:
 
     # -- completions ----------------------------------------------------------
 
-    def progress(self, *, spin_ns: int = 0, timeout_ns: int = 0) -> int:
-        """Drain the CQs once (waiting as told); returns completions absorbed."""
-        c = self.poller.progress(spin_ns=spin_ns, timeout_ns=timeout_ns)
+    def progress(self, *, spin_ns: int = 0, timeout_ns: int = 0, min_entries: int = 1) -> int:
+        """Drain the CQs (waiting as told); returns completions absorbed."""
+        c = self.poller.progress(spin_ns=spin_ns, timeout_ns=timeout_ns, min_entries=min_entries)
         return self._absorb(c)
 
     def _absorb(self, c: Completions) -> int:
@@ -313,7 +317,8 @@ class Transport:
             if left <= 0:
                 raise WaitTimeout(f"only {self._imm[imm]} of {count} pieces with immediate "
                                   f"{imm} arrived")
-            self.progress(spin_ns=SPIN_NS, timeout_ns=min(left, BLOCK_NS))
+            self.progress(spin_ns=SPIN_NS, timeout_ns=min(left, BLOCK_NS),
+                          min_entries=count - self._imm[imm])
         self._imm[imm] -= count
         if self._imm[imm] == 0:
             del self._imm[imm]

@@ -266,13 +266,15 @@ class Poller:
         return self._completions(n)
 
     def progress(
-        self, *, spin_ns: int = 0, timeout_ns: int = 0, max_entries: int = 1 << 16
+        self, *, spin_ns: int = 0, timeout_ns: int = 0, min_entries: int = 1,
+        max_entries: int = 1 << 16,
     ) -> Completions:
-        """Drain what is there; if nothing, spin ``spin_ns`` then wait up to
-        ``timeout_ns`` (negative: until something happens). Releases the GIL
-        while in C. A woken or timed-out wait returns empty completions."""
-        return self._completions(lib.p2p_poller_progress(self._p, max_entries, spin_ns,
-                                                         timeout_ns))
+        """Drain until ``min_entries`` completions arrived, spinning ``spin_ns``
+        after the last activity, then sleeping, for at most ``timeout_ns`` in all
+        (negative: no limit; 0: just drain). A wake-up or the timeout returns
+        what was found so far. Releases the GIL while in C."""
+        return self._completions(lib.p2p_poller_progress(self._p, max_entries, min_entries,
+                                                         spin_ns, timeout_ns))
 
     def _completions(self, n: int) -> Completions:
         if n < 0:
