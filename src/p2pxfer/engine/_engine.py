@@ -149,7 +149,12 @@ class Engine:
         """
         self._check_open()
         shard = self._pick_shard()
-        async with shard.slots:
+        try:
+            # No scheduler round when a slot is free: this await checkpoints anyway.
+            shard.slots.acquire_nowait()
+        except trio.WouldBlock:
+            await shard.slots.acquire()
+        try:
             self._check_open()  # the engine may have closed while we waited for a slot
             tr = shard.prepare(src, dst, scatter, imm, dry_run)
             shard.submit(tr)
@@ -160,6 +165,8 @@ class Engine:
                 with trio.CancelScope(shield=True):
                     await tr.done.wait()
                 raise
+        finally:
+            shard.slots.release()
         if (exc := tr.exception()) is not None:
             raise exc
         log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,

@@ -18,14 +18,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import structlog
 import trio
 
 from p2pxfer.errors import EngineClosed, TransferError
 from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Rail
 from p2pxfer.topology import Shard as ShardTopology
-from p2pxfer.transport import PreparedWrite, Transport, tally
+from p2pxfer.transport import PreparedWrite, Transport
 
 __all__ = ["Shard", "TransferState"]
 
@@ -81,8 +80,8 @@ class Shard:
         self.thread_done = trio.Event()
         self.thread_error: BaseException | None = None
         nrails = len(rails)
-        self.pieces_done = np.zeros(nrails, np.int64)  # our writes' completions
-        self.pieces_received = np.zeros(nrails, np.int64)  # peers' writes that landed here
+        self.pieces_done = [0] * nrails  # our writes' completions
+        self.pieces_received = [0] * nrails  # peers' writes that landed here
         self.errors = [0] * nrails
         self.queued = 0
         self.completed = 0
@@ -125,7 +124,8 @@ class Shard:
             self._send("write", tr)  # the poller turns the failed post into an error
         elif not self._blocks_on_fds:
             # A poller napping without CQ fds (shm) would see the completion only
-            # after its back-off: wake it now so it spins for it.
+            # after its back-off: wake it now so it spins for it. (With fds the
+            # CQ wakes it; an extra wake-up would only fight us for the GIL.)
             os.eventfd_write(self.wake_fd, 1)
 
     def cancel(self, tr: TransferState) -> None:
@@ -233,18 +233,26 @@ class Shard:
             t.bytes_posted[r] += nbytes
 
     def _absorb(self, c: Completions) -> None:
+        # Plain Python over the runs (a handful per batch): on this thread every
+        # microsecond holds the GIL the trio thread is waiting for.
         if len(c):
-            remote = (c.flags & np.uint64(FLAG_REMOTE_CQ_DATA)) != 0
-            np.add.at(self.pieces_done, c.rail[~remote], c.count[~remote])
-            np.add.at(self.pieces_received, c.rail[remote], c.count[remote])
-        t = tally(c)
-        for tid, cnt in t.done:
-            tr = self._inflight.get(tid)
-            if tr is not None:
-                tr.remaining -= cnt
-                self._finish_if_done(tr)
-        if t.imms:
-            self._imms.append(t.imms)
+            imms = []
+            inflight = self._inflight
+            for rail, ctx, flags, data, cnt in zip(
+                c.rail.tolist(), c.context.tolist(), c.flags.tolist(), c.data.tolist(),
+                c.count.tolist(), strict=True,
+            ):
+                if flags & FLAG_REMOTE_CQ_DATA:
+                    self.pieces_received[rail] += cnt
+                    imms.append((data, cnt))
+                    continue
+                self.pieces_done[rail] += cnt
+                tr = inflight.get(ctx)
+                if tr is not None:
+                    tr.remaining -= cnt
+                    self._finish_if_done(tr)
+            if imms:
+                self._imms.append(imms)
         if (e := c.error) is not None:
             self.errors[e.rail] += 1
             log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
