@@ -293,6 +293,13 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
     return 0;
 }
 
+/* Only wait (no CQ read): for a poller that drains under a lock it must not
+ * hold while asleep. Returns 1 if the wake fd fired. */
+int p2p_poller_wait(struct p2p_poller *p, int64_t timeout_ns)
+{
+    return wait_for_work(p, timeout_ns);
+}
+
 /* The poller's one call: drain every CQ, accumulating runs, until at least
  * min_entries completions were seen (or an error entry, a nearly full run
  * table, max_entries, a wake-up, or timeout_ns since the call: negative means

@@ -27,7 +27,7 @@ from p2pxfer.errors import (
     RegistrationError,
     UnregisteredMemory,
 )
-from p2pxfer.fabric import ACCESS_REMOTE_WRITE, ACCESS_WRITE, MemoryRegion, Rail
+from p2pxfer.fabric import ACCESS_REMOTE_WRITE, ACCESS_WRITE, MemoryRegion, Rail, address_of
 
 __all__ = [
     "CacheStats",
@@ -67,9 +67,7 @@ def buffer_span(obj: Any) -> BufferSpan:
         raise InvalidArgument(f"cannot register {type(obj).__name__}: buffer is not contiguous")
     if view.nbytes == 0:
         raise InvalidArgument(f"cannot register {type(obj).__name__}: buffer is empty")
-    flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
-    arr = np.frombuffer(flat, np.uint8)
-    return BufferSpan(int(arr.ctypes.data), int(view.nbytes), bool(view.readonly), obj)
+    return BufferSpan(address_of(view), int(view.nbytes), bool(view.readonly), obj)
 
 
 class SharedBuffer:
@@ -288,7 +286,9 @@ class RegistrationCache:
 
     def require(self, obj: Any) -> LocalRegion:
         """The registration covering ``obj``; raises if it was never registered."""
-        span = buffer_span(obj)
+        return self.require_span(buffer_span(obj))
+
+    def require_span(self, span: BufferSpan) -> LocalRegion:
         region = self.lookup(span.address, span.nbytes)
         if region is None:
             raise UnregisteredMemory(

@@ -177,7 +177,7 @@ class Transport:
                 raise UnregisteredMemory(f"{src!r} was deregistered")
             return src, src.address, src.length
         span = buffer_span(src)
-        return self.cache.require(src), span.address, span.nbytes
+        return self.cache.require_span(span), span.address, span.nbytes
 
     # -- writes ---------------------------------------------------------------
 

@@ -49,6 +49,10 @@ class EngineConfig:
     spin_ns: int = 20_000
     #: longest single sleep of an idle poller
     idle_timeout_ns: int = 200_000_000
+    #: after posting a small write, the trio thread polls for its completion this
+    #: long (blocking the event loop) before handing over to the poller thread;
+    #: 0 turns it off
+    inline_poll_ns: int = 50_000
     #: longest back-off nap where a CQ has no wait fd (shm)
     backoff_max_ns: int = 4_000_000
     pin_threads: bool = True
@@ -158,7 +162,13 @@ class Engine:
             self._check_open()  # the engine may have closed while we waited for a slot
             tr = shard.prepare(src, dst, scatter, imm, dry_run)
             shard.submit(tr)
+            if self.config.inline_poll_ns and tr.direct:
+                shard.poll_inline(tr, self.config.inline_poll_ns)
             try:
+                if tr.done.is_set():
+                    # Done already: a schedule point, but no cancellation of a
+                    # write that has in fact completed.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 await tr.done.wait()
             except trio.Cancelled:
                 shard.cancel(tr)

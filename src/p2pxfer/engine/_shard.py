@@ -1,10 +1,13 @@
 """One shard: the rails of one NUMA node, their transport, and its poller thread.
 
-The poller thread is the only thread that posts to or reads from this shard's
-endpoints and CQs (pplx-garden's worker model): trio hands it prepared
-transfers through a deque plus an eventfd wake-up, and it hands finished
-transfers and immediate counts back through deques plus one coalesced
-``TrioToken.run_sync_soon(..., idempotent=True)`` per drained batch.
+The poller thread owns this shard's CQs (pplx-garden's worker model): trio
+hands it prepared transfers through a deque plus an eventfd wake-up, and it
+hands finished transfers and immediate counts back through deques plus one
+coalesced ``TrioToken.run_sync_soon(..., idempotent=True)`` per drained batch.
+Two shortcuts for small writes, both because a thread hop into trio costs
+~100 us on small VMs: the trio thread posts them itself (endpoints are
+FI_THREAD_SAFE), and polls the CQs for a few microseconds with a poller of its
+own; whichever thread reads a completion absorbs it under ``_lock``.
 Operation contexts are integer transfer ids; no Python object crosses into C.
 
 What must not live here: validation (done by ``Transport.prepare`` in the trio
@@ -14,6 +17,8 @@ thread, before anything is queued) and any Python loop over pieces.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,13 +27,16 @@ import structlog
 import trio
 
 from p2pxfer.errors import EngineClosed, TransferError
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Rail
+from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail
 from p2pxfer.topology import Shard as ShardTopology
 from p2pxfer.transport import PreparedWrite, Transport
 
 __all__ = ["Shard", "TransferState"]
 
 log = structlog.get_logger("p2pxfer.engine")
+
+# Writes of at most this many pieces are posted from the trio thread.
+DIRECT_POST_MAX = 64
 
 
 @dataclass(eq=False)
@@ -42,6 +50,7 @@ class TransferState:
     error: str | None = None
     closed: bool = False
     cancel_requested: bool = False
+    direct: bool = False  # posted from the trio thread
     done: trio.Event = field(default_factory=trio.Event)
 
     def exception(self) -> BaseException | None:
@@ -65,6 +74,12 @@ class Shard:
         self.transport = Transport(rails, cache_entries=cache_entries, wake_fd=self.wake_fd,
                                    backoff_max_ns=backoff_max_ns)
         self.slots = trio.Semaphore(max_inflight)
+        # Guards transfer bookkeeping (absorbing completions, taking commands):
+        # both the poller thread and the trio thread (polling a small write
+        # inline, with a poller of its own over the same FI_THREAD_SAFE CQs)
+        # absorb completions. Never held while in C.
+        self._lock = threading.Lock()
+        self._inline_poller = Poller(rails, max_runs=64)
         self._blocks_on_fds = self.transport.poller.blocks_on_fds
         self._token = token
         self._deliver_imms = deliver_imms
@@ -112,13 +127,16 @@ class Shard:
         return TransferState(w, dry_run, w.pieces)
 
     def submit(self, tr: TransferState) -> None:
-        """Post what the TX queues take right now, from this (trio) thread: it
-        saves a thread hop on small writes. The poller posts whatever is left.
+        """Post a small write right now, from this (trio) thread: it saves a
+        thread hop. The poller posts long lists and whatever the TX queue refused.
         The endpoint is FI_THREAD_SAFE; the CQs stay the poller's alone."""
         self.queued += 1
         # Registered before the first post, so no completion can miss it.
         self._inflight[tr.w.tid] = tr
-        if tr.dry_run or tr.w.batch.post_once():
+        # Only small writes are posted here: a long list posted from two threads
+        # at once would have them fight over the provider's locks.
+        tr.direct = not tr.dry_run and tr.w.pieces <= DIRECT_POST_MAX
+        if not tr.direct or tr.w.batch.post_once():
             self._send("write", tr)
         elif tr.w.batch.failures():
             self._send("write", tr)  # the poller turns the failed post into an error
@@ -169,17 +187,38 @@ class Shard:
             os.sched_setaffinity(0, self.topo.cpus)
         poller = self.transport.poller
         while True:
-            if self._inbox and self._take_commands():
-                break
+            with self._lock:
+                if self._inbox and self._take_commands():
+                    break
             self._post_pending()
+            with self._lock:
+                busy = bool(self._posting)
+                need = min((tr.remaining for tr in self._inflight.values()), default=1)
             self._flush()
-            # With pieces waiting for TX room, only drain; otherwise spin, then sleep.
-            busy = bool(self._posting)
+            # Outside the lock: spin, then sleep, gathering in C as many
+            # completions as the closest transfer still needs (each return to
+            # Python is a GIL round with trio). The trio thread may poll too.
             c = poller.progress(spin_ns=0 if busy else self._spin_ns,
-                                timeout_ns=0 if busy else self._idle_ns)
-            self._absorb(c)
+                                timeout_ns=0 if busy else self._idle_ns, min_entries=need)
+            with self._lock:
+                self._absorb(c)
             self._flush()
         self._shutdown()
+
+    def poll_inline(self, tr: TransferState, budget_ns: int) -> None:
+        """In the trio thread, right after posting a small write: poll the CQs
+        for up to ``budget_ns`` (blocking the event loop that long) and deliver
+        what finished, so a small write's completion needs no thread hop. If
+        the poller holds the CQs, it will find the completion itself."""
+        deadline = time.perf_counter_ns() + budget_ns
+        while not tr.done.is_set():
+            c = self._inline_poller.progress()
+            with self._lock:
+                self._absorb(c)
+            if self._finished or self._imms:
+                self._deliver()
+            if time.perf_counter_ns() > deadline:
+                return
 
     def _flush(self) -> None:
         if self._finished or self._imms:
@@ -204,18 +243,22 @@ class Shard:
         return False
 
     def _post_pending(self) -> None:
+        """Post what waits for TX room. ``_posting`` is this thread's alone; the
+        C call runs outside the lock, the bookkeeping inside it."""
         poller = self.transport.poller
         for tr in list(self._posting):
-            self._absorb(poller.post(tr.w.batch))
-            if tr.error is not None:
-                tr.remaining -= tr.w.batch.cancel()  # stop posting after a failure
-            if tr.w.batch.posted:
-                self._posting.remove(tr)
-                if failures := tr.w.batch.failures():
-                    tr.error = tr.error or "; ".join(failures)
-                    # A failed post counts in what cancel() reports as never posted.
-                    tr.remaining -= tr.w.batch.cancel()
-                self._finish_if_done(tr)
+            c = poller.post(tr.w.batch)
+            with self._lock:
+                self._absorb(c)
+                if tr.error is not None:
+                    tr.remaining -= tr.w.batch.cancel()  # stop posting after a failure
+                if tr.w.batch.posted:
+                    self._posting.remove(tr)
+                    if failures := tr.w.batch.failures():
+                        tr.error = tr.error or "; ".join(failures)
+                        # A failed post counts in what cancel() reports as never posted.
+                        tr.remaining -= tr.w.batch.cancel()
+                    self._finish_if_done(tr)
 
     def posted_in_flight(self) -> list[int]:
         """Pieces posted per rail by transfers not yet delivered (a snapshot)."""

@@ -8,6 +8,7 @@ drains completions in batches; it holds no per-transfer bookkeeping.
 from ._baseline import baseline_write as baseline_write
 from ._check import INT64_MAX as INT64_MAX
 from ._check import ScatterCheck as ScatterCheck
+from ._check import address_of as address_of
 from ._check import check_scatter as check_scatter
 from ._info import SUPPORTED_MR_MODE as SUPPORTED_MR_MODE
 from ._info import FabricInfo as FabricInfo

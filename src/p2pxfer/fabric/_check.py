@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from ._binding import ffi, lib
 
-__all__ = ["INT64_MAX", "ScatterCheck", "check_scatter"]
+__all__ = ["INT64_MAX", "ScatterCheck", "address_of", "check_scatter"]
 
 INT64_MAX = (1 << 63) - 1
 REASONS = {
@@ -24,6 +24,11 @@ REASONS = {
     5: "ends past the destination region",
     6: "total length of the list overflows 64 bits",
 }
+
+
+def address_of(view: memoryview) -> int:
+    """Address of a contiguous buffer's first byte (cheaper than numpy's)."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(view)))
 
 
 class ScatterCheck(NamedTuple):
