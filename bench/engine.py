@@ -6,7 +6,8 @@ Measures, over a real provider to a target in a second process:
   bookkeeping, the thread hand-off; no provider calls) in pages/s;
 - the posting rate of tiny 8-byte pieces (65536 per write), engine vs C loop;
 - latency of one 4 KiB write until its completion is seen in trio, against the
-  C loop's post-to-completion time for the same write;
+  C loop's post-to-completion time for the same write and against a raw C
+  ping-pong round trip over the same provider;
 - idle CPU of an open engine with no traffic.
 
     python bench/engine.py --json bench/results/engine.json
@@ -20,6 +21,7 @@ import platform
 import resource
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -52,6 +54,34 @@ async def amedian_time(fn: Any, repeat: int) -> float:
     return statistics.median(times)
 
 
+def c_pingpong_rtt(provider: str, iters: int = 2000) -> float:
+    """Round-trip time of 4 KiB writes with immediates between two endpoints,
+    both loops in C and busy-polling (one per thread, GIL released)."""
+    from p2pxfer import Transport
+    from p2pxfer.fabric import baseline_pingpong
+    from p2pxfer.loopback import loopback_node
+
+    node = loopback_node(provider)
+    with Transport.open(provider, node=node) as a, Transport.open(provider, node=node) as b:
+        bufs = (np.ones(1 << 20, np.uint8), np.ones(1 << 20, np.uint8))
+        descs = (a.export(bufs[0], "a"), b.export(bufs[1], "b"))
+        regions = (a.cache.require(bufs[0]), b.cache.require(bufs[1]))
+        out: list[float] = []
+
+        def side(k: int) -> None:
+            t, peer = (a, descs[1]) if k == 0 else (b, descs[0])
+            rail, pr = t.rails[0], peer.rails[0]
+            out.append(baseline_pingpong(rail, rail.peer(pr.address), regions[k].address,
+                                         regions[k].mrs[0].desc, pr.base, pr.key, 4096,
+                                         iters, k == 0))
+
+        th = threading.Thread(target=side, args=(1,))
+        th.start()
+        side(0)
+        th.join()
+        return max(out)
+
+
 def run(provider: str, repeat: int, idle_s: float) -> list[dict[str, Any]]:
     from p2pxfer import ScatterList, Transport
     from p2pxfer.engine import EngineConfig, open_engine
@@ -78,6 +108,7 @@ def run(provider: str, repeat: int, idle_s: float) -> list[dict[str, Any]]:
     def add(name: str, **fields: Any) -> None:
         results.append({"provider": provider, "pattern": name, **fields})
 
+    rtt = c_pingpong_rtt(provider)
     with LoopbackTarget(provider, region_size) as target, \
             Transport.open(provider, node=node) as t:
         d = target.descriptor
@@ -113,7 +144,8 @@ def run(provider: str, repeat: int, idle_s: float) -> list[dict[str, Any]]:
                 c_lat = median_time(lambda: c_loop(one), 400)
                 e_lat = await amedian_time(lambda: engine.write(src, d, one, imm=1), 400)
                 add("latency-4KiB", baseline_p50_us=c_lat * 1e6, p50_us=e_lat * 1e6,
-                    ratio=e_lat / c_lat)
+                    ratio=e_lat / c_lat, pingpong_rtt_us=rtt * 1e6,
+                    ratio_to_pingpong=e_lat / rtt)
                 await trio.sleep(0.5)
                 cpu0, t0 = cpu_seconds(), time.monotonic()
                 await trio.sleep(idle_s)

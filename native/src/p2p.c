@@ -372,3 +372,43 @@ int64_t p2p_baseline_write(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
     }
     return 0;
 }
+
+/* Wait (busy) for one remote-CQ-data arrival, ignoring our own TX completions. */
+static int64_t await_arrival(struct fid_cq *cq)
+{
+    struct fi_cq_data_entry buf[P2P_CQ_BATCH];
+    for (;;) {
+        ssize_t r = fi_cq_read(cq, buf, 1);
+        if (r == -FI_EAGAIN)
+            continue;
+        if (r < 0)
+            return r;
+        if (buf[0].flags & FI_REMOTE_CQ_DATA)
+            return 0;
+    }
+}
+
+/* Raw C ping-pong: the initiator writes len bytes with an immediate and waits
+ * for the peer's write back; the peer does the reverse. Returns the total
+ * nanoseconds of iters round trips (initiator) or 0 (peer), or an error. */
+int64_t p2p_baseline_pingpong(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
+                              uint64_t src_base, void *src_desc, uint64_t dst_base,
+                              uint64_t dst_key, int64_t len, int64_t iters, int initiator)
+{
+    int64_t i, t0 = p2p_now_ns(), rc;
+    for (i = 0; i < iters; i++) {
+        if (!initiator && (rc = await_arrival(cq)) < 0)
+            return rc;
+        do {
+            rc = fi_writedata(ep, (void *)(uintptr_t)src_base, (size_t)len, src_desc, 1,
+                              (fi_addr_t)dest, dst_base, dst_key, NULL);
+            if (rc == -FI_EAGAIN)
+                fi_cq_read(cq, NULL, 0);
+        } while (rc == -FI_EAGAIN);
+        if (rc < 0)
+            return rc;
+        if (initiator && (rc = await_arrival(cq)) < 0)
+            return rc;
+    }
+    return initiator ? p2p_now_ns() - t0 : 0;
+}

@@ -40,3 +40,13 @@ def baseline_write(
 
 def now_ns() -> int:
     return int(lib.p2p_now_ns())
+
+
+def baseline_pingpong(rail: Rail, dest: int, src_base: int, src_desc: Any, dst_base: int,
+                      dst_key: int, length: int, iters: int, initiator: bool) -> float:
+    """Round trips of ``length``-byte writes with immediates, all in C, busy
+    polling on both sides. Returns seconds per round trip (initiator) or 0."""
+    ns = lib.p2p_baseline_pingpong(rail.endpoint.handle, rail.cq.handle, dest, src_base,
+                                   src_desc, dst_base, dst_key, length, iters, initiator)
+    check(ns, "p2p_baseline_pingpong")
+    return int(ns) / 1e9 / iters if initiator else 0.0
