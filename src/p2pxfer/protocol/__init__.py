@@ -1,0 +1,23 @@
+"""Layer 6: the sans-IO protocols (client<->daemon, daemon<->daemon).
+
+Bytes in, messages out; messages in, bytes out. No trio, no sockets. The
+human-readable spec is ``proto/PROTOCOL.md``.
+"""
+
+from ._connection import CLOSED as CLOSED
+from ._connection import NEED_DATA as NEED_DATA
+from ._connection import Connection as Connection
+from ._errors import LocalProtocolError as LocalProtocolError
+from ._errors import ProtocolError as ProtocolError
+from ._errors import RemoteProtocolError as RemoteProtocolError
+from ._frames import DEFAULT_MAX_FRAME as DEFAULT_MAX_FRAME
+from ._frames import FrameDecoder as FrameDecoder
+from ._frames import encode_frame as encode_frame
+from ._messages import SCHEMA as SCHEMA
+from ._messages import SCHEMA_VERSION as SCHEMA_VERSION
+from ._messages import Message as Message
+from ._messages import pack_scatter as pack_scatter
+from ._messages import unpack_scatter as unpack_scatter
+from ._state import INITIATOR as INITIATOR
+from ._state import RESPONDER as RESPONDER
+from ._state import State as State

@@ -1,0 +1,136 @@
+"""Every message of both protocols and its fields. ``proto/PROTOCOL.md`` is the
+human-readable form of this file; keep them in step (SCHEMA_VERSION too).
+
+A message is a msgpack map with ``t`` (its kind) and the fields below. What
+must not live here: state (``_state.py``) or I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "CLIENT_REQUESTS",
+    "PEER_REQUESTS",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "Message",
+    "pack_scatter",
+    "unpack_scatter",
+    "validate",
+]
+
+SCHEMA_VERSION = 1
+
+_INT = (int,)
+_STR = (str,)
+_BIN = (bytes,)
+_MAP = (dict,)
+_OPT_INT = (int, type(None))
+
+# kind -> {field: (accepted types, required)}
+SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    # handshake and teardown (both protocols)
+    "hello": {"v": (_INT, True), "role": (_STR, True), "name": (_STR, False),
+              "auth": (_BIN, False)},
+    "welcome": {"v": (_INT, True), "node": (_STR, True), "incarnation": (_INT, True),
+                "max_frame": (_INT, True), "nonce": (_BIN, False)},
+    "bye": {},
+    # replies
+    "ok": {"id": (_INT, True), "result": (_MAP, False)},
+    "error": {"id": (_OPT_INT, False), "code": (_STR, True), "message": (_STR, True)},
+    # client -> daemon
+    "share": {"id": (_INT, True), "size": (_INT, True), "name": (_STR, False)},
+    "unshare": {"id": (_INT, True), "mem": (_INT, True)},
+    "export": {"id": (_INT, True), "name": (_STR, True), "mem": (_INT, True),
+               "offset": (_INT, True), "length": (_INT, True)},
+    "unexport": {"id": (_INT, True), "name": (_STR, True)},
+    "write": {"id": (_INT, True), "peer": (_STR, True), "region": (_STR, True),
+              "mem": (_INT, True), "offset": (_INT, True), "scatter": (_BIN, True),
+              "imm": (_OPT_INT, False)},
+    "wait_imm": {"id": (_INT, True), "imm": (_INT, True), "count": (_INT, True)},
+    "status": {"id": (_INT, True)},
+    "peers": {"id": (_INT, True)},
+    "add_peer": {"id": (_INT, True), "name": (_STR, True), "address": (_STR, True)},
+    # daemon -> daemon
+    "resolve": {"id": (_INT, True), "region": (_STR, True)},
+}
+
+CLIENT_REQUESTS = frozenset(
+    {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
+     "add_peer"}
+)
+PEER_REQUESTS = frozenset({"resolve", "status", "peers"})
+
+
+@dataclass(frozen=True)
+class Message:
+    """One protocol message: its kind and its fields (``t`` excluded)."""
+
+    kind: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+    @property
+    def id(self) -> int | None:
+        v = self.fields.get("id")
+        return v if isinstance(v, int) else None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.kind, **self.fields}
+
+
+def validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
+    """Check a decoded map against the schema. Unknown kinds are fatal;
+    a bad field in a message with a usable id is answered, not fatal."""
+    err = RemoteProtocolError if remote else LocalProtocolError
+    kind = obj.get("t")
+    if not isinstance(kind, str) or kind not in SCHEMA:
+        raise err("unknown_type", f"unknown message type {kind!r}")
+    schema = SCHEMA[kind]
+    rid = obj.get("id") if isinstance(obj.get("id"), int) else None
+    fatal = rid is None or kind not in CLIENT_REQUESTS | PEER_REQUESTS
+    fields = {k: v for k, v in obj.items() if k != "t"}
+    if extra := sorted(set(fields) - set(schema), key=str):
+        raise err("bad_request", f"{kind}: unknown fields {extra}", fatal=fatal, request_id=rid)
+    for name, (types, required) in schema.items():
+        if name not in fields:
+            if required:
+                raise err("bad_request", f"{kind}: missing field {name!r}", fatal=fatal,
+                          request_id=rid)
+            continue
+        value = fields[name]
+        # bool is an int to Python, never to us.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            want = "/".join(t.__name__ for t in types)
+            raise err("bad_request", f"{kind}: field {name!r} must be {want}, got "
+                      f"{type(value).__name__}", fatal=fatal, request_id=rid)
+    return Message(kind, fields)
+
+
+def pack_scatter(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
+                 length: npt.NDArray[np.int64]) -> bytes:
+    """Three int64 columns as one little-endian ``bin``: src | dst | length."""
+    return b"".join(np.ascontiguousarray(a, dtype="<i8").tobytes() for a in (src, dst, length))
+
+
+def unpack_scatter(data: bytes) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64],
+                                         npt.NDArray[np.int64]]:
+    if len(data) == 0 or len(data) % 24:
+        raise RemoteProtocolError("bad_request", f"scatter of {len(data)} bytes is not "
+                                  "3 x n int64 values", fatal=False)
+    n = len(data) // 24
+    cols = np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False).reshape(3, n)
+    return cols[0], cols[1], cols[2]
