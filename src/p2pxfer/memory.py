@@ -219,12 +219,21 @@ class LocalRegion:
             and (self.writable or not writable)
         )
 
-    def descriptor(self, name: str, node: str = "", incarnation: int = 0) -> RegionDescriptor:
+    def descriptor(self, name: str, node: str = "", incarnation: int = 0,
+                   span: BufferSpan | None = None) -> RegionDescriptor:
+        """Describe ``span`` (default: the whole registration) for peers. A
+        span inside a larger registration shifts the remote base by its offset
+        (virtual address or offset addressing alike)."""
         if not self.writable:
             raise ReadOnlyBuffer(f"region {name!r} is not registered for remote writes")
+        span = span or self.span
+        if not self.covers(span.address, span.nbytes, True):
+            raise RegistrationError(f"{span.nbytes} bytes at {span.address:#x} are not "
+                                    f"inside {self!r}")
+        shift = span.address - self.address
         return RegionDescriptor(
-            name, self.length,
-            tuple(RailDescriptor(rail.provider, rail.address, mr.key, mr.base)
+            name, span.nbytes,
+            tuple(RailDescriptor(rail.provider, rail.address, mr.key, mr.base + shift)
                   for rail, mr in zip(self.rails, self.mrs, strict=True)),
             node, incarnation,
         )

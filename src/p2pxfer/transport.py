@@ -168,7 +168,7 @@ class Transport:
         """Register ``obj`` for remote writes, pin it, and describe it for peers."""
         region = self.cache.register(obj, writable=True, pin=True)
         region.name = name
-        return region.descriptor(name, node, incarnation)
+        return region.descriptor(name, node, incarnation, buffer_span(obj))
 
     def source(self, src: Any) -> tuple[LocalRegion, int, int]:
         """(registration, base address, size) of a write's source."""

@@ -20,7 +20,7 @@ import trio
 
 from p2pxfer.errors import EngineClosed, InvalidArgument
 from p2pxfer.fabric import Rail
-from p2pxfer.memory import RailDescriptor, RegionDescriptor
+from p2pxfer.memory import RailDescriptor, RegionDescriptor, buffer_span
 from p2pxfer.scatter import ScatterList
 from p2pxfer.topology import Topology, discover
 
@@ -128,6 +128,20 @@ class Engine:
         for shard in self.shards:
             region = shard.transport.cache.require(obj)
             shard.transport.cache.unpin(region)
+
+    def deregister(self, obj: Any) -> None:
+        """Drop ``obj``'s registration on every shard now (it must not be
+        exported, nor the source of a write in flight)."""
+        self._check_open()
+        span = buffer_span(obj)
+        for shard in self.shards:
+            region = shard.transport.cache.lookup(span.address, span.nbytes)
+            if region is not None:
+                shard.transport.cache.release(region)
+
+    def exported(self) -> dict[str, int]:
+        """Exported region names and their sizes."""
+        return {name: buffer_span(obj).nbytes for name, obj in self._exports.items()}
 
     # -- transfers ------------------------------------------------------------
 

@@ -1,0 +1,531 @@
+"""The node daemon: owns the engine, serves clients on a unix socket and peer
+daemons on a TCP control port.
+
+Clients hand memory over as memfds (SCM_RIGHTS); the daemon maps and
+registers it, exports regions by name, resolves ``(peer, region)`` to
+descriptors through the peer's control port, and runs writes on the engine.
+A client that goes away loses its regions and memory; nobody else notices.
+What must not live here: protocol rules (``p2pxfer.protocol``) and the data
+path (``p2pxfer.engine``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+from collections import deque
+from dataclasses import asdict
+from functools import partial
+from typing import Any
+
+import structlog
+import trio
+
+from p2pxfer.engine import Engine, EngineConfig, open_engine
+from p2pxfer.errors import P2PXferError
+from p2pxfer.memory import RegionDescriptor
+from p2pxfer.protocol import (
+    CLOSED,
+    INITIATOR,
+    NEED_DATA,
+    RESPONDER,
+    SCHEMA_VERSION,
+    Connection,
+    Message,
+    RemoteProtocolError,
+    unpack_scatter,
+)
+from p2pxfer.scatter import ScatterList
+
+from ._config import DaemonConfig, PeerAddress, parse_hostport
+from ._io import RequestError, close_fds, error_code, peer_credentials, recv_with_fds
+
+__all__ = ["Daemon", "serve"]
+
+log = structlog.get_logger("p2pxfer.daemon")
+
+PEER_TIMEOUT_S = 5.0
+
+
+class _Mem:
+    """A client's memfd, mapped here and registered with the engine."""
+
+    def __init__(self, mem_id: int, fd: int, size: int) -> None:
+        st = os.fstat(fd)
+        if st.st_size < size:
+            raise RequestError("bad_request", f"memfd holds {st.st_size} bytes, not {size}")
+        self.id = mem_id
+        self.size = size
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def view(self, offset: int, length: int | None = None) -> memoryview:
+        end = self.size if length is None else offset + length
+        if offset < 0 or end > self.size or end <= offset:
+            raise RequestError("out_of_range", f"[{offset}, {end}) is outside memory {self.id} "
+                               f"of {self.size} bytes")
+        return memoryview(self.map)[offset:end]
+
+
+class Daemon:
+    """State of one node daemon; run it with :func:`serve` / ``nursery.start``."""
+
+    def __init__(self, config: DaemonConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.node = config.node
+        self.incarnation = engine.config.incarnation
+        self.control_address = ""
+        self.peers: dict[str, PeerAddress] = {p.name: p for p in config.peers}
+        self.exports: dict[str, tuple[ClientSession, RegionDescriptor]] = {}
+        self.sessions: set[ClientSession] = set()
+        self._links: dict[str, PeerLink] = {}
+        self._resolved: dict[tuple[str, str], RegionDescriptor] = {}
+        self.writes_in_flight = 0
+
+    # -- regions and peers ----------------------------------------------------
+
+    def local_descriptor(self, region: str) -> RegionDescriptor:
+        hit = self.exports.get(region)
+        if hit is None:
+            raise RequestError("unknown_region", f"no region named {region!r} on {self.node}")
+        return hit[1]
+
+    async def resolve(self, peer: str, region: str) -> RegionDescriptor:
+        if peer == self.node:
+            return self.local_descriptor(region)
+        key = (peer, region)
+        if (hit := self._resolved.get(key)) is not None:
+            return hit
+        link = self._link(peer)
+        result = await link.request("resolve", region=region)
+        try:
+            desc = RegionDescriptor.from_wire(result.get("descriptor"))
+        except P2PXferError as exc:
+            raise RequestError("peer_unreachable", f"{peer} sent a bad descriptor: {exc}") \
+                from exc
+        self._resolved[key] = desc
+        return desc
+
+    def forget(self, peer: str, region: str) -> None:
+        self._resolved.pop((peer, region), None)
+
+    def _link(self, peer: str) -> PeerLink:
+        if peer not in self.peers:
+            raise RequestError("unknown_peer", f"no peer named {peer!r} (known: "
+                               f"{[*sorted(self.peers), self.node]})")
+        link = self._links.get(peer)
+        if link is None or link.address != self.peers[peer].address:
+            link = self._links[peer] = PeerLink(self, self.peers[peer])
+        return link
+
+    def add_peer(self, name: str, address: str) -> None:
+        try:
+            parse_hostport(address)
+        except P2PXferError as exc:
+            raise RequestError("bad_request", str(exc)) from exc
+        self.peers[name] = PeerAddress(name, address)
+        for key in [k for k in self._resolved if k[0] == name]:
+            del self._resolved[key]
+
+    def status(self) -> dict[str, Any]:
+        stats = self.engine.statistics()
+        return {
+            "node": self.node,
+            "incarnation": self.incarnation,
+            "control": self.control_address,
+            "socket": self.config.socket,
+            "provider": self.engine.config.provider,
+            "clients": len(self.sessions),
+            "regions": [{"name": n, "length": d.length, "client": s.label}
+                        for n, (s, d) in sorted(self.exports.items())],
+            "peers": [{"name": p.name, "address": p.address} for p in self.peers.values()],
+            "transfers_in_flight": self.writes_in_flight,
+            "completed": stats.completed,
+            "failed": stats.failed,
+            "nics": [asdict(n) for n in stats.nics],
+        }
+
+    # -- listeners ------------------------------------------------------------
+
+    async def serve_clients(self, nursery: trio.Nursery) -> trio.socket.SocketType:
+        path = self.config.socket
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket from an earlier run
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is created 0600, never briefly wider
+        try:
+            await sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(64)
+        nursery.start_soon(self._accept_clients, sock)
+        return sock
+
+    async def _accept_clients(self, sock: trio.socket.SocketType) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                conn, _ = await sock.accept()
+                nursery.start_soon(self._client, conn)
+
+    async def _client(self, sock: trio.socket.SocketType) -> None:
+        pid, uid, _gid = peer_credentials(sock)
+        allowed = {0, os.getuid(), *self.config.allowed_uids}
+        if uid not in allowed:
+            log.warning("client.refused", pid=pid, uid=uid)
+            sock.close()
+            return
+        session = ClientSession(self, sock, pid)
+        self.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+
+    async def serve_peers(self, nursery: trio.Nursery) -> None:
+        host, port = parse_hostport(self.config.control)
+        listeners = await nursery.start(partial(trio.serve_tcp, host=host), self._peer, port)
+        addr = listeners[0].socket.getsockname()
+        self.control_address = f"{addr[0]}:{addr[1]}"
+
+    async def _peer(self, stream: trio.SocketStream) -> None:
+        conn = Connection("peer", RESPONDER, max_frame=self.config.max_frame)
+        try:
+            while True:
+                try:
+                    event = conn.next_event()
+                except RemoteProtocolError as exc:
+                    log.warning("peer.protocol_error", code=exc.code, error=exc.message)
+                    await stream.send_all(conn.send_error(exc))
+                    if exc.fatal:
+                        return
+                    continue
+                if event is NEED_DATA:
+                    conn.receive_data(await stream.receive_some(1 << 16))
+                    continue
+                if event is CLOSED:
+                    return
+                assert isinstance(event, Message)
+                await stream.send_all(self._peer_reply(conn, event))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        finally:
+            await stream.aclose()
+
+    def _peer_reply(self, conn: Connection, msg: Message) -> bytes:
+        if msg.kind == "hello":
+            return conn.send("welcome", v=SCHEMA_VERSION, node=self.node,
+                             incarnation=self.incarnation, max_frame=self.config.max_frame)
+        if msg.kind == "bye":
+            return b""
+        try:
+            if msg.kind == "resolve":
+                result = {"descriptor": self.local_descriptor(msg["region"]).to_wire()}
+            elif msg.kind == "status":
+                result = self.status()
+            else:  # peers
+                result = {"peers": self.status()["peers"]}
+            return conn.send("ok", id=msg.id, result=result)
+        except P2PXferError as exc:
+            code, text = error_code(exc)
+            return conn.send("error", id=msg.id, code=code, message=text)
+
+
+class PeerLink:
+    """Our connection to one peer daemon's control port (requests in turn)."""
+
+    def __init__(self, daemon: Daemon, peer: PeerAddress) -> None:
+        self.daemon = daemon
+        self.peer = peer
+        self.address = peer.address
+        self._lock = trio.Lock()
+        self._stream: trio.SocketStream | None = None
+        self._conn: Connection | None = None
+
+    async def request(self, kind: str, **fields: Any) -> dict[str, Any]:
+        async with self._lock:
+            try:
+                with trio.fail_after(PEER_TIMEOUT_S):
+                    return await self._request(kind, fields)
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError,
+                    RemoteProtocolError) as exc:
+                await self._drop()
+                raise RequestError("peer_unreachable", f"peer {self.peer.name} at "
+                                   f"{self.address}: {exc or type(exc).__name__}") from exc
+
+    async def _request(self, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+        if self._stream is None:
+            host, port = parse_hostport(self.address)
+            self._stream = await trio.open_tcp_stream(host, port)
+            self._conn = Connection("peer", INITIATOR, max_frame=self.daemon.config.max_frame)
+            await self._stream.send_all(self._conn.send(
+                "hello", v=SCHEMA_VERSION, role="daemon", name=self.daemon.node))
+            await self._reply(None)
+        assert self._conn is not None and self._stream is not None
+        rid = self._conn.next_id()
+        await self._stream.send_all(self._conn.send(kind, id=rid, **fields))
+        msg = await self._reply(rid)
+        if msg.kind == "error":
+            raise RequestError(msg["code"], f"{self.peer.name}: {msg['message']}")
+        return dict(msg.get("result") or {})
+
+    async def _reply(self, rid: int | None) -> Message:
+        assert self._conn is not None and self._stream is not None
+        while True:
+            event = self._conn.next_event()
+            if event is NEED_DATA:
+                data = await self._stream.receive_some(1 << 16)
+                self._conn.receive_data(data)
+                continue
+            if event is CLOSED:
+                raise trio.BrokenResourceError("peer closed the control connection")
+            assert isinstance(event, Message)
+            if rid is None or event.id == rid:
+                if rid is None and event.kind == "error":
+                    raise RequestError(event["code"], event["message"])
+                return event
+
+    async def _drop(self) -> None:
+        if self._stream is not None:
+            with trio.CancelScope(shield=True):
+                await self._stream.aclose()
+        self._stream = self._conn = None
+
+
+class ClientSession:
+    """One connected client: its memory, its exports, its requests in flight."""
+
+    def __init__(self, daemon: Daemon, sock: trio.socket.SocketType, pid: int) -> None:
+        self.daemon = daemon
+        self.sock = sock
+        self.label = f"pid:{pid}"
+        self.conn = Connection("client", RESPONDER, max_frame=daemon.config.max_frame)
+        self.mems: dict[int, _Mem] = {}
+        self.exports: set[str] = set()
+        self._fds: deque[int] = deque()
+        self._send_lock = trio.Lock()
+        self._next_mem = 1
+        self._export_mem: dict[str, int] = {}  # region name -> memory backing it
+
+    async def run(self) -> None:
+        log.info("client.connected", client=self.label)
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    await self._serve(nursery)
+                finally:
+                    nursery.cancel_scope.cancel()  # pending writes finish, shielded
+        finally:
+            with trio.CancelScope(shield=True):
+                self._release()
+                self.sock.close()
+            log.info("client.gone", client=self.label)
+
+    async def _serve(self, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                event = self.conn.next_event()
+            except RemoteProtocolError as exc:
+                log.warning("client.protocol_error", client=self.label, code=exc.code,
+                            error=exc.message)
+                await self._send(lambda exc=exc: self.conn.send_error(exc))
+                if exc.fatal:
+                    return
+                continue
+            if event is NEED_DATA:
+                try:
+                    data, fds = await recv_with_fds(self.sock)
+                except OSError:
+                    return
+                self._fds.extend(fds)
+                self.conn.receive_data(data)
+                continue
+            if event is CLOSED:
+                return
+            assert isinstance(event, Message)
+            if event.kind == "bye":
+                return
+            if event.kind == "hello":
+                await self._send(self._welcome)
+            elif event.kind in ("write", "wait_imm"):
+                nursery.start_soon(self._answer, event)
+            else:
+                await self._answer(event)
+
+    def _welcome(self) -> bytes:
+        d = self.daemon
+        return self.conn.send("welcome", v=SCHEMA_VERSION, node=d.node,
+                              incarnation=d.incarnation, max_frame=d.config.max_frame)
+
+    async def _send(self, encode: Any) -> None:
+        async with self._send_lock:
+            data = encode()  # encode under the lock: the connection's state moves
+            if data:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[await self.sock.send(view):]
+                except OSError:
+                    pass  # the client is gone; the receive side notices
+
+    async def _answer(self, msg: Message) -> None:
+        try:
+            result = await self._handle(msg)
+        except trio.Cancelled:
+            raise
+        except P2PXferError as exc:
+            code, text = error_code(exc)
+            log.info("request.failed", client=self.label, kind=msg.kind, code=code, error=text)
+            await self._send(lambda: self.conn.send("error", id=msg.id, code=code, message=text))
+            return
+        await self._send(lambda: self.conn.send("ok", id=msg.id, result=result))
+
+    async def _handle(self, msg: Message) -> dict[str, Any]:
+        d = self.daemon
+        kind = msg.kind
+        if kind == "share":
+            return self._share(msg)
+        if kind == "unshare":
+            mem = self._mem(msg["mem"])
+            if mem.id in self._export_mem.values():
+                raise RequestError("bad_request", f"memory {mem.id} still backs an export")
+            d.engine.deregister(mem.map)
+            del self.mems[mem.id]
+            _close_map(mem)
+            return {}
+        if kind == "export":
+            return self._export(msg)
+        if kind == "unexport":
+            name = msg["name"]
+            if name not in self.exports:
+                raise RequestError("unknown_region", f"this client exported no {name!r}")
+            self._unexport(name)
+            return {}
+        if kind == "write":
+            return await self._write(msg)
+        if kind == "wait_imm":
+            await d.engine.wait_imm(msg["imm"], msg["count"])
+            return {}
+        if kind == "status":
+            return d.status()
+        if kind == "peers":
+            return {"peers": d.status()["peers"]}
+        if kind == "add_peer":
+            d.add_peer(msg["name"], msg["address"])
+            return {}
+        raise RequestError("unexpected", f"no handler for {kind!r}")
+
+    def _mem(self, mem_id: int) -> _Mem:
+        mem = self.mems.get(mem_id)
+        if mem is None:
+            raise RequestError("unknown_mem", f"no shared memory {mem_id} on this connection")
+        return mem
+
+    def _share(self, msg: Message) -> dict[str, Any]:
+        if not self._fds:
+            raise RequestError("bad_request", "share came without a file descriptor")
+        fd = self._fds.popleft()
+        try:
+            size = msg["size"]
+            if size <= 0:
+                raise RequestError("bad_request", f"share size must be > 0, got {size}")
+            mem = _Mem(self._next_mem, fd, size)
+        finally:
+            os.close(fd)
+        self._next_mem += 1
+        self.mems[mem.id] = mem
+        self.daemon.engine.register(mem.map, writable=True)
+        log.info("memory.shared", client=self.label, mem=mem.id, nbytes=size)
+        return {"mem": mem.id}
+
+    def _export(self, msg: Message) -> dict[str, Any]:
+        d = self.daemon
+        name = msg["name"]
+        if not name:
+            raise RequestError("bad_request", "region name must not be empty")
+        if name in d.exports:
+            raise RequestError("name_taken", f"a region named {name!r} is already exported "
+                               f"on {d.node}")
+        mem = self._mem(msg["mem"])
+        view = mem.view(msg["offset"], msg["length"])
+        desc = d.engine.export(view, name)
+        d.exports[name] = (self, desc)
+        self.exports.add(name)
+        self._export_mem[name] = mem.id
+        log.info("region.exported", client=self.label, region=name, nbytes=desc.length)
+        return {"descriptor": desc.to_wire()}
+
+    def _unexport(self, name: str) -> None:
+        self.daemon.engine.unexport(name)
+        self.daemon.exports.pop(name, None)
+        self.exports.discard(name)
+        self._export_mem.pop(name, None)
+
+    async def _write(self, msg: Message) -> dict[str, Any]:
+        d = self.daemon
+        mem = self._mem(msg["mem"])
+        src = mem.view(msg["offset"])
+        s, t, n = unpack_scatter(msg["scatter"])
+        scatter = ScatterList(s, t, n)
+        peer, region = msg["peer"], msg["region"]
+        desc = await d.resolve(peer, region)
+        d.writes_in_flight += 1
+        t0 = time.perf_counter()
+        try:
+            pieces = await d.engine.write(src, desc, scatter, imm=msg.get("imm"))
+        except P2PXferError:
+            d.forget(peer, region)  # the peer may have restarted: look it up afresh
+            raise
+        finally:
+            d.writes_in_flight -= 1
+        log.debug("transfer.complete", client=self.label, peer=peer, region=region,
+                  nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
+        return {"pieces": pieces}
+
+    def _release(self) -> None:
+        """The client is gone: drop its exports, registrations and mappings."""
+        for name in list(self.exports):
+            try:
+                self._unexport(name)
+            except P2PXferError as exc:
+                log.warning("region.unexport_failed", region=name, error=str(exc))
+        for mem in self.mems.values():
+            with contextlib.suppress(P2PXferError):
+                self.daemon.engine.deregister(mem.map)
+            _close_map(mem)
+        self.mems.clear()
+        close_fds(list(self._fds))
+        self._fds.clear()
+
+
+def _close_map(mem: _Mem) -> None:
+    # A view still alive somewhere keeps the mapping; it goes with the view.
+    with contextlib.suppress(BufferError):
+        mem.map.close()
+
+
+async def serve(config: DaemonConfig, *,
+                task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run a daemon until cancelled. ``nursery.start(serve, config)`` returns
+    the :class:`Daemon` once both listeners are up."""
+    engine_cfg = EngineConfig(
+        provider=config.provider, node=config.fabric_node or None,
+        interfaces=config.interfaces or None, node_name=config.node,
+        incarnation=time.time_ns(),
+    )
+    async with open_engine(engine_cfg) as engine, trio.open_nursery() as nursery:
+        daemon = Daemon(config, engine)
+        await daemon.serve_peers(nursery)
+        sock = await daemon.serve_clients(nursery)
+        log.info("daemon.ready", node=daemon.node, socket=config.socket,
+                 control=daemon.control_address, provider=config.provider)
+        task_status.started(daemon)
+        try:
+            await trio.sleep_forever()
+        finally:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(config.socket)
