@@ -8,6 +8,14 @@ from p2pxfer.log import ensure_default as _ensure_default
 
 _ensure_default()
 
+from p2pxfer.client import Client as Client  # noqa: E402
+from p2pxfer.client import DaemonError as DaemonError  # noqa: E402
+from p2pxfer.client import SharedMemory as SharedMemory  # noqa: E402
+from p2pxfer.client import SyncClient as SyncClient  # noqa: E402
+from p2pxfer.client import connect as connect  # noqa: E402
+from p2pxfer.engine import Engine as Engine  # noqa: E402
+from p2pxfer.engine import EngineConfig as EngineConfig  # noqa: E402
+from p2pxfer.engine import open_engine as open_engine  # noqa: E402
 from p2pxfer.errors import DescriptorError as DescriptorError  # noqa: E402
 from p2pxfer.errors import EngineClosed as EngineClosed  # noqa: E402
 from p2pxfer.errors import FabricError as FabricError  # noqa: E402

@@ -13,6 +13,8 @@ from rich.table import Table
 from p2pxfer.errors import P2PXferError
 from p2pxfer.log import configure
 
+DEFAULT_SOCKET = "/run/p2pxfer/p2pxfer.sock"
+
 console = Console()
 
 
@@ -83,3 +85,84 @@ def demo(provider: str, pages: int, page_size: str, region_size: str, seed: int)
     console.print(table)
     if not ok:
         raise click.ClickException("destination bytes differ from what was written")
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="TOML config (see deploy/p2pxfer.toml for every option)")
+@click.option("--socket", "socket_path", help="override the config's unix socket path")
+@click.option("--control", help="override the config's control host:port")
+@click.option("--node", help="override the config's node name")
+def daemon(config_path: str | None, socket_path: str | None, control: str | None,
+           node: str | None) -> None:
+    """Run the node daemon in the foreground until interrupted."""
+    import dataclasses
+
+    import trio
+
+    from p2pxfer.daemon import DaemonConfig, serve
+
+    try:
+        cfg = DaemonConfig.from_toml(config_path) if config_path else DaemonConfig()
+        cfg = dataclasses.replace(cfg, socket=socket_path or cfg.socket,
+                                  control=control or cfg.control, node=node or cfg.node)
+        configure(cfg.log_level)
+        trio.run(serve, cfg)
+    except KeyboardInterrupt:
+        pass
+    except P2PXferError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _client_call(socket_path: str, method: str) -> object:
+    from p2pxfer.client import SyncClient
+
+    try:
+        with SyncClient(socket_path) as client:
+            return getattr(client, method)()
+    except P2PXferError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.command()
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
+def status(socket_path: str, as_json: bool) -> None:
+    """Regions, peers, transfers in flight and bytes per NIC of a running daemon."""
+    import json
+
+    st = _client_call(socket_path, "status")
+    assert isinstance(st, dict)
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    console.print(f"[bold]{st['node']}[/bold] incarnation {st['incarnation']} "
+                  f"provider {st['provider']} control {st['control']} clients {st['clients']} "
+                  f"transfers in flight {st['transfers_in_flight']}")
+    regions = Table(title="regions")
+    for col in ("name", "bytes", "client"):
+        regions.add_column(col)
+    for r in st["regions"]:
+        regions.add_row(r["name"], str(r["length"]), r["client"])
+    nics = Table(title="NICs")
+    for col in ("shard", "nic", "bytes sent", "pieces", "in flight", "received", "errors"):
+        nics.add_column(col)
+    for n in st["nics"]:
+        nics.add_row(str(n["shard"]), n["name"], str(n["bytes"]), str(n["pieces"]),
+                     str(n["inflight"]), str(n["received"]), str(n["errors"]))
+    console.print(regions)
+    console.print(nics)
+
+
+@main.command()
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
+def peers(socket_path: str) -> None:
+    """Peers the daemon knows."""
+    table = Table(title="peers")
+    table.add_column("name")
+    table.add_column("control address")
+    result = _client_call(socket_path, "peers")
+    assert isinstance(result, list)
+    for p in result:
+        table.add_row(p["name"], p["address"])
+    console.print(table)

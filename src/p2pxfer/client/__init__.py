@@ -1,0 +1,8 @@
+"""Layer 8b: the client library (trio and asyncio through anyio, plus a
+blocking facade)."""
+
+from ._client import Client as Client
+from ._client import DaemonError as DaemonError
+from ._client import SharedMemory as SharedMemory
+from ._client import connect as connect
+from ._sync import SyncClient as SyncClient

@@ -1,0 +1,253 @@
+"""The client library: talk to the node daemon over its unix socket.
+
+Works under trio and asyncio alike (anyio). Memory is shared with the daemon
+without copies: ``alloc`` creates a memfd, maps it here and passes the fd to
+the daemon with SCM_RIGHTS, which maps and registers the same pages. Errors
+the daemon reports come back as the matching ``P2PXferError`` subclass with
+the protocol's ``code`` attached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from p2pxfer.errors import (
+    EngineClosed,
+    InvalidArgument,
+    P2PXferError,
+    RemoteClosed,
+    ScatterError,
+    TransferError,
+    UnregisteredMemory,
+)
+from p2pxfer.memory import RegionDescriptor, SharedBuffer
+from p2pxfer.protocol import (
+    CLOSED,
+    INITIATOR,
+    NEED_DATA,
+    SCHEMA_VERSION,
+    Connection,
+    Message,
+    ProtocolError,
+    pack_scatter,
+)
+from p2pxfer.scatter import ScatterList
+
+__all__ = ["Client", "DaemonError", "SharedMemory", "connect"]
+
+log = structlog.get_logger("p2pxfer.client")
+
+
+class DaemonError(P2PXferError):
+    """The daemon refused a request; ``code`` is the protocol's error code."""
+
+    code: str = "internal"
+
+
+_BY_CODE: dict[str, type[P2PXferError]] = {
+    "out_of_range": ScatterError,
+    "bad_request": InvalidArgument,
+    "unknown_mem": UnregisteredMemory,
+    "transfer_failed": TransferError,
+    "peer_unreachable": RemoteClosed,
+    "closed": EngineClosed,
+}
+
+
+def _error(code: str, message: str) -> P2PXferError:
+    exc = _BY_CODE.get(code, DaemonError)(f"{code}: {message}")
+    exc.code = code  # type: ignore[attr-defined]
+    return exc
+
+
+class SharedMemory:
+    """Memory shared with the daemon: ``array`` is a writable uint8 numpy view."""
+
+    def __init__(self, buf: SharedBuffer, mem_id: int) -> None:
+        self.buffer = buf
+        self.mem_id = mem_id
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        return self.buffer.array
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+class Client:
+    """A connection to the node daemon. Use :func:`connect`."""
+
+    def __init__(self, stream: anyio.abc.SocketStream, max_frame: int) -> None:
+        self._stream = stream
+        self._conn = Connection("client", INITIATOR, max_frame=max_frame)
+        self._lock = anyio.Lock()
+        self._pending: dict[int, tuple[anyio.Event, list[Message]]] = {}
+        self._closed: P2PXferError | None = None
+        self._mems: list[SharedMemory] = []
+        self.node = ""
+        self.incarnation = 0
+
+    # -- plumbing -------------------------------------------------------------
+
+    async def _handshake(self) -> None:
+        await self._stream.send(self._conn.send("hello", v=SCHEMA_VERSION, role="client"))
+        msg = await self._read_one()
+        if msg.kind == "error":
+            raise _error(msg["code"], msg["message"])
+        self.node, self.incarnation = msg["node"], msg["incarnation"]
+
+    async def _read_one(self) -> Message:
+        while True:
+            event = self._conn.next_event()
+            if event is NEED_DATA:
+                try:
+                    self._conn.receive_data(await self._stream.receive(1 << 16))
+                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    self._conn.receive_data(b"")
+                continue
+            if event is CLOSED:
+                raise EngineClosed("the daemon closed the connection")
+            assert isinstance(event, Message)
+            return event
+
+    async def _reader(self) -> None:
+        try:
+            while True:
+                msg = await self._read_one()
+                if msg.id is None:
+                    if msg.kind == "error":
+                        raise _error(msg["code"], msg["message"])
+                    continue
+                slot = self._pending.pop(msg.id, None)
+                if slot is not None:
+                    slot[1].append(msg)
+                    slot[0].set()
+        except P2PXferError as exc:
+            self._fail_all(exc)
+        except ProtocolError as exc:
+            self._fail_all(P2PXferError(f"protocol error from the daemon: {exc}"))
+
+    def _fail_all(self, exc: P2PXferError) -> None:
+        self._closed = exc
+        for event, _ in self._pending.values():
+            event.set()
+
+    async def _request(self, kind: str, fds: list[int] | None = None, **fields: Any
+                       ) -> dict[str, Any]:
+        if self._closed is not None:
+            raise EngineClosed(f"connection to the daemon is closed ({self._closed})")
+        event, box = anyio.Event(), list[Message]()
+        async with self._lock:
+            rid = self._conn.next_id()
+            data = self._conn.send(kind, id=rid, **fields)
+            self._pending[rid] = (event, box)
+            if fds:
+                await self._stream.send_fds(data, fds)  # type: ignore[attr-defined]
+            else:
+                await self._stream.send(data)
+        await event.wait()
+        if not box:
+            assert self._closed is not None
+            raise EngineClosed(f"connection to the daemon closed: {self._closed}")
+        msg = box[0]
+        if msg.kind == "error":
+            raise _error(msg["code"], msg["message"])
+        return dict(msg.get("result") or {})
+
+    # -- API ------------------------------------------------------------------
+
+    async def alloc(self, nbytes: int, name: str = "p2pxfer") -> SharedMemory:
+        """Shared memory of ``nbytes``, mapped here and registered by the daemon."""
+        buf = SharedBuffer(nbytes, name)
+        try:
+            result = await self._request("share", fds=[buf.fd], size=nbytes, name=name)
+        except BaseException:
+            buf.close()
+            raise
+        mem = SharedMemory(buf, int(result["mem"]))
+        self._mems.append(mem)
+        return mem
+
+    async def export(self, name: str, mem: SharedMemory, offset: int = 0,
+                     length: int | None = None) -> RegionDescriptor:
+        """Let peers write into ``mem[offset:offset+length]`` as region ``name``."""
+        length = mem.nbytes - offset if length is None else length
+        result = await self._request("export", name=name, mem=mem.mem_id, offset=offset,
+                                     length=length)
+        return RegionDescriptor.from_wire(result["descriptor"])
+
+    async def unexport(self, name: str) -> None:
+        await self._request("unexport", name=name)
+
+    async def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
+                    src_offset: int = 0, imm: int | None = None) -> int:
+        """Write ``scatter`` from ``src`` (offsets relative to ``src_offset``)
+        into ``region`` on node ``peer``; returns the pieces written, each with
+        ``imm``. Returns once every piece has completed."""
+        if not isinstance(scatter, ScatterList):
+            raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
+        packed = pack_scatter(scatter.src, scatter.dst, scatter.length)
+        result = await self._request("write", peer=peer, region=region, mem=src.mem_id,
+                                     offset=src_offset, scatter=packed, imm=imm)
+        return int(result["pieces"])
+
+    async def wait_imm(self, imm: int, count: int) -> None:
+        """Return once ``count`` pieces carrying ``imm`` have landed on this node."""
+        await self._request("wait_imm", imm=imm, count=count)
+
+    async def status(self) -> dict[str, Any]:
+        return await self._request("status")
+
+    async def peers(self) -> list[dict[str, Any]]:
+        return list((await self._request("peers"))["peers"])
+
+    async def add_peer(self, name: str, address: str) -> None:
+        await self._request("add_peer", name=name, address=address)
+
+    async def aclose(self) -> None:
+        if self._closed is None:
+            try:
+                async with self._lock:
+                    await self._stream.send(self._conn.send("bye"))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError,
+                    ProtocolError):
+                pass
+            self._closed = EngineClosed("client closed")
+        await self._stream.aclose()
+        for mem in self._mems:
+            mem.close()
+        self._mems.clear()
+
+
+@asynccontextmanager
+async def connect(path: str, *, max_frame: int = 16 << 20) -> AsyncIterator[Client]:
+    """Connect to the daemon at ``path`` for the duration of the block."""
+    try:
+        stream = await anyio.connect_unix(path)
+    except OSError as exc:
+        raise EngineClosed(f"cannot reach the p2pxfer daemon at {path}: {exc}") from exc
+    client = Client(stream, max_frame)
+    try:
+        await client._handshake()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client._reader)
+            try:
+                yield client
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await client.aclose()

@@ -1,0 +1,74 @@
+"""``SyncClient``: the client for synchronous callers, on an event loop of its
+own in a background thread (anyio's blocking portal)."""
+
+from __future__ import annotations
+
+from functools import partial
+from types import TracebackType
+from typing import Any, Self
+
+from anyio.from_thread import start_blocking_portal
+
+from p2pxfer.memory import RegionDescriptor
+from p2pxfer.scatter import ScatterList
+
+from ._client import Client, SharedMemory, connect
+
+__all__ = ["SyncClient"]
+
+
+class SyncClient:
+    """Blocking twin of :class:`Client`; close it (or use ``with``)."""
+
+    def __init__(self, path: str) -> None:
+        self._portal_cm = start_blocking_portal("trio")
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._client_cm = self._portal.wrap_async_context_manager(connect(path))
+            self._client: Client = self._client_cm.__enter__()
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    def _call(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        return self._portal.call(partial(fn, *args, **kw))
+
+    def alloc(self, nbytes: int, name: str = "p2pxfer") -> SharedMemory:
+        return self._call(self._client.alloc, nbytes, name)  # type: ignore[no-any-return]
+
+    def export(self, name: str, mem: SharedMemory, offset: int = 0,
+               length: int | None = None) -> RegionDescriptor:
+        return self._call(self._client.export, name, mem, offset, length)  # type: ignore[no-any-return]
+
+    def unexport(self, name: str) -> None:
+        self._call(self._client.unexport, name)
+
+    def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
+              src_offset: int = 0, imm: int | None = None) -> int:
+        return int(self._call(self._client.write, peer, region, scatter, src=src,
+                              src_offset=src_offset, imm=imm))
+
+    def wait_imm(self, imm: int, count: int) -> None:
+        self._call(self._client.wait_imm, imm, count)
+
+    def status(self) -> dict[str, Any]:
+        return dict(self._call(self._client.status))
+
+    def peers(self) -> list[dict[str, Any]]:
+        return list(self._call(self._client.peers))
+
+    def add_peer(self, name: str, address: str) -> None:
+        self._call(self._client.add_peer, name, address)
+
+    def close(self) -> None:
+        try:
+            self._client_cm.__exit__(None, None, None)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
