@@ -166,3 +166,7 @@ def peers(socket_path: str) -> None:
     for p in result:
         table.add_row(p["name"], p["address"])
     console.print(table)
+
+
+if __name__ == "__main__":
+    main()
