@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import socket
 import time
 from collections import deque
 from dataclasses import asdict
@@ -34,6 +35,7 @@ from p2pxfer.protocol import (
     SCHEMA_VERSION,
     Connection,
     Message,
+    ProtocolError,
     RemoteProtocolError,
     unpack_scatter,
 )
@@ -212,6 +214,9 @@ class Daemon:
                 await stream.send_all(self._peer_reply(conn, event))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
+        except ProtocolError as exc:  # we could not answer: end this connection only
+            log.warning("peer.closed_on_error", code=exc.code, error=exc.message)
+            return
         finally:
             await stream.aclose()
 
@@ -362,7 +367,16 @@ class ClientSession:
 
     async def _send(self, encode: Any) -> None:
         async with self._send_lock:
-            data = encode()  # encode under the lock: the connection's state moves
+            try:
+                data = encode()  # encode under the lock: the connection's state moves
+            except ProtocolError as exc:
+                # We cannot say this (too big, not encodable...): this client's
+                # conversation is over; nobody else's is.
+                log.warning("client.closed_on_error", client=self.label, code=exc.code,
+                            error=exc.message)
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                return
             if data:
                 try:
                     view = memoryview(data)

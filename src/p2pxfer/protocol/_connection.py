@@ -46,7 +46,8 @@ class Connection:
         self.their_role = RESPONDER if our_role == INITIATOR else INITIATOR
         self.requests = PROTOCOLS[protocol]
         self.state = State.IDLE
-        self.max_frame = max_frame
+        self.max_frame = max_frame  # what we accept
+        self.send_max_frame = max_frame  # what the peer accepts (welcome may lower it)
         self._decoder = FrameDecoder(max_frame)
         self._eof = False
         self._outstanding: set[int] = set()
@@ -61,20 +62,32 @@ class Connection:
 
     def send(self, msg: Message | str, fields: Mapping[str, Any] | None = None,
              **kw: Any) -> bytes:
-        """Encode a message we send, checking it is legal now."""
+        """Encode a message we send, checking it is legal now. A refused
+        message changes nothing."""
         if isinstance(msg, str):
             msg = Message(msg, {**(fields or {}), **kw})
         msg = validate(msg.to_wire(), remote=False)
+        state, outstanding = self.state, set(self._outstanding)
         self._advance(self.our_role, msg, LocalProtocolError)
-        return encode_frame(msg.to_wire(), self.max_frame)
+        try:
+            return encode_frame(msg.to_wire(), self.send_max_frame)
+        except LocalProtocolError:
+            self.state, self._outstanding = state, outstanding
+            raise
 
     def send_error(self, err: ProtocolError) -> bytes:
-        """The error frame that answers ``err`` (a fatal one closes us)."""
-        msg = Message("error", {"id": err.request_id, "code": err.code, "message": err.message})
-        if err.request_id is not None and err.request_id in self._outstanding and not err.fatal:
-            return self.send(msg)
+        """The error frame answering ``err``. A non-fatal error answers its
+        request and keeps the conversation; a fatal one goes out with no id
+        (connection-level) and closes us."""
+        rid = err.request_id
+        if not err.fatal and rid is not None and rid in self._outstanding:
+            return self.send("error", id=rid, code=err.code, message=err.message)
         self.state = State.CLOSED
-        return encode_frame(msg.to_wire(), self.max_frame)
+        frame = {"t": "error", "id": None, "code": err.code, "message": err.message}
+        try:
+            return encode_frame(frame, self.send_max_frame)
+        except LocalProtocolError:
+            return encode_frame({**frame, "message": err.message[:200]}, self.send_max_frame)
 
     # -- incoming -------------------------------------------------------------
 
@@ -87,8 +100,8 @@ class Connection:
 
     def next_event(self) -> Message | _Sentinel:
         """The next message, NEED_DATA, or CLOSED. Raises RemoteProtocolError
-        for anything malformed or out of place (``fatal`` says whether the
-        connection is over; ``request_id`` which request to answer if not)."""
+        for anything malformed or out of place: ``fatal`` ones close the
+        connection; others carry the ``request_id`` to answer."""
         if self.state is State.CLOSED:
             return CLOSED
         try:
@@ -108,56 +121,75 @@ class Connection:
         try:
             msg = validate(obj, remote=True)
         except RemoteProtocolError as exc:
-            if exc.fatal:
-                self.state = State.CLOSED
-            elif exc.request_id is not None and self.our_role == RESPONDER:
-                # Answerable: it still counts as a request we owe a reply.
-                self._outstanding.add(exc.request_id)
+            self._triage(exc, obj.get("t"))
             raise
         self._advance(self.their_role, msg, RemoteProtocolError)
         return msg
 
+    def _triage(self, exc: RemoteProtocolError, kind: Any) -> None:
+        """A malformed request may be answered (and the conversation go on)
+        only by a responder, in READY, for one of this protocol's request
+        kinds with an id not already in use. Anything else is fatal."""
+        rid = exc.request_id
+        answerable = (
+            exc.code == "bad_request" and self.our_role == RESPONDER
+            and self.state is State.READY and kind in self.requests
+            and rid is not None and rid not in self._outstanding
+        )
+        if answerable:
+            assert rid is not None
+            exc.fatal = False
+            self._outstanding.add(rid)  # we owe it a reply
+        else:
+            exc.fatal = True
+            exc.request_id = None
+            self.state = State.CLOSED
+
     # -- shared ---------------------------------------------------------------
 
+    def _fail(self, err: type[ProtocolError], code: str, message: str) -> ProtocolError:
+        if err is RemoteProtocolError:
+            self.state = State.CLOSED
+        return err(code, message)
+
     def _advance(self, sender: str, msg: Message, err: type[ProtocolError]) -> None:
-        nxt = transition(self.state, sender, msg.kind, self.requests)
+        state = self.state
+        if msg.kind == "error" and msg.id is None and state is not State.CLOSED:
+            self.state = State.CLOSED  # a connection-level error, from either side
+            return
+        nxt = transition(state, sender, msg.kind, self.requests)
         if nxt is None:
-            if err is RemoteProtocolError:
-                self.state = State.CLOSED
-            raise err("unexpected", f"{sender} may not send {msg.kind!r} in state "
-                      f"{self.state.value} of the {self.protocol} protocol")
+            raise self._fail(err, "unexpected", f"{sender} may not send {msg.kind!r} in "
+                             f"state {state.value} of the {self.protocol} protocol")
         if msg.kind == "hello":
-            self._check_version(msg, err)
+            self._check_hello(msg, err)
+        elif msg.kind == "welcome":
+            if msg["v"] != SCHEMA_VERSION:
+                raise self._fail(err, "bad_version", f"welcome speaks schema version "
+                                 f"{msg['v']}, not {SCHEMA_VERSION}")
+            if sender == self.their_role:
+                self.send_max_frame = min(self.send_max_frame, msg["max_frame"])
         if msg.kind in self.requests:
             rid = msg.id
             if rid is None or rid in self._outstanding:
-                if err is RemoteProtocolError:
-                    self.state = State.CLOSED
-                raise err("bad_request", f"request id {rid!r} is missing or already in use")
+                raise self._fail(err, "bad_request", f"request id {msg.get('id')!r} is "
+                                 "missing or already in use")
             self._outstanding.add(rid)
-        elif is_reply(msg.kind) and self.state is State.READY:
+        elif is_reply(msg.kind):
             rid = msg.id
-            if rid is not None:
-                if rid not in self._outstanding:
-                    if err is RemoteProtocolError:
-                        self.state = State.CLOSED
-                    raise err("unexpected", f"reply to unknown request id {rid}")
-                self._outstanding.discard(rid)
-            elif msg.kind == "error":
-                nxt = State.CLOSED  # a connection-level error ends the conversation
+            assert rid is not None  # id-less errors were handled above
+            if rid not in self._outstanding:
+                raise self._fail(err, "unexpected", f"reply to unknown request id {rid}")
+            self._outstanding.discard(rid)
         self.state = nxt
 
-    def _check_version(self, msg: Message, err: type[ProtocolError]) -> None:
+    def _check_hello(self, msg: Message, err: type[ProtocolError]) -> None:
         if msg["v"] != SCHEMA_VERSION:
-            if err is RemoteProtocolError:
-                self.state = State.CLOSED
-            raise err("bad_version", f"schema version {msg['v']} is not supported "
-                      f"(this side speaks {SCHEMA_VERSION})")
+            raise self._fail(err, "bad_version", f"schema version {msg['v']} is not "
+                             f"supported (this side speaks {SCHEMA_VERSION})")
         if msg["role"] != ("client" if self.protocol == "client" else "daemon"):
-            if err is RemoteProtocolError:
-                self.state = State.CLOSED
-            raise err("unexpected", f"role {msg['role']!r} does not speak the "
-                      f"{self.protocol} protocol")
+            raise self._fail(err, "unexpected", f"role {msg['role']!r} does not speak the "
+                             f"{self.protocol} protocol")
 
     @property
     def outstanding(self) -> frozenset[int]:

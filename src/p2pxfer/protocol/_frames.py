@@ -1,7 +1,7 @@
 """Framing: a 4-byte big-endian length, then that many bytes of one msgpack map.
 
-The length is checked against the negotiated maximum before any byte of the
-body is buffered, so an oversized frame costs nothing to refuse.
+The length prefix is checked against the maximum as soon as it arrives, so an
+oversized frame is refused without waiting for (or decoding) its body.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ _HEADER = struct.Struct(">I")
 
 
 def encode_frame(obj: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+    try:
+        body = msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError("bad_request", f"cannot encode message: {exc}") from exc
     if len(body) > max_frame:
         raise LocalProtocolError("too_big", f"frame of {len(body)} bytes exceeds {max_frame}")
     return _HEADER.pack(len(body)) + bytes(body)

@@ -24,6 +24,7 @@ __all__ = [
     "Message",
     "pack_scatter",
     "unpack_scatter",
+    "usable_id",
     "validate",
 ]
 
@@ -85,23 +86,28 @@ class Message:
 
     @property
     def id(self) -> int | None:
-        v = self.fields.get("id")
-        return v if isinstance(v, int) else None
+        return usable_id(self.fields.get("id"))
 
     def to_wire(self) -> dict[str, Any]:
         return {"t": self.kind, **self.fields}
 
 
+def usable_id(value: Any) -> int | None:
+    """A request id: an int (never a bool) in msgpack's unsigned range."""
+    return value if type(value) is int and 0 <= value < 1 << 64 else None
+
+
 def validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
-    """Check a decoded map against the schema. Unknown kinds are fatal;
-    a bad field in a message with a usable id is answered, not fatal."""
+    """Check a map against the schema. Errors are raised fatal with the
+    message's usable id attached; the connection decides whether a bad request
+    can be answered instead (it knows the state and the ids in use)."""
     err = RemoteProtocolError if remote else LocalProtocolError
     kind = obj.get("t")
     if not isinstance(kind, str) or kind not in SCHEMA:
         raise err("unknown_type", f"unknown message type {kind!r}")
     schema = SCHEMA[kind]
-    rid = obj.get("id") if isinstance(obj.get("id"), int) else None
-    fatal = rid is None or kind not in CLIENT_REQUESTS | PEER_REQUESTS
+    rid = usable_id(obj.get("id"))
+    fatal = True
     fields = {k: v for k, v in obj.items() if k != "t"}
     if extra := sorted(set(fields) - set(schema), key=str):
         raise err("bad_request", f"{kind}: unknown fields {extra}", fatal=fatal, request_id=rid)
@@ -117,12 +123,21 @@ def validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
             want = "/".join(t.__name__ for t in types)
             raise err("bad_request", f"{kind}: field {name!r} must be {want}, got "
                       f"{type(value).__name__}", fatal=fatal, request_id=rid)
+        if isinstance(value, int) and not -(1 << 63) <= value < 1 << 64:
+            raise err("bad_request", f"{kind}: field {name!r} = {value} does not fit 64 bits",
+                      fatal=fatal, request_id=rid)
+        if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+            raise err("bad_request", f"{kind}: map field {name!r} must have string keys",
+                      fatal=fatal, request_id=rid)
     return Message(kind, fields)
 
 
 def pack_scatter(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
                  length: npt.NDArray[np.int64]) -> bytes:
     """Three int64 columns as one little-endian ``bin``: src | dst | length."""
+    if not len(src) == len(dst) == len(length):
+        raise LocalProtocolError("bad_request", f"scatter columns differ in length: "
+                                 f"{len(src)}, {len(dst)}, {len(length)}")
     return b"".join(np.ascontiguousarray(a, dtype="<i8").tobytes() for a in (src, dst, length))
 
 

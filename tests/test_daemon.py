@@ -1,0 +1,770 @@
+"""The node daemon end to end: real daemons in their own processes, real
+clients in theirs, real transfers over tcp;ofi_rxm on 127.0.0.1 (and shm).
+
+1. Two daemons (node-a, node-b) each run ``p2pxfer daemon --config FILE``.
+   A client of node-b exports a region; a client of node-a writes a seeded
+   scatter list of 4096 pieces (4..64 KiB, random non-overlapping
+   destinations) into it through both daemons; node-b's client waits for the
+   immediates and checks every byte. Once with trio clients, once with asyncio
+   clients; SyncClient (the blocking facade) does a transfer too.
+2. Clients that disconnect or are SIGKILLed mid-transfer lose their regions
+   and memory on the daemon, which keeps serving everyone else; writes to a
+   killed target's region fail with ``unknown_region``.
+3. Bad input on a raw unix socket: each malformed thing gets its error code;
+   fatal ones close the connection, answerable ones keep it open; afterwards
+   the daemon still runs real transfers.
+4. The CLI: status / peers tables and JSON, --help, a missing socket, a config
+   with an unknown key.
+
+Every wait is bounded; daemons get SIGINT then SIGKILL in teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+
+import p2pxfer
+from daemon_helpers import (
+    LOOPBACK,
+    Agent,
+    DaemonProc,
+    Plan,
+    RawConn,
+    free_port,
+    p2pxfer_cmd,
+    start_daemon,
+    wait_for,
+    write_config,
+)
+from p2pxfer.client import DaemonError, SyncClient
+from p2pxfer.errors import EngineClosed, InvalidArgument, P2PXferError, ScatterError
+from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
+from p2pxfer.scatter import ScatterList
+
+CLI_TIMEOUT = 30.0
+TRANSFER_TIMEOUT = 30.0
+
+
+# -- fixtures -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """node-a and node-b, tcp on loopback, each configured with the other as a peer."""
+    workdir = tmp_path_factory.mktemp("cluster")
+    port_a, port_b = free_port(), free_port()
+    daemons: list[DaemonProc] = []
+    try:
+        daemons.append(start_daemon(
+            workdir, "node-a", control_port=port_a,
+            peers=[{"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}]))
+        daemons.append(start_daemon(
+            workdir, "node-b", control_port=port_b,
+            peers=[{"name": "node-a", "address": f"{LOOPBACK}:{port_a}"}]))
+        yield daemons[0], daemons[1]
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+@pytest.fixture
+def live(cluster: tuple[DaemonProc, DaemonProc]) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """The cluster, checked alive before and after the test (with their logs if not)."""
+    for d in cluster:
+        if not d.alive():
+            pytest.fail(f"daemon {d.name} is dead (exit {d.proc.returncode}):\n{d.log_tail()}")
+    yield cluster
+    for d in cluster:
+        assert d.alive(), f"daemon {d.name} died during the test:\n{d.log_tail()}"
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Agent]]:
+    """Start agents (clients in their own processes); all are ended afterwards."""
+    agents: list[Agent] = []
+
+    def start(flavor: str, socket_path: str, name: str = "agent") -> Agent:
+        agent = Agent(flavor, socket_path, name)
+        agents.append(agent)
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.close()
+
+
+def region_names(st: dict[str, Any]) -> set[str]:
+    return {r["name"] for r in st["regions"]}
+
+
+def memfd_mappings(pid: int, needle: str) -> list[str]:
+    """Lines of /proc/PID/maps that map a memfd whose name contains ``needle``."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [line.strip() for line in f if "memfd:" in line and needle in line]
+
+
+def memfd_fds(pid: int, needle: str) -> list[str]:
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if "memfd:" in link and needle in link:
+            out.append(link)
+    return out
+
+
+def small_plan(seed: int, pieces: int = 256, region: int = 16 << 20) -> Plan:
+    return Plan(seed, pieces=pieces, min_len=4 << 10, max_len=32 << 10, region=region)
+
+
+def sync_write_and_verify(a: SyncClient, b: SyncClient, region: str, plan: Plan,
+                          imm: int, peer: str = "node-b") -> None:
+    """Through SyncClients: b exports ``region``, a writes ``plan`` into it,
+    b waits for the immediates and checks every byte."""
+    dst = b.alloc(plan.region, region)
+    desc = b.export(region, dst)
+    assert desc.length == plan.region and desc.name == region
+    src = a.alloc(plan.source_size, f"src-{plan.seed}")
+    src.array[:] = plan.source()
+    pieces = a.write(peer, region, plan.scatter(), src=src, imm=imm)
+    assert pieces >= plan.pieces
+    b.wait_imm(imm, pieces)
+    assert np.array_equal(dst.array, plan.expected())
+    b.unexport(region)
+
+
+# -- 1. transfers through two daemons ------------------------------------------------
+
+@pytest.mark.parametrize("flavor", ["trio", "asyncio"])
+def test_transfer_through_two_daemons(live: tuple[DaemonProc, DaemonProc],
+                                      spawn: Callable[..., Agent], flavor: str) -> None:
+    a, b = live
+    plan = Plan(seed=0xD00D + len(flavor))  # 4096 pieces of 4..64 KiB in 192 MiB
+    imm = 0x1000 + len(flavor)
+    region = f"kv-{flavor}"
+
+    target = spawn(flavor, b.socket, f"target-{flavor}")
+    assert target.hello == {"node": "node-b", "flavor": flavor}
+    assert target.ok("export", region, plan.region) == plan.region
+    st = b.status()
+    assert region in region_names(st)
+    assert [p["name"] for p in st["peers"]] == ["node-a"]
+
+    initiator = spawn(flavor, a.socket, f"initiator-{flavor}")
+    assert initiator.hello["node"] == "node-a"
+    pieces = initiator.ok("write", "node-b", region, plan, imm)
+    assert pieces >= plan.pieces
+    reply = target.call("verify", region, plan, imm, pieces)
+    assert reply[0] == "ok", reply[1] if reply[0] == "mismatch" else reply
+    # Bytes outside every piece stayed zero, and those are a fair share of the region.
+    assert reply[1] < plan.region
+
+    sent = sum(n["bytes"] for n in a.status()["nics"])
+    assert sent >= plan.scatter().nbytes
+    received = sum(n["received"] for n in b.status()["nics"])
+    assert received >= pieces
+
+    target.close()
+    wait_for(lambda: region not in region_names(b.status()), f"{region} to be released")
+
+
+def test_sync_client_transfer(live: tuple[DaemonProc, DaemonProc]) -> None:
+    a, b = live
+    with SyncClient(a.socket) as ca, SyncClient(b.socket) as cb:
+        # node-a -> node-b through both daemons
+        sync_write_and_verify(ca, cb, "sync-kv", small_plan(0x5157), imm=0x2001)
+        # node-a -> node-a: a region on the initiator's own node
+        sync_write_and_verify(ca, ca, "sync-local", small_plan(0x5158), imm=0x2002,
+                              peer="node-a")
+        assert "node-b" in [p["name"] for p in ca.peers()]
+
+
+def test_shm_daemon_sync_client(tmp_path: Path) -> None:
+    """A daemon on the shm provider: SyncClients allocate, export, write into
+    their own node's region and wait for the immediates."""
+    d = start_daemon(tmp_path, "shm-node", provider="shm")
+    try:
+        with SyncClient(d.socket) as c1, SyncClient(d.socket) as c2:
+            st = c1.status()
+            assert st["provider"] == "shm" and st["node"] == "shm-node"
+            assert [n["provider"] for n in st["nics"]] == ["shm"]
+            sync_write_and_verify(c1, c2, "shm-kv", small_plan(0x5A5A), imm=7,
+                                  peer="shm-node")
+        assert d.alive(), d.log_tail()
+    finally:
+        d.stop()
+
+
+def test_sigint_shuts_down_cleanly(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) is the daemon's normal stop: exit status 0, no
+    traceback, the socket file removed. A daemon SIGKILLed leaves its socket
+    behind; the next one on the same path starts anyway."""
+    d = start_daemon(tmp_path, "stopper")
+    with SyncClient(d.socket) as c:
+        c.export("stop-kv", c.alloc(4096, "stop-kv"))
+        rc = d.stop()
+    assert not os.path.exists(d.socket), "the socket file outlived the daemon"
+    assert "Traceback" not in d.log.read_text(), d.log_tail()
+    assert rc == 0, d.log_tail()
+
+
+def test_restart_after_sigkill(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "phoenix")
+    try:
+        d.proc.kill()
+        d.proc.wait(5)
+        assert os.path.exists(d.socket)  # stale
+        d2 = start_daemon(tmp_path, "phoenix")
+        try:
+            assert d2.status()["node"] == "phoenix"
+        finally:
+            d2.stop()
+    finally:
+        d.stop()
+
+
+# -- 2. clients that go away -------------------------------------------------------
+
+def test_killed_initiator_is_released(live: tuple[DaemonProc, DaemonProc],
+                                      spawn: Callable[..., Agent]) -> None:
+    """SIGKILL a client of node-a while it streams writes: node-a drops its
+    region and memory; another client's concurrent transfer still verifies."""
+    a, b = live
+    ok_plan = Plan(seed=0xC0FFEE, pieces=2048, region=96 << 20)
+    junk_plan = Plan(seed=0xBADBAD, pieces=2048, region=96 << 20)
+    ok_imm, junk_imm = 0x3001, 0x3002
+
+    target = spawn("trio", b.socket, "target")
+    target.ok("export", "kv-survivor", ok_plan.region)
+    target.ok("export", "kv-junk", junk_plan.region)
+
+    victim = spawn("trio", a.socket, "victim")
+    victim.ok("export", "victim-region", 1 << 20)
+    victim.send("loop", "node-b", "kv-junk", junk_plan, junk_imm)
+    assert victim.wait_reply("first looped write")[:2] == ("ok", "looping")
+    assert memfd_mappings(a.proc.pid, "victim-region")
+    assert memfd_mappings(a.proc.pid, f"src-{junk_plan.seed}")
+    before = a.status()
+    assert "victim-region" in region_names(before)
+
+    survivor = spawn("asyncio", a.socket, "survivor")
+    survivor.send("write", "node-b", "kv-survivor", ok_plan, ok_imm)
+    wait_for(lambda: a.status()["transfers_in_flight"] >= 1, "a write in flight on node-a")
+    victim.kill()
+    assert victim.proc.exitcode == -9
+
+    pieces = survivor.wait_reply("survivor's write")
+    assert pieces[0] == "ok", pieces
+    reply = target.call("verify", "kv-survivor", ok_plan, ok_imm, pieces[1])
+    assert reply[0] == "ok", reply
+
+    # node-a forgot the victim: its region, its mappings, its connection.
+    wait_for(lambda: "victim-region" not in region_names(a.status()),
+             "victim-region to disappear")
+    st = wait_for(lambda: (s := a.status())["clients"] == before["clients"] and
+                  s["transfers_in_flight"] == 0 and s,
+                  "node-a's client count to drop back")
+    assert st["clients"] == before["clients"]  # the victim left, the survivor came
+    wait_for(lambda: not memfd_mappings(a.proc.pid, "victim-region") and
+             not memfd_mappings(a.proc.pid, f"src-{junk_plan.seed}"),
+             "node-a to unmap the victim's memory")
+    assert not memfd_fds(a.proc.pid, "victim-region")
+    # ... and keeps serving: the survivor writes again.
+    pieces2 = survivor.ok("write", "node-b", "kv-survivor", ok_plan, ok_imm + 16)
+    reply = target.call("verify", "kv-survivor", ok_plan, ok_imm + 16, pieces2)
+    assert reply[0] == "ok", reply
+
+
+async def test_disconnect_mid_transfer(live: tuple[DaemonProc, DaemonProc]) -> None:
+    """A trio client leaves its ``connect`` block while its write is in
+    flight: node-a cancels the write, releases the client's memory and
+    regions, and keeps serving."""
+    a, b = live
+    plan = Plan(seed=0xD15C, pieces=4096, region=192 << 20)
+    with trio.fail_after(TRANSFER_TIMEOUT):
+        async with p2pxfer.connect(b.socket) as target:
+            dst = await target.alloc(plan.region, "kv-leaver")
+            await target.export("kv-leaver", dst)
+            async with p2pxfer.connect(a.socket) as watcher:
+                before = await watcher.status()
+                async with p2pxfer.connect(a.socket) as leaver:
+                    await leaver.export("leaver-region", await leaver.alloc(1 << 20, "leaver"))
+                    src = await leaver.alloc(plan.source_size, "leaver-src")
+                    src.array[:] = plan.source()
+                    scatter = plan.scatter()
+                    async with trio.open_nursery() as nursery:
+                        async def write_forever() -> None:
+                            while True:
+                                await leaver.write("node-b", "kv-leaver", scatter, src=src,
+                                                   imm=0x4001)
+                        nursery.start_soon(write_forever)
+                        while (await watcher.status())["transfers_in_flight"] < 1:
+                            await trio.sleep(0.005)
+                        assert "leaver-region" in region_names(await watcher.status())
+                        nursery.cancel_scope.cancel()
+                # The leaver's block is over: it said bye with a write outstanding.
+                while True:
+                    st = await watcher.status()
+                    if ("leaver-region" not in region_names(st)
+                            and st["clients"] == before["clients"]
+                            and st["transfers_in_flight"] == 0):
+                        break
+                    await trio.sleep(0.02)
+                await trio.sleep(0.1)
+                assert not memfd_mappings(a.proc.pid, "leaver")
+            # node-a still writes for others.
+            async with p2pxfer.connect(a.socket) as other:
+                src2 = await other.alloc(plan.source_size, "other-src")
+                src2.array[:] = plan.source()
+                pieces = await other.write("node-b", "kv-leaver", scatter, src=src2, imm=0x4002)
+            await target.wait_imm(0x4002, pieces)
+            assert np.array_equal(dst.array, plan.expected())
+
+
+def test_killed_target_region_is_unknown(live: tuple[DaemonProc, DaemonProc],
+                                         spawn: Callable[..., Agent]) -> None:
+    """SIGKILL the client that exported a region: node-b drops the region and
+    its memory; a write into it afterwards fails with unknown_region, quickly.
+
+    node-a resolved (and cached) the region's descriptor for an earlier write,
+    so this is the case where node-a must not write with a dead key."""
+    a, b = live
+    plan = small_plan(0x7A6E7)
+    imm = 0x5001
+    target = spawn("trio", b.socket, "doomed-target")
+    target.ok("export", "kv-doomed", plan.region)
+    initiator = spawn("trio", a.socket, "initiator")
+    pieces = initiator.ok("write", "node-b", "kv-doomed", plan, imm)  # node-a caches it
+    assert target.call("verify", "kv-doomed", plan, imm, pieces)[0] == "ok"
+
+    target.kill()
+    wait_for(lambda: "kv-doomed" not in region_names(b.status()), "kv-doomed to disappear")
+    wait_for(lambda: not memfd_mappings(b.proc.pid, "kv-doomed"),
+             "node-b to unmap the dead target's memory")
+
+    t0 = time.monotonic()
+    first = initiator.call("write", "node-b", "kv-doomed", plan, imm, timeout=15)
+    second = initiator.call("write", "node-b", "kv-doomed", plan, imm, timeout=15)
+    never = initiator.call("write", "node-b", "never-was", plan, imm, timeout=15)
+    assert time.monotonic() - t0 < 15
+    assert b.alive() and b.status()["node"] == "node-b"
+    for reply in (first, second, never):
+        assert reply[0] == "raised", reply
+    assert never[2] == "unknown_region", never
+    assert second[2] == "unknown_region", second
+    # The first write after the kill used node-a's cached descriptor.
+    assert first[2] == "unknown_region", first
+
+
+def test_stale_write_spares_other_transfers(live: tuple[DaemonProc, DaemonProc],
+                                            spawn: Callable[..., Agent]) -> None:
+    """A write aimed at a dead client's region must not hurt another client's
+    transfer between the same two daemons that runs at the same time."""
+    a, b = live
+    doomed_plan = small_plan(0x5A1E)
+    live_plan = Plan(seed=0x11FE, pieces=4096, region=192 << 20)
+    doomed = spawn("trio", b.socket, "doomed-target")
+    doomed.ok("export", "kv-stale", doomed_plan.region)
+    keeper = spawn("trio", b.socket, "live-target")
+    keeper.ok("export", "kv-live", live_plan.region)
+    stale = spawn("trio", a.socket, "stale-initiator")
+    n = stale.ok("write", "node-b", "kv-stale", doomed_plan, 0x5101)  # cached on node-a
+    assert doomed.call("verify", "kv-stale", doomed_plan, 0x5101, n)[0] == "ok"
+    doomed.kill()
+    wait_for(lambda: "kv-stale" not in region_names(b.status()), "kv-stale to disappear")
+
+    busy = spawn("trio", a.socket, "busy-initiator")
+    busy.send("write", "node-b", "kv-live", live_plan, 0x5102)
+    wait_for(lambda: a.status()["transfers_in_flight"] >= 1, "the live write in flight")
+    stale_reply = stale.call("write", "node-b", "kv-stale", doomed_plan, 0x5103)
+    busy_reply = busy.wait_reply("the live write")
+    assert stale_reply[0] == "raised", stale_reply
+    assert busy_reply[0] == "ok", (
+        f"a concurrent write to a live region failed because of the stale one: {busy_reply}")
+    assert keeper.call("verify", "kv-live", live_plan, 0x5102, busy_reply[1])[0] == "ok"
+
+
+# -- 3. bad input on a raw socket ------------------------------------------------------
+
+def _error_then_closed(conn: RawConn, code: str) -> dict[str, Any]:
+    reply = conn.frame()
+    assert reply is not None, f"connection closed without an error frame (wanted {code})"
+    assert reply["t"] == "error" and reply["code"] == code, reply
+    assert reply.get("id") is None
+    assert isinstance(reply["message"], str) and reply["message"]
+    assert conn.closed_by_peer(), f"connection stayed open after {code}"
+    return reply
+
+
+def test_bad_frames_close_the_connection(live: tuple[DaemonProc, DaemonProc]) -> None:
+    a, _ = live
+    header = struct.Struct(">I")
+    # Garbage that is not msgpack (0xc1 is never used by msgpack).
+    with RawConn(a.socket) as c:
+        c.send_raw(header.pack(3) + b"\xc1\xc1\xc1")
+        _error_then_closed(c, "bad_frame")
+    # Valid msgpack, but not a map.
+    with RawConn(a.socket) as c:
+        c.send_raw(encode_frame([1, 2, 3]))  # type: ignore[arg-type]
+        _error_then_closed(c, "bad_frame")
+    # Garbage after a good hello.
+    with RawConn(a.socket) as c:
+        c.hello()
+        c.send_raw(header.pack(4) + b"\xc1\x00\xff\xc1")
+        _error_then_closed(c, "bad_frame")
+    # Unknown message type, before and after hello.
+    with RawConn(a.socket) as c:
+        c.send({"t": "launch_missiles", "id": 1})
+        _error_then_closed(c, "unknown_type")
+    with RawConn(a.socket) as c:
+        c.hello()
+        c.send({"t": "launch_missiles", "id": 1})
+        _error_then_closed(c, "unknown_type")
+    with RawConn(a.socket) as c:
+        c.hello()
+        c.send({"id": 1})  # no type at all
+        _error_then_closed(c, "unknown_type")
+    # Wrong schema version at hello.
+    with RawConn(a.socket) as c:
+        c.send({"t": "hello", "v": SCHEMA_VERSION + 1, "role": "client"})
+        reply = _error_then_closed(c, "bad_version")
+        assert str(SCHEMA_VERSION + 1) in reply["message"]
+    # A length prefix over max_frame (16 MiB): refused before any body arrives.
+    with RawConn(a.socket) as c:
+        c.hello()
+        c.send_raw(header.pack((16 << 20) + 1))
+        _error_then_closed(c, "too_big")
+    with RawConn(a.socket) as c:
+        c.send_raw(header.pack(0xFFFFFFFF))
+        _error_then_closed(c, "too_big")
+    # A request before hello.
+    with RawConn(a.socket) as c:
+        c.send({"t": "status", "id": 1})
+        _error_then_closed(c, "unexpected")
+    # A stream that ends inside a frame: the daemon just drops it.
+    with RawConn(a.socket) as c:
+        c.hello()
+        c.send_raw(header.pack(100) + b"\x80")
+        c.sock.shutdown(2 - 1)  # SHUT_WR
+        reply = c.frame()
+        assert reply is None or (reply["t"] == "error" and reply["code"] == "bad_frame")
+    assert a.alive()
+    assert a.status()["node"] == "node-a"
+
+
+def test_bad_requests_keep_the_connection(live: tuple[DaemonProc, DaemonProc],
+                                          tmp_path: Path) -> None:
+    a, _ = live
+    with RawConn(a.socket) as c:
+        c.hello()
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"t": "status", "id": 1, "bogus": 1}, "bad_request"),  # unknown field
+            ({"t": "share", "id": 2, "size": "big"}, "bad_request"),  # wrong type
+            ({"t": "share", "id": 3}, "bad_request"),  # missing field
+            ({"t": "share", "id": 4, "size": 4096}, "bad_request"),  # no fd came with it
+            ({"t": "wait_imm", "id": 5, "imm": 1, "count": True}, "bad_request"),  # bool
+            ({"t": "wait_imm", "id": 6, "imm": 1, "count": 0}, "bad_request"),
+            ({"t": "wait_imm", "id": 7, "imm": -1, "count": 1}, "bad_request"),
+            ({"t": "export", "id": 8, "name": "x", "mem": 99, "offset": 0, "length": 1},
+             "unknown_mem"),
+            ({"t": "unshare", "id": 9, "mem": 99}, "unknown_mem"),
+            ({"t": "unexport", "id": 10, "name": "nope"}, "unknown_region"),
+            ({"t": "add_peer", "id": 11, "name": "x", "address": "no-port"}, "bad_request"),
+            ({"t": "write", "id": 12, "peer": "node-b", "region": "r", "mem": 99, "offset": 0,
+              "scatter": b"\0" * 24}, "unknown_mem"),
+        ]
+        for req, code in cases:
+            reply = c.request(req)
+            assert reply["t"] == "error" and reply["code"] == code, (req, reply)
+            assert reply["id"] == req["id"], (req, reply)
+        # Still open: a status request works.
+        reply = c.request({"t": "status", "id": 100})
+        assert reply["t"] == "ok" and reply["id"] == 100
+        assert reply["result"]["node"] == "node-a"
+
+        # Memory shared by hand: a memfd smaller than claimed, then a good one.
+        fd = os.memfd_create("raw-small")
+        try:
+            os.ftruncate(fd, 4096)
+            reply = c.request({"t": "share", "id": 101, "size": 8192}, fds=[fd])
+            assert reply["t"] == "error" and reply["code"] == "bad_request", reply
+            reply = c.request({"t": "share", "id": 102, "size": 4096}, fds=[fd])
+            assert reply["t"] == "ok", reply
+            mem = reply["result"]["mem"]
+        finally:
+            os.close(fd)
+        for req, code in [
+            ({"t": "export", "id": 103, "name": "raw", "mem": mem, "offset": 0,
+              "length": 8192}, "out_of_range"),
+            ({"t": "export", "id": 104, "name": "raw", "mem": mem, "offset": -1,
+              "length": 10}, "out_of_range"),
+            ({"t": "export", "id": 105, "name": "", "mem": mem, "offset": 0, "length": 10},
+             "bad_request"),
+            ({"t": "write", "id": 106, "peer": "node-b", "region": "r", "mem": mem,
+              "offset": 0, "scatter": b"\0" * 25}, "bad_request"),  # not 3 x n int64
+            ({"t": "write", "id": 107, "peer": "node-z", "region": "r", "mem": mem,
+              "offset": 0, "scatter": _packed([0], [0], [8])}, "unknown_peer"),
+            ({"t": "write", "id": 108, "peer": "node-a", "region": "raw-none", "mem": mem,
+              "offset": 0, "scatter": _packed([0], [0], [-8])}, "out_of_range"),
+        ]:
+            reply = c.request(req)
+            assert reply["t"] == "error" and reply["code"] == code, (req, reply)
+            assert reply["id"] == req["id"]
+        reply = c.request({"t": "export", "id": 109, "name": "raw-ok", "mem": mem,
+                           "offset": 0, "length": 4096})
+        assert reply["t"] == "ok", reply
+        assert "raw-ok" in region_names(a.status())
+        reply = c.request({"t": "unshare", "id": 110, "mem": mem})  # still exported
+        assert reply["t"] == "error" and reply["code"] == "bad_request", reply
+        reply = c.request({"t": "status", "id": 111})
+        assert reply["t"] == "ok"
+        # A request id reused while outstanding is fatal.
+        c.send({"t": "wait_imm", "id": 200, "imm": 0x7777, "count": 1})
+        c.send({"t": "status", "id": 200})
+        reply = c.frame()
+        assert reply is not None and reply["t"] == "error" and reply["code"] == "bad_request"
+        assert c.closed_by_peer()
+    wait_for(lambda: "raw-ok" not in region_names(a.status()), "raw-ok to be released")
+
+
+def test_share_of_unmappable_fd_is_refused(tmp_path: Path) -> None:
+    """An fd the daemon cannot map writable (a read-only file, a directory)
+    is a bad request, not the end of the daemon. (Its own daemon: if this
+    kills it, the rest of the file is unaffected.)"""
+    d = start_daemon(tmp_path / "d", "unmappable")
+    try:
+        ro = tmp_path / "readonly.bin"
+        ro.write_bytes(b"\0" * 8192)
+        for path, flags in [(ro, os.O_RDONLY), (tmp_path, os.O_RDONLY | os.O_DIRECTORY)]:
+            fd = os.open(path, flags)
+            try:
+                with RawConn(d.socket) as c:
+                    c.hello()
+                    reply = c.request({"t": "share", "id": 1, "size": 4096}, fds=[fd])
+                    assert reply["t"] == "error" and reply["code"] == "bad_request", reply
+                    assert c.request({"t": "status", "id": 2})["t"] == "ok"
+            finally:
+                os.close(fd)
+            time.sleep(0.2)
+            assert d.alive(), f"daemon died on a share of {path}:\n{d.log_tail()}"
+    finally:
+        d.stop()
+
+
+def _packed(src: list[int], dst: list[int], length: list[int]) -> bytes:
+    return b"".join(np.asarray(x, "<i8").tobytes() for x in (src, dst, length))
+
+
+def test_semantic_errors_through_the_client(live: tuple[DaemonProc, DaemonProc]) -> None:
+    a, b = live
+    with SyncClient(a.socket) as ca, SyncClient(b.socket) as cb, \
+            SyncClient(b.socket) as cb2:
+        dst = cb.alloc(1 << 20, "sem-dst")
+        cb.export("sem-kv", dst)
+        src = ca.alloc(1 << 20, "sem-src")
+        one = ScatterList.contiguous(4096)
+        # unknown region, remote and local
+        for peer in ("node-b", "node-a"):
+            with pytest.raises(DaemonError) as ei:
+                ca.write(peer, "no-such-region", one, src=src)
+            assert ei.value.code == "unknown_region"  # type: ignore[attr-defined]
+        # unknown peer
+        with pytest.raises(DaemonError) as ei:
+            ca.write("node-z", "sem-kv", one, src=src)
+        assert ei.value.code == "unknown_peer"  # type: ignore[attr-defined]
+        # past the destination's end, and past the source's end
+        for scatter in (ScatterList.contiguous(4096, dst=(1 << 20) - 4095),
+                        ScatterList.contiguous(2 << 20),
+                        ScatterList.contiguous(4096, src=(1 << 20) - 100)):
+            with pytest.raises(ScatterError) as ei2:
+                ca.write("node-b", "sem-kv", scatter, src=src)
+            assert ei2.value.code == "out_of_range"  # type: ignore[attr-defined]
+        # src_offset past the source memory
+        with pytest.raises(ScatterError):
+            ca.write("node-b", "sem-kv", one, src=src, src_offset=2 << 20)
+        # a second client reusing a region name (same node), and the same client
+        other = cb2.alloc(4096, "sem-other")
+        with pytest.raises(DaemonError) as ei:
+            cb2.export("sem-kv", other)
+        assert ei.value.code == "name_taken"  # type: ignore[attr-defined]
+        with pytest.raises(DaemonError) as ei:
+            cb.export("sem-kv", dst)
+        assert ei.value.code == "name_taken"  # type: ignore[attr-defined]
+        # bad immediates and counts
+        with pytest.raises(InvalidArgument):
+            cb.wait_imm(-5, 1)
+        with pytest.raises(InvalidArgument):
+            cb.wait_imm(1, 0)
+        with pytest.raises(InvalidArgument):
+            ca.add_peer("x", "nonsense")
+        # an unreachable peer: a clear error, within the peer timeout
+        ca.add_peer("node-gone", f"{LOOPBACK}:{free_port()}")
+        t0 = time.monotonic()
+        with pytest.raises(P2PXferError) as ei3:
+            ca.write("node-gone", "sem-kv", one, src=src)
+        assert ei3.value.code == "peer_unreachable"  # type: ignore[attr-defined]
+        assert time.monotonic() - t0 < 10
+        # nothing broke: a real write still lands
+        src.array[:4096] = 0xAB
+        n = ca.write("node-b", "sem-kv", one, src=src, imm=0x6001)
+        cb.wait_imm(0x6001, n)
+        assert (dst.array[:4096] == 0xAB).all() and not dst.array[4096:].any()
+
+
+def test_control_port_garbage(live: tuple[DaemonProc, DaemonProc]) -> None:
+    """Garbage on the daemon-to-daemon TCP port gets an error frame and a
+    close; the port still resolves regions for real peers afterwards."""
+    import socket
+
+    a, _ = live
+    host, port = a.control.rsplit(":", 1)
+    for payload in (struct.pack(">I", 3) + b"\xc1\xc1\xc1",
+                    encode_frame({"t": "resolve", "id": 1, "region": "x"}),
+                    struct.pack(">I", 0xFFFFFFFF)):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(payload)
+            dec = FrameDecoder()
+            while (frame := dec.next_frame()) is None:
+                data = s.recv(1 << 16)
+                assert data, "closed without an error frame"
+                dec.feed(data)
+            assert frame["t"] == "error", frame
+            assert s.recv(1 << 16) == b""
+    assert a.alive()
+
+
+# -- bad input, then a real transfer -----------------------------------------------------
+
+def test_daemon_serves_after_bad_input(live: tuple[DaemonProc, DaemonProc],
+                                       spawn: Callable[..., Agent]) -> None:
+    """After everything above (this file's order), a real transfer works."""
+    a, b = live
+    plan = Plan(seed=0xAF7E5, pieces=1024, region=48 << 20)
+    target = spawn("trio", b.socket, "target")
+    target.ok("export", "kv-after", plan.region)
+    initiator = spawn("asyncio", a.socket, "initiator")
+    pieces = initiator.ok("write", "node-b", "kv-after", plan, 0x7001)
+    assert target.call("verify", "kv-after", plan, 0x7001, pieces)[0] == "ok"
+
+
+# -- client-side lifetime ------------------------------------------------------------------
+
+async def test_client_exit_with_live_array_view(live: tuple[DaemonProc, DaemonProc]) -> None:
+    """Leaving ``connect`` while the caller still holds ``mem.array`` (or a
+    slice of it) must not raise: the memory goes when the last view does."""
+    a, _ = live
+    with trio.fail_after(10):
+        async with p2pxfer.connect(a.socket) as c:
+            mem = await c.alloc(1 << 20, "view-holder")
+            view = mem.array[:16]
+            view[:] = 1
+    assert view.sum() == 16  # still readable: the mapping lives on with the view
+
+
+# -- 4. the CLI -------------------------------------------------------------------------------
+
+def run_cli(*args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([*p2pxfer_cmd(), *args], check=False, capture_output=True, text=True,
+                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_cli_status_and_peers(live: tuple[DaemonProc, DaemonProc]) -> None:
+    a, _ = live
+    with SyncClient(a.socket) as c:
+        c.export("cli-kv", c.alloc(1 << 16, "cli-kv"))
+        r = run_cli("status", "--socket", a.socket)
+        assert r.returncode == 0, r.stderr
+        assert "node-a" in r.stdout and "regions" in r.stdout and "NICs" in r.stdout
+        assert "cli-kv" in r.stdout and "65536" in r.stdout
+        assert "lo" in r.stdout  # the loopback NIC's row
+
+        r = run_cli("status", "--socket", a.socket, "--json")
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        assert st["node"] == "node-a" and st["provider"] == "tcp;ofi_rxm"
+        assert st["control"] == a.control
+        assert {"name": "cli-kv", "length": 1 << 16} .items() <= next(
+            x for x in st["regions"] if x["name"] == "cli-kv").items()
+        assert {"name": "node-b", "address": a.keys["peers"][0]["address"]} in st["peers"]
+        assert st["clients"] >= 2  # this SyncClient and the CLI's own
+        assert st["nics"] and {"shard", "name", "bytes", "received"} <= set(st["nics"][0])
+
+    r = run_cli("peers", "--socket", a.socket)
+    assert r.returncode == 0, r.stderr
+    assert "node-b" in r.stdout and a.keys["peers"][0]["address"] in r.stdout
+
+
+def test_cli_peers_json(live: tuple[DaemonProc, DaemonProc]) -> None:
+    a, _ = live
+    r = run_cli("peers", "--socket", a.socket, "--json")
+    assert r.returncode == 0, r.stderr
+    peers = json.loads(r.stdout)
+    assert {"name": "node-b", "address": a.keys["peers"][0]["address"]} in peers
+
+
+@pytest.mark.parametrize("command", ["daemon", "status", "peers", "demo"])
+def test_cli_help(command: str) -> None:
+    r = run_cli(command, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "Usage:" in r.stdout
+    assert "--socket" in r.stdout or command in ("demo",)
+    if command == "daemon":
+        assert "--config" in r.stdout
+
+
+def test_cli_missing_socket(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nobody-home.sock")
+    for command in ("status", "peers"):
+        t0 = time.monotonic()
+        r = run_cli(command, "--socket", missing, timeout=20)
+        assert r.returncode != 0
+        assert time.monotonic() - t0 < 10
+        assert "cannot reach the p2pxfer daemon" in r.stderr and missing in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_client_connect_missing_socket(tmp_path: Path) -> None:
+    with pytest.raises(EngineClosed, match="cannot reach"):
+        SyncClient(str(tmp_path / "none.sock"))
+
+
+def test_cli_daemon_bad_config(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "bad.toml", {"node": "x", "socket": str(tmp_path / "x.sock"),
+                                               "fabric_node": LOOPBACK, "sokcet": "typo"})
+    r = run_cli("daemon", "--config", str(cfg), timeout=20)
+    assert r.returncode != 0
+    assert "sokcet" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "x.sock").exists()
+    for bad, word in [({"max_frame": 10}, "max_frame"), ({"control": "nope"}, "nope"),
+                      ({"peers": [{"name": "p"}]}, "peer"), ({"max_frame": "big"}, "max_frame")]:
+        cfg = write_config(tmp_path / "bad2.toml", {"node": "x", "fabric_node": LOOPBACK,
+                                                    "socket": str(tmp_path / "y.sock"), **bad})
+        r = run_cli("daemon", "--config", str(cfg), timeout=20)
+        assert r.returncode != 0 and word in r.stderr, (bad, r.stderr)
+    (tmp_path / "broken.toml").write_text("node = \n")
+    r = run_cli("daemon", "--config", str(tmp_path / "broken.toml"), timeout=20)
+    assert r.returncode != 0 and "broken.toml" in r.stderr, r.stderr
+
+
+def test_frame_helpers_roundtrip() -> None:
+    """The raw-socket tests' own tools decode what the daemon's encoder makes."""
+    dec = FrameDecoder()
+    dec.feed(encode_frame({"t": "status", "id": 1}) + encode_frame({"t": "bye"})[:3])
+    assert dec.next_frame() == {"t": "status", "id": 1}
+    assert dec.next_frame() is None
+    assert msgpack.unpackb(encode_frame({"a": 1})[4:]) == {"a": 1}
