@@ -42,7 +42,7 @@ def p2pxfer_cmd() -> list[str]:
     script = Path(sys.executable).parent / "p2pxfer"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "from p2pxfer.cli import main; main()"]
+    return [sys.executable, "-m", "p2pxfer"]
 
 
 def free_port() -> int:
@@ -93,11 +93,13 @@ class DaemonProc:
             return "(no log)"
         return "\n".join(lines[-n:])
 
-    def status(self) -> dict[str, Any]:
-        from p2pxfer.client import SyncClient
-
-        with SyncClient(self.socket) as c:
-            return c.status()
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The daemon's status, over a raw connection (every read bounded)."""
+        with RawConn(self.socket, timeout) as c:
+            c.hello()
+            reply = c.request({"t": "status", "id": 1})
+            assert reply["t"] == "ok", reply
+            return dict(reply["result"])
 
     def stop(self) -> int:
         """SIGINT (the daemon's clean shutdown), then SIGKILL; the exit code."""
@@ -347,7 +349,8 @@ async def _source(client: Any, mems: dict[str, Any], plan: Plan) -> Any:
 class Agent:
     """The parent's handle on an agent process."""
 
-    def __init__(self, flavor: str, socket_path: str, name: str = "agent") -> None:
+    def __init__(self, flavor: str, socket_path: str, name: str = "agent", *,
+                 wait: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=agent_main, args=(flavor, socket_path, child),
@@ -355,7 +358,15 @@ class Agent:
         self.proc.start()
         child.close()
         self.name = name
-        self.hello = self._reply(START_TIMEOUT, "connect")[1]
+        self.hello: dict[str, Any] = {}
+        if wait:
+            self.ready()
+
+    def ready(self) -> Agent:
+        """Wait until the agent has connected (its hello: node and flavor)."""
+        if not self.hello:
+            self.hello = self._reply(START_TIMEOUT, "connect")[1]
+        return self
 
     def _reply(self, timeout: float, what: str) -> tuple[Any, ...]:
         if not self.conn.poll(timeout):

@@ -399,6 +399,7 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 ]
 PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("resolve", {"region": "kv"}, {"descriptor": DESCRIPTOR}),
+    ("invalidate", {"region": "kv"}, {}),
     ("status", {}, {"node": "node-b", "incarnation": 7, "regions": ["kv"], "peers": [],
                     "transfers_in_flight": 2, "nics": ["eth0"]}),
     ("peers", {}, {"peers": []}),

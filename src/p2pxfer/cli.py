@@ -4,6 +4,7 @@ and render results (rich); no transfer logic lives here."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import click
 import numpy as np
@@ -107,9 +108,7 @@ def daemon(config_path: str | None, socket_path: str | None, control: str | None
         cfg = dataclasses.replace(cfg, socket=socket_path or cfg.socket,
                                   control=control or cfg.control, node=node or cfg.node)
         configure(cfg.log_level)
-        trio.run(serve, cfg)
-    except KeyboardInterrupt:
-        pass
+        trio.run(partial(serve, cfg, handle_signals=True))
     except P2PXferError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -156,13 +155,19 @@ def status(socket_path: str, as_json: bool) -> None:
 
 @main.command()
 @click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
-def peers(socket_path: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def peers(socket_path: str, as_json: bool) -> None:
     """Peers the daemon knows."""
+    import json
+
+    result = _client_call(socket_path, "peers")
+    assert isinstance(result, list)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
     table = Table(title="peers")
     table.add_column("name")
     table.add_column("control address")
-    result = _client_call(socket_path, "peers")
-    assert isinstance(result, list)
     for p in result:
         table.add_row(p["name"], p["address"])
     console.print(table)

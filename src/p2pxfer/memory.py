@@ -9,6 +9,7 @@ through msgpack. What must not: posting or polling (that is the transport's).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections import OrderedDict
@@ -92,11 +93,13 @@ class SharedBuffer:
         return memoryview(self.mmap)
 
     def close(self) -> None:
-        """Unmap and close the fd. Views of it must be gone first."""
+        """Close the fd and unmap; if views of the memory are still alive, the
+        mapping stays until the last one goes."""
         if self.fd < 0:
             return
         del self.array
-        self.mmap.close()
+        with contextlib.suppress(BufferError):
+            self.mmap.close()
         os.close(self.fd)
         self.fd = -1
 

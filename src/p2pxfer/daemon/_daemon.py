@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import signal
 import socket
 import time
 from collections import deque
@@ -60,7 +61,11 @@ class _Mem:
             raise RequestError("bad_request", f"memfd holds {st.st_size} bytes, not {size}")
         self.id = mem_id
         self.size = size
-        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:
+            raise RequestError("bad_request", f"cannot map the shared fd read-write: "
+                               f"{exc}") from exc
 
     def view(self, offset: int, length: int | None = None) -> memoryview:
         end = self.size if length is None else offset + length
@@ -84,7 +89,13 @@ class Daemon:
         self.sessions: set[ClientSession] = set()
         self._links: dict[str, PeerLink] = {}
         self._resolved: dict[tuple[str, str], RegionDescriptor] = {}
+        # Which peers hold a descriptor of each of our regions, to tell them
+        # when it goes: a write with a dead key would break their connection.
+        self._resolved_by: dict[str, set[str]] = {}
         self.writes_in_flight = 0
+        self.nursery: trio.Nursery | None = None
+        # Incoming peer connection (by id) -> the node name it said hello with.
+        self._conn_peer: dict[int, str] = {}
 
     # -- regions and peers ----------------------------------------------------
 
@@ -112,6 +123,18 @@ class Daemon:
 
     def forget(self, peer: str, region: str) -> None:
         self._resolved.pop((peer, region), None)
+
+    def region_gone(self, region: str) -> None:
+        """Tell every peer that resolved ``region`` to drop it (in the background)."""
+        for peer in self._resolved_by.pop(region, set()):
+            if peer in self.peers and self.nursery is not None:
+                self.nursery.start_soon(self._invalidate, peer, region)
+
+    async def _invalidate(self, peer: str, region: str) -> None:
+        try:
+            await self._link(peer).request("invalidate", region=region)
+        except P2PXferError as exc:
+            log.warning("region.invalidate_failed", peer=peer, region=region, error=str(exc))
 
     def _link(self, peer: str) -> PeerLink:
         if peer not in self.peers:
@@ -184,6 +207,8 @@ class Daemon:
         self.sessions.add(session)
         try:
             await session.run()
+        except Exception as exc:  # one client's failure must never reach the others
+            log.error("client.failed", client=session.label, error=repr(exc))
         finally:
             self.sessions.discard(session)
 
@@ -218,17 +243,30 @@ class Daemon:
             log.warning("peer.closed_on_error", code=exc.code, error=exc.message)
             return
         finally:
+            self._conn_peer.pop(id(conn), None)
             await stream.aclose()
 
     def _peer_reply(self, conn: Connection, msg: Message) -> bytes:
         if msg.kind == "hello":
+            name, control = msg.get("name", ""), msg.get("control", "")
+            self._conn_peer[id(conn)] = name
+            if name and control and name not in self.peers:
+                # A daemon that reached us can be reached back: no static world.
+                with contextlib.suppress(RequestError):
+                    self.add_peer(name, control)
             return conn.send("welcome", v=SCHEMA_VERSION, node=self.node,
                              incarnation=self.incarnation, max_frame=self.config.max_frame)
         if msg.kind == "bye":
             return b""
         try:
             if msg.kind == "resolve":
-                result = {"descriptor": self.local_descriptor(msg["region"]).to_wire()}
+                desc = self.local_descriptor(msg["region"])
+                if who := self._conn_peer.get(id(conn)):
+                    self._resolved_by.setdefault(msg["region"], set()).add(who)
+                result = {"descriptor": desc.to_wire()}
+            elif msg.kind == "invalidate":
+                self.forget(self._conn_peer.get(id(conn), ""), msg["region"])
+                result = {}
             elif msg.kind == "status":
                 result = self.status()
             else:  # peers
@@ -267,7 +305,8 @@ class PeerLink:
             self._stream = await trio.open_tcp_stream(host, port)
             self._conn = Connection("peer", INITIATOR, max_frame=self.daemon.config.max_frame)
             await self._stream.send_all(self._conn.send(
-                "hello", v=SCHEMA_VERSION, role="daemon", name=self.daemon.node))
+                "hello", v=SCHEMA_VERSION, role="daemon", name=self.daemon.node,
+                control=self.daemon.control_address))
             await self._reply(None)
         assert self._conn is not None and self._stream is not None
         rid = self._conn.next_id()
@@ -390,8 +429,10 @@ class ClientSession:
             result = await self._handle(msg)
         except trio.Cancelled:
             raise
-        except P2PXferError as exc:
+        except Exception as exc:  # every failure becomes an answer, never a crash
             code, text = error_code(exc)
+            if code == "internal":
+                log.error("request.crashed", client=self.label, kind=msg.kind, error=text)
             log.info("request.failed", client=self.label, kind=msg.kind, code=code, error=text)
             await self._send(lambda: self.conn.send("error", id=msg.id, code=code, message=text))
             return
@@ -473,6 +514,7 @@ class ClientSession:
         return {"descriptor": desc.to_wire()}
 
     def _unexport(self, name: str) -> None:
+        self.daemon.region_gone(name)
         self.daemon.engine.unexport(name)
         self.daemon.exports.pop(name, None)
         self.exports.discard(name)
@@ -491,7 +533,11 @@ class ClientSession:
         try:
             pieces = await d.engine.write(src, desc, scatter, imm=msg.get("imm"))
         except P2PXferError:
-            d.forget(peer, region)  # the peer may have restarted: look it up afresh
+            # The region (or its owner) may be gone: look it up afresh, so the
+            # caller hears "unknown_region" rather than a transport error.
+            d.forget(peer, region)
+            with trio.move_on_after(PEER_TIMEOUT_S):
+                await d.resolve(peer, region)
             raise
         finally:
             d.writes_in_flight -= 1
@@ -521,25 +567,37 @@ def _close_map(mem: _Mem) -> None:
         mem.map.close()
 
 
-async def serve(config: DaemonConfig, *,
+async def serve(config: DaemonConfig, *, handle_signals: bool = False,
                 task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
-    """Run a daemon until cancelled. ``nursery.start(serve, config)`` returns
-    the :class:`Daemon` once both listeners are up."""
+    """Run a daemon until cancelled (or, with ``handle_signals``, until SIGINT
+    or SIGTERM, then return normally). ``nursery.start(serve, config)``
+    returns the :class:`Daemon` once both listeners are up."""
     engine_cfg = EngineConfig(
         provider=config.provider, node=config.fabric_node or None,
         interfaces=config.interfaces or None, node_name=config.node,
         incarnation=time.time_ns(),
     )
-    async with open_engine(engine_cfg) as engine, trio.open_nursery() as nursery:
-        daemon = Daemon(config, engine)
-        await daemon.serve_peers(nursery)
-        sock = await daemon.serve_clients(nursery)
-        log.info("daemon.ready", node=daemon.node, socket=config.socket,
-                 control=daemon.control_address, provider=config.provider)
-        task_status.started(daemon)
-        try:
-            await trio.sleep_forever()
-        finally:
+    sock = None
+    try:
+        async with open_engine(engine_cfg) as engine, trio.open_nursery() as nursery:
+            daemon = Daemon(config, engine)
+            daemon.nursery = nursery
+            await daemon.serve_peers(nursery)
+            sock = await daemon.serve_clients(nursery)
+            log.info("daemon.ready", node=daemon.node, socket=config.socket,
+                     control=daemon.control_address, provider=config.provider)
+            task_status.started(daemon)
+            if handle_signals:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        log.info("daemon.stopping", signal=signal.Signals(signum).name)
+                        break
+                nursery.cancel_scope.cancel()
+            else:
+                await trio.sleep_forever()
+    finally:
+        # Only now, with the accept loop gone, close and remove the socket.
+        if sock is not None:
             sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(config.socket)
+        with contextlib.suppress(OSError):
+            os.unlink(config.socket)

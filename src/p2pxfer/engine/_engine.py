@@ -24,9 +24,9 @@ from p2pxfer.memory import RailDescriptor, RegionDescriptor, buffer_span
 from p2pxfer.scatter import ScatterList
 from p2pxfer.topology import Topology, discover
 
-from ._shard import Shard
+from ._shard import Shard, TransferState
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "open_engine"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer", "open_engine"]
 
 log = structlog.get_logger("p2pxfer.engine")
 
@@ -82,6 +82,58 @@ class EngineStats:
     failed: int
 
 
+class Transfer:
+    """A submitted write. ``await wait()`` for its completion."""
+
+    def __init__(self, engine: Engine, shard: Shard, tr: TransferState,
+                 dst: RegionDescriptor) -> None:
+        self._engine = engine
+        self._shard = shard
+        self._tr = tr
+        self._dst = dst
+        self._released = False
+
+    @property
+    def pieces(self) -> int:
+        """Pieces this write posts, each carrying its immediate."""
+        return self._tr.w.pieces
+
+    @property
+    def nbytes(self) -> int:
+        return self._tr.w.nbytes
+
+    @property
+    def done(self) -> bool:
+        return self._tr.done.is_set()
+
+    async def wait(self) -> int:
+        """Return the piece count once every piece completed; raise
+        ``TransferError``/``EngineClosed`` if one failed. Cancellation stops
+        posting, waits (shielded) for what was posted, then re-raises."""
+        tr, shard = self._tr, self._shard
+        try:
+            if tr.done.is_set():
+                # Done already: a schedule point, but no cancellation of a
+                # write that has in fact completed.
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            try:
+                await tr.done.wait()
+            except trio.Cancelled:
+                shard.cancel(tr)
+                with trio.CancelScope(shield=True):
+                    await tr.done.wait()
+                raise
+        finally:
+            if not self._released and tr.done.is_set():
+                self._released = True
+                shard.slots.release()
+        if (exc := tr.exception()) is not None:
+            raise exc
+        log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,
+                  pieces=tr.w.pieces, peer=self._dst.node, region=self._dst.name)
+        return tr.w.pieces
+
+
 class Engine:
     """Many trio tasks' transfers over every NIC of the machine. Use
     :func:`open_engine`; do not construct directly."""
@@ -93,6 +145,7 @@ class Engine:
         self._imm = Counter[int]()
         self._imm_waiters: dict[int, list[tuple[int, trio.Event]]] = {}
         self._exports: dict[str, Any] = {}
+        self._routes: dict[tuple[int, int], Any] = {}
         self._closed = False
 
     # -- memory ---------------------------------------------------------------
@@ -148,6 +201,28 @@ class Engine:
     def _pick_shard(self) -> Shard:
         return min(self.shards, key=lambda s: s.queued)
 
+    async def submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
+                     imm: int | None = None, dry_run: bool = False) -> Transfer:
+        """Validate and start a write; returns once it is queued (waiting for
+        a slot if the shard is full), not when it completes. Writes submitted
+        one after another from one task are posted in that order. Bad input
+        raises before anything is posted. Await :meth:`Transfer.wait`."""
+        self._check_open()
+        shard = self._pick_shard()
+        try:
+            # No scheduler round when a slot is free: waiting checkpoints anyway.
+            shard.slots.acquire_nowait()
+        except trio.WouldBlock:
+            await shard.slots.acquire()
+        try:
+            self._check_open()  # the engine may have closed while we waited for a slot
+            tr = shard.prepare(src, dst, scatter, imm, dry_run)
+            shard.submit(tr)
+        except BaseException:
+            shard.slots.release()
+            raise
+        return Transfer(self, shard, tr, dst)
+
     async def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
                     imm: int | None = None, dry_run: bool = False) -> int:
         """Write ``scatter`` from ``src`` (a registered buffer) into ``dst``.
@@ -165,37 +240,10 @@ class Engine:
         ``dry_run`` does everything but the provider calls (for measuring the
         engine's own cost per page).
         """
-        self._check_open()
-        shard = self._pick_shard()
-        try:
-            # No scheduler round when a slot is free: this await checkpoints anyway.
-            shard.slots.acquire_nowait()
-        except trio.WouldBlock:
-            await shard.slots.acquire()
-        try:
-            self._check_open()  # the engine may have closed while we waited for a slot
-            tr = shard.prepare(src, dst, scatter, imm, dry_run)
-            shard.submit(tr)
-            if self.config.inline_poll_ns and tr.direct:
-                shard.poll_inline(tr, self.config.inline_poll_ns)
-            try:
-                if tr.done.is_set():
-                    # Done already: a schedule point, but no cancellation of a
-                    # write that has in fact completed.
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                await tr.done.wait()
-            except trio.Cancelled:
-                shard.cancel(tr)
-                with trio.CancelScope(shield=True):
-                    await tr.done.wait()
-                raise
-        finally:
-            shard.slots.release()
-        if (exc := tr.exception()) is not None:
-            raise exc
-        log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,
-                  pieces=tr.w.pieces, peer=dst.node, region=dst.name)
-        return tr.w.pieces
+        t = await self.submit(src, dst, scatter, imm=imm, dry_run=dry_run)
+        if self.config.inline_poll_ns and t._tr.direct:
+            t._shard.poll_inline(t._tr, self.config.inline_poll_ns)
+        return await t.wait()
 
     async def wait_imm(self, imm: int, count: int) -> None:
         """Return once ``count`` pieces carrying ``imm`` have landed here (and
@@ -232,8 +280,23 @@ class Engine:
         if self._imm[imm] == 0:
             del self._imm[imm]
 
+    def route_imms(self, shift: int, tag: int, handler: Any) -> None:
+        """Send arrivals whose ``imm >> shift == tag`` to ``handler(imm, count)``
+        (called in trio) instead of counting them for :meth:`wait_imm`: for
+        protocols that encode more than a counter in the immediate (KV pages)."""
+        self._routes[(shift, tag)] = handler
+
+    def unroute_imms(self, shift: int, tag: int) -> None:
+        self._routes.pop((shift, tag), None)
+
     def _deliver_imms(self, arrivals: list[tuple[int, int]]) -> None:
         for imm, cnt in arrivals:
+            if self._routes:
+                handler = next((h for (sh, tg), h in self._routes.items() if imm >> sh == tg),
+                               None)
+                if handler is not None:
+                    handler(imm, cnt)
+                    continue
             self._imm[imm] += cnt
             waiters = self._imm_waiters.get(imm)
             while waiters and self._imm[imm] >= waiters[0][0]:

@@ -40,7 +40,7 @@ _OPT_INT = (int, type(None))
 SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # handshake and teardown (both protocols)
     "hello": {"v": (_INT, True), "role": (_STR, True), "name": (_STR, False),
-              "auth": (_BIN, False)},
+              "auth": (_BIN, False), "control": (_STR, False)},
     "welcome": {"v": (_INT, True), "node": (_STR, True), "incarnation": (_INT, True),
                 "max_frame": (_INT, True), "nonce": (_BIN, False)},
     "bye": {},
@@ -62,13 +62,14 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "add_peer": {"id": (_INT, True), "name": (_STR, True), "address": (_STR, True)},
     # daemon -> daemon
     "resolve": {"id": (_INT, True), "region": (_STR, True)},
+    "invalidate": {"id": (_INT, True), "region": (_STR, True)},
 }
 
 CLIENT_REQUESTS = frozenset(
     {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
      "add_peer"}
 )
-PEER_REQUESTS = frozenset({"resolve", "status", "peers"})
+PEER_REQUESTS = frozenset({"resolve", "invalidate", "status", "peers"})
 
 
 @dataclass(frozen=True)
