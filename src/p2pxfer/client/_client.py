@@ -181,6 +181,14 @@ class Client:
         self._mems.append(mem)
         return mem
 
+    async def free(self, mem: SharedMemory) -> None:
+        """Give shared memory back: the daemon deregisters and unmaps it (it
+        must not back an export), then it is unmapped here."""
+        await self._request("unshare", mem=mem.mem_id)
+        if mem in self._mems:
+            self._mems.remove(mem)
+        mem.close()
+
     async def export(self, name: str, mem: SharedMemory, offset: int = 0,
                      length: int | None = None) -> RegionDescriptor:
         """Let peers write into ``mem[offset:offset+length]`` as region ``name``."""

@@ -40,6 +40,9 @@ class SyncClient:
                length: int | None = None) -> RegionDescriptor:
         return self._call(self._client.export, name, mem, offset, length)  # type: ignore[no-any-return]
 
+    def free(self, mem: SharedMemory) -> None:
+        self._call(self._client.free, mem)
+
     def unexport(self, name: str) -> None:
         self._call(self._client.unexport, name)
 
