@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -196,20 +197,27 @@ class Transport:
                 )
 
     def prepare(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
-                imm: int | None, tid: int, rail_offset: int = 0) -> PreparedWrite:
+                imm: int | Callable[[int], int] | None, tid: int,
+                rail_offset: int = 0) -> PreparedWrite:
         """Validate a write and lay it out on the rails, posting nothing.
 
         Raises ``ScatterError``/``InvalidArgument``/``DescriptorError``/
-        ``UnregisteredMemory`` naming what is wrong. ``rail_offset`` rotates
-        which of the target's rails our rail 0 writes to."""
+        ``UnregisteredMemory`` naming what is wrong. ``imm`` may be a function
+        of the final piece count (for protocols that put the count in the
+        immediate). ``rail_offset`` rotates which of the target's rails our
+        rail 0 writes to."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
-        self.check_imm(imm)
+        if not callable(imm):
+            self.check_imm(imm)
         self.check_destination(dst)
         region, base, size = self.source(src)
         scatter.check_bounds(size, dst.length)
         nrails = min(len(self.rails), len(dst.rails))
         sl, stripes = plan_stripes(scatter, nrails, self.max_msg)
+        if callable(imm):
+            imm = imm(len(sl))
+            self.check_imm(imm)
         batch = WriteBatch(sl.src, sl.dst, sl.length, tid, imm, len(stripes))
         for st in stripes:
             rail = self.rails[st.rail]

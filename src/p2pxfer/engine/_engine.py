@@ -10,7 +10,7 @@ exception groups.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +146,8 @@ class Engine:
         self._imm_waiters: dict[int, list[tuple[int, trio.Event]]] = {}
         self._exports: dict[str, Any] = {}
         self._routes: dict[tuple[int, int], Any] = {}
+        #: per-engine state of layers above (e.g. the KV receiver), by name
+        self.attachments: dict[str, Any] = {}
         self._closed = False
 
     # -- memory ---------------------------------------------------------------
@@ -202,11 +204,14 @@ class Engine:
         return min(self.shards, key=lambda s: s.queued)
 
     async def submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
-                     imm: int | None = None, dry_run: bool = False) -> Transfer:
+                     imm: int | Callable[[int], int] | None = None,
+                     dry_run: bool = False) -> Transfer:
         """Validate and start a write; returns once it is queued (waiting for
         a slot if the shard is full), not when it completes. Writes submitted
         one after another from one task are posted in that order. Bad input
-        raises before anything is posted. Await :meth:`Transfer.wait`."""
+        raises before anything is posted. ``imm`` may be a function of the
+        final piece count (striping can split pieces). Await
+        :meth:`Transfer.wait`."""
         self._check_open()
         shard = self._pick_shard()
         try:

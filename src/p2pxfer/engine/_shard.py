@@ -117,7 +117,7 @@ class Shard:
         self._token.run_sync_soon(self._deliver)
         self._token.run_sync_soon(self.thread_done.set)
 
-    def prepare(self, src: Any, dst: Any, scatter: Any, imm: int | None,
+    def prepare(self, src: Any, dst: Any, scatter: Any, imm: Any,
                 dry_run: bool) -> TransferState:
         """Validate and lay out (raises on bad input; nothing queued)."""
         tid = self._next_id

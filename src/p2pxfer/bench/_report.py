@@ -1,0 +1,212 @@
+"""Results of a bandwidth test and the ways they are shown.
+
+``BenchResult`` is one measured point; ``to_json`` gives the record written
+by ``--json`` (``RESULT_FIELDS`` lists the fields every record has and their
+types). ``plot_series`` returns the lines ``--plot`` draws, ``plot`` draws
+them with matplotlib (imported only here, so the package works without it),
+and ``summary_table`` builds the rich table the terminal shows.
+What must not live here: measuring.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from ._options import BenchError, format_size
+
+__all__ = ["RESULT_FIELDS", "BenchResult", "RailResult", "plot", "plot_series",
+           "require_matplotlib", "summary_table", "write_json"]
+
+#: Fields every JSON record has, and their types. ``baseline_gbps``, ``ratio``
+#: and the baseline percentiles are ``null`` only where no baseline could be
+#: measured (``--via-daemon`` when the peer's control port could not be asked).
+RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "mode": str,
+    "provider": str,
+    "pattern": str,
+    "order": (str, type(None)),
+    "page_size": int,
+    "pages": int,
+    "pool_pages": int,
+    "bytes": int,
+    "concurrency": int,
+    "warmup": int,
+    "iterations": int,
+    "transfers": int,
+    "total_bytes": int,
+    "seconds": float,
+    "gbps": float,
+    "baseline_seconds": (float, type(None)),
+    "baseline_gbps": (float, type(None)),
+    "ratio": (float, type(None)),
+    "p50_us": float,
+    "p99_us": float,
+    "baseline_p50_us": (float, type(None)),
+    "baseline_p99_us": (float, type(None)),
+    "memcpy_gbps": float,
+    "nrails": int,
+    "rails": list,
+    "target": str,
+}
+
+
+@dataclass(frozen=True)
+class RailResult:
+    """Bandwidth one rail (NIC) carried: its bytes over the path's timed seconds."""
+
+    name: str
+    gbps: float
+    baseline_gbps: float | None
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One measured point. ``bytes`` is one transfer (``page_size * pages``);
+    ``seconds`` is the timed time of all ``transfers`` through our path, so
+    ``gbps = total_bytes / seconds / 1e9``; the ``baseline_*`` fields are the
+    raw C loop's, over the same provider, pattern and target, in the same run
+    (rounds alternate between the two). ``ratio = gbps / baseline_gbps``.
+    Latency percentiles are per transfer (ours) and per C call (baseline: one
+    call posts a whole round of ``concurrency`` transfers)."""
+
+    mode: str
+    provider: str
+    pattern: str
+    order: str | None
+    page_size: int
+    pages: int
+    pool_pages: int
+    bytes: int
+    concurrency: int
+    warmup: int
+    iterations: int
+    transfers: int
+    total_bytes: int
+    seconds: float
+    gbps: float
+    baseline_seconds: float | None
+    baseline_gbps: float | None
+    ratio: float | None
+    p50_us: float
+    p99_us: float
+    baseline_p50_us: float | None
+    baseline_p99_us: float | None
+    memcpy_gbps: float
+    nrails: int
+    target: str = ""
+    rails: list[RailResult] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def write_json(results: Sequence[BenchResult], path: str | Path) -> None:
+    """A JSON list with one record per result."""
+    text = json.dumps([r.to_json() for r in results], indent=2)
+    Path(path).write_text(text + "\n")
+
+
+def _gbps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = None,
+                  title: str = "p2pxfer bench") -> Table:
+    table = Table(title=title)
+    for col in ("provider", "pattern", "size", "rails", "in flight", "GB/s", "C baseline GB/s",
+                "ratio", "p50 us", "p99 us", "% of memcpy"):
+        table.add_column(col, justify="left" if col in ("provider", "pattern") else "right")
+    for r in results:
+        pattern = r.pattern if r.order is None else f"{r.pattern} {r.order}"
+        size = (format_size(r.bytes) if r.pattern == "contiguous"
+                else f"{r.pages}x{format_size(r.page_size)}")
+        ratio = "-" if r.ratio is None else f"[bold]{r.ratio:.2f}[/bold]"
+        table.add_row(r.provider, pattern, size, str(r.nrails), str(r.concurrency),
+                      _gbps(r.gbps), _gbps(r.baseline_gbps), ratio, f"{r.p50_us:.0f}",
+                      f"{r.p99_us:.0f}", f"{100 * r.gbps / r.memcpy_gbps:.0f}%")
+    if memcpy_gbps is not None:
+        table.caption = (f"single-thread memcpy on this machine: {memcpy_gbps:.2f} GB/s "
+                         f"(the ceiling for same-node transfers); ratio = ours / raw C loop, "
+                         f"same provider, pattern and target, same run")
+    return table
+
+
+# -- plot ---------------------------------------------------------------------
+
+
+def plot_series(results: Sequence[BenchResult]) -> dict[str, tuple[list[int], list[float]]]:
+    """The lines ``plot`` draws: label -> (bytes per transfer, GB/s), sorted by
+    size. One "ours" and one "baseline" line per provider and rail; with
+    several rails, also a "total" line of each."""
+    series: dict[str, list[tuple[int, float]]] = {}
+
+    def add(label: str, x: int, y: float | None) -> None:
+        if y is not None and math.isfinite(y):
+            series.setdefault(label, []).append((x, y))
+
+    for r in results:
+        for rail in r.rails:
+            add(f"ours · {r.provider} · {rail.name}", r.bytes, rail.gbps)
+            add(f"baseline · {r.provider} · {rail.name}", r.bytes, rail.baseline_gbps)
+        if r.nrails > 1 or not r.rails:
+            add(f"ours · {r.provider} · total", r.bytes, r.gbps)
+            add(f"baseline · {r.provider} · total", r.bytes, r.baseline_gbps)
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for label, points in series.items():
+        points.sort()
+        out[label] = ([x for x, _ in points], [y for _, y in points])
+    return out
+
+
+def require_matplotlib() -> None:
+    """Raise ``BenchError`` saying how to install matplotlib when it is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise BenchError("--plot needs matplotlib: pip install 'matplotlib>=3.8' (or "
+                         "install p2pxfer with its dev extra)") from exc
+
+
+def plot(results: Sequence[BenchResult], path: str | Path, *, title: str = "") -> None:
+    """Bandwidth against transfer size (log2 axis), ours solid and the C
+    baseline dashed, one colour per provider and rail; single-thread memcpy
+    as a dotted reference. Written as PNG with the Agg renderer."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    fig = Figure(figsize=(9, 5.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    series = plot_series(results)
+    colours: dict[str, Any] = {}
+    cycle = [f"C{i}" for i in range(10)]
+    for label, (xs, ys) in series.items():
+        kind, key = label.split(" · ", 1)
+        colour = colours.setdefault(key, cycle[len(colours) % len(cycle)])
+        ax.plot(xs, ys, color=colour, marker="o" if kind == "ours" else "s", markersize=4,
+                linestyle="-" if kind == "ours" else "--", label=label)
+    memcpy = [r.memcpy_gbps for r in results]
+    if memcpy:
+        ax.axhline(max(memcpy), color="grey", linestyle=":", label=f"memcpy, 1 thread "
+                   f"({max(memcpy):.1f} GB/s)")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_size(int(x))
+                                               if x >= 1 else ""))
+    ax.set_xlabel("bytes per transfer")
+    ax.set_ylabel("GB/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="major", alpha=0.3)
+    modes = sorted({r.mode for r in results})
+    ax.set_title(title or f"p2pxfer bench ({', '.join(modes)}): ours vs raw C loop")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")

@@ -1,0 +1,287 @@
+"""The bench server (the target side) and the client's link to it.
+
+The server opens an engine per client connection, exports a zeroed region of
+the size the client asks for, and hands over its ``RegionDescriptor``. The
+client writes into it; after each measured point it says which immediate it
+used and how many pieces carried it, and the server confirms once that many
+have landed (``engine.wait_imm``). The engine's poller keeps the CQ
+progressed meanwhile, as manual-progress providers need.
+
+The handshake runs over TCP on the control port: each message is a msgpack
+map behind a 4-byte big-endian length.
+
+    client -> server  {"t": "hello", "v": 1, "provider": str, "size": int, "rails": int}
+    server -> client  {"t": "ready", "descriptor": bytes, "rails": [str], "host": str}
+    client -> server  {"t": "check", "imm": int, "count": int, "timeout": float}
+    server -> client  {"t": "ok"}
+    client -> server  {"t": "bye"}
+    either way        {"t": "error", "message": str}
+
+What must not live here: measuring (``_run``) and rendering.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import structlog
+import trio
+
+from p2pxfer.engine import EngineConfig, open_engine
+from p2pxfer.errors import P2PXferError
+from p2pxfer.memory import RegionDescriptor
+from p2pxfer.topology import discover
+
+from ._options import GIB, BenchError, format_size
+
+__all__ = ["PROTOCOL_VERSION", "ServerConfig", "ServerLink", "connect_server", "pick_interfaces",
+           "serve"]
+
+log = structlog.get_logger("p2pxfer.bench")
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE = 1 << 20
+
+
+class ProtocolViolation(BenchError):
+    """The other side sent something that is not a bench message."""
+
+
+class Wire:
+    """Length-prefixed msgpack maps over a trio stream."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self._buf = bytearray()
+
+    async def send(self, kind: str, **fields: Any) -> None:
+        body = msgpack.packb({"t": kind, **fields}, use_bin_type=True)
+        await self.stream.send_all(len(body).to_bytes(4, "big") + body)
+
+    async def recv(self) -> dict[str, Any]:
+        while True:
+            if len(self._buf) >= 4:
+                n = int.from_bytes(self._buf[:4], "big")
+                if n > MAX_MESSAGE:
+                    raise ProtocolViolation(f"message of {n} bytes is over the "
+                                            f"{MAX_MESSAGE}-byte limit")
+                if len(self._buf) >= 4 + n:
+                    body = bytes(self._buf[4:4 + n])
+                    del self._buf[:4 + n]
+                    try:
+                        msg = msgpack.unpackb(body, raw=False)
+                    except (ValueError, msgpack.ExtraData, msgpack.FormatError,
+                            msgpack.StackError) as exc:
+                        raise ProtocolViolation(f"message is not msgpack: {exc}") from exc
+                    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+                        raise ProtocolViolation(f"expected a map with 't', got {msg!r:.80}")
+                    return msg
+            data = await self.stream.receive_some(1 << 16)
+            if not data:
+                raise ProtocolViolation("the other side closed the connection")
+            self._buf += data
+
+
+# -- server -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    bind: str = "0.0.0.0"
+    port: int = 7790
+    #: local fabric address (IP providers); None lets the provider choose
+    node: str | None = None
+    #: providers clients may ask for; empty: any
+    providers: tuple[str, ...] = ()
+    #: NICs to export on; None: the first ``rails`` the client asks for
+    interfaces: tuple[str, ...] | None = None
+    max_region: int = 8 * GIB
+    #: stop after the first client leaves
+    once: bool = False
+
+
+def pick_interfaces(provider: str, node: str | None, rails: int,
+                    interfaces: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The NICs to use: ``interfaces`` as given, else the first ``rails`` the
+    provider offers at ``node``. Raises ``ProviderNotFound`` for an unknown
+    provider and ``BenchError`` when there are too few NICs."""
+    topo = discover(provider, node=node, interfaces=list(interfaces) if interfaces else None)
+    names = tuple(n.domain_name for n in topo.nics)
+    if interfaces:
+        return names
+    if rails > len(names):
+        where = f" at {node}" if node else ""
+        raise BenchError(f"{provider}{where} has {len(names)} interface(s) "
+                         f"({', '.join(names)}); {rails} rails were asked for")
+    return names[:rails]
+
+
+def _hello_fields(msg: dict[str, Any], cfg: ServerConfig) -> tuple[str, int, int]:
+    if msg.get("t") != "hello" or msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolViolation(f"expected hello version {PROTOCOL_VERSION}, got "
+                                f"{msg.get('t')!r} {msg.get('v')!r}")
+    provider, size, rails = msg.get("provider"), msg.get("size"), msg.get("rails", 1)
+    if not isinstance(provider, str) or not provider:
+        raise ProtocolViolation("hello: provider must be a non-empty string")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise ProtocolViolation("hello: size must be a positive integer")
+    if not isinstance(rails, int) or isinstance(rails, bool) or rails <= 0:
+        raise ProtocolViolation("hello: rails must be a positive integer")
+    if size > cfg.max_region:
+        raise BenchError(f"a {format_size(size)} region is over this server's limit of "
+                         f"{format_size(cfg.max_region)}")
+    if cfg.providers and provider not in cfg.providers:
+        raise BenchError(f"this server offers {', '.join(cfg.providers)}, not {provider}")
+    return provider, size, rails
+
+
+async def _session(cfg: ServerConfig, stream: trio.SocketStream) -> None:
+    wire = Wire(stream)
+    try:
+        provider, size, rails = _hello_fields(await wire.recv(), cfg)
+        names = pick_interfaces(provider, cfg.node, rails, cfg.interfaces)
+        config = EngineConfig(provider=provider, node=cfg.node, interfaces=names,
+                              node_name=socket.gethostname())
+        async with open_engine(config) as engine:
+            region = np.zeros(size, np.uint8)
+            region.fill(0)  # fault the pages in now, not during the first transfer
+            desc = engine.export(region, "bench")
+            await wire.send("ready", descriptor=desc.to_bytes(), rails=list(names),
+                            host=socket.gethostname())
+            log.info("bench.session.ready", provider=provider, size=size, rails=names)
+            while True:
+                msg = await wire.recv()
+                if msg["t"] == "bye":
+                    return
+                if msg["t"] != "check":
+                    raise ProtocolViolation(f"unexpected message {msg['t']!r}")
+                imm, count = int(msg["imm"]), int(msg["count"])
+                timeout = float(msg.get("timeout", 60.0))
+                with trio.move_on_after(timeout):
+                    await engine.wait_imm(imm, count)
+                    await wire.send("ok")
+                    continue
+                raise BenchError(f"only {engine.imm_count(imm)} of {count} pieces with "
+                                 f"immediate {imm} arrived within {timeout:g} s")
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        log.info("bench.session.gone")
+    except Exception as exc:  # one bad session must not stop the server
+        log.warning("bench.session.failed", error=str(exc), type=type(exc).__name__)
+        gone = isinstance(exc, ProtocolViolation) and "closed" in str(exc)
+        if not gone:
+            text = str(exc) if isinstance(exc, P2PXferError) else f"{type(exc).__name__}: {exc}"
+            with trio.move_on_after(2), _quiet():
+                await wire.send("error", message=text)
+    finally:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+
+
+class _quiet:
+    """Swallow a failure to send an error to a client that is already gone."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> bool:
+        return exc_type is not None and issubclass(
+            exc_type, trio.BrokenResourceError | trio.ClosedResourceError | OSError)
+
+
+async def serve(cfg: ServerConfig, *,
+                on_listen: Callable[[str, int], None] | None = None) -> None:
+    """Serve bench clients until cancelled (or, with ``cfg.once``, until the
+    first client leaves). ``on_listen(host, port)`` runs once listening."""
+    listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.bind)
+    host, port = listeners[0].socket.getsockname()[:2]
+    log.info("bench.server.listening", host=host, port=port)
+    if on_listen is not None:
+        on_listen(str(host), int(port))
+    async with trio.open_nursery() as nursery:
+        async def handle(stream: trio.SocketStream) -> None:
+            await _session(cfg, stream)
+            if cfg.once:
+                nursery.cancel_scope.cancel()
+
+        await trio.serve_listeners(handle, listeners, handler_nursery=nursery)
+
+
+# -- client -------------------------------------------------------------------
+
+
+class ServerLink:
+    """The client's end of one session: a region on the server, and checks."""
+
+    def __init__(self, wire: Wire, address: str, timeout: float) -> None:
+        self.wire = wire
+        self.address = address
+        self.timeout = timeout
+        self.descriptor: RegionDescriptor | None = None
+        self.rails: list[str] = []
+        self.host = ""
+
+    async def _reply(self, what: str) -> dict[str, Any]:
+        try:
+            with trio.fail_after(self.timeout + 5):
+                msg = await self.wire.recv()
+        except trio.TooSlowError:
+            raise BenchError(f"bench server {self.address} did not answer {what} within "
+                             f"{self.timeout + 5:g} s") from None
+        except (trio.BrokenResourceError, OSError) as exc:
+            raise BenchError(f"bench server {self.address} dropped the connection: "
+                             f"{exc}") from exc
+        if msg["t"] == "error":
+            raise BenchError(f"bench server {self.address}: {msg.get('message')}")
+        return msg
+
+    async def open_region(self, provider: str, size: int, rails: int) -> RegionDescriptor:
+        await self.wire.send("hello", v=PROTOCOL_VERSION, provider=provider, size=size,
+                             rails=rails)
+        msg = await self._reply("hello")
+        if msg["t"] != "ready" or not isinstance(msg.get("descriptor"), bytes):
+            raise ProtocolViolation(f"expected ready, got {msg['t']!r}")
+        self.descriptor = RegionDescriptor.from_bytes(msg["descriptor"])
+        self.rails = [str(r) for r in msg.get("rails", [])]
+        self.host = str(msg.get("host", ""))
+        return self.descriptor
+
+    async def check(self, imm: int, count: int) -> None:
+        """Return once the server has seen ``count`` pieces carrying ``imm``."""
+        await self.wire.send("check", imm=imm, count=count, timeout=self.timeout)
+        msg = await self._reply(f"check of immediate {imm}")
+        if msg["t"] != "ok":
+            raise ProtocolViolation(f"expected ok, got {msg['t']!r}")
+
+
+@asynccontextmanager
+async def connect_server(host: str, port: int, *, connect_timeout: float = 5.0,
+                         timeout: float = 60.0) -> AsyncIterator[ServerLink]:
+    """Connect to a bench server; ``BenchError`` within ``connect_timeout``
+    seconds when it cannot be reached."""
+    address = f"{host}:{port}"
+    try:
+        with trio.fail_after(connect_timeout):
+            stream = await trio.open_tcp_stream(host, port)
+    except trio.TooSlowError:
+        raise BenchError(f"cannot reach the bench server at {address}: no answer within "
+                         f"{connect_timeout:g} s") from None
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise BenchError(f"cannot reach the bench server at {address}: {why} "
+                         f"(is `p2pxfer bench --server` running there?)") from exc
+    link = ServerLink(Wire(stream), address, timeout)
+    try:
+        yield link
+        with trio.move_on_after(2), _quiet():
+            await link.wire.send("bye")
+    finally:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+

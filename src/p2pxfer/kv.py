@@ -1,0 +1,408 @@
+"""KV-cache page push: prefill nodes write KV blocks into decode nodes' pools,
+layer by layer, and decode waits per layer.
+
+What lives here: ``KVLayout`` (where block ``b`` of layer ``l``, plane ``p``
+sits in a pool), ``KVPool`` (a registered, exported pool plus the receiving
+side's per-layer bookkeeping), ``push_pages`` (block tables -> one scatter list
+per layer, coalesced, posted in layer order) and the immediate encoding that
+lets the receiver count each layer's pieces without being told the count.
+What must not: a Python loop over blocks or pieces (numpy does the expansion).
+
+Immediate layout (64-bit CQ data): ``tag:4 | request:20 | layer:12 | pieces:28``.
+Every piece of a layer carries the same value, and that value says how many
+pieces the layer has, so the receiver knows a layer is complete when it has
+counted that many arrivals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+import trio
+
+from p2pxfer.engine import Engine, Transfer
+from p2pxfer.errors import (
+    DescriptorError,
+    InvalidArgument,
+    RegistrationError,
+    TransferError,
+    WaitTimeout,
+)
+from p2pxfer.memory import RegionDescriptor
+from p2pxfer.scatter import ScatterList
+
+__all__ = [
+    "KVLayout",
+    "KVPool",
+    "KVPoolDescriptor",
+    "PushResult",
+    "decode_imm",
+    "encode_imm",
+    "expand_pages",
+    "push_pages",
+]
+
+log = structlog.get_logger("p2pxfer.kv")
+
+I64 = npt.NDArray[np.int64]
+
+KV_TAG = 0xA
+TAG_SHIFT = 60
+REQUEST_BITS, LAYER_BITS, COUNT_BITS = 20, 12, 28
+MAX_REQUEST = (1 << REQUEST_BITS) - 1
+MAX_LAYERS = 1 << LAYER_BITS
+MAX_PIECES = (1 << COUNT_BITS) - 1
+
+ORDERS = ("layer_major", "block_major", "plane_major")
+
+
+def encode_imm(request_id: int, layer: int, pieces: int) -> int:
+    if not 0 <= request_id <= MAX_REQUEST:
+        raise InvalidArgument(f"request_id {request_id} must be in 0..{MAX_REQUEST}")
+    if not 0 <= layer < MAX_LAYERS:
+        raise InvalidArgument(f"layer {layer} must be in 0..{MAX_LAYERS - 1}")
+    if not 0 < pieces <= MAX_PIECES:
+        raise InvalidArgument(f"a layer of {pieces} pieces does not fit the immediate")
+    return ((KV_TAG << TAG_SHIFT) | (request_id << (LAYER_BITS + COUNT_BITS))
+            | (layer << COUNT_BITS) | pieces)
+
+
+def decode_imm(imm: int) -> tuple[int, int, int]:
+    """(request_id, layer, pieces) of a KV immediate."""
+    return ((imm >> (LAYER_BITS + COUNT_BITS)) & MAX_REQUEST,
+            (imm >> COUNT_BITS) & (MAX_LAYERS - 1), imm & MAX_PIECES)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where every block of a paged KV pool lives.
+
+    A pool holds ``num_layers`` x ``planes`` x ``num_blocks`` blocks of
+    ``block_bytes`` each (``planes=2`` keeps K and V apart). ``order`` picks
+    the strides: ``layer_major`` is ``[layer][plane][block]``, ``block_major``
+    ``[block][layer][plane]``, ``plane_major`` ``[plane][layer][block]``
+    (K and V as two big planes). Explicit strides override the order's.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_bytes: int
+    planes: int = 1
+    order: str = "layer_major"
+    layer_stride: int = 0
+    block_stride: int = 0
+    plane_stride: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_blocks", "block_bytes", "planes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise InvalidArgument(f"KVLayout.{name} must be an integer > 0, got {v!r}")
+        if self.order not in ORDERS:
+            raise InvalidArgument(f"KVLayout.order must be one of {ORDERS}, got {self.order!r}")
+        if self.num_layers > MAX_LAYERS:
+            raise InvalidArgument(f"at most {MAX_LAYERS} layers, got {self.num_layers}")
+        nl, nb, bb, npl = self.num_layers, self.num_blocks, self.block_bytes, self.planes
+        layer, block, plane = {
+            "layer_major": (npl * nb * bb, bb, nb * bb),
+            "block_major": (npl * bb, nl * npl * bb, bb),
+            "plane_major": (nb * bb, bb, nl * nb * bb),
+        }[self.order]
+        object.__setattr__(self, "layer_stride", self.layer_stride or layer)
+        object.__setattr__(self, "block_stride", self.block_stride or block)
+        object.__setattr__(self, "plane_stride", self.plane_stride or plane)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool must span (last block's end)."""
+        return ((self.num_layers - 1) * self.layer_stride + (self.num_blocks - 1)
+                * self.block_stride + (self.planes - 1) * self.plane_stride + self.block_bytes)
+
+    @property
+    def block_contiguous(self) -> bool:
+        """Consecutive blocks of one layer and plane are adjacent in memory."""
+        return self.block_stride == self.block_bytes
+
+    def compatible(self, other: KVLayout) -> str | None:
+        """Why blocks of ``self`` cannot be copied into ``other`` (None if they can)."""
+        for name in ("num_layers", "block_bytes", "planes"):
+            if getattr(self, name) != getattr(other, name):
+                return (f"{name} differs: source {getattr(self, name)}, destination "
+                        f"{getattr(other, name)}")
+        return None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"layers": self.num_layers, "blocks": self.num_blocks, "block_bytes":
+                self.block_bytes, "planes": self.planes, "order": self.order,
+                "strides": [self.layer_stride, self.block_stride, self.plane_stride]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> KVLayout:
+        try:
+            ls, bs, ps = obj["strides"]
+            return cls(obj["layers"], obj["blocks"], obj["block_bytes"], obj["planes"],
+                       obj["order"], ls, bs, ps)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DescriptorError(f"malformed KV layout: {exc!r}") from exc
+
+
+@dataclass(frozen=True)
+class KVPoolDescriptor:
+    """What a sender needs to push into a pool: its region and its layout."""
+
+    region: RegionDescriptor
+    layout: KVLayout
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"region": self.region.to_wire(), "layout": self.layout.to_wire()}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> KVPoolDescriptor:
+        if not isinstance(obj, dict) or set(obj) != {"region", "layout"}:
+            raise DescriptorError("malformed KV pool descriptor: want {region, layout}")
+        return cls(RegionDescriptor.from_wire(obj["region"]), KVLayout.from_wire(obj["layout"]))
+
+
+def _host_buffer(buffer: Any) -> Any:
+    """A buffer-protocol view of numpy arrays, CPU torch tensors (any dtype,
+    through a uint8 view), client shared memory, or anything with a buffer."""
+    mod = type(buffer).__module__
+    if mod.startswith("torch"):
+        if buffer.device.type != "cpu":
+            raise RegistrationError(
+                f"a {buffer.device.type} tensor needs FI_HMEM device registration, which "
+                "this build does not do yet: pass host memory")
+        if not buffer.is_contiguous():
+            raise InvalidArgument("the torch tensor must be contiguous")
+        return buffer.view(-1).view(__import__("torch").uint8).numpy()
+    if hasattr(buffer, "mem_id") and hasattr(buffer, "array"):  # client SharedMemory
+        return buffer.array
+    return buffer
+
+
+@dataclass
+class _Request:
+    arrived: dict[int, int] = field(default_factory=dict)
+    expected: dict[int, int] = field(default_factory=dict)
+    error: str | None = None
+    changed: trio.Event = field(default_factory=trio.Event)
+
+
+class _Receiver:
+    """Per-engine bookkeeping of KV arrivals, keyed by request id (request ids
+    are the receiving node's: the decode side hands them out)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.requests: dict[int, _Request] = {}
+        engine.route_imms(TAG_SHIFT, KV_TAG, self.arrival)
+
+    def get(self, request_id: int) -> _Request:
+        return self.requests.setdefault(request_id, _Request())
+
+    def arrival(self, imm: int, count: int) -> None:
+        request_id, layer, pieces = decode_imm(imm)
+        req = self.get(request_id)
+        req.arrived[layer] = req.arrived.get(layer, 0) + count
+        req.expected[layer] = pieces
+        req.changed.set()
+        req.changed = trio.Event()
+
+
+def _receiver(engine: Engine) -> _Receiver:
+    rx = engine.attachments.get("kv")
+    if not isinstance(rx, _Receiver):
+        rx = engine.attachments["kv"] = _Receiver(engine)
+    return rx
+
+
+class KVPool:
+    """A paged KV pool registered with an engine and exported as ``name``.
+
+    Wraps existing host memory (numpy, CPU torch tensors, client shared
+    memory) or allocates it. As a destination, :meth:`wait_layers` tells
+    decode when a request's layers have landed.
+    """
+
+    def __init__(self, engine: Engine, name: str, layout: KVLayout,
+                 buffer: Any = None) -> None:
+        self.engine = engine
+        self.name = name
+        self.layout = layout
+        mem: Any = np.zeros(layout.nbytes, np.uint8) if buffer is None else _host_buffer(buffer)
+        self.buffer = mem
+        self.array: npt.NDArray[np.uint8] = np.frombuffer(memoryview(mem).cast("B"), np.uint8)
+        if self.array.nbytes < layout.nbytes:
+            raise InvalidArgument(f"pool memory holds {self.array.nbytes} bytes, the layout "
+                                  f"needs {layout.nbytes}")
+        self.region = engine.export(mem, name)
+        self._rx = _receiver(engine)
+
+    def describe(self) -> KVPoolDescriptor:
+        return KVPoolDescriptor(self.region, self.layout)
+
+    def block(self, layer: int, block: int, plane: int = 0) -> npt.NDArray[np.uint8]:
+        """A view of one block (for filling and checking)."""
+        lay = self.layout
+        off = layer * lay.layer_stride + block * lay.block_stride + plane * lay.plane_stride
+        return self.array[off:off + lay.block_bytes]
+
+    async def wait_layers(self, request_id: int, upto_layer: int, *,
+                          layers: Iterable[int] | None = None,
+                          timeout: float | None = None) -> None:
+        """Return once every block of layers ``0..upto_layer`` (or of
+        ``layers``) of ``request_id`` has landed here. Raises ``TransferError``
+        if the request was failed (:meth:`fail_request`), ``WaitTimeout`` if
+        ``timeout`` passes first (a sender that died sends nothing more).
+        Cancellation leaves the bookkeeping as it was."""
+        if not 0 <= upto_layer < self.layout.num_layers:
+            raise InvalidArgument(f"upto_layer {upto_layer} is outside 0.."
+                                  f"{self.layout.num_layers - 1}")
+        want = sorted(set(range(upto_layer + 1) if layers is None else layers))
+        req = self._rx.get(request_id)
+        with trio.move_on_after(float("inf") if timeout is None else timeout) as scope:
+            while True:
+                if req.error is not None:
+                    raise TransferError(f"request {request_id} failed: {req.error}")
+                missing = [n for n in want
+                           if n not in req.expected or req.arrived[n] < req.expected[n]]
+                if not missing:
+                    await trio.lowlevel.checkpoint()
+                    return
+                await req.changed.wait()
+        assert scope.cancelled_caught
+        raise WaitTimeout(f"request {request_id}: layers {missing} had not landed after "
+                          f"{timeout} s")
+
+    def layers_done(self, request_id: int) -> list[int]:
+        req = self._rx.get(request_id)
+        return sorted(n for n, c in req.arrived.items() if c >= req.expected.get(n, 1 << 62))
+
+    def fail_request(self, request_id: int, reason: str) -> None:
+        """End every wait on ``request_id`` with ``TransferError(reason)``."""
+        req = self._rx.get(request_id)
+        req.error = reason
+        req.changed.set()
+        req.changed = trio.Event()
+
+    def forget(self, request_id: int) -> None:
+        """Drop a finished request's bookkeeping (its id may then be reused)."""
+        self._rx.requests.pop(request_id, None)
+
+
+def _blocks(name: str, blocks: Any, num_blocks: int) -> I64:
+    arr = np.asarray(blocks)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name} must be a 1-D integer array, got {arr.dtype} "
+                              f"shape {arr.shape}")
+    arr = arr.astype(np.int64, copy=False)
+    if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= num_blocks):
+        bad = int(arr[(arr < 0) | (arr >= num_blocks)][0])
+        raise InvalidArgument(f"{name} holds block {bad}, outside 0..{num_blocks - 1}")
+    return arr
+
+
+def expand_pages(src: KVLayout, dst: KVLayout, src_blocks: I64, dst_blocks: I64,
+                 layers: Sequence[int], *, coalesce: bool = True
+                 ) -> tuple[I64, I64, I64, I64]:
+    """Pieces of every (layer, plane, block) pair, vectorized: returns
+    (src offsets, dst offsets, lengths, pieces per layer). Adjacent blocks
+    that are adjacent on both sides become one piece (never across layers)."""
+    lay = np.asarray(layers, np.int64)
+    planes = np.arange(src.planes, dtype=np.int64)
+    n = len(src_blocks)
+    so = (lay[:, None, None] * src.layer_stride + planes[None, :, None] * src.plane_stride
+          + src_blocks[None, None, :] * src.block_stride).reshape(-1)
+    do = (lay[:, None, None] * dst.layer_stride + planes[None, :, None] * dst.plane_stride
+          + dst_blocks[None, None, :] * dst.block_stride).reshape(-1)
+    bb = src.block_bytes
+    per_layer = src.planes * n
+    if not coalesce or len(so) == 0:
+        return so, do, np.full(len(so), bb, np.int64), np.full(len(lay), per_layer, np.int64)
+    brk = np.ones(len(so), bool)
+    brk[1:] = (so[1:] != so[:-1] + bb) | (do[1:] != do[:-1] + bb)
+    brk[::per_layer] = True  # a layer is its own transfer
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.append(starts, len(so))) * bb
+    counts = np.bincount(starts // per_layer, minlength=len(lay)).astype(np.int64)
+    return so[starts], do[starts], lengths.astype(np.int64), counts
+
+
+@dataclass(frozen=True)
+class PushResult:
+    request_id: int
+    layers: tuple[int, ...]
+    pieces: tuple[int, ...]  # per layer, after coalescing and striping
+    nbytes: int
+    seconds: float
+    first_layer_seconds: float
+
+
+async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescriptor,
+                     src_blocks: Any, dst_blocks: Any, *, request_id: int,
+                     layers: Iterable[int] | None = None, coalesce: bool = True
+                     ) -> PushResult:
+    """Write blocks ``src_blocks`` of ``src_pool`` into blocks ``dst_blocks``
+    of the peer's pool, one transfer per layer, posted in layer order so the
+    receiver can start on layer 0 while later layers are in flight.
+
+    Everything is validated before anything is posted (block indices, layers,
+    layouts). Returns when every layer has completed; a failure raises
+    ``TransferError`` after the posted pieces have finished.
+    """
+    if not isinstance(dst_pool, KVPoolDescriptor):
+        raise DescriptorError(f"dst_pool must be a KVPoolDescriptor, got {type(dst_pool)}")
+    s_lay, d_lay = src_pool.layout, dst_pool.layout
+    if (why := s_lay.compatible(d_lay)) is not None:
+        raise InvalidArgument(f"pool layouts do not match: {why}")
+    sb = _blocks("src_blocks", src_blocks, s_lay.num_blocks)
+    db = _blocks("dst_blocks", dst_blocks, d_lay.num_blocks)
+    if len(sb) != len(db) or len(sb) == 0:
+        raise InvalidArgument(f"src_blocks and dst_blocks must be equally long and non-empty "
+                              f"({len(sb)} vs {len(db)})")
+    if len(np.unique(db)) != len(db):
+        raise InvalidArgument("dst_blocks names a block twice")
+    lays = sorted(set(range(s_lay.num_layers) if layers is None else layers))
+    if not lays or lays[0] < 0 or lays[-1] >= s_lay.num_layers:
+        raise InvalidArgument(f"layers must be within 0..{s_lay.num_layers - 1}, got {lays}")
+    encode_imm(request_id, 0, 1)  # validates request_id
+    so, do, ln, counts = expand_pages(s_lay, d_lay, sb, db, lays, coalesce=coalesce)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    t0 = time.perf_counter()
+    transfers: list[Transfer] = []
+
+    def imm_of(layer: int) -> Any:
+        # The immediate carries the layer's final piece count (striping may split).
+        return lambda pieces: encode_imm(request_id, layer, pieces)
+
+    first = 0.0
+    try:
+        for k, layer in enumerate(lays):
+            a, b = int(bounds[k]), int(bounds[k + 1])
+            sl = ScatterList(so[a:b], do[a:b], ln[a:b])
+            transfers.append(await engine.submit(src_pool.buffer, dst_pool.region, sl,
+                                                 imm=imm_of(layer)))
+        for k, t in enumerate(transfers):
+            await t.wait()
+            if k == 0:
+                first = time.perf_counter() - t0
+    except BaseException:
+        # Every layer already posted must finish before the source is reusable.
+        with trio.CancelScope(shield=True):
+            for t in transfers:
+                try:
+                    await t.wait()
+                except Exception as exc:  # already failing; keep the first error
+                    log.debug("kv.layer_failed", error=str(exc))
+        raise
+    seconds = time.perf_counter() - t0
+    nbytes = int(ln.sum())
+    log.debug("kv.push_complete", request_id=request_id, layers=len(lays), nbytes=nbytes,
+              seconds=seconds)
+    return PushResult(request_id, tuple(lays), tuple(t.pieces for t in transfers), nbytes,
+                      seconds, first)
