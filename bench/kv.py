@@ -50,7 +50,8 @@ def run(provider: str, repeat: int) -> list[dict[str, Any]]:
 
             async def main(t: Transport = t, dst: KVPoolDescriptor = dst,
                            flat: ScatterList = flat, layout: KVLayout = layout,
-                           sb: Any = sb, db: Any = db) -> dict[str, Any]:
+                           sb: Any = sb, db: Any = db, kib: int = block_bytes >> 10
+                           ) -> dict[str, Any]:
                 async with open_engine(EngineConfig(provider=provider, node=node)) as eng:
                     pool = KVPool(eng, "src", layout)
                     pool.array.fill(7)
@@ -73,8 +74,7 @@ def run(provider: str, repeat: int) -> list[dict[str, Any]]:
                         p_s.append(r.seconds)
                         ttfl.append(r.first_layer_seconds)
                     c, p = statistics.median(c_s), statistics.median(p_s)
-                    return {"provider": provider, "pattern": f"kv 32x1024 of {block_bytes >> 10}"
-                            f"KiB blocks", "pages": len(flat), "bytes": flat.nbytes,
+                    return {"provider": provider, "pattern": f"kv 32x1024 of {kib}KiB blocks", "pages": len(flat), "bytes": flat.nbytes,
                             "baseline_seconds": c, "seconds": p,
                             "baseline_gbps": flat.nbytes / c / 1e9,
                             "gbps": flat.nbytes / p / 1e9, "ratio": c / p,

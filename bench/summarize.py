@@ -16,7 +16,8 @@ def rows(doc: dict) -> list[str]:
             if "python_ms_per_call" in r:
                 extra = f"Python {r['python_ms_per_call']:.2f} ms/call"
             elif "pages_per_s" in r and r["bytes"] < 1024 * r["pages"]:
-                extra = f"{r['pages_per_s'] / 1e6:.2f} M pieces/s vs {r['baseline_pages_per_s'] / 1e6:.2f} M"
+                extra = (f"{r['pages_per_s'] / 1e6:.2f} M pieces/s vs "
+                         f"{r['baseline_pages_per_s'] / 1e6:.2f} M")
             out.append(f"| {r['provider']} | {name} | {r['gbps']:.2f} GB/s | "
                        f"{r['baseline_gbps']:.2f} GB/s | **{r['ratio']:.2f}** | {extra} |")
         elif "ns_per_page" in r:
