@@ -74,7 +74,8 @@ def run(provider: str, repeat: int) -> list[dict[str, Any]]:
                         p_s.append(r.seconds)
                         ttfl.append(r.first_layer_seconds)
                     c, p = statistics.median(c_s), statistics.median(p_s)
-                    return {"provider": provider, "pattern": f"kv 32x1024 of {kib}KiB blocks", "pages": len(flat), "bytes": flat.nbytes,
+                    return {"provider": provider, "pattern": f"kv 32x1024 of {kib}KiB blocks",
+                            "pages": len(flat), "bytes": flat.nbytes,
                             "baseline_seconds": c, "seconds": p,
                             "baseline_gbps": flat.nbytes / c / 1e9,
                             "gbps": flat.nbytes / p / 1e9, "ratio": c / p,
