@@ -12,10 +12,7 @@ request (``peers``).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -26,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import trio
+
+from _common import emit, parser
 
 GIB = 1 << 30
 
@@ -105,10 +104,7 @@ async def measure(tmp: str, provider: str, repeat: int) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--providers", default="tcp;ofi_rxm,shm")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--json", help="write results here as JSON")
+    ap = parser(__doc__, repeat=5)
     args = ap.parse_args()
     results: list[dict[str, Any]] = []
     for provider in args.providers.split(","):
@@ -126,13 +122,7 @@ def main() -> int:
                         p.wait(10)
                     except subprocess.TimeoutExpired:
                         p.kill()
-    doc = {"benchmark": "daemon", "machine": platform.platform(), "results": results}
-    text = json.dumps(doc, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.write(text + "\n")
-    return 0
+    return emit("daemon", results, args.json)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,14 @@ noisy, so every number is reported next to its same-run baseline, as a ratio.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
-import platform
 import statistics
-import sys
 import time
 from typing import Any
 
 import numpy as np
+
+from _common import emit, parser
 
 GIB = 1 << 30
 STOP_IMM = 0xFFFF_FFFF
@@ -141,22 +139,12 @@ def run_provider(provider: str, repeat: int) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--providers", default="tcp;ofi_rxm,shm")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--json", help="write results here as JSON")
+    ap = parser(__doc__, repeat=5)
     args = ap.parse_args()
     results = []
     for provider in args.providers.split(","):
         results += run_provider(provider, args.repeat)
-    doc = {"benchmark": "datapath", "machine": platform.platform(),
-           "cpus": mp.cpu_count(), "results": results}
-    text = json.dumps(doc, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.write(text + "\n")
-    return 0
+    return emit("datapath", results, args.json)
 
 
 if __name__ == "__main__":

@@ -15,18 +15,16 @@ Measures, over a real provider to a target in a second process:
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import resource
 import statistics
-import sys
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import trio
+
+from _common import emit, parser
 
 MIB = 1 << 20
 
@@ -157,22 +155,13 @@ def run(provider: str, repeat: int, idle_s: float) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--providers", default="tcp;ofi_rxm,shm")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap = parser(__doc__, repeat=5)
     ap.add_argument("--idle-seconds", type=float, default=10.0)
-    ap.add_argument("--json", help="write results here as JSON")
     args = ap.parse_args()
     results = []
     for provider in args.providers.split(","):
         results += run(provider, args.repeat, args.idle_seconds)
-    doc = {"benchmark": "engine", "machine": platform.platform(), "results": results}
-    text = json.dumps(doc, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.write(text + "\n")
-    return 0
+    return emit("engine", results, args.json)
 
 
 if __name__ == "__main__":

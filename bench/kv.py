@@ -15,17 +15,14 @@ request.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
-import sys
 import time
 from typing import Any
 
 import numpy as np
 import trio
 
+from _common import emit, parser
 from p2pxfer import ScatterList, Transport
 from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.fabric import baseline_write
@@ -121,21 +118,12 @@ def describe_cost(provider: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--providers", default="tcp;ofi_rxm,shm")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--json", help="write results here as JSON")
+    ap = parser(__doc__, repeat=5)
     args = ap.parse_args()
     results = []
     for provider in args.providers.split(","):
         results += run(provider, args.repeat)
-    doc = {"benchmark": "kv", "machine": platform.platform(), "results": results}
-    text = json.dumps(doc, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.write(text + "\n")
-    return 0
+    return emit("kv", results, args.json)
 
 
 if __name__ == "__main__":
