@@ -170,14 +170,14 @@ class AddressVector(_Fid):
         check(lib.fi_av_open(domain.handle, attr, out, ffi.NULL), "fi_av_open")
         super().__init__(out[0])
         self._by_addr: dict[bytes, int] = {}
-        self._shm = domain.info.provider == "shm"
+        self.is_shm = domain.info.provider == "shm"
 
     def insert(self, address: bytes) -> int:
         hit = self._by_addr.get(address)
         if hit is not None:
             return hit
-        if self._shm:
-            _check_shm_peer(address)
+        if self.is_shm:
+            check_shm_peer(address)
         fi_addr = ffi.new("fi_addr_t *")
         n = lib.fi_av_insert(self.handle, address, 1, fi_addr, 0, ffi.NULL)
         if n != 1:
@@ -200,7 +200,7 @@ class AddressVector(_Fid):
         return address.hex() if s == ffi.NULL else str(ffi.string(s).decode(errors="replace"))
 
 
-def _check_shm_peer(address: bytes) -> None:
+def check_shm_peer(address: bytes) -> None:
     """libfabric 1.17's shm segfaults in fi_av_insert when the peer's segment is
     gone; its segment lives at /dev/shm/<name>, so look before inserting."""
     text = address.rstrip(b"\0").decode(errors="replace")

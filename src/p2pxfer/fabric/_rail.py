@@ -19,7 +19,15 @@ from p2pxfer.errors import FabricError
 
 from ._binding import ffi, fi_strerror, lib, raise_fabric_error
 from ._info import FabricInfo, getinfo
-from ._objects import AddressVector, CompletionQueue, Domain, Endpoint, Fabric, MemoryRegion
+from ._objects import (
+    AddressVector,
+    CompletionQueue,
+    Domain,
+    Endpoint,
+    Fabric,
+    MemoryRegion,
+    check_shm_peer,
+)
 
 __all__ = [
     "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "WriteBatch",
@@ -84,7 +92,12 @@ class Rail:
         mr.close()
 
     def peer(self, address: bytes) -> int:
-        """The ``fi_addr_t`` of a peer endpoint address (inserted on first use)."""
+        """The ``fi_addr_t`` of a peer endpoint address (inserted on first use).
+        On shm, checked on every call: libfabric 1.17's shm crashes the process
+        when it posts to a peer whose segment is gone, and a peer may die
+        between two writes."""
+        if self.av.is_shm:
+            check_shm_peer(address)
         return self.av.insert(address)
 
     def close(self) -> None:
