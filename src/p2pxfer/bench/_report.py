@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 from ._options import BenchError, format_size
 
 __all__ = ["RESULT_FIELDS", "BenchResult", "RailResult", "plot", "plot_series",
-           "require_matplotlib", "summary_table", "write_json"]
+           "read_json", "require_matplotlib", "summary_table", "write_json"]
 
 #: Fields every JSON record has, and their types. ``baseline_gbps``, ``ratio``
 #: and the baseline percentiles are ``null`` only where no baseline could be
@@ -106,11 +107,23 @@ class BenchResult:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> BenchResult:
+        """A record written by ``write_json`` (unknown fields are ignored)."""
+        known = {f for f in cls.__dataclass_fields__ if f != "rails"}
+        fields = {k: v for k, v in obj.items() if k in known}
+        rails = [RailResult(**r) for r in obj.get("rails", [])]
+        return cls(**fields, rails=rails)
+
 
 def write_json(results: Sequence[BenchResult], path: str | Path) -> None:
     """A JSON list with one record per result."""
     text = json.dumps([r.to_json() for r in results], indent=2)
     Path(path).write_text(text + "\n")
+
+
+def read_json(path: str | Path) -> list[BenchResult]:
+    return [BenchResult.from_json(r) for r in json.loads(Path(path).read_text())]
 
 
 def _gbps(x: float | None) -> str:
@@ -119,22 +132,32 @@ def _gbps(x: float | None) -> str:
 
 def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = None,
                   title: str = "p2pxfer bench") -> Table:
-    table = Table(title=title)
-    for col in ("provider", "pattern", "size", "rails", "in flight", "GB/s", "C baseline GB/s",
-                "ratio", "p50 us", "p99 us", "% of memcpy"):
-        table.add_column(col, justify="left" if col in ("provider", "pattern") else "right")
+    """One row per result; the rails and in-flight columns only when some run
+    used more than one."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    multi_rail = any(r.nrails > 1 for r in results)
+    multi_flight = any(r.concurrency > 1 for r in results)
+    cols = ["provider", "transfer"] + ["rails"] * multi_rail + ["in flight"] * multi_flight
+    cols += ["GB/s", "C GB/s", "ratio", "p50 us", "p99 us", "memcpy%"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("provider", "transfer") else "right",
+                         no_wrap=True)
     for r in results:
-        pattern = r.pattern if r.order is None else f"{r.pattern} {r.order}"
-        size = (format_size(r.bytes) if r.pattern == "contiguous"
-                else f"{r.pages}x{format_size(r.page_size)}")
+        if r.pattern == "contiguous":
+            shape = format_size(r.bytes)
+        else:
+            order = {"random": "rnd", "sequential": "seq"}.get(r.order or "", "")
+            shape = f"{r.pages}x{format_size(r.page_size)} {order}".rstrip()
         ratio = "-" if r.ratio is None else f"[bold]{r.ratio:.2f}[/bold]"
-        table.add_row(r.provider, pattern, size, str(r.nrails), str(r.concurrency),
-                      _gbps(r.gbps), _gbps(r.baseline_gbps), ratio, f"{r.p50_us:.0f}",
-                      f"{r.p99_us:.0f}", f"{100 * r.gbps / r.memcpy_gbps:.0f}%")
+        row = [r.provider, shape] + [str(r.nrails)] * multi_rail
+        row += [str(r.concurrency)] * multi_flight
+        row += [_gbps(r.gbps), _gbps(r.baseline_gbps), ratio, f"{r.p50_us:.0f}",
+                f"{r.p99_us:.0f}", f"{100 * r.gbps / r.memcpy_gbps:.0f}%"]
+        table.add_row(*row)
     if memcpy_gbps is not None:
-        table.caption = (f"single-thread memcpy on this machine: {memcpy_gbps:.2f} GB/s "
-                         f"(the ceiling for same-node transfers); ratio = ours / raw C loop, "
-                         f"same provider, pattern and target, same run")
+        table.caption = (f"memcpy, 1 thread: {memcpy_gbps:.2f} GB/s (the ceiling on one node). "
+                         f"ratio = ours / raw C loop, same provider, pattern, target and run; "
+                         f"rnd/seq = random/sequential pages")
     return table
 
 

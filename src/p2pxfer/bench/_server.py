@@ -1,7 +1,8 @@
 """The bench server (the target side) and the client's link to it.
 
-The server opens an engine per client connection, exports a zeroed region of
-the size the client asks for, and hands over its ``RegionDescriptor``. The
+For each provider a client asks for (a ``hello``), the server opens an engine
+bound like the control socket (127.0.0.1 when it listens there), exports a
+zeroed region of the size asked for, and hands over its ``RegionDescriptor``. The
 client writes into it; after each measured point it says which immediate it
 used and how many pieces carried it, and the server confirms once that many
 have landed (``engine.wait_imm``). The engine's poller keeps the CQ
@@ -10,9 +11,12 @@ progressed meanwhile, as manual-progress providers need.
 The handshake runs over TCP on the control port: each message is a msgpack
 map behind a 4-byte big-endian length.
 
-    client -> server  {"t": "hello", "v": 1, "provider": str, "size": int, "rails": int}
+    client -> server  {"t": "hello", "v": 1, "provider": str, "size": int, "rails": int,
+                       "interfaces": [str] (optional: same-host runs)}
     server -> client  {"t": "ready", "descriptor": bytes, "rails": [str], "host": str}
     client -> server  {"t": "check", "imm": int, "count": int, "timeout": float}
+    server -> client  {"t": "ok"}
+    client -> server  {"t": "end"}      (this provider is done; another hello may follow)
     server -> client  {"t": "ok"}
     client -> server  {"t": "bye"}
     either way        {"t": "error", "message": str}
@@ -22,6 +26,7 @@ What must not live here: measuring (``_run``) and rendering.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -35,13 +40,14 @@ import trio
 
 from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.errors import P2PXferError
+from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.topology import discover
 
 from ._options import GIB, BenchError, format_size
 
-__all__ = ["PROTOCOL_VERSION", "ServerConfig", "ServerLink", "connect_server", "pick_interfaces",
-           "serve"]
+__all__ = ["PROTOCOL_VERSION", "ServerConfig", "ServerLink", "connect_server", "fabric_node",
+           "is_loopback", "pick_interfaces", "serve"]
 
 log = structlog.get_logger("p2pxfer.bench")
 
@@ -104,6 +110,10 @@ class ServerConfig:
     max_region: int = 8 * GIB
     #: stop after the first client leaves
     once: bool = False
+    #: longest nap of the target's poller where a CQ has no wait fd (shm). The
+    #: target must progress its CQ for writes to land there, so a long nap is
+    #: a floor under every small write's latency.
+    backoff_max_ns: int = 100_000
 
 
 def pick_interfaces(provider: str, node: str | None, rails: int,
@@ -122,7 +132,8 @@ def pick_interfaces(provider: str, node: str | None, rails: int,
     return names[:rails]
 
 
-def _hello_fields(msg: dict[str, Any], cfg: ServerConfig) -> tuple[str, int, int]:
+def _hello_fields(msg: dict[str, Any],
+                  cfg: ServerConfig) -> tuple[str, int, int, tuple[str, ...] | None]:
     if msg.get("t") != "hello" or msg.get("v") != PROTOCOL_VERSION:
         raise ProtocolViolation(f"expected hello version {PROTOCOL_VERSION}, got "
                                 f"{msg.get('t')!r} {msg.get('v')!r}")
@@ -138,37 +149,85 @@ def _hello_fields(msg: dict[str, Any], cfg: ServerConfig) -> tuple[str, int, int
                          f"{format_size(cfg.max_region)}")
     if cfg.providers and provider not in cfg.providers:
         raise BenchError(f"this server offers {', '.join(cfg.providers)}, not {provider}")
-    return provider, size, rails
+    # A client on this same host may name the interfaces (loopback multi-rail
+    # runs); the server's own --interfaces win.
+    names = msg.get("interfaces")
+    if names is not None and (not isinstance(names, list)
+                              or not all(isinstance(n, str) and n for n in names)):
+        raise ProtocolViolation("hello: interfaces must be a list of names")
+    return provider, size, rails, cfg.interfaces or (tuple(names) if names else None)
+
+
+def fabric_node(provider: str, node: str | None, peer_host: str | None,
+                interfaces: tuple[str, ...] | None = None) -> str | None:
+    """Local fabric bind address for ``provider``: ``node`` if given; else
+    None when interfaces are named (they choose); else loopback when the other
+    side is on loopback (so tcp stays on 127.0.0.1); else None (the
+    provider's choice). Providers that are not IP-based get None."""
+    if loopback_node(provider) is None:
+        return None
+    if node:
+        return node
+    if interfaces:
+        return None
+    if peer_host is None or is_loopback(peer_host):
+        return loopback_node(provider)
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _serve_region(cfg: ServerConfig, wire: Wire, provider: str, size: int,
+                        rails: int, interfaces: tuple[str, ...] | None) -> bool:
+    """One provider's engine and region, until the client says ``end`` (returns
+    True: more may follow) or ``bye`` (False)."""
+    node = fabric_node(provider, cfg.node, cfg.bind, interfaces)
+    names = pick_interfaces(provider, node, rails, interfaces)
+    config = EngineConfig(provider=provider, node=node, interfaces=names,
+                          node_name=socket.gethostname(), backoff_max_ns=cfg.backoff_max_ns)
+    async with open_engine(config) as engine:
+        region = np.zeros(size, np.uint8)
+        region.fill(0)  # fault the pages in now, not during the first transfer
+        desc = engine.export(region, "bench")
+        await wire.send("ready", descriptor=desc.to_bytes(), rails=list(names),
+                        host=socket.gethostname())
+        log.info("bench.session.ready", provider=provider, size=size, rails=names)
+        while True:
+            msg = await wire.recv()
+            if msg["t"] == "bye":
+                return False
+            if msg["t"] == "end":
+                await wire.send("ok")
+                return True
+            if msg["t"] != "check":
+                raise ProtocolViolation(f"unexpected message {msg['t']!r}")
+            imm, count = int(msg["imm"]), int(msg["count"])
+            timeout = float(msg.get("timeout", 60.0))
+            with trio.move_on_after(timeout):
+                await engine.wait_imm(imm, count)
+                await wire.send("ok")
+                continue
+            raise BenchError(f"only {engine.imm_count(imm)} of {count} pieces with "
+                             f"immediate {imm} arrived within {timeout:g} s")
 
 
 async def _session(cfg: ServerConfig, stream: trio.SocketStream) -> None:
     wire = Wire(stream)
     try:
-        provider, size, rails = _hello_fields(await wire.recv(), cfg)
-        names = pick_interfaces(provider, cfg.node, rails, cfg.interfaces)
-        config = EngineConfig(provider=provider, node=cfg.node, interfaces=names,
-                              node_name=socket.gethostname())
-        async with open_engine(config) as engine:
-            region = np.zeros(size, np.uint8)
-            region.fill(0)  # fault the pages in now, not during the first transfer
-            desc = engine.export(region, "bench")
-            await wire.send("ready", descriptor=desc.to_bytes(), rails=list(names),
-                            host=socket.gethostname())
-            log.info("bench.session.ready", provider=provider, size=size, rails=names)
-            while True:
-                msg = await wire.recv()
-                if msg["t"] == "bye":
-                    return
-                if msg["t"] != "check":
-                    raise ProtocolViolation(f"unexpected message {msg['t']!r}")
-                imm, count = int(msg["imm"]), int(msg["count"])
-                timeout = float(msg.get("timeout", 60.0))
-                with trio.move_on_after(timeout):
-                    await engine.wait_imm(imm, count)
-                    await wire.send("ok")
-                    continue
-                raise BenchError(f"only {engine.imm_count(imm)} of {count} pieces with "
-                                 f"immediate {imm} arrived within {timeout:g} s")
+        while True:
+            msg = await wire.recv()
+            if msg["t"] == "bye":
+                return
+            provider, size, rails, interfaces = _hello_fields(msg, cfg)
+            if not await _serve_region(cfg, wire, provider, size, rails, interfaces):
+                return
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         log.info("bench.session.gone")
     except Exception as exc:  # one bad session must not stop the server
@@ -227,13 +286,14 @@ class ServerLink:
         self.rails: list[str] = []
         self.host = ""
 
-    async def _reply(self, what: str) -> dict[str, Any]:
+    async def _reply(self, what: str, grace: float = 0.0) -> dict[str, Any]:
+        wait = self.timeout + grace
         try:
-            with trio.fail_after(self.timeout + 5):
+            with trio.fail_after(wait):
                 msg = await self.wire.recv()
         except trio.TooSlowError:
             raise BenchError(f"bench server {self.address} did not answer {what} within "
-                             f"{self.timeout + 5:g} s") from None
+                             f"{wait:g} s") from None
         except (trio.BrokenResourceError, OSError) as exc:
             raise BenchError(f"bench server {self.address} dropped the connection: "
                              f"{exc}") from exc
@@ -241,23 +301,45 @@ class ServerLink:
             raise BenchError(f"bench server {self.address}: {msg.get('message')}")
         return msg
 
-    async def open_region(self, provider: str, size: int, rails: int) -> RegionDescriptor:
+    @asynccontextmanager
+    async def region(self, provider: str, size: int, rails: int,
+                     interfaces: tuple[str, ...] | None = None
+                     ) -> AsyncIterator[RegionDescriptor]:
+        """A region of ``size`` bytes on ``rails`` NICs of the server (or on
+        ``interfaces``, for a server on this host), exported by an engine the
+        server opens for ``provider`` until the block ends."""
+        extra = {"interfaces": list(interfaces)} if interfaces else {}
         await self.wire.send("hello", v=PROTOCOL_VERSION, provider=provider, size=size,
-                             rails=rails)
+                             rails=rails, **extra)
         msg = await self._reply("hello")
         if msg["t"] != "ready" or not isinstance(msg.get("descriptor"), bytes):
             raise ProtocolViolation(f"expected ready, got {msg['t']!r}")
         self.descriptor = RegionDescriptor.from_bytes(msg["descriptor"])
         self.rails = [str(r) for r in msg.get("rails", [])]
         self.host = str(msg.get("host", ""))
-        return self.descriptor
+        yield self.descriptor
+        await self.wire.send("end")
+        await self._reply("end")
 
     async def check(self, imm: int, count: int) -> None:
         """Return once the server has seen ``count`` pieces carrying ``imm``."""
         await self.wire.send("check", imm=imm, count=count, timeout=self.timeout)
-        msg = await self._reply(f"check of immediate {imm}")
+        # The server waits up to ``timeout`` itself, then says why: give it time to.
+        msg = await self._reply(f"check of immediate {imm}", grace=5.0)
         if msg["t"] != "ok":
             raise ProtocolViolation(f"expected ok, got {msg['t']!r}")
+
+
+def _why(exc: OSError) -> str:
+    """The words of the OS error underneath (trio groups one per address tried)."""
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        inner = [e for e in cause.exceptions if isinstance(e, OSError) and e.strerror]
+        if inner:
+            # "Error connecting to ('h', p): Connection refused" -> "connection refused"
+            return "; ".join(sorted({str(e.strerror).rsplit(": ", 1)[-1].lower()
+                                     for e in inner}))
+    return exc.strerror or str(exc) or type(exc).__name__
 
 
 @asynccontextmanager
@@ -273,7 +355,7 @@ async def connect_server(host: str, port: int, *, connect_timeout: float = 5.0,
         raise BenchError(f"cannot reach the bench server at {address}: no answer within "
                          f"{connect_timeout:g} s") from None
     except OSError as exc:
-        why = exc.strerror or str(exc) or type(exc).__name__
+        why = _why(exc)
         raise BenchError(f"cannot reach the bench server at {address}: {why} "
                          f"(is `p2pxfer bench --server` running there?)") from exc
     link = ServerLink(Wire(stream), address, timeout)

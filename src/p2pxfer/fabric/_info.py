@@ -180,7 +180,10 @@ def getinfo(
             # Layered providers are matched by their full name ("tcp;ofi_rxm"),
             # and rxm lists each interface several times: keep its first entry.
             where = (info.fabric_name, info.domain_name)
-            if info.provider == provider and info.cq_data_size > 0 and where not in seen:
+            # Some providers (tcp) ignore the domain hint: filter here too.
+            wanted = domain is None or info.domain_name == domain
+            if (info.provider == provider and info.cq_data_size > 0 and wanted
+                    and where not in seen):
                 seen.add(where)
                 infos.append(info)
             cur = cur.next
