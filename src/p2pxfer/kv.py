@@ -62,8 +62,12 @@ MAX_PIECES = (1 << COUNT_BITS) - 1
 ORDERS = ("layer_major", "block_major", "plane_major")
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
 def encode_imm(request_id: int, layer: int, pieces: int) -> int:
-    if not 0 <= request_id <= MAX_REQUEST:
+    if not _is_int(request_id) or not 0 <= request_id <= MAX_REQUEST:
         raise InvalidArgument(f"request_id {request_id} must be in 0..{MAX_REQUEST}")
     if not 0 <= layer < MAX_LAYERS:
         raise InvalidArgument(f"layer {layer} must be in 0..{MAX_LAYERS - 1}")
@@ -114,9 +118,23 @@ class KVLayout:
             "block_major": (npl * bb, nl * npl * bb, bb),
             "plane_major": (nb * bb, bb, nl * nb * bb),
         }[self.order]
-        object.__setattr__(self, "layer_stride", self.layer_stride or layer)
-        object.__setattr__(self, "block_stride", self.block_stride or block)
-        object.__setattr__(self, "plane_stride", self.plane_stride or plane)
+        for name, default in (("layer_stride", layer), ("block_stride", block),
+                              ("plane_stride", plane)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise InvalidArgument(f"KVLayout.{name} must be an integer >= 0, got {v!r}")
+            object.__setattr__(self, name, int(v) or default)
+        # No two blocks may overlap: nest the dimensions by stride and check
+        # each stride clears everything below it.
+        extent = bb
+        for stride, count in sorted([(self.layer_stride, nl), (self.block_stride, nb),
+                                     (self.plane_stride, npl)]):
+            if count > 1:
+                if stride < extent:
+                    raise InvalidArgument(f"KVLayout strides overlap: a stride of {stride} "
+                                          f"bytes is smaller than the {extent} bytes it "
+                                          "must step over")
+                extent = stride * (count - 1) + extent
 
     @property
     def nbytes(self) -> int:
@@ -260,24 +278,28 @@ class KVPool:
         if the request was failed (:meth:`fail_request`), ``WaitTimeout`` if
         ``timeout`` passes first (a sender that died sends nothing more).
         Cancellation leaves the bookkeeping as it was."""
-        if not 0 <= upto_layer < self.layout.num_layers:
-            raise InvalidArgument(f"upto_layer {upto_layer} is outside 0.."
-                                  f"{self.layout.num_layers - 1}")
+        n_layers = self.layout.num_layers
+        if not _is_int(upto_layer) or not 0 <= upto_layer < n_layers:
+            raise InvalidArgument(f"upto_layer {upto_layer!r} is outside 0..{n_layers - 1}")
         want = sorted(set(range(upto_layer + 1) if layers is None else layers))
+        if any(not _is_int(n) or not 0 <= n < n_layers for n in want):
+            raise InvalidArgument(f"layers must be within 0..{n_layers - 1}, got {want}")
+        if timeout is not None and timeout < 0:
+            raise InvalidArgument(f"timeout must be >= 0, got {timeout}")
         req = self._rx.get(request_id)
-        with trio.move_on_after(float("inf") if timeout is None else timeout) as scope:
-            while True:
-                if req.error is not None:
-                    raise TransferError(f"request {request_id} failed: {req.error}")
-                missing = [n for n in want
-                           if n not in req.expected or req.arrived[n] < req.expected[n]]
-                if not missing:
-                    await trio.lowlevel.checkpoint()
-                    return
+
+        def missing() -> list[int]:
+            if req.error is not None:
+                raise TransferError(f"request {request_id} failed: {req.error}")
+            return [n for n in want if n not in req.expected or req.arrived[n] < req.expected[n]]
+
+        with trio.move_on_after(float("inf") if timeout is None else timeout):
+            while missing():
                 await req.changed.wait()
-        assert scope.cancelled_caught
-        raise WaitTimeout(f"request {request_id}: layers {missing} had not landed after "
-                          f"{timeout} s")
+        if gap := missing():
+            raise WaitTimeout(f"request {request_id}: layers {gap} had not landed after "
+                              f"{timeout} s")
+        await trio.lowlevel.checkpoint()
 
     def layers_done(self, request_id: int) -> list[int]:
         req = self._rx.get(request_id)
@@ -367,10 +389,18 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
                               f"({len(sb)} vs {len(db)})")
     if len(np.unique(db)) != len(db):
         raise InvalidArgument("dst_blocks names a block twice")
-    lays = sorted(set(range(s_lay.num_layers) if layers is None else layers))
-    if not lays or lays[0] < 0 or lays[-1] >= s_lay.num_layers:
-        raise InvalidArgument(f"layers must be within 0..{s_lay.num_layers - 1}, got {lays}")
+    req_layers = list(range(s_lay.num_layers) if layers is None else layers)
+    if not req_layers or any(not _is_int(n) or not 0 <= n < s_lay.num_layers
+                             for n in req_layers):
+        raise InvalidArgument(f"layers must be integers within 0..{s_lay.num_layers - 1}, "
+                              f"got {req_layers}")
+    lays = sorted({int(n) for n in req_layers})
     encode_imm(request_id, 0, 1)  # validates request_id
+    for what, lay, size in (("source", s_lay, src_pool.array.nbytes),
+                            ("destination", d_lay, dst_pool.region.length)):
+        if lay.nbytes > size:
+            raise InvalidArgument(f"the {what} pool's layout spans {lay.nbytes} bytes but "
+                                  f"its memory holds {size}")
     so, do, ln, counts = expand_pages(s_lay, d_lay, sb, db, lays, coalesce=coalesce)
     bounds = np.concatenate([[0], np.cumsum(counts)])
     t0 = time.perf_counter()
@@ -392,7 +422,10 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
             if k == 0:
                 first = time.perf_counter() - t0
     except BaseException:
-        # Every layer already posted must finish before the source is reusable.
+        # Stop what has not gone out; what was posted must finish before the
+        # source is reusable.
+        for t in transfers:
+            t.cancel()
         with trio.CancelScope(shield=True):
             for t in transfers:
                 try:

@@ -80,6 +80,7 @@ class EngineStats:
     queue_depth: tuple[int, ...]
     completed: int
     failed: int
+    cancelled: int = 0
 
 
 class Transfer:
@@ -91,7 +92,6 @@ class Transfer:
         self._shard = shard
         self._tr = tr
         self._dst = dst
-        self._released = False
 
     @property
     def pieces(self) -> int:
@@ -106,27 +106,28 @@ class Transfer:
     def done(self) -> bool:
         return self._tr.done.is_set()
 
+    def cancel(self) -> None:
+        """Stop posting this write's remaining pieces (those posted still
+        complete); :meth:`wait` then raises ``TransferError``."""
+        if not self._tr.done.is_set():
+            self._shard.cancel(self._tr)
+
     async def wait(self) -> int:
         """Return the piece count once every piece completed; raise
         ``TransferError``/``EngineClosed`` if one failed. Cancellation stops
         posting, waits (shielded) for what was posted, then re-raises."""
         tr, shard = self._tr, self._shard
+        if tr.done.is_set():
+            # Done already: a schedule point, but no cancellation of a write
+            # that has in fact completed.
+            await trio.lowlevel.cancel_shielded_checkpoint()
         try:
-            if tr.done.is_set():
-                # Done already: a schedule point, but no cancellation of a
-                # write that has in fact completed.
-                await trio.lowlevel.cancel_shielded_checkpoint()
-            try:
+            await tr.done.wait()
+        except trio.Cancelled:
+            shard.cancel(tr)
+            with trio.CancelScope(shield=True):
                 await tr.done.wait()
-            except trio.Cancelled:
-                shard.cancel(tr)
-                with trio.CancelScope(shield=True):
-                    await tr.done.wait()
-                raise
-        finally:
-            if not self._released and tr.done.is_set():
-                self._released = True
-                shard.slots.release()
+            raise
         if (exc := tr.exception()) is not None:
             raise exc
         log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,
@@ -328,7 +329,8 @@ class Engine:
                                      shard.errors[r], int(shard.pieces_received[r])))
         return EngineStats(tuple(nics), tuple(s.queued for s in self.shards),
                            sum(s.completed for s in self.shards),
-                           sum(s.failed for s in self.shards))
+                           sum(s.failed for s in self.shards),
+                           sum(s.cancelled for s in self.shards))
 
     def _check_open(self) -> None:
         if self._closed:

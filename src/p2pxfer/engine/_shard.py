@@ -58,6 +58,9 @@ class TransferState:
             return EngineClosed(f"engine closed while writing to {self.w.dst_name!r}")
         if self.error is not None:
             return TransferError(f"write to {self.w.dst_name!r} failed: {self.error}")
+        if self.w.batch.unposted_at_cancel:
+            return TransferError(f"write to {self.w.dst_name!r} was cancelled with "
+                                 f"{self.w.batch.unposted_at_cancel} pieces unposted")
         return None
 
 
@@ -101,6 +104,7 @@ class Shard:
         self.queued = 0
         self.completed = 0
         self.failed = 0
+        self.cancelled = 0
 
     # -- trio side ------------------------------------------------------------
 
@@ -135,7 +139,9 @@ class Shard:
         self._inflight[tr.w.tid] = tr
         # Only small writes are posted here: a long list posted from two threads
         # at once would have them fight over the provider's locks.
-        tr.direct = not tr.dry_run and tr.w.pieces <= DIRECT_POST_MAX
+        # Nor while earlier writes wait for the poller: writes go out in order.
+        tr.direct = (not tr.dry_run and tr.w.pieces <= DIRECT_POST_MAX
+                     and not self._posting and not self._inbox)
         if not tr.direct or tr.w.batch.post_once():
             self._send("write", tr)
         elif tr.w.batch.failures():
@@ -167,8 +173,13 @@ class Shard:
             # how far it got.
             self._account_posted(tr)
             self.transport.cache.unpin(tr.w.region)
+            # The slot goes back when the transfer ends, not when someone
+            # awaits it: a caller may submit many before waiting for any.
+            self.slots.release()
             if tr.error is not None or tr.closed:
                 self.failed += 1
+            elif tr.w.batch.unposted_at_cancel:
+                self.cancelled += 1
             else:
                 self.completed += 1
             tr.done.set()
@@ -237,28 +248,34 @@ class Shard:
                 else:
                     self._posting.append(tr)
             elif what == "cancel" and tr in self._posting:
-                tr.remaining -= tr.w.batch.cancel()
+                never = tr.w.batch.cancel()
+                tr.w.batch.unposted_at_cancel = never
+                tr.remaining -= never
                 self._posting.remove(tr)
                 self._finish_if_done(tr)
         return False
 
     def _post_pending(self) -> None:
-        """Post what waits for TX room. ``_posting`` is this thread's alone; the
-        C call runs outside the lock, the bookkeeping inside it."""
+        """Post what waits for TX room, in submission order: a later transfer
+        never overtakes one that is not fully posted (KV layers must land in
+        order). ``_posting`` is this thread's alone; the C call runs outside
+        the lock, the bookkeeping inside it."""
         poller = self.transport.poller
-        for tr in list(self._posting):
+        while self._posting:
+            tr = self._posting[0]
             c = poller.post(tr.w.batch)
             with self._lock:
                 self._absorb(c)
                 if tr.error is not None:
                     tr.remaining -= tr.w.batch.cancel()  # stop posting after a failure
-                if tr.w.batch.posted:
-                    self._posting.remove(tr)
-                    if failures := tr.w.batch.failures():
-                        tr.error = tr.error or "; ".join(failures)
-                        # A failed post counts in what cancel() reports as never posted.
-                        tr.remaining -= tr.w.batch.cancel()
-                    self._finish_if_done(tr)
+                if not tr.w.batch.posted:
+                    return
+                self._posting.pop(0)
+                if failures := tr.w.batch.failures():
+                    tr.error = tr.error or "; ".join(failures)
+                    # A failed post counts in what cancel() reports as never posted.
+                    tr.remaining -= tr.w.batch.cancel()
+                self._finish_if_done(tr)
 
     def posted_in_flight(self) -> list[int]:
         """Pieces posted per rail by transfers not yet delivered (a snapshot)."""

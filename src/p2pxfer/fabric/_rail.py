@@ -139,6 +139,7 @@ class WriteBatch:
         self._ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in self._arrays)
         self.context = context
         self.imm = imm
+        self.unposted_at_cancel = 0  # pieces a cancellation kept from going out
         self.rails: list[int] = []
         self.starts: list[int] = []
 
