@@ -214,6 +214,8 @@ class Engine:
         final piece count (striping can split pieces). Await
         :meth:`Transfer.wait`."""
         self._check_open()
+        # Already cancelled: raise before posting anything (costs nothing otherwise).
+        await trio.lowlevel.checkpoint_if_cancelled()
         shard = self._pick_shard()
         try:
             # No scheduler round when a slot is free: waiting checkpoints anyway.
