@@ -1,0 +1,173 @@
+"""The embedded backend: ``Swim`` over UDP, on trio. No extra service.
+
+One datagram socket per daemon, bound to its membership address (a
+loopback or namespace address in tests). Two tasks share it: one receives
+and answers, one runs the protocol's timers at ``Swim.next_deadline()``.
+What must not live here: protocol rules (``_swim.py``).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+import trio
+
+from ._backend import MembershipBackend, MembershipError
+from ._member import Member, new_incarnation
+from ._swim import Outgoing, Swim, SwimConfig
+
+__all__ = ["EmbeddedBackend"]
+
+_MAX_DATAGRAM = 65536
+
+
+def split_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise MembershipError(f"{text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def join_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class EmbeddedBackend(MembershipBackend):
+    """SWIM over UDP.
+
+    ``bind`` is ``host:port`` (port 0: any free one); the member's address
+    is what was bound, or ``advertise`` (needed when binding a wildcard).
+    ``seeds`` are other members' addresses; ``start()`` waits up to
+    ``join_timeout`` seconds for one of them to admit us and otherwise goes
+    on alone, retrying (see ``joined``). ``leave_linger``: after a graceful
+    leave, keep answering this long (default one protocol period) so pings in
+    flight hear the news.
+    """
+
+    def __init__(self, name: str, bind: str, token: bytes, seeds: Sequence[str] = (), *,
+                 incarnation: int | None = None, advertise: str | None = None,
+                 config: SwimConfig | None = None, join_timeout: float = 5.0,
+                 leave_linger: float | None = None) -> None:
+        super().__init__(name, new_incarnation() if incarnation is None else incarnation)
+        self.config = config or SwimConfig()
+        self._bind = split_hostport(bind)
+        self._advertise = advertise
+        self._token = token
+        self._seeds = tuple(seeds)
+        self._join_timeout = join_timeout
+        self._linger = self.config.period if leave_linger is None else leave_linger
+        self._sock: trio.socket.SocketType | None = None
+        self._swim: Swim | None = None
+        self._wake = trio.Event()  # the receive side moved the next deadline earlier
+        self._sleeping_until = 0.0
+        self._joined = trio.Event()
+        self.address = ""
+
+    # -- views --------------------------------------------------------------------
+
+    @property
+    def swim(self) -> Swim:
+        if self._swim is None:
+            raise MembershipError("the backend is not started")
+        return self._swim
+
+    @property
+    def joined(self) -> bool:
+        return self._swim is not None and self._swim.joined
+
+    def members(self) -> list[Member]:
+        return [] if self._swim is None else self._swim.members()
+
+    def member(self, name: str) -> Member | None:
+        return None if self._swim is None else self._swim.member(name)
+
+    def is_current(self, name: str, incarnation: int) -> bool:
+        return self._swim is not None and self._swim.is_current(name, incarnation)
+
+    async def wait_joined(self) -> None:
+        """Wait until a seed admitted us (at once without seeds)."""
+        await self._joined.wait()
+
+    # -- running ------------------------------------------------------------------
+
+    async def _run(self, *, task_status: trio.TaskStatus[None]) -> None:
+        host, port = self._bind
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = self._sock = trio.socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            await sock.bind((host, port))
+        except OSError as exc:
+            raise MembershipError(f"cannot bind the membership socket to "
+                                  f"{join_hostport(host, port)}: {exc}") from exc
+        bound = sock.getsockname()
+        if self._advertise:
+            self.address = self._advertise
+        elif host in ("0.0.0.0", "::", ""):
+            raise MembershipError("binding a wildcard address needs advertise=host:port")
+        else:
+            self.address = join_hostport(bound[0], bound[1])
+        swim = self._swim = Swim(Member(self.name, self.address, self.incarnation),
+                                 self._token, self.config)
+        self.log = self.log.bind(address=self.address)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive_loop)
+            await self._send(swim.join(list(self._seeds), trio.current_time()))
+            nursery.start_soon(self._timer_loop)
+            if swim.joined:
+                self._joined.set()
+            else:
+                with trio.move_on_after(self._join_timeout):
+                    await self._joined.wait()
+                if not swim.joined:
+                    self.log.warning("membership.join_pending", seeds=list(self._seeds),
+                                     waited_s=self._join_timeout)
+            self.log.info("membership.started", seeds=list(self._seeds), joined=swim.joined)
+            task_status.started()
+
+    async def _receive_loop(self) -> None:
+        assert self._sock is not None and self._swim is not None
+        sock, swim = self._sock, self._swim
+        while True:
+            try:
+                data, addr = await sock.recvfrom(_MAX_DATAGRAM)
+            except OSError as exc:  # e.g. an ICMP error queued on the socket
+                self.log.debug("membership.receive_failed", error=str(exc))
+                await trio.sleep(0.01)  # never a hot loop, whatever the error
+                continue
+            out = swim.receive(data, join_hostport(addr[0], addr[1]), trio.current_time())
+            await self._send(out)
+            if swim.joined and not self._joined.is_set():
+                self._joined.set()
+            if swim.next_deadline() < self._sleeping_until:
+                self._wake.set()
+
+    async def _timer_loop(self) -> None:
+        swim = self.swim
+        while True:
+            self._sleeping_until = swim.next_deadline()
+            with trio.move_on_at(self._sleeping_until):
+                await self._wake.wait()
+            if self._wake.is_set():
+                self._wake = trio.Event()
+            await self._send(swim.tick(trio.current_time()))
+
+    async def _send(self, out: list[Outgoing]) -> None:
+        assert self._sock is not None and self._swim is not None
+        for o in out:
+            try:
+                await self._sock.sendto(o.data, split_hostport(o.address))
+            except (OSError, MembershipError) as exc:
+                self.log.debug("membership.send_failed", to=o.address, kind=o.kind,
+                               error=str(exc))
+        self._publish(self._swim.take_events())
+
+    async def _say_goodbye(self) -> None:
+        if self._swim is None or self._sock is None:
+            return
+        await self._send(self._swim.leave(trio.current_time()))
+        await trio.sleep(self._linger)
+
+    async def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()

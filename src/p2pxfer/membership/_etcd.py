@@ -1,0 +1,339 @@
+"""The etcd backend: members are keys under a lease, changes come by watch.
+
+Each daemon keeps ``<prefix><name>`` (default ``/p2pxfer/members/<name>``)
+attached to a lease it keeps alive; the value is JSON ``{"v": 1, "name",
+"address", "incarnation", "state": "alive"|"left", "mac"}``, the MAC taken
+under the cluster token so a writer without it cannot inject members.
+Everyone watches the prefix:
+
+- a put of a new name or a higher incarnation: ``MemberJoined`` /
+  ``MemberRestarted``; ``state: left``: ``MemberLeft`` (a graceful stop puts
+  that, then revokes the lease);
+- a delete of a running member (its lease expired: it stopped keeping it
+  alive): ``MemberDead``.
+
+It speaks etcd's v3 JSON gateway over plain HTTP (httpx, under trio): no
+gRPC stack. Keys and values are base64 there; int64s are strings.
+What must not live here: anything about regions or transfers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import trio
+
+from ._backend import MembershipBackend, MembershipError
+from ._member import (
+    AuthFailed,
+    Member,
+    MemberAlive,
+    MemberDead,
+    MemberJoined,
+    MemberLeft,
+    MemberRestarted,
+    MembershipEvent,
+    MemberState,
+    Superseded,
+    new_incarnation,
+)
+from ._wire import ClusterAuth
+
+__all__ = ["EtcdBackend"]
+
+VALUE_VERSION = 1
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range that holds every key starting with ``prefix``."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class EtcdBackend(MembershipBackend):
+    """Membership through etcd at ``endpoint`` (``http://host:port``).
+
+    ``address`` is what others should reach this daemon at (its control
+    address); ``ttl`` the lease in seconds: a daemon that stops keeping its
+    lease alive is seen dead about ``ttl`` seconds later (etcd rounds small
+    TTLs up to its minimum, about 2 s with default timings). Dead and left
+    members are remembered ``tombstone`` seconds.
+    """
+
+    def __init__(self, name: str, address: str, token: bytes,
+                 endpoint: str = "http://127.0.0.1:2379", *, incarnation: int | None = None,
+                 ttl: int = 5, prefix: str = "/p2pxfer/members/", tombstone: float = 60.0,
+                 timeout: float = 5.0) -> None:
+        super().__init__(name, new_incarnation() if incarnation is None else incarnation)
+        if not prefix or ttl < 1:
+            raise MembershipError("EtcdBackend needs a prefix and ttl >= 1")
+        self.address = address
+        self.endpoint = endpoint
+        self.ttl = ttl
+        self.prefix = prefix
+        self._key = (prefix + name).encode()
+        self._auth = ClusterAuth(token)
+        self._tombstone = tombstone
+        self._timeout = timeout
+        self._client: httpx.AsyncClient | None = None
+        self._lease = ""
+        self._lease_lost = trio.Event()
+        self._view: dict[str, Member] = {}
+        self._since: dict[str, float] = {}  # when a dead/left member became so
+        self._pending: list[MembershipEvent] = []
+        self._superseded = False
+        self._auth_failures = 0
+
+    # -- views --------------------------------------------------------------------
+
+    def members(self) -> list[Member]:
+        return sorted(self._view.values(), key=lambda m: m.name)
+
+    def member(self, name: str) -> Member | None:
+        return self._view.get(name)
+
+    # -- etcd calls ----------------------------------------------------------------
+
+    async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert self._client is not None
+        try:
+            resp = await self._client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise MembershipError(f"etcd at {self.endpoint}: {path}: {exc!r}") from exc
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {}
+        if resp.status_code != 200 or not isinstance(data, dict) or "error" in data:
+            what = data.get("message") or data.get("error") if isinstance(data, dict) else None
+            raise MembershipError(f"etcd at {self.endpoint}: {path}: HTTP {resp.status_code} "
+                                  f"{what or resp.text[:200]}")
+        return data
+
+    async def _grant(self) -> None:
+        data = await self._call("/v3/lease/grant", {"TTL": str(self.ttl)})
+        self._lease = str(data["ID"])
+
+    async def _put_self(self, state: str) -> None:
+        fields = {"v": VALUE_VERSION, "name": self.name, "address": self.address,
+                  "incarnation": self.incarnation, "state": state}
+        mac = self._auth.sign(_canonical(fields)).hex()
+        value = json.dumps({**fields, "mac": mac}, sort_keys=True).encode()
+        await self._call("/v3/kv/put", {"key": _b64(self._key), "value": _b64(value),
+                                        "lease": self._lease})
+
+    async def _resync(self) -> int:
+        """Read every member key; bring the view in line; the revision read at."""
+        prefix = self.prefix.encode()
+        data = await self._call("/v3/kv/range", {"key": _b64(prefix),
+                                                 "range_end": _b64(_prefix_end(prefix))})
+        now = trio.current_time()
+        present = set()
+        for kv in data.get("kvs", ()):
+            name = self._put(kv, now)
+            if name is not None:
+                present.add(name)
+        for name, m in list(self._view.items()):
+            if name != self.name and m.running and name not in present:
+                self._delete(name, now)
+        self._flush()
+        return int(data["header"]["revision"])
+
+    # -- running ------------------------------------------------------------------
+
+    async def _run(self, *, task_status: trio.TaskStatus[None]) -> None:
+        self._client = httpx.AsyncClient(base_url=self.endpoint, timeout=self._timeout)
+        now = trio.current_time()
+        self._view[self.name] = Member(self.name, self.address, self.incarnation,
+                                       MemberState.ALIVE, now)
+        await self._grant()
+        await self._put_self("alive")
+        revision = await self._resync()
+        self.log.info("membership.started", backend="etcd", endpoint=self.endpoint,
+                      members=len(self._view))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keepalive_loop)
+            nursery.start_soon(self._watch_loop, revision + 1)
+            task_status.started()
+
+    async def _keepalive_loop(self) -> None:
+        interval = max(self.ttl / 3, 0.2)
+        while True:
+            with trio.move_on_after(interval):
+                await self._lease_lost.wait()
+            try:
+                if self._lease_lost.is_set():
+                    self._lease_lost = trio.Event()
+                    await self._renew()
+                else:
+                    data = await self._call("/v3/lease/keepalive", {"ID": self._lease})
+                    if int(data.get("result", {}).get("TTL", 0)) <= 0:
+                        self.log.warning("membership.lease_lost", lease=self._lease)
+                        await self._renew()
+                    else:
+                        me = self._view[self.name]
+                        self._view[self.name] = replace(me, last_heard=trio.current_time())
+            except MembershipError as exc:
+                self.log.warning("membership.keepalive_failed", error=str(exc))
+            self._purge(trio.current_time())
+
+    async def _renew(self) -> None:
+        await self._grant()
+        await self._put_self("alive")
+
+    async def _watch_loop(self, revision: int) -> None:
+        while True:
+            try:
+                await self._watch(revision)
+            except (MembershipError, httpx.HTTPError, ValueError, KeyError) as exc:
+                self.log.warning("membership.watch_failed", error=str(exc))
+            # Whatever broke, read the whole prefix again and watch from there.
+            delay = 0.25
+            while True:
+                await trio.sleep(delay)
+                try:
+                    revision = await self._resync() + 1
+                    break
+                except MembershipError as exc:
+                    self.log.warning("membership.resync_failed", error=str(exc))
+                    delay = min(2 * delay, 5.0)
+
+    async def _watch(self, revision: int) -> None:
+        assert self._client is not None
+        prefix = self.prefix.encode()
+        body = {"create_request": {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
+                                   "start_revision": str(revision)}}
+        timeout = httpx.Timeout(self._timeout, read=None)
+        async with self._client.stream("POST", "/v3/watch", json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                raise MembershipError(f"etcd watch: HTTP {resp.status_code}")
+            async for line in resp.aiter_lines():
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                if "error" in obj:
+                    raise MembershipError(f"etcd watch: {obj['error']}")
+                result = obj.get("result", {})
+                if result.get("canceled"):
+                    raise MembershipError(f"etcd watch canceled: "
+                                          f"{result.get('cancel_reason', 'compacted')}")
+                now = trio.current_time()
+                for ev in result.get("events", ()):
+                    kv = ev.get("kv", {})
+                    if ev.get("type") == "DELETE":
+                        key = _unb64(kv.get("key", "")).decode(errors="replace")
+                        self._delete(key[len(self.prefix):], now)
+                    else:
+                        self._put(kv, now)
+                self._flush()
+        raise MembershipError("etcd closed the watch stream")
+
+    async def _say_goodbye(self) -> None:
+        if self._client is None or not self._lease:
+            return
+        await self._put_self("left")
+        await self._call("/v3/lease/revoke", {"ID": self._lease})
+
+    async def _close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    # -- the view -----------------------------------------------------------------
+
+    def _put(self, kv: dict[str, Any], now: float) -> str | None:
+        """Apply one key's value; the member's name, or None if refused."""
+        key = _unb64(kv.get("key", "")).decode(errors="replace")
+        try:
+            obj = json.loads(_unb64(kv.get("value", "")))
+            mac = bytes.fromhex(obj.pop("mac"))
+            ok = self._auth.verify(_canonical(obj), mac)
+            name, address = obj["name"], obj["address"]
+            inc, state = obj["incarnation"], obj["state"]
+            ok = ok and obj.get("v") == VALUE_VERSION and key == self.prefix + name \
+                and isinstance(address, str) and type(inc) is int and state in ("alive", "left")
+        except (ValueError, TypeError, KeyError, AttributeError):
+            ok = False
+        if not ok:
+            self._auth_failures += 1
+            if self._auth_failures & (self._auth_failures - 1) == 0:
+                self._pending.append(AuthFailed(f"etcd:{key}", "value without a valid MAC "
+                                                "under the cluster token", self._auth_failures))
+            return None
+        self._apply_put(name, address, inc,
+                        MemberState.LEFT if state == "left" else MemberState.ALIVE, now)
+        return str(name)
+
+    def _apply_put(self, name: str, address: str, inc: int, state: MemberState,
+                   now: float) -> None:
+        if name == self.name:
+            if inc > self.incarnation and not self._superseded:
+                self._superseded = True
+                self._pending.append(Superseded(Member(name, address, inc, state, now)))
+            return
+        old = self._view.get(name)
+        new = Member(name, address, inc, state, now)
+        if old is not None and inc < old.incarnation:
+            return  # an earlier life's last words
+        if old is None or inc > old.incarnation:
+            self._set(new, now)
+            if state is MemberState.ALIVE:
+                self._pending.append(MemberRestarted(new, old.incarnation)
+                                     if old is not None and old.running else MemberJoined(new))
+            elif old is not None and old.running:
+                self._pending.append(MemberLeft(new))
+            return
+        if state is MemberState.LEFT:
+            if old.state is not MemberState.LEFT:
+                self._set(new, now)
+                if old.running:
+                    self._pending.append(MemberLeft(new))
+            return
+        if old.running:
+            self._view[name] = replace(old, address=address, last_heard=now)
+        else:
+            self._set(new, now)  # same life back (its lease had lapsed)
+            self._pending.append(MemberAlive(new))
+
+    def _delete(self, name: str, now: float) -> None:
+        if name == self.name:
+            if not self._stopped:
+                self.log.warning("membership.own_key_deleted")
+                self._lease_lost.set()
+            return
+        old = self._view.get(name)
+        if old is not None and old.running:
+            dead = replace(old, state=MemberState.DEAD)
+            self._set(dead, now)
+            self._pending.append(MemberDead(dead))
+
+    def _set(self, m: Member, now: float) -> None:
+        self._view[m.name] = m
+        if m.running:
+            self._since.pop(m.name, None)
+        else:
+            self._since[m.name] = now
+
+    def _flush(self) -> None:
+        events, self._pending = self._pending, []
+        self._publish(events)
+
+    def _purge(self, now: float) -> None:
+        for name, since in list(self._since.items()):
+            if since + self._tombstone <= now:
+                del self._since[name]
+                self._view.pop(name, None)
+
+
+def _canonical(fields: dict[str, Any]) -> bytes:
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
