@@ -37,6 +37,8 @@ log = structlog.get_logger("p2pxfer.engine")
 
 # Writes of at most this many pieces are posted from the trio thread.
 DIRECT_POST_MAX = 64
+# Spin this long, with transfers in flight, on CQs that have no wait fd.
+INFLIGHT_SPIN_NS = 500_000
 
 
 @dataclass(eq=False)
@@ -209,7 +211,12 @@ class Shard:
             # Outside the lock: spin, then sleep, gathering in C as many
             # completions as the closest transfer still needs (each return to
             # Python is a GIL round with trio). The trio thread may poll too.
-            c = poller.progress(spin_ns=0 if busy else self._spin_ns,
+            # Without CQ wait fds (shm) a nap delays every completion that lands
+            # in it: while transfers are in flight, spin longer before napping.
+            spin = self._spin_ns
+            if self._inflight and not self._blocks_on_fds:
+                spin = max(spin, INFLIGHT_SPIN_NS)
+            c = poller.progress(spin_ns=0 if busy else spin,
                                 timeout_ns=0 if busy else self._idle_ns, min_entries=need)
             with self._lock:
                 self._absorb(c)
