@@ -16,6 +16,7 @@ counted that many arrivals.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -198,7 +199,8 @@ def _host_buffer(buffer: Any) -> Any:
                 "this build does not do yet: pass host memory")
         if not buffer.is_contiguous():
             raise InvalidArgument("the torch tensor must be contiguous")
-        return buffer.view(-1).view(__import__("torch").uint8).numpy()
+        torch = importlib.import_module("torch")  # only here: torch is optional
+        return buffer.view(-1).view(torch.uint8).numpy()
     if hasattr(buffer, "mem_id") and hasattr(buffer, "array"):  # client SharedMemory
         return buffer.array
     return buffer
