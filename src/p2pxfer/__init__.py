@@ -38,3 +38,34 @@ from p2pxfer.scatter import ScatterList as ScatterList  # noqa: E402
 from p2pxfer.transport import Transport as Transport  # noqa: E402
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "DaemonError",
+    "DescriptorError",
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "FabricError",
+    "InvalidArgument",
+    "LocalRegion",
+    "P2PXferError",
+    "ProviderNotFound",
+    "ReadOnlyBuffer",
+    "RegionDescriptor",
+    "RegistrationCache",
+    "RegistrationError",
+    "RemoteClosed",
+    "ScatterError",
+    "ScatterList",
+    "SharedBuffer",
+    "SharedMemory",
+    "SyncClient",
+    "TransferError",
+    "Transport",
+    "UnregisteredMemory",
+    "WaitTimeout",
+    "alloc_shared",
+    "connect",
+    "open_engine",
+]
