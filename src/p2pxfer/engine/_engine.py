@@ -47,8 +47,9 @@ class EngineConfig:
     max_inflight: int = 256
     #: poller spins this long after activity before sleeping on the CQ wait fd
     spin_ns: int = 20_000
-    #: longest single sleep of an idle poller
-    idle_timeout_ns: int = 200_000_000
+    #: longest single sleep of an idle poller (a safety net: wake-ups come from
+    #: the CQ wait fds and the submit eventfd)
+    idle_timeout_ns: int = 50_000_000
     #: after posting a small write, the trio thread polls for its completion this
     #: long (blocking the event loop) before handing over to the poller thread;
     #: 0 turns it off

@@ -236,6 +236,10 @@ class Shard:
             if self._finished or self._imms:
                 self._deliver()
             if time.perf_counter_ns() > deadline:
+                if not tr.done.is_set():
+                    # Our reads may have left the provider mid-message with the
+                    # socket drained: no fd would wake the poller. Wake it.
+                    os.eventfd_write(self.wake_fd, 1)
                 return
 
     def _flush(self) -> None:
