@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
-__all__ = ["Host", "ip", "two_hosts"]
+__all__ = ["Host", "ip", "lan", "two_hosts"]
 
 _counter = itertools.count()
 IP_TIMEOUT = 10.0
@@ -110,6 +110,56 @@ def two_hosts(rails: int = 2) -> Iterator[tuple[Host, Host]]:
             for side in "ab"
         )
         yield hosts[0], hosts[1]
+    finally:
+        errors = []
+        for ns in reversed(created):
+            proc = ip("netns", "del", ns, check=False)
+            if proc.returncode != 0:
+                errors.append(f"{ns}: {proc.stderr.strip()}")
+        if errors:
+            raise RuntimeError(f"could not delete namespaces: {errors}")
+
+
+@contextmanager
+def lan(n: int) -> Iterator[list[Host]]:
+    """``n`` hosts on one switch: namespaces ``h0..h{n-1}``, each with one veth
+    (address ``10.78.0.<i+1>/24``) whose other end sits on a bridge in a
+    switch namespace. ``Host.interfaces[0]`` set down / up cuts / heals a
+    host's link. Skips like ``two_hosts`` where namespaces cannot be made."""
+    if not 1 <= n <= 200:
+        raise ValueError(f"n must be 1..200, got {n}")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = f"{os.getpid()}{next(_counter)}"
+    switch = f"p2p{tag}sw"
+    created: list[str] = []
+    try:
+        try:
+            ip("netns", "add", switch)
+            created.append(switch)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            pytest.skip(f"cannot create a network namespace: {exc}")
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        hosts = []
+        for i in range(n):
+            ns = f"p2p{tag}h{i}"
+            ip("netns", "add", ns)
+            created.append(ns)
+            dev, port = f"l{tag}h{i}"[-15:], f"l{tag}s{i}"[-15:]
+            ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port,
+               "netns", switch)
+            ip("-n", switch, "link", "set", port, "master", "br0")
+            ip("-n", switch, "link", "set", port, "up")
+            ip("-n", ns, "addr", "add", f"10.78.0.{i + 1}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            hosts.append(Host(ns, (dev,), (f"10.78.0.{i + 1}",)))
+        for h in hosts:
+            _wait_up(h.ns, h.interfaces[0])
+        yield hosts
     finally:
         errors = []
         for ns in reversed(created):

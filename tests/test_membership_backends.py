@@ -78,8 +78,17 @@ async def collect(channel: trio.MemoryReceiveChannel[MembershipEvent],
 # -- embedded (SWIM over UDP) -----------------------------------------------------------
 
 
-def embedded(name: str, seeds: Sequence[str] = ()) -> EmbeddedBackend:
-    return EmbeddedBackend(name, f"{LOOPBACK}:0", TOKEN, seeds, config=FAST, join_timeout=3.0)
+# Failure detection slow enough that a restart always beats it, even on a loaded
+# 2-core machine: the "restart before detection" scenario must not race.
+SLOW_DETECTION = SwimConfig(period=0.25, ack_timeout=0.1, suspicion_mult=40.0,
+                            reconnect_interval=1.0, join_retry=0.3, sync_interval=1.0,
+                            sync_quiet=0.25)
+
+
+def embedded(name: str, seeds: Sequence[str] = (),
+             config: SwimConfig = FAST) -> EmbeddedBackend:
+    return EmbeddedBackend(name, f"{LOOPBACK}:0", TOKEN, seeds, config=config,
+                           join_timeout=3.0)
 
 
 async def test_embedded_join_kill_leave_restart() -> None:
@@ -135,8 +144,10 @@ async def test_embedded_join_kill_leave_restart() -> None:
 
 async def test_embedded_restart_before_detection_is_reported_as_restart() -> None:
     with trio.fail_after(20):
-        async with embedded("a") as a, embedded("b", [a.address]) as b:
-            c = embedded("c", [a.address])
+        slow = SLOW_DETECTION
+        async with embedded("a", config=slow) as a, \
+                embedded("b", [a.address], config=slow) as b:
+            c = embedded("c", [a.address], config=slow)
             async with trio.open_nursery() as nursery:
                 await c.start(nursery)
                 await wait_until(lambda: sees(a, "c", ALIVE) and sees(b, "c", ALIVE), 5, "c")
@@ -144,7 +155,7 @@ async def test_embedded_restart_before_detection_is_reported_as_restart() -> Non
                 nursery.start_soon(collect, a.events(), events)
                 old = c.incarnation
                 await c.stop(graceful=False)
-                c2 = embedded("c", [b.address])
+                c2 = embedded("c", [b.address], config=slow)
                 await c2.start(nursery)
                 await wait_until(lambda: sees(a, "c", ALIVE, c2.incarnation), 5, "restart")
                 restarted = [e for e in events if isinstance(e, MemberRestarted)]

@@ -161,7 +161,8 @@ def status(socket_path: str, as_json: bool) -> None:
 @click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def peers(socket_path: str, as_json: bool) -> None:
-    """Peers the daemon knows."""
+    """Peers the daemon knows (with membership: every member, its state,
+    incarnation, address and when it was last heard)."""
     import json
 
     result = _client_call(socket_path, "peers")
@@ -171,9 +172,16 @@ def peers(socket_path: str, as_json: bool) -> None:
         return
     table = Table(title="peers")
     table.add_column("name")
-    table.add_column("control address")
-    for p in result:
-        table.add_row(p["name"], p["address"])
+    if any("state" in p for p in result):  # membership is on: members and their lives
+        for col in ("state", "incarnation", "address", "last heard"):
+            table.add_column(col)
+        for p in result:
+            table.add_row(p["name"], p.get("state", "?"), str(p.get("incarnation", "")),
+                          p["address"], f"{p.get('last_heard_s', 0.0):.1f} s ago")
+    else:
+        table.add_column("control address")
+        for p in result:
+            table.add_row(p["name"], p["address"])
     console.print(table)
 
 

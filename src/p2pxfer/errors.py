@@ -38,6 +38,12 @@ class RemoteClosed(TransferError):
     """The peer is gone (connection refused or reset) while a transfer ran."""
 
 
+class PeerLost(RemoteClosed):
+    """Membership says the peer a transfer targets died, left or restarted
+    (before or while it ran): its memory is gone, whatever the fabric says.
+    Protocol error code ``peer_lost``."""
+
+
 class EngineClosed(P2PXferError):
     """The engine or rail was closed while the operation was pending."""
 

@@ -23,6 +23,7 @@ from p2pxfer.errors import (
     EngineClosed,
     InvalidArgument,
     P2PXferError,
+    PeerLost,
     RemoteClosed,
     ScatterError,
     TransferError,
@@ -58,6 +59,7 @@ _BY_CODE: dict[str, type[P2PXferError]] = {
     "unknown_mem": UnregisteredMemory,
     "transfer_failed": TransferError,
     "peer_unreachable": RemoteClosed,
+    "peer_lost": PeerLost,
     "closed": EngineClosed,
 }
 

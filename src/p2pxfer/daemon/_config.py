@@ -11,7 +11,9 @@ from typing import Any
 
 from p2pxfer.errors import InvalidArgument
 
-__all__ = ["DaemonConfig", "PeerAddress", "parse_hostport"]
+__all__ = ["MEMBERSHIP_BACKENDS", "DaemonConfig", "PeerAddress", "parse_hostport"]
+
+MEMBERSHIP_BACKENDS = ("none", "embedded", "etcd")
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -49,6 +51,15 @@ class DaemonConfig:
     peers: tuple[PeerAddress, ...] = ()
     #: uids allowed on the unix socket besides the daemon's own (and root)
     allowed_uids: tuple[int, ...] = ()
+    #: membership backend: "none" (static peers only), "embedded" (SWIM over
+    #: UDP on the control host:port) or "etcd"
+    membership: str = "none"
+    #: shared secret of the cluster (required unless membership is "none")
+    cluster_token: str = ""
+    #: control addresses ("host:port") of members to join through (embedded)
+    seeds: tuple[str, ...] = ()
+    #: etcd's client URL (membership = "etcd")
+    etcd_endpoint: str = "http://127.0.0.1:2379"
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -67,7 +78,7 @@ class DaemonConfig:
         for key, value in data.items():
             if key == "peers":
                 kw[key] = tuple(cls._peer(p) for p in value)
-            elif key in ("interfaces", "allowed_uids"):
+            elif key in ("interfaces", "allowed_uids", "seeds"):
                 if not isinstance(value, list):
                     raise InvalidArgument(f"config {key} must be a list")
                 kw[key] = tuple(value)
@@ -82,7 +93,33 @@ class DaemonConfig:
         parse_hostport(cfg.control)
         if cfg.max_frame < 4096:
             raise InvalidArgument(f"max_frame {cfg.max_frame} is too small (>= 4096)")
+        cfg._check_membership()
         return cfg
+
+    def _check_membership(self) -> None:
+        if self.membership not in MEMBERSHIP_BACKENDS:
+            raise InvalidArgument(f"config membership must be one of {list(MEMBERSHIP_BACKENDS)}, "
+                                  f"got {self.membership!r}")
+        for seed in self.seeds:
+            if not isinstance(seed, str):
+                raise InvalidArgument(f"config seeds are 'host:port' strings, got {seed!r}")
+            try:
+                parse_hostport(seed)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"config seeds: {exc}") from exc
+        if self.membership == "none":
+            return
+        if not self.cluster_token:
+            raise InvalidArgument(f"config membership = {self.membership!r} needs a "
+                                  f"cluster_token (the same secret on every member)")
+        if self.membership == "etcd" and not self.etcd_endpoint.startswith(
+                ("http://", "https://")):
+            raise InvalidArgument(f"config etcd_endpoint must be an http(s):// URL, got "
+                                  f"{self.etcd_endpoint!r}")
+        if self.membership == "embedded" and parse_hostport(self.control)[0] in (
+                "0.0.0.0", "::", ""):
+            raise InvalidArgument("config membership = 'embedded' needs a control address "
+                                  "with a specific host (it is the member's address)")
 
     @staticmethod
     def _peer(p: Any) -> PeerAddress:

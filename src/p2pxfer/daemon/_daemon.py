@@ -18,6 +18,7 @@ import signal
 import socket
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict
 from functools import partial
 from typing import Any
@@ -27,6 +28,19 @@ import trio
 
 from p2pxfer.engine import Engine, EngineConfig, open_engine
 from p2pxfer.errors import P2PXferError
+from p2pxfer.membership import (
+    EmbeddedBackend,
+    EtcdBackend,
+    MemberAlive,
+    MemberDead,
+    MemberJoined,
+    MemberLeft,
+    MemberRestarted,
+    MembershipBackend,
+    MembershipEvent,
+    PeerLost,
+    Superseded,
+)
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.protocol import (
     CLOSED,
@@ -50,6 +64,7 @@ __all__ = ["Daemon", "serve"]
 log = structlog.get_logger("p2pxfer.daemon")
 
 PEER_TIMEOUT_S = 5.0
+STOP_MEMBERSHIP_S = 3.0  # at most this long saying goodbye on the way out
 
 
 class _Mem:
@@ -96,6 +111,12 @@ class Daemon:
         self.nursery: trio.Nursery | None = None
         # Incoming peer connection (by id) -> the node name it said hello with.
         self._conn_peer: dict[int, str] = {}
+        #: the membership backend (None: membership = "none", static peers)
+        self.membership: MembershipBackend | None = None
+        # Writes in flight per peer (their cancel scopes), failed with
+        # ``peer_lost`` when membership says the peer died, left or restarted.
+        self._writes_to: dict[str, set[trio.CancelScope]] = {}
+        self._lost_reason: dict[str, str] = {}
 
     # -- regions and peers ----------------------------------------------------
 
@@ -165,12 +186,152 @@ class Daemon:
             "clients": len(self.sessions),
             "regions": [{"name": n, "length": d.length, "client": s.label}
                         for n, (s, d) in sorted(self.exports.items())],
-            "peers": [{"name": p.name, "address": p.address} for p in self.peers.values()],
+            "peers": self.peer_list(),
+            "membership": self.config.membership,
             "transfers_in_flight": self.writes_in_flight,
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],
         }
+
+    def peer_list(self) -> list[dict[str, Any]]:
+        """The ``peers`` reply: static peers, or every member with its state
+        when membership is on."""
+        if self.membership is None:
+            return [{"name": p.name, "address": p.address} for p in self.peers.values()]
+        now = trio.current_time()
+        return [{"name": m.name, "address": m.address, "state": str(m.state),
+                 "incarnation": m.incarnation,
+                 "last_heard_s": round(max(0.0, now - m.last_heard), 3)}
+                for m in self.membership.members()]
+
+    # -- membership -------------------------------------------------------------
+
+    async def start_membership(self, nursery: trio.Nursery) -> None:
+        """Join the cluster (membership enabled), bound to the control address;
+        then follow it in a task of ``nursery``."""
+        cfg = self.config
+        token = cfg.cluster_token.encode()
+        backend: MembershipBackend
+        if cfg.membership == "embedded":
+            seeds = [s for s in cfg.seeds if s != self.control_address]
+            backend = EmbeddedBackend(self.node, self.control_address, token, seeds,
+                                      incarnation=self.incarnation, join_timeout=2.0)
+        else:
+            backend = EtcdBackend(self.node, self.control_address, token, cfg.etcd_endpoint,
+                                  incarnation=self.incarnation)
+        events = backend.events()
+        await backend.start(nursery)
+        self.membership = backend
+        for m in backend.members():
+            if m.running:
+                self._member_up(m.name, m.address)
+        nursery.start_soon(self._follow_membership, events)
+
+    async def stop_membership(self) -> None:
+        """Leave gracefully (the others see ``left`` at once)."""
+        if self.membership is not None:
+            await self.membership.stop()
+
+    async def _follow_membership(self,
+                                 events: trio.MemoryReceiveChannel[MembershipEvent]) -> None:
+        backend = self.membership
+        assert backend is not None
+        while True:
+            async with events:
+                async for ev in events:
+                    self.on_membership_event(ev)
+            if backend._done.is_set():
+                return
+            # Cut off (fell too far behind): subscribe again, catch up from the view.
+            events = backend.events()
+            for m in backend.members():
+                if m.name == self.node:
+                    continue
+                if m.running:
+                    self._member_up(m.name, m.address)
+                else:
+                    self.peer_lost(m.name, f"{m.name} is {m.state}")
+
+    def on_membership_event(self, ev: MembershipEvent) -> None:
+        if isinstance(ev, Superseded):
+            log.error("daemon.superseded", newer_incarnation=ev.member.incarnation)
+            if self.nursery is not None:
+                self.nursery.cancel_scope.cancel()
+            return
+        if isinstance(ev, MemberJoined | MemberAlive | MemberDead | MemberLeft |
+                      MemberRestarted) and ev.member.name == self.node:
+            return
+        if isinstance(ev, MemberJoined | MemberAlive):
+            self._member_up(ev.member.name, ev.member.address)
+        elif isinstance(ev, MemberDead | MemberLeft):
+            what = "died" if isinstance(ev, MemberDead) else "left"
+            self.peer_lost(ev.member.name, f"{ev.member.name} {what} (incarnation "
+                                           f"{ev.member.incarnation})")
+        elif isinstance(ev, MemberRestarted):
+            self.peer_lost(ev.member.name, f"{ev.member.name} restarted (incarnation "
+                                           f"{ev.previous_incarnation} -> "
+                                           f"{ev.member.incarnation})")
+            self._member_up(ev.member.name, ev.member.address)
+
+    def _member_up(self, name: str, address: str) -> None:
+        if name == self.node:
+            return
+        known = self.peers.get(name)
+        if known is None or known.address != address:
+            self.peers[name] = PeerAddress(name, address)
+            self._drop_peer_state(name)
+
+    def peer_lost(self, name: str, reason: str) -> None:
+        """``name``'s life ended: forget its descriptors and connection, and
+        fail its writes in flight with ``peer_lost``."""
+        self._drop_peer_state(name)
+        scopes = self._writes_to.get(name, set())
+        if scopes:
+            self._lost_reason[name] = reason
+            log.warning("transfer.peer_lost", peer=name, writes=len(scopes), reason=reason)
+        for scope in scopes:
+            scope.cancel()
+
+    def _drop_peer_state(self, name: str) -> None:
+        for key in [k for k in self._resolved if k[0] == name]:
+            del self._resolved[key]
+        for regions in self._resolved_by.values():
+            regions.discard(name)
+        link = self._links.pop(name, None)
+        if link is not None and self.nursery is not None:
+            self.nursery.start_soon(link.close)
+
+    def check_peer(self, peer: str) -> None:
+        """With membership: refuse at once a peer known to be dead or gone."""
+        if self.membership is None or peer == self.node:
+            return
+        m = self.membership.member(peer)
+        if m is not None and not m.running:
+            raise PeerLost(f"{peer} is {m.state} (incarnation {m.incarnation})")
+
+    def check_descriptor(self, desc: RegionDescriptor) -> None:
+        """With membership: refuse a descriptor of a life that is not running."""
+        if self.membership is not None and desc.node and desc.node != self.node:
+            self.membership.check_current(desc.node, desc.incarnation)
+
+    @contextlib.contextmanager
+    def track_write(self, peer: str) -> Iterator[None]:
+        """A cancel scope for one write to ``peer``; ``peer_lost`` cancels it,
+        and then this raises ``PeerLost`` with the reason."""
+        scope = trio.CancelScope()
+        scopes = self._writes_to.setdefault(peer, set())
+        scopes.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            scopes.discard(scope)
+            if not scopes:
+                self._writes_to.pop(peer, None)
+        if scope.cancelled_caught:
+            raise PeerLost(f"write to {peer} failed: "
+                           f"{self._lost_reason.get(peer, 'peer lost')}")
 
     # -- listeners ------------------------------------------------------------
 
@@ -250,8 +411,10 @@ class Daemon:
         if msg.kind == "hello":
             name, control = msg.get("name", ""), msg.get("control", "")
             self._conn_peer[id(conn)] = name
-            if name and control and name not in self.peers:
+            if name and control and name not in self.peers and self.membership is None:
                 # A daemon that reached us can be reached back: no static world.
+                # (With membership on, the members are the peers: a caller
+                # without the cluster token must not add itself this way.)
                 with contextlib.suppress(RequestError):
                     self.add_peer(name, control)
             return conn.send("welcome", v=SCHEMA_VERSION, node=self.node,
@@ -263,14 +426,14 @@ class Daemon:
                 desc = self.local_descriptor(msg["region"])
                 if who := self._conn_peer.get(id(conn)):
                     self._resolved_by.setdefault(msg["region"], set()).add(who)
-                result = {"descriptor": desc.to_wire()}
+                result: dict[str, Any] = {"descriptor": desc.to_wire()}
             elif msg.kind == "invalidate":
                 self.forget(self._conn_peer.get(id(conn), ""), msg["region"])
                 result = {}
             elif msg.kind == "status":
                 result = self.status()
             else:  # peers
-                result = {"peers": self.status()["peers"]}
+                result = {"peers": self.peer_list()}
             return conn.send("ok", id=msg.id, result=result)
         except P2PXferError as exc:
             code, text = error_code(exc)
@@ -331,6 +494,10 @@ class PeerLink:
                 if rid is None and event.kind == "error":
                     raise RequestError(event["code"], event["message"])
                 return event
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._drop()
 
     async def _drop(self) -> None:
         if self._stream is not None:
@@ -467,7 +634,7 @@ class ClientSession:
         if kind == "status":
             return d.status()
         if kind == "peers":
-            return {"peers": d.status()["peers"]}
+            return {"peers": d.peer_list()}
         if kind == "add_peer":
             d.add_peer(msg["name"], msg["address"])
             return {}
@@ -527,7 +694,23 @@ class ClientSession:
         s, t, n = unpack_scatter(msg["scatter"])
         scatter = ScatterList(s, t, n)
         peer, region = msg["peer"], msg["region"]
-        desc = await d.resolve(peer, region)
+        if d.membership is None:
+            desc = await d.resolve(peer, region)
+            return await self._write_desc(msg, src, scatter, peer, region, desc)
+        d.check_peer(peer)
+        with d.track_write(peer):
+            desc = await d.resolve(peer, region)
+            try:
+                d.check_descriptor(desc)
+            except PeerLost:
+                d.forget(peer, region)
+                raise
+            return await self._write_desc(msg, src, scatter, peer, region, desc)
+        raise AssertionError("unreachable")  # track_write raised PeerLost
+
+    async def _write_desc(self, msg: Message, src: memoryview, scatter: ScatterList,
+                          peer: str, region: str, desc: RegionDescriptor) -> dict[str, Any]:
+        d = self.daemon
         d.writes_in_flight += 1
         t0 = time.perf_counter()
         try:
@@ -536,6 +719,7 @@ class ClientSession:
             # The region (or its owner) may be gone: look it up afresh, so the
             # caller hears "unknown_region" rather than a transport error.
             d.forget(peer, region)
+            d.check_peer(peer)
             with trio.move_on_after(PEER_TIMEOUT_S):
                 await d.resolve(peer, region)
             raise
@@ -583,18 +767,26 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
             daemon = Daemon(config, engine)
             daemon.nursery = nursery
             await daemon.serve_peers(nursery)
+            if config.membership != "none":
+                await daemon.start_membership(nursery)
             sock = await daemon.serve_clients(nursery)
             log.info("daemon.ready", node=daemon.node, socket=config.socket,
-                     control=daemon.control_address, provider=config.provider)
-            task_status.started(daemon)
-            if handle_signals:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for signum in signals:
-                        log.info("daemon.stopping", signal=signal.Signals(signum).name)
-                        break
+                     control=daemon.control_address, provider=config.provider,
+                     membership=config.membership)
+            try:
+                task_status.started(daemon)
+                if handle_signals:
+                    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                        async for signum in signals:
+                            log.info("daemon.stopping", signal=signal.Signals(signum).name)
+                            break
+                else:
+                    await trio.sleep_forever()
+            finally:
+                # Say goodbye (members see "left" at once), even when cancelled.
+                with trio.CancelScope(shield=True), trio.move_on_after(STOP_MEMBERSHIP_S):
+                    await daemon.stop_membership()
                 nursery.cancel_scope.cancel()
-            else:
-                await trio.sleep_forever()
     finally:
         # Only now, with the accept loop gone, close and remove the socket.
         if sock is not None:

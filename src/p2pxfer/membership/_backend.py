@@ -26,7 +26,7 @@ from typing import Any, Self
 import structlog
 import trio
 
-from p2pxfer.errors import P2PXferError, TransferError
+from p2pxfer.errors import P2PXferError, PeerLost
 
 from ._member import (
     AuthFailed,
@@ -52,11 +52,6 @@ SUBSCRIBER_BUFFER = 1024
 
 class MembershipError(P2PXferError):
     """The membership backend cannot do its job (etcd unreachable, bad address...)."""
-
-
-class PeerLost(TransferError):
-    """The peer a transfer targets died, left or restarted while it ran (or
-    before): its memory is gone, whatever the fabric says."""
 
 
 class StaleIncarnation(PeerLost):

@@ -1,0 +1,455 @@
+"""Membership wired into the daemon (``membership = "embedded" | "etcd"``).
+
+Daemons run as ``p2pxfer daemon`` subprocesses on 127.0.0.1, each with a
+fixed control port (its UDP membership socket shares the host:port) and no
+configured peers: they find each other through a seed (embedded) or etcd.
+Every wait is bounded; every process is killed on the way out. The first
+tests drive ``Daemon``'s membership hooks in-process, with a fake backend.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from daemon_helpers import LOOPBACK, Agent, DaemonProc, Plan, free_port, start_daemon, wait_for
+from p2pxfer.daemon import DaemonConfig
+from p2pxfer.daemon._daemon import Daemon
+from p2pxfer.daemon._io import error_code
+from p2pxfer.errors import InvalidArgument, PeerLost, RemoteClosed
+from p2pxfer.membership import (
+    Member,
+    MemberDead,
+    MemberJoined,
+    MemberRestarted,
+    MembershipBackend,
+    MemberState,
+    StaleIncarnation,
+)
+from p2pxfer.memory import RegionDescriptor
+
+TOKEN = "s3cret-cluster-token"
+DEAD_WITHIN = 8.0  # SWIM: a probe period, suspicion 3 x 0.4 s; generous for CI
+
+
+# -- config -------------------------------------------------------------------------------
+
+def test_config_membership_keys() -> None:
+    assert DaemonConfig.from_dict({}).membership == "none"
+    cfg = DaemonConfig.from_dict({"membership": "embedded", "cluster_token": "t",
+                                  "seeds": ["127.0.0.1:7700"], "control": "127.0.0.1:7701"})
+    assert cfg.seeds == ("127.0.0.1:7700",)
+    with pytest.raises(InvalidArgument, match="membership must be one of"):
+        DaemonConfig.from_dict({"membership": "swim"})
+    with pytest.raises(InvalidArgument, match="needs a cluster_token"):
+        DaemonConfig.from_dict({"membership": "etcd"})
+    with pytest.raises(InvalidArgument, match="seeds"):
+        DaemonConfig.from_dict({"membership": "embedded", "cluster_token": "t",
+                                "seeds": ["nohost"]})
+    with pytest.raises(InvalidArgument, match="etcd_endpoint"):
+        DaemonConfig.from_dict({"membership": "etcd", "cluster_token": "t",
+                                "etcd_endpoint": "127.0.0.1:2379"})
+    with pytest.raises(InvalidArgument, match="specific host"):
+        DaemonConfig.from_dict({"membership": "embedded", "cluster_token": "t",
+                                "control": "0.0.0.0:7700"})
+
+
+def test_deploy_config_parses() -> None:
+    root = Path(__file__).resolve().parent.parent
+    DaemonConfig.from_toml(root / "deploy" / "p2pxfer.toml")
+
+
+# -- the daemon's hooks, in-process ---------------------------------------------------------
+
+class FakeBackend(MembershipBackend):
+    def __init__(self, members: list[Member]) -> None:
+        super().__init__("node-a", 1)
+        self.view = {m.name: m for m in members}
+
+    async def _run(self, *, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+
+    async def _say_goodbye(self) -> None:
+        pass
+
+    def members(self) -> list[Member]:
+        return sorted(self.view.values(), key=lambda m: m.name)
+
+    def member(self, name: str) -> Member | None:
+        return self.view.get(name)
+
+
+def fake_daemon(members: list[Member]) -> tuple[Daemon, FakeBackend]:
+    cfg = DaemonConfig(node="node-a", membership="embedded", cluster_token="t")
+    engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
+    d = Daemon(cfg, engine)
+    d.membership = backend = FakeBackend(members)
+    return d, backend
+
+
+def desc(node: str, inc: int) -> RegionDescriptor:
+    return RegionDescriptor("r", 4096, (), node=node, incarnation=inc)
+
+
+def test_stale_descriptor_is_refused_as_peer_lost() -> None:
+    d, backend = fake_daemon([Member("node-b", "127.0.0.1:1", 200)])
+    d.check_descriptor(desc("node-b", 200))  # the running life
+    with pytest.raises(StaleIncarnation) as info:
+        d.check_descriptor(desc("node-b", 100))  # exported by an earlier life
+    assert error_code(info.value)[0] == "peer_lost"
+    assert "incarnation 100 is not running" in str(info.value)
+    backend.view["node-b"] = Member("node-b", "127.0.0.1:1", 200, MemberState.DEAD)
+    with pytest.raises(PeerLost, match="dead"):
+        d.check_peer("node-b")
+    assert issubclass(PeerLost, RemoteClosed)
+
+
+def test_events_update_peers_and_fail_writes_in_flight() -> None:
+    b1 = Member("node-b", "127.0.0.1:1", 100)
+    d, _ = fake_daemon([b1])
+
+    async def main() -> None:
+        d.on_membership_event(MemberJoined(b1))
+        assert d.peers["node-b"].address == "127.0.0.1:1"
+        d._resolved[("node-b", "r")] = desc("node-b", 100)
+        failed: list[BaseException] = []
+
+        async def write() -> None:
+            try:
+                with d.track_write("node-b"):
+                    await trio.sleep_forever()
+            except PeerLost as exc:
+                failed.append(exc)
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write)
+                await trio.sleep(0.05)
+                d.on_membership_event(MemberDead(Member("node-b", "127.0.0.1:1", 100,
+                                                        MemberState.DEAD)))
+        assert len(failed) == 1 and "node-b died" in str(failed[0])
+        assert error_code(failed[0])[0] == "peer_lost"
+        assert ("node-b", "r") not in d._resolved
+        assert not d._writes_to
+        b2 = Member("node-b", "127.0.0.1:2", 300)
+        d._resolved[("node-b", "r")] = desc("node-b", 100)
+        d.on_membership_event(MemberRestarted(b2, 100))
+        assert d.peers["node-b"].address == "127.0.0.1:2"
+        assert ("node-b", "r") not in d._resolved
+
+    trio.run(main)
+
+
+# -- daemons --------------------------------------------------------------------------------
+
+def start_member(workdir: Path, name: str, port: int, **keys: Any) -> DaemonProc:
+    return start_daemon(workdir, name, control_port=port, **keys)
+
+
+def members(d: DaemonProc) -> dict[str, dict[str, Any]]:
+    return {p["name"]: p for p in d.status()["peers"]}
+
+
+def states(d: DaemonProc) -> dict[str, str]:
+    return {n: p["state"] for n, p in members(d).items()}
+
+
+def kill(d: DaemonProc) -> None:
+    if d.alive():
+        d.proc.kill()
+        d.proc.wait(5)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    """Daemons and agents to stop at the end, whatever happens."""
+    out: list[Any] = []
+    yield out
+    for p in reversed(out):
+        if isinstance(p, Agent):
+            p.close()
+        else:
+            p.stop()
+
+
+def test_embedded_discovery_kill_and_restart(tmp_path: Path, procs: list[Any]) -> None:
+    ports = {n: free_port() for n in ("node-a", "node-b", "node-c")}
+    seed = [f"{LOOPBACK}:{ports['node-a']}"]
+    keys = {"membership": "embedded", "cluster_token": TOKEN, "seeds": seed}
+    ds = {}
+    for n, port in ports.items():
+        ds[n] = start_member(tmp_path, n, port, **keys)
+        procs.append(ds[n])
+    a, b, c = ds["node-a"], ds["node-b"], ds["node-c"]
+    for d in (a, b, c):
+        wait_for(lambda d=d: states(d) == {n: "alive" for n in ports},
+                 f"{d.name} to see all three alive")
+    view = members(a)
+    assert view["node-b"]["address"] == f"{LOOPBACK}:{ports['node-b']}"
+    assert view["node-a"]["incarnation"] == a.status()["incarnation"]
+    assert a.status()["membership"] == "embedded"
+    from daemon_helpers import p2pxfer_cmd
+
+    out = subprocess.run([*p2pxfer_cmd(), "peers", "--socket", a.socket], capture_output=True,
+                         text=True, timeout=20, check=True).stdout
+    assert "state" in out and "incarnation" in out and "last heard" in out, out
+    assert out.count("alive") == 3 and "node-c" in out, out
+
+    # A transfer between two members nobody introduced.
+    plan = Plan(0x5EED, pieces=256, min_len=4 << 10, max_len=32 << 10, region=16 << 20)
+    target = Agent("trio", b.socket, "target")
+    procs.append(target)
+    initiator = Agent("trio", a.socket, "initiator")
+    procs.append(initiator)
+    assert target.ok("export", "r", plan.region) == plan.region
+    pieces = initiator.ok("write", "node-b", "r", plan, 7)
+    reply = target.call("verify", "r", plan, 7, pieces)
+    assert reply[0] == "ok", reply
+
+    # Writes in flight while node-b is SIGKILLed fail quickly, not hang.
+    old_inc = members(a)["node-b"]["incarnation"]
+    assert initiator.call("loop", "node-b", "r", plan, 8) == ("ok", "looping")
+    t0 = time.monotonic()
+    kill(b)
+    reply = initiator.wait_reply("the write loop", timeout=DEAD_WITHIN)
+    assert reply[0] == "raised" and reply[1] in ("PeerLost", "RemoteClosed", "TransferError"), \
+        reply
+    assert time.monotonic() - t0 < DEAD_WITHIN
+    for d in (a, c):
+        wait_for(lambda d=d: states(d).get("node-b") == "dead", f"{d.name} to see b dead",
+                 timeout=DEAD_WITHIN)
+    # Known dead: refused at once with peer_lost, nothing posted.
+    t0 = time.monotonic()
+    reply = initiator.call("write", "node-b", "r", plan, 9, timeout=5)
+    assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
+    assert "node-b is dead" in reply[3]
+    assert time.monotonic() - t0 < 3
+    # Unaffected pairs keep working.
+    target_c = Agent("trio", c.socket, "target-c")
+    procs.append(target_c)
+    assert target_c.ok("export", "rc", plan.region) == plan.region
+    initiator.ok("write", "node-c", "rc", plan, 10)
+
+    # Restarted: a new life; nothing of the old one is used.
+    b2 = start_member(tmp_path, "node-b", ports["node-b"], **keys)
+    procs.append(b2)
+    for d in (a, c):
+        wait_for(lambda d=d: members(d).get("node-b", {}).get("state") == "alive" and
+                 members(d)["node-b"]["incarnation"] > old_inc,
+                 f"{d.name} to see b's new life", timeout=DEAD_WITHIN)
+    # The old region died with the old life: a clear error, never a write into reused memory.
+    reply = initiator.call("write", "node-b", "r", plan, 11, timeout=10)
+    assert reply[:3] == ("raised", "UnknownRegion", "unknown_region") or \
+        reply[2] == "unknown_region", reply
+    target2 = Agent("trio", b2.socket, "target2")
+    procs.append(target2)
+    assert target2.ok("export", "r", plan.region) == plan.region
+    pieces = initiator.ok("write", "node-b", "r", plan, 12)
+    assert target2.call("verify", "r", plan, 12, pieces)[0] == "ok"
+
+    # A graceful stop: the others see "left" promptly.
+    assert c.stop() == 0
+    wait_for(lambda: states(a).get("node-c") == "left", "a to see c left", timeout=3)
+
+
+def test_wrong_token_cannot_join(tmp_path: Path, procs: list[Any]) -> None:
+    pa, pe = free_port(), free_port()
+    a = start_member(tmp_path, "node-a", pa, membership="embedded", cluster_token=TOKEN)
+    procs.append(a)
+    evil = start_member(tmp_path, "node-e", pe, membership="embedded",
+                        cluster_token="not-the-token", seeds=[f"{LOOPBACK}:{pa}"])
+    procs.append(evil)
+    wait_for(lambda: "auth_failed" in a.log.read_text(errors="replace"),
+             "a to log the failed join")
+    time.sleep(1.0)
+    assert set(members(a)) == {"node-a"}
+    assert set(members(evil)) == {"node-e"}
+
+
+# -- etcd -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real etcd on 127.0.0.1 (free ports, temporary data dir); its client URL."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
+    root = tmp_path_factory.mktemp("etcd")
+    client, peer = free_port(), free_port()
+    url = f"http://{LOOPBACK}:{client}"
+    log = (root / "etcd.log").open("wb")
+    proc = subprocess.Popen(
+        [binary, "--name", "test", "--data-dir", str(root / "data"),
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://{LOOPBACK}:{peer}",
+         "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{peer}",
+         "--initial-cluster", f"test=http://{LOOPBACK}:{peer}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("etcd did not start: "
+                                   + (root / "etcd.log").read_text(errors="replace")[-2000:])
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_etcd_discovery_and_transfer(etcd: str, tmp_path: Path, procs: list[Any]) -> None:
+    keys = {"membership": "etcd", "cluster_token": TOKEN, "etcd_endpoint": etcd}
+    ds = {}
+    for n in ("node-a", "node-b", "node-c"):
+        ds[n] = start_member(tmp_path, n, free_port(), **keys)
+        procs.append(ds[n])
+    a, b, c = ds["node-a"], ds["node-b"], ds["node-c"]
+    for d in (a, b, c):
+        wait_for(lambda d=d: states(d) == {n: "alive" for n in ds},
+                 f"{d.name} to see all three alive")
+    plan = Plan(0xE7CD, pieces=128, min_len=4 << 10, max_len=32 << 10, region=8 << 20)
+    target = Agent("trio", b.socket, "target")
+    procs.append(target)
+    initiator = Agent("trio", a.socket, "initiator")
+    procs.append(initiator)
+    assert target.ok("export", "r", plan.region) == plan.region
+    pieces = initiator.ok("write", "node-b", "r", plan, 3)
+    assert target.call("verify", "r", plan, 3, pieces)[0] == "ok"
+    # SIGKILL: the lease runs out (ttl 5 s), then a write is refused with peer_lost.
+    kill(b)
+    wait_for(lambda: states(a).get("node-b") == "dead", "a to see b dead", timeout=15)
+    reply = initiator.call("write", "node-b", "r", plan, 4, timeout=5)
+    assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
+    assert c.stop() == 0
+    wait_for(lambda: states(a).get("node-c") == "left", "a to see c left", timeout=5)
+
+
+# -- several hosts: network namespaces ------------------------------------------------------
+
+def start_in(host: Any, workdir: Path, name: str, seeds: list[str]) -> DaemonProc:
+    """A daemon inside ``host``'s namespace, control (and membership) on its
+    address, port 7700; its unix socket in ``workdir`` (reachable from here)."""
+    from daemon_helpers import p2pxfer_cmd, wait_accepting, write_config
+
+    addr = host.addresses[0]
+    workdir.mkdir(parents=True, exist_ok=True)
+    keys: dict[str, Any] = {
+        "node": name, "socket": str(workdir / f"{name}.sock"), "control": f"{addr}:7700",
+        "provider": "tcp;ofi_rxm", "fabric_node": addr, "log_level": "INFO",
+        "membership": "embedded", "cluster_token": TOKEN, "seeds": seeds,
+    }
+    cfg = write_config(workdir / f"{name}.toml", keys)
+    log = workdir / f"{name}.log"
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(host.exec_argv([*p2pxfer_cmd(), "daemon", "--config",
+                                                str(cfg)]),
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
+    d = DaemonProc(name, keys["socket"], keys["control"], cfg, log, proc, keys)
+    try:
+        wait_accepting(d)
+    except BaseException:
+        d.stop()
+        raise
+    return d
+
+
+@pytest.mark.netns
+def test_four_hosts_join_leave_kill_restart(tmp_path: Path, procs: list[Any]) -> None:
+    """h0..h3 in namespaces on one switch: h3 joins while h0 writes to h1 in a
+    loop; h2 leaves gracefully; h3 is SIGKILLed (a write to it: PeerLost
+    within 3 s of the others knowing), restarted (a new life), and h1's link
+    is cut and healed (membership converges again). h0 -> h1 never fails."""
+    from netns import ip, lan
+
+    with lan(4) as hosts:
+        names = [f"h{i}" for i in range(4)]
+        seeds = [f"{hosts[0].addresses[0]}:7700"]
+        ds = {}
+        for i in range(3):
+            ds[names[i]] = start_in(hosts[i], tmp_path, names[i], seeds)
+            procs.append(ds[names[i]])
+        h0, h1 = ds["h0"], ds["h1"]
+        for n in names[:3]:
+            wait_for(lambda n=n: states(ds[n]) == {m: "alive" for m in names[:3]},
+                     f"{n} to see h0..h2 alive")
+        plan = Plan(0x4E75, pieces=256, min_len=4 << 10, max_len=32 << 10, region=16 << 20)
+        target = Agent("trio", h1.socket, "target-h1")
+        procs.append(target)
+        looper = Agent("trio", h0.socket, "looper-h0")
+        procs.append(looper)
+        other = Agent("trio", h0.socket, "other-h0")
+        procs.append(other)
+        assert target.ok("export", "r", plan.region) == plan.region
+        assert looper.call("loop", "h1", "r", plan, 1) == ("ok", "looping")
+
+        # h3 joins while h0 -> h1 runs.
+        ds["h3"] = h3 = start_in(hosts[3], tmp_path, "h3", seeds)
+        procs.append(h3)
+        for n in names:
+            wait_for(lambda n=n: states(ds[n]) == {m: "alive" for m in names},
+                     f"{n} to see four alive", timeout=10)
+        target3 = Agent("trio", h3.socket, "target-h3")
+        procs.append(target3)
+        assert target3.ok("export", "r3", plan.region) == plan.region
+        pieces = other.ok("write", "h3", "r3", plan, 2)
+        assert target3.call("verify", "r3", plan, 2, pieces)[0] == "ok"
+
+        # h2 leaves gracefully: seen as left at once.
+        assert ds["h2"].stop() == 0
+        wait_for(lambda: states(h0).get("h2") == "left", "h0 to see h2 left", timeout=3)
+
+        # h3 is killed: dead everywhere, then a write to it fails fast with PeerLost.
+        old_inc = members(h0)["h3"]["incarnation"]
+        kill(h3)
+        t_kill = time.monotonic()
+        wait_for(lambda: states(h0).get("h3") == "dead", "h0 to see h3 dead",
+                 timeout=DEAD_WITHIN)
+        t0 = time.monotonic()
+        reply = other.call("write", "h3", "r3", plan, 3, timeout=10)
+        assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
+        assert time.monotonic() - t0 < 3, "PeerLost took longer than 3 s"
+        detect_s = t0 - t_kill
+
+        # Restarted: a new life, its old descriptors are void.
+        ds["h3"] = h3b = start_in(hosts[3], tmp_path, "h3", seeds)
+        procs.append(h3b)
+        wait_for(lambda: members(h0).get("h3", {}).get("state") == "alive" and
+                 members(h0)["h3"]["incarnation"] > old_inc, "h0 to see h3's new life",
+                 timeout=DEAD_WITHIN)
+        reply = other.call("write", "h3", "r3", plan, 4, timeout=10)
+        assert reply[0] == "raised" and reply[2] in ("unknown_region", "peer_lost"), reply
+
+        # A partition: h3's link down, then up; membership converges again.
+        ip("-n", hosts[3].ns, "link", "set", hosts[3].interfaces[0], "down")
+        wait_for(lambda: states(h0).get("h3") in ("suspect", "dead"), "h0 to miss h3",
+                 timeout=DEAD_WITHIN)
+        ip("-n", hosts[3].ns, "link", "set", hosts[3].interfaces[0], "up")
+        wait_for(lambda: states(h0).get("h3") == "alive" and states(h3b).get("h0") == "alive",
+                 "the partition to heal", timeout=20)
+
+        # The unaffected pair never saw an error: the loop is still running.
+        assert not looper.conn.poll(0), looper.conn.recv()
+        assert detect_s < DEAD_WITHIN
+        looper.kill()  # it loops until killed
