@@ -7,11 +7,17 @@ fabric objects and closes them afterwards.
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from daemon_helpers import free_port
 from p2pxfer.transport import Transport
 
 LOOPBACK = "127.0.0.1"
@@ -61,3 +67,45 @@ def tcp_transport() -> Iterator[Transport]:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20240611)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real etcd on 127.0.0.1 (free ports, temporary data dir); its client URL.
+    Shared by the membership backend and daemon tests."""
+    import httpx  # only the etcd tests need it
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
+    root = tmp_path_factory.mktemp("etcd")
+    client, peer = free_port(), free_port()
+    url = f"http://{LOOPBACK}:{client}"
+    log = (root / "etcd.log").open("wb")
+    proc = subprocess.Popen(
+        [binary, "--name", "test", "--data-dir", str(root / "data"),
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://{LOOPBACK}:{peer}",
+         "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{peer}",
+         "--initial-cluster", f"test=http://{LOOPBACK}:{peer}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("etcd did not start: "
+                                   + (root / "etcd.log").read_text(errors="replace")[-2000:])
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()

@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import httpx
 import pytest
 import structlog
 import trio
 
+from daemon_helpers import free_port
 from p2pxfer.membership import (
     AuthFailed,
     EmbeddedBackend,
@@ -213,56 +207,7 @@ async def test_embedded_bad_bind_is_a_clear_error() -> None:
                 await EmbeddedBackend("a", "0.0.0.0:0", TOKEN).start(nursery)
 
 
-# -- etcd ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real etcd on 127.0.0.1 (free ports, temporary data dir); its client URL."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
-    root = tmp_path_factory.mktemp("etcd")
-    client, peer = _free_port(), _free_port()
-    url = f"http://{LOOPBACK}:{client}"
-    log = (root / "etcd.log").open("wb")
-    proc = subprocess.Popen(
-        [binary, "--name", "test", "--data-dir", str(root / "data"),
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", f"http://{LOOPBACK}:{peer}",
-         "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{peer}",
-         "--initial-cluster", f"test=http://{LOOPBACK}:{peer}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"etcd did not start: {_tail(root / 'etcd.log')}")
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
-def _tail(path: Path) -> str:
-    return path.read_text(errors="replace")[-2000:]
+# -- etcd (the `etcd` fixture lives in conftest.py) -----------------------------------
 
 
 def etcd_member(name: str, endpoint: str, prefix: str, **kw: object) -> EtcdBackend:
@@ -349,7 +294,7 @@ async def test_etcd_restart_before_expiry_and_forged_members(etcd: str) -> None:
 async def test_etcd_unreachable_is_a_clear_error() -> None:
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            backend = EtcdBackend("a", "127.0.0.1:1", TOKEN, f"http://{LOOPBACK}:{_free_port()}",
+            backend = EtcdBackend("a", "127.0.0.1:1", TOKEN, f"http://{LOOPBACK}:{free_port()}",
                                   timeout=1.0)
             with pytest.raises(MembershipError, match="etcd at"):
                 await backend.start(nursery)

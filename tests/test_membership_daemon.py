@@ -9,9 +9,6 @@ tests drive ``Daemon``'s membership hooks in-process, with a fake backend.
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +16,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
 import trio
 
@@ -279,44 +275,6 @@ def test_wrong_token_cannot_join(tmp_path: Path, procs: list[Any]) -> None:
 
 # -- etcd -----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real etcd on 127.0.0.1 (free ports, temporary data dir); its client URL."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
-    root = tmp_path_factory.mktemp("etcd")
-    client, peer = free_port(), free_port()
-    url = f"http://{LOOPBACK}:{client}"
-    log = (root / "etcd.log").open("wb")
-    proc = subprocess.Popen(
-        [binary, "--name", "test", "--data-dir", str(root / "data"),
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", f"http://{LOOPBACK}:{peer}",
-         "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{peer}",
-         "--initial-cluster", f"test=http://{LOOPBACK}:{peer}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("etcd did not start: "
-                                   + (root / "etcd.log").read_text(errors="replace")[-2000:])
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def test_etcd_discovery_and_transfer(etcd: str, tmp_path: Path, procs: list[Any]) -> None:
