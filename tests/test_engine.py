@@ -583,6 +583,63 @@ async def test_dry_run_moves_nothing(provider: str) -> None:
         assert_image(region, expected)
 
 
+# -- small writes: the inline path ----------------------------------------------------
+
+
+async def test_small_write_completes_inline_poller_keeps_off(provider: str) -> None:
+    """With a generous inline budget, a small write's completion is read by
+    the trio thread: the poller thread, held off the CQs meanwhile, sees none
+    of it (no thread hop), and lets go afterwards (a long write still works)."""
+    source = random_bytes(21, 1 << 20)
+    region = np.zeros(1 << 20, np.uint8)
+    async with pair(provider, inline_poll_ns=2_000_000_000) as (a, b):
+        desc = b.export(region, "r")
+        a.register(source)
+        shard = a.shards[0]
+        with trio.fail_after(STEP):
+            await a.write(source, desc, ScatterList.contiguous(4096), imm=1)  # connects
+            background, inline = shard.transport.poller.entries, shard._inline_poller.entries
+            for k in range(20):
+                await a.write(source, desc, ScatterList.contiguous(4096, k * 4096, k * 4096))
+        assert shard.transport.poller.entries == background
+        assert shard._inline_poller.entries == inline + 20
+        assert shard.transport.poller._p.hold == 0
+        sl = contiguous_pieces(512, 2048)  # over DIRECT_POST_MAX: the poller's
+        with trio.fail_after(STEP):
+            await a.write(source, desc, sl, imm=2)
+            await b.wait_imm(2, len(sl))
+        assert shard.transport.poller.entries > background
+        assert_image(region[:512 * 2048], source[:512 * 2048])
+
+
+async def test_a_loop_of_inline_writes_does_not_starve_other_tasks(provider: str) -> None:
+    source = random_bytes(22, 1 << 16)
+    region = np.zeros(1 << 16, np.uint8)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.sleep(0)
+
+    async with pair(provider) as (a, b):
+        desc = b.export(region, "r")
+        a.register(source)
+        one = ScatterList.contiguous(64)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            await trio.sleep(0.01)
+            before, t0 = ticks, time.monotonic()
+            with trio.fail_after(STEP):
+                for _ in range(300):
+                    await a.write(source, desc, one)
+            elapsed = time.monotonic() - t0
+            nursery.cancel_scope.cancel()
+        # The engine yields at least once per YIELD_EVERY_NS of writing.
+        assert ticks - before >= max(1, int(elapsed / 0.001) // 4), (ticks - before, elapsed)
+
+
 # -- bad input --------------------------------------------------------------------
 
 

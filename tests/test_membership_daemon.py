@@ -4,14 +4,21 @@ Daemons run as ``p2pxfer daemon`` subprocesses on 127.0.0.1, each with a
 fixed control port (its UDP membership socket shares the host:port) and no
 configured peers: they find each other through a seed (embedded) or etcd.
 Every wait is bounded; every process is killed on the way out. The first
-tests drive ``Daemon``'s membership hooks in-process, with a fake backend.
+tests drive ``Daemon``'s membership hooks in-process, with a fake backend;
+the last ones run daemons (and an etcd) in network namespaces, one per "host"
+(``netns.lan``); ``bench/membership_hosts.py`` reuses their helpers.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -167,16 +174,22 @@ def kill(d: DaemonProc) -> None:
         d.proc.wait(5)
 
 
+def stop_all(procs: list[Any]) -> None:
+    """Stop (and forget) these daemons and agents, the last started first."""
+    while procs:
+        p = procs.pop()
+        if isinstance(p, Agent):
+            p.close()
+        else:
+            p.stop()
+
+
 @pytest.fixture
 def procs() -> Iterator[list[Any]]:
     """Daemons and agents to stop at the end, whatever happens."""
     out: list[Any] = []
     yield out
-    for p in reversed(out):
-        if isinstance(p, Agent):
-            p.close()
-        else:
-            p.stop()
+    stop_all(out)
 
 
 def test_embedded_discovery_kill_and_restart(tmp_path: Path, procs: list[Any]) -> None:
@@ -306,17 +319,38 @@ def test_etcd_discovery_and_transfer(etcd: str, tmp_path: Path, procs: list[Any]
 
 # -- several hosts: network namespaces ------------------------------------------------------
 
-def start_in(host: Any, workdir: Path, name: str, seeds: list[str]) -> DaemonProc:
+CONTROL_PORT = 7700  # every host's daemon: control (TCP) and membership (UDP)
+#: how long a SIGKILLed (or cut off) member may take to be seen dead: SWIM's
+#: suspicion, or etcd's lease (EtcdBackend's ttl, 5 s; not a daemon config key)
+DEAD_WITHIN_BY = {"embedded": DEAD_WITHIN, "etcd": 15.0}
+NO_ETCD = "no etcd binary on PATH (Debian: apt-get install etcd-server)"
+# Run inside etcd's namespace: waits (bounded) until etcd answers /health.
+ETCD_PROBE = """\
+import sys, time, httpx
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(sys.argv[1] + "/health", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.1)
+sys.exit(1)
+"""
+
+
+def start_in(host: Any, workdir: Path, name: str, membership: dict[str, Any]) -> DaemonProc:
     """A daemon inside ``host``'s namespace, control (and membership) on its
-    address, port 7700; its unix socket in ``workdir`` (reachable from here)."""
+    address, port 7700; its unix socket in ``workdir`` (reachable from here);
+    ``membership``: its membership keys (from ``lan_members``)."""
     from daemon_helpers import p2pxfer_cmd, wait_accepting, write_config
 
     addr = host.addresses[0]
     workdir.mkdir(parents=True, exist_ok=True)
     keys: dict[str, Any] = {
-        "node": name, "socket": str(workdir / f"{name}.sock"), "control": f"{addr}:7700",
-        "provider": "tcp;ofi_rxm", "fabric_node": addr, "log_level": "INFO",
-        "membership": "embedded", "cluster_token": TOKEN, "seeds": seeds,
+        "node": name, "socket": str(workdir / f"{name}.sock"),
+        "control": f"{addr}:{CONTROL_PORT}", "provider": "tcp;ofi_rxm", "fabric_node": addr,
+        "log_level": "INFO", **membership,
     }
     cfg = write_config(workdir / f"{name}.toml", keys)
     log = workdir / f"{name}.log"
@@ -333,81 +367,151 @@ def start_in(host: Any, workdir: Path, name: str, seeds: list[str]) -> DaemonPro
     return d
 
 
+@contextmanager
+def etcd_in(host: Any, workdir: Path, timeout: float = 20.0) -> Iterator[str]:
+    """A one-member etcd inside ``host``'s namespace, listening on its lan
+    address only (client port 2379, peer 2380), data in ``workdir/data``; its
+    client URL. Killed, and its data removed, on the way out whatever happens."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip(NO_ETCD)
+    addr = host.addresses[0]
+    url, peer = f"http://{addr}:2379", f"http://{addr}:2380"
+    data = workdir / "data"
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "etcd.log"
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(
+            host.exec_argv([binary, "--name", "lan", "--data-dir", str(data),
+                            "--listen-client-urls", url, "--advertise-client-urls", url,
+                            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                            "--initial-cluster", f"lan={peer}"]),
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        probe = subprocess.run(host.exec_argv([sys.executable, "-c", ETCD_PROBE, url,
+                                               str(timeout)]),
+                               capture_output=True, text=True, timeout=timeout + 10,
+                               check=False)
+        if probe.returncode != 0 or proc.poll() is not None:
+            raise RuntimeError(f"etcd did not start in {host.ns}: {probe.stderr[-1000:]}"
+                               + log.read_text(errors="replace")[-2000:])
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@contextmanager
+def lan_members(backend: str, n: int,
+                workdir: Path) -> Iterator[tuple[list[Any], dict[str, Any]]]:
+    """``n`` hosts on one switch (``netns.lan``) and the membership keys for
+    their daemons: "embedded", seeded by the first host; "etcd", an etcd in
+    one more namespace on the same switch. Skips where namespaces (or etcd)
+    are missing; everything is gone on the way out."""
+    from netns import lan
+
+    if backend == "etcd" and shutil.which("etcd") is None:
+        pytest.skip(NO_ETCD)
+    with lan(n + (backend == "etcd")) as hosts:
+        if backend == "embedded":
+            yield hosts, {"membership": "embedded", "cluster_token": TOKEN,
+                          "seeds": [f"{hosts[0].addresses[0]}:{CONTROL_PORT}"]}
+        else:
+            with etcd_in(hosts[n], workdir / "etcd") as url:
+                yield hosts[:n], {"membership": "etcd", "cluster_token": TOKEN,
+                                  "etcd_endpoint": url}
+
+
+def four_hosts_scenario(hosts: list[Any], keys: dict[str, Any], workdir: Path,
+                        procs: list[Any], dead_within: float) -> None:
+    """The scenario of ``test_four_hosts_join_leave_kill_restart``, whatever
+    the backend behind ``keys``."""
+    from netns import ip
+
+    names = [f"h{i}" for i in range(4)]
+    ds = {}
+    for i in range(3):
+        ds[names[i]] = start_in(hosts[i], workdir, names[i], keys)
+        procs.append(ds[names[i]])
+    h0, h1 = ds["h0"], ds["h1"]
+    for n in names[:3]:
+        wait_for(lambda n=n: states(ds[n]) == {m: "alive" for m in names[:3]},
+                 f"{n} to see h0..h2 alive")
+    plan = Plan(0x4E75, pieces=256, min_len=4 << 10, max_len=32 << 10, region=16 << 20)
+    target = Agent("trio", h1.socket, "target-h1")
+    procs.append(target)
+    looper = Agent("trio", h0.socket, "looper-h0")
+    procs.append(looper)
+    other = Agent("trio", h0.socket, "other-h0")
+    procs.append(other)
+    assert target.ok("export", "r", plan.region) == plan.region
+    assert looper.call("loop", "h1", "r", plan, 1) == ("ok", "looping")
+
+    # h3 joins while h0 -> h1 runs.
+    ds["h3"] = h3 = start_in(hosts[3], workdir, "h3", keys)
+    procs.append(h3)
+    for n in names:
+        wait_for(lambda n=n: states(ds[n]) == {m: "alive" for m in names},
+                 f"{n} to see four alive", timeout=10)
+    target3 = Agent("trio", h3.socket, "target-h3")
+    procs.append(target3)
+    assert target3.ok("export", "r3", plan.region) == plan.region
+    pieces = other.ok("write", "h3", "r3", plan, 2)
+    assert target3.call("verify", "r3", plan, 2, pieces)[0] == "ok"
+
+    # h2 leaves gracefully: seen as left at once.
+    assert ds["h2"].stop() == 0
+    wait_for(lambda: states(h0).get("h2") == "left", "h0 to see h2 left", timeout=3)
+
+    # h3 is killed: dead everywhere, then a write to it fails fast with PeerLost.
+    old_inc = members(h0)["h3"]["incarnation"]
+    kill(h3)
+    t_kill = time.monotonic()
+    wait_for(lambda: states(h0).get("h3") == "dead", "h0 to see h3 dead", timeout=dead_within)
+    t0 = time.monotonic()
+    reply = other.call("write", "h3", "r3", plan, 3, timeout=10)
+    assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
+    assert time.monotonic() - t0 < 3, "PeerLost took longer than 3 s"
+    detect_s = t0 - t_kill
+
+    # Restarted: a new life, its old descriptors are void.
+    ds["h3"] = h3b = start_in(hosts[3], workdir, "h3", keys)
+    procs.append(h3b)
+    wait_for(lambda: members(h0).get("h3", {}).get("state") == "alive" and
+             members(h0)["h3"]["incarnation"] > old_inc, "h0 to see h3's new life",
+             timeout=dead_within)
+    reply = other.call("write", "h3", "r3", plan, 4, timeout=10)
+    assert reply[0] == "raised" and reply[2] in ("unknown_region", "peer_lost"), reply
+
+    # A partition: h3's link down (SWIM: suspected; etcd: its lease runs out),
+    # then up; membership converges again.
+    ip("-n", hosts[3].ns, "link", "set", hosts[3].interfaces[0], "down")
+    wait_for(lambda: states(h0).get("h3") in ("suspect", "dead"), "h0 to miss h3",
+             timeout=dead_within)
+    ip("-n", hosts[3].ns, "link", "set", hosts[3].interfaces[0], "up")
+    wait_for(lambda: states(h0).get("h3") == "alive" and states(h3b).get("h0") == "alive",
+             "the partition to heal", timeout=20)
+
+    # The unaffected pair never saw an error: the loop is still running.
+    assert not looper.conn.poll(0), looper.conn.recv()
+    assert detect_s < dead_within
+    looper.kill()  # it loops until killed
+
+
 @pytest.mark.netns
-def test_four_hosts_join_leave_kill_restart(tmp_path: Path, procs: list[Any]) -> None:
+@pytest.mark.parametrize("backend", ["embedded", "etcd"])
+def test_four_hosts_join_leave_kill_restart(backend: str, tmp_path: Path,
+                                            procs: list[Any]) -> None:
     """h0..h3 in namespaces on one switch: h3 joins while h0 writes to h1 in a
     loop; h2 leaves gracefully; h3 is SIGKILLed (a write to it: PeerLost
-    within 3 s of the others knowing), restarted (a new life), and h1's link
-    is cut and healed (membership converges again). h0 -> h1 never fails."""
-    from netns import ip, lan
-
-    with lan(4) as hosts:
-        names = [f"h{i}" for i in range(4)]
-        seeds = [f"{hosts[0].addresses[0]}:7700"]
-        ds = {}
-        for i in range(3):
-            ds[names[i]] = start_in(hosts[i], tmp_path, names[i], seeds)
-            procs.append(ds[names[i]])
-        h0, h1 = ds["h0"], ds["h1"]
-        for n in names[:3]:
-            wait_for(lambda n=n: states(ds[n]) == {m: "alive" for m in names[:3]},
-                     f"{n} to see h0..h2 alive")
-        plan = Plan(0x4E75, pieces=256, min_len=4 << 10, max_len=32 << 10, region=16 << 20)
-        target = Agent("trio", h1.socket, "target-h1")
-        procs.append(target)
-        looper = Agent("trio", h0.socket, "looper-h0")
-        procs.append(looper)
-        other = Agent("trio", h0.socket, "other-h0")
-        procs.append(other)
-        assert target.ok("export", "r", plan.region) == plan.region
-        assert looper.call("loop", "h1", "r", plan, 1) == ("ok", "looping")
-
-        # h3 joins while h0 -> h1 runs.
-        ds["h3"] = h3 = start_in(hosts[3], tmp_path, "h3", seeds)
-        procs.append(h3)
-        for n in names:
-            wait_for(lambda n=n: states(ds[n]) == {m: "alive" for m in names},
-                     f"{n} to see four alive", timeout=10)
-        target3 = Agent("trio", h3.socket, "target-h3")
-        procs.append(target3)
-        assert target3.ok("export", "r3", plan.region) == plan.region
-        pieces = other.ok("write", "h3", "r3", plan, 2)
-        assert target3.call("verify", "r3", plan, 2, pieces)[0] == "ok"
-
-        # h2 leaves gracefully: seen as left at once.
-        assert ds["h2"].stop() == 0
-        wait_for(lambda: states(h0).get("h2") == "left", "h0 to see h2 left", timeout=3)
-
-        # h3 is killed: dead everywhere, then a write to it fails fast with PeerLost.
-        old_inc = members(h0)["h3"]["incarnation"]
-        kill(h3)
-        t_kill = time.monotonic()
-        wait_for(lambda: states(h0).get("h3") == "dead", "h0 to see h3 dead",
-                 timeout=DEAD_WITHIN)
-        t0 = time.monotonic()
-        reply = other.call("write", "h3", "r3", plan, 3, timeout=10)
-        assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
-        assert time.monotonic() - t0 < 3, "PeerLost took longer than 3 s"
-        detect_s = t0 - t_kill
-
-        # Restarted: a new life, its old descriptors are void.
-        ds["h3"] = h3b = start_in(hosts[3], tmp_path, "h3", seeds)
-        procs.append(h3b)
-        wait_for(lambda: members(h0).get("h3", {}).get("state") == "alive" and
-                 members(h0)["h3"]["incarnation"] > old_inc, "h0 to see h3's new life",
-                 timeout=DEAD_WITHIN)
-        reply = other.call("write", "h3", "r3", plan, 4, timeout=10)
-        assert reply[0] == "raised" and reply[2] in ("unknown_region", "peer_lost"), reply
-
-        # A partition: h3's link down, then up; membership converges again.
-        ip("-n", hosts[3].ns, "link", "set", hosts[3].interfaces[0], "down")
-        wait_for(lambda: states(h0).get("h3") in ("suspect", "dead"), "h0 to miss h3",
-                 timeout=DEAD_WITHIN)
-        ip("-n", hosts[3].ns, "link", "set", hosts[3].interfaces[0], "up")
-        wait_for(lambda: states(h0).get("h3") == "alive" and states(h3b).get("h0") == "alive",
-                 "the partition to heal", timeout=20)
-
-        # The unaffected pair never saw an error: the loop is still running.
-        assert not looper.conn.poll(0), looper.conn.recv()
-        assert detect_s < DEAD_WITHIN
-        looper.kill()  # it loops until killed
+    within 3 s of the others knowing), restarted (a new life), and h3's link
+    is cut and healed (membership converges again). h0 -> h1 never fails.
+    Once over SWIM (seeded by h0), once over etcd (in a fifth namespace)."""
+    with lan_members(backend, 4, tmp_path) as (hosts, keys):
+        try:
+            four_hosts_scenario(hosts, keys, tmp_path, procs, DEAD_WITHIN_BY[backend])
+        finally:
+            stop_all(procs)  # before etcd and the namespaces go

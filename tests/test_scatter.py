@@ -216,3 +216,25 @@ def test_total_length_past_int64_is_refused_or_exact() -> None:
         assert "length" in str(exc)
     else:
         assert sl.nbytes == 1 << 63
+
+
+def test_scatter_list_owns_read_only_copies() -> None:
+    """Bounds are checked once, at construction: a caller changing its arrays
+    afterwards must not move a piece out of bounds."""
+    src = np.array([0, 100], np.int64)
+    dst = np.array([0, 200], np.int64)
+    length = np.array([10, 20], np.int64)
+    sl = ScatterList(src, dst, length)
+    assert (sl.src_end, sl.dst_end, sl.nbytes) == (120, 220, 30)
+    dst[1] = 1 << 40
+    length[0] = 1 << 30
+    assert sl.dst.tolist() == [0, 200] and sl.length.tolist() == [10, 20]
+    for arr in (sl.src, sl.dst, sl.length):
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError):
+            arr[0] = 5
+    sl.check_bounds(120, 220)
+    with pytest.raises(ScatterError, match=r"piece 1 .*past the destination region of 219"):
+        sl.check_bounds(120, 219)
+    with pytest.raises(ScatterError, match=r"piece 1 .*past the source region of 119"):
+        sl.check_bounds(119, 220)

@@ -14,6 +14,7 @@ struct p2p_poller {
     int64_t backoff_max_ns;
     int64_t entries;
     int64_t wakeups;
+    int32_t hold;
     ...;
 };
 struct p2p_cursor {
@@ -58,5 +59,4 @@ int64_t p2p_baseline_pingpong(struct fid_ep *ep, struct fid_cq *cq, uint64_t des
 int p2p_poller_wait(struct p2p_poller *p, int64_t timeout_ns);
 int64_t p2p_post_once(struct p2p_cursor *cur, int ncur);
 int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
-                          int64_t src_size, int64_t dst_size, int32_t *what, int64_t *total,
-                          int64_t *max_len);
+                          int64_t src_size, int64_t dst_size, int32_t *what, int64_t *out);

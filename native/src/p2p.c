@@ -11,6 +11,10 @@
 #define P2P_CQ_BATCH 64
 #define P2P_RUN_LOOKBACK 8
 
+/* How long a held poller naps between looks at p->hold: short, since the
+ * holder gives up after tens of microseconds and other transfers wait. */
+#define P2P_HOLD_NAP_NS 50000
+
 int64_t p2p_now_ns(void)
 {
     struct timespec ts;
@@ -62,6 +66,7 @@ int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns)
     p->backoff_max_ns = backoff_max_ns;
     p->entries = 0;
     p->wakeups = 0;
+    p->hold = 0;
     return 0;
 }
 
@@ -187,12 +192,13 @@ int64_t p2p_post_once(struct p2p_cursor *cur, int ncur)
  * Returns -1 when all fit, else the first bad index with *what set:
  * 1 negative src, 2 negative dst, 3 length <= 0, 4 past src end, 5 past dst end,
  * 6 the total length overflows int64.
- * Also reports the total and largest length. */
+ * Also reports out[0] the total, out[1] the largest length, and out[2], out[3]
+ * the furthest source and destination end: with those kept, later checks
+ * against region sizes are two comparisons, not another pass. */
 int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
-                          int64_t src_size, int64_t dst_size, int32_t *what, int64_t *total,
-                          int64_t *max_len)
+                          int64_t src_size, int64_t dst_size, int32_t *what, int64_t *out)
 {
-    int64_t i, sum = 0, mx = 0;
+    int64_t i, sum = 0, mx = 0, src_end = 0, dst_end = 0;
     for (i = 0; i < n; i++) {
         int64_t l = len[i];
         if (src[i] < 0) { *what = 1; return i; }
@@ -204,10 +210,16 @@ int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t 
         sum += l;
         if (l > mx)
             mx = l;
+        if (src[i] + l > src_end)
+            src_end = src[i] + l;
+        if (dst[i] + l > dst_end)
+            dst_end = dst[i] + l;
     }
     *what = 0;
-    *total = sum;
-    *max_len = mx;
+    out[0] = sum;
+    out[1] = mx;
+    out[2] = src_end;
+    out[3] = dst_end;
     return -1;
 }
 
@@ -293,6 +305,25 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
     return 0;
 }
 
+/* While another thread holds the CQs (p->hold), sleep on the wake fd alone
+ * for at most nap_ns: reading the CQs now would steal the completion it spins
+ * for and send it across a thread hop. Returns 1 if the wake fd fired. */
+static int wait_while_held(struct p2p_poller *p, int64_t nap_ns)
+{
+    struct pollfd pfd;
+    struct timespec ts = { nap_ns / 1000000000LL, nap_ns % 1000000000LL };
+
+    if (p->wake_fd < 0)
+        return nanosleep(&ts, NULL), 0;
+    pfd.fd = p->wake_fd;
+    pfd.events = POLLIN;
+    if (ppoll(&pfd, 1, &ts, NULL) > 0) {
+        drain_wake_fd(p->wake_fd);
+        return 1;
+    }
+    return 0;
+}
+
 /* Only wait (no CQ read): for a poller that drains under a lock it must not
  * hold while asleep. Returns 1 if the wake fd fired. */
 int p2p_poller_wait(struct p2p_poller *p, int64_t timeout_ns)
@@ -317,6 +348,14 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
     for (;;) {
         int64_t before = p->entries, got, now, left;
 
+        if (__atomic_load_n(&p->hold, __ATOMIC_ACQUIRE)) {
+            now = p2p_now_ns();
+            if (timeout_ns == 0 || (timeout_ns > 0 && now - t0 >= timeout_ns))
+                break;
+            if (wait_while_held(p, P2P_HOLD_NAP_NS))
+                break;
+            continue;
+        }
         nruns = drain_into(p, nruns, max_entries - (p->entries - start));
         if (nruns < 0)
             return nruns;

@@ -1,5 +1,5 @@
 """Scatter lists: three ``int64`` arrays (source offset, destination offset,
-length), validated as a whole with numpy before anything is posted.
+length), validated as a whole in one C pass before anything is posted.
 
 What lives here: construction from arrays, bounds checks against both regions,
 splitting over-long pieces and striping pieces across rails by bytes. What must
@@ -28,16 +28,22 @@ def _column(name: str, value: object) -> I64:
         raise ScatterError(f"{name} must have dtype int64, got {value.dtype}")
     if value.ndim != 1:
         raise ScatterError(f"{name} must be one-dimensional, got shape {value.shape}")
-    # The C helper reads raw memory: it needs a contiguous array of its own.
-    return np.ascontiguousarray(value)
+    # A copy of our own, contiguous (C reads raw memory) and read-only: the
+    # bounds found at construction must stay true while posting, whatever the
+    # caller does to its arrays afterwards.
+    own = np.array(value, dtype=np.int64, order="C", copy=True)
+    own.flags.writeable = False
+    return own
 
 
 @dataclass(frozen=True, eq=False)
 class ScatterList:
     """Pieces ``i``: copy ``length[i]`` bytes from ``src[i]`` to ``dst[i]``.
 
-    Construction checks shapes, dtypes, and that offsets are >= 0 and lengths
-    > 0; :meth:`check_bounds` checks the pieces against two region sizes.
+    Construction copies the arrays (read-only copies: later changes to the
+    caller's arrays cannot move a piece out of bounds) and checks shapes,
+    dtypes, and that offsets are >= 0 and lengths > 0, recording how far the
+    pieces reach; :meth:`check_bounds` then checks two region sizes in O(1).
     """
 
     src: I64
@@ -62,9 +68,14 @@ class ScatterList:
         object.__setattr__(self, "length", n)
         object.__setattr__(self, "nbytes", chk.total)
         object.__setattr__(self, "max_length", chk.max_len)
+        object.__setattr__(self, "src_end", chk.src_end)
+        object.__setattr__(self, "dst_end", chk.dst_end)
 
     nbytes: int
     max_length: int
+    #: one past the furthest source / destination byte a piece touches
+    src_end: int
+    dst_end: int
 
     @staticmethod
     def _describe(i: int, reason: str, s: I64, d: I64, n: I64) -> str:
@@ -81,6 +92,8 @@ class ScatterList:
 
     def check_bounds(self, src_size: int, dst_size: int) -> None:
         """Raise :class:`ScatterError` naming the first piece that does not fit."""
+        if self.src_end <= src_size and self.dst_end <= dst_size:
+            return  # known since construction: the arrays are ours and immutable
         chk = check_scatter(self.src, self.dst, self.length, src_size, dst_size)
         if chk.bad >= 0:
             region = "source" if "source" in chk.reason else "destination"

@@ -9,6 +9,7 @@ exception groups.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -29,6 +30,10 @@ from ._shard import Shard, TransferState
 __all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer", "open_engine"]
 
 log = structlog.get_logger("p2pxfer.engine")
+
+# A write that completed without waiting still passes through the scheduler
+# when the engine has not yielded for this long (see ``Transfer.wait``).
+YIELD_EVERY_NS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -116,19 +121,28 @@ class Transfer:
     async def wait(self) -> int:
         """Return the piece count once every piece completed; raise
         ``TransferError``/``EngineClosed`` if one failed. Cancellation stops
-        posting, waits (shielded) for what was posted, then re-raises."""
+        posting, waits (shielded) for what was posted, then re-raises.
+
+        A transfer already complete returns without a trip through the
+        scheduler, unless the engine has not yielded for ``YIELD_EVERY_NS``:
+        a small write's latency is mostly scheduler rounds on small machines,
+        and the budget still keeps a loop of such writes from starving other
+        tasks."""
         tr, shard = self._tr, self._shard
         if tr.done.is_set():
-            # Done already: a schedule point, but no cancellation of a write
-            # that has in fact completed.
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        try:
-            await tr.done.wait()
-        except trio.Cancelled:
-            shard.cancel(tr)
-            with trio.CancelScope(shield=True):
+            # Done already: at most a schedule point, never a cancellation of
+            # a write that has in fact completed.
+            await self._engine._maybe_yield()
+        else:
+            try:
                 await tr.done.wait()
-            raise
+            except trio.Cancelled:
+                shard.cancel(tr)
+                with trio.CancelScope(shield=True):
+                    await tr.done.wait()
+                raise
+            finally:
+                self._engine._yielded_ns = time.perf_counter_ns()
         if (exc := tr.exception()) is not None:
             raise exc
         log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,
@@ -151,6 +165,7 @@ class Engine:
         #: per-engine state of layers above (e.g. the KV receiver), by name
         self.attachments: dict[str, Any] = {}
         self._closed = False
+        self._yielded_ns = 0  # when a write last went through the scheduler
 
     # -- memory ---------------------------------------------------------------
 
@@ -202,6 +217,12 @@ class Engine:
 
     # -- transfers ------------------------------------------------------------
 
+    async def _maybe_yield(self) -> None:
+        now = time.perf_counter_ns()
+        if now - self._yielded_ns >= YIELD_EVERY_NS:
+            self._yielded_ns = now
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
     def _pick_shard(self) -> Shard:
         return min(self.shards, key=lambda s: s.queued)
 
@@ -214,6 +235,11 @@ class Engine:
         raises before anything is posted. ``imm`` may be a function of the
         final piece count (striping can split pieces). Await
         :meth:`Transfer.wait`."""
+        return await self._submit(src, dst, scatter, imm, dry_run, inline=False)
+
+    async def _submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
+                      imm: int | Callable[[int], int] | None, dry_run: bool, *,
+                      inline: bool) -> Transfer:
         self._check_open()
         # Already cancelled: raise before posting anything (costs nothing otherwise).
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -226,8 +252,9 @@ class Engine:
         try:
             self._check_open()  # the engine may have closed while we waited for a slot
             tr = shard.prepare(src, dst, scatter, imm, dry_run)
-            shard.submit(tr)
+            shard.submit(tr, inline=inline)
         except BaseException:
+            shard.transport.poller.hold(False)
             shard.slots.release()
             raise
         return Transfer(self, shard, tr, dst)
@@ -249,8 +276,9 @@ class Engine:
         ``dry_run`` does everything but the provider calls (for measuring the
         engine's own cost per page).
         """
-        t = await self.submit(src, dst, scatter, imm=imm, dry_run=dry_run)
-        if self.config.inline_poll_ns and t._tr.direct:
+        inline = self.config.inline_poll_ns > 0
+        t = await self._submit(src, dst, scatter, imm, dry_run, inline=inline)
+        if inline and t._tr.direct:
             t._shard.poll_inline(t._tr, self.config.inline_poll_ns)
         return await t.wait()
 

@@ -132,10 +132,12 @@ class Shard:
         w.region.pins += 1
         return TransferState(w, dry_run, w.pieces)
 
-    def submit(self, tr: TransferState) -> None:
+    def submit(self, tr: TransferState, *, inline: bool = False) -> None:
         """Post a small write right now, from this (trio) thread: it saves a
         thread hop. The poller posts long lists and whatever the TX queue refused.
-        The endpoint is FI_THREAD_SAFE; the CQs stay the poller's alone."""
+        The endpoint is FI_THREAD_SAFE. With ``inline``, the caller polls for
+        the completion next (:meth:`poll_inline`, which must follow): the
+        poller thread is told to keep off the CQs until then."""
         self.queued += 1
         # Registered before the first post, so no completion can miss it.
         self._inflight[tr.w.tid] = tr
@@ -144,6 +146,8 @@ class Shard:
         # Nor while earlier writes wait for the poller: writes go out in order.
         tr.direct = (not tr.dry_run and tr.w.pieces <= DIRECT_POST_MAX
                      and not self._posting and not self._inbox)
+        if tr.direct and inline:
+            self.transport.poller.hold(True)
         if not tr.direct or tr.w.batch.post_once():
             self._send("write", tr)
         elif tr.w.batch.failures():
@@ -229,18 +233,21 @@ class Shard:
         what finished, so a small write's completion needs no thread hop. If
         the poller holds the CQs, it will find the completion itself."""
         deadline = time.perf_counter_ns() + budget_ns
-        while not tr.done.is_set():
-            c = self._inline_poller.progress()
-            with self._lock:
-                self._absorb(c)
-            if self._finished or self._imms:
-                self._deliver()
-            if time.perf_counter_ns() > deadline:
-                if not tr.done.is_set():
-                    # Our reads may have left the provider mid-message with the
-                    # socket drained: no fd would wake the poller. Wake it.
-                    os.eventfd_write(self.wake_fd, 1)
-                return
+        try:
+            while not tr.done.is_set():
+                c = self._inline_poller.progress()
+                with self._lock:
+                    self._absorb(c)
+                if self._finished or self._imms:
+                    self._deliver()
+                if time.perf_counter_ns() > deadline:
+                    if not tr.done.is_set():
+                        # Our reads may have left the provider mid-message with
+                        # the socket drained: no fd would wake the poller. Wake it.
+                        os.eventfd_write(self.wake_fd, 1)
+                    return
+        finally:
+            self.transport.poller.hold(False)
 
     def _flush(self) -> None:
         if self._finished or self._imms:

@@ -36,16 +36,17 @@ class ScatterCheck(NamedTuple):
     reason: str
     total: int
     max_len: int
+    src_end: int  # furthest byte read + 1
+    dst_end: int  # furthest byte written + 1
 
 
 def check_scatter(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
                   length: npt.NDArray[np.int64], src_size: int = INT64_MAX,
                   dst_size: int = INT64_MAX) -> ScatterCheck:
-    out = ffi.new("int64_t[2]")
+    out = ffi.new("int64_t[4]")
     what = ffi.new("int32_t *")
     bad = lib.p2p_check_scatter(
         ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst),
-        ffi.from_buffer("int64_t[]", length), len(length), src_size, dst_size, what,
-        out, out + 1,
+        ffi.from_buffer("int64_t[]", length), len(length), src_size, dst_size, what, out,
     )
-    return ScatterCheck(int(bad), REASONS.get(int(what[0]), ""), int(out[0]), int(out[1]))
+    return ScatterCheck(int(bad), REASONS.get(int(what[0]), ""), *(int(v) for v in out))

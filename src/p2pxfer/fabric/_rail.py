@@ -268,6 +268,13 @@ class Poller:
     def blocks_on_fds(self) -> bool:
         return all(r.cq.wait_fd >= 0 for r in self.rails)
 
+    def hold(self, on: bool) -> None:
+        """While held, ``progress`` in another thread leaves the CQs alone
+        (it naps on the wake fd): the holder is polling them itself for a small
+        write's completion, and a steal would cost a thread hop. A plain store,
+        read atomically in C; no GIL round."""
+        self._p.hold = 1 if on else 0
+
     @property
     def entries(self) -> int:
         """Completions seen over the poller's life."""
