@@ -367,7 +367,7 @@ def test_connection_level_error_from_the_daemon_closes_both() -> None:
 
 def test_error_answering_hello_closes_both() -> None:
     ini, rsp = Connection("peer", INITIATOR), Connection("peer", RESPONDER)
-    one(rsp, ini.send("hello", v=1, role="daemon", auth=b"token"))
+    one(rsp, ini.send("hello", v=1, role="daemon", nonce=b"n" * 16))
     msg = one(ini, rsp.send("error", code="bad_request", message="bad token"))
     assert msg["code"] == "bad_request"
     assert states(ini, rsp) == {State.CLOSED}
@@ -396,8 +396,13 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
                     "transfers_in_flight": 0, "nics": []}),
     ("peers", {}, {"peers": [{"name": "node-b", "address": "10.0.0.2:7000"}]}),
     ("add_peer", {"name": "node-c", "address": "10.0.0.3:7000"}, {}),
+    ("watch", {"after": -1}, {"reset": True, "members": [], "events": [], "next": 0}),
+    ("watch", {"after": 3, "timeout_ms": 30_000},
+     {"events": [{"seq": 4, "event": "dead", "name": "node-b", "address": "10.0.0.2:7000",
+                  "state": "dead", "incarnation": 7}], "next": 4}),
 ]
 PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("auth", {"proof": bytes(32)}, {}),
     ("resolve", {"region": "kv"}, {"descriptor": DESCRIPTOR}),
     ("invalidate", {"region": "kv"}, {}),
     ("status", {}, {"node": "node-b", "incarnation": 7, "regions": ["kv"], "peers": [],
@@ -766,7 +771,7 @@ def test_malformed_request_without_usable_id_is_fatal(obj: dict[str, Any]) -> No
     (RESPONDER, {"t": "hello", "v": 1}),  # no role
     (RESPONDER, {"t": "hello", "v": "1", "role": "client"}),
     (RESPONDER, {"t": "hello", "v": True, "role": "client"}),
-    (RESPONDER, {"t": "hello", "v": 1, "role": "client", "auth": "s3cret"}),
+    (RESPONDER, {"t": "hello", "v": 1, "role": "client", "nonce": "s3cret"}),
     (INITIATOR, {"t": "welcome", "v": 1, "node": "b", "incarnation": 1}),  # no max_frame
     (INITIATOR, {"t": "ok", "id": 1, "result": [1]}),
     (INITIATOR, {"t": "ok", "id": 1, "result": None}),

@@ -4,7 +4,8 @@ import p2pxfer
 
 EXPECTED = {
     "Client", "DaemonError", "DescriptorError", "Engine", "EngineClosed", "EngineConfig",
-    "FabricError", "InvalidArgument", "LocalRegion", "P2PXferError", "ProviderNotFound",
+    "FabricError", "InvalidArgument", "LocalRegion", "MemberUpdate", "P2PXferError",
+    "PeerLost", "ProviderNotFound",
     "ReadOnlyBuffer", "RegionDescriptor", "RegistrationCache", "RegistrationError",
     "RemoteClosed", "ScatterError", "ScatterList", "SharedBuffer", "SharedMemory",
     "SyncClient", "TransferError", "Transport", "UnregisteredMemory", "WaitTimeout",

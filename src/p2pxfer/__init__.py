@@ -10,6 +10,7 @@ _ensure_default()
 
 from p2pxfer.client import Client as Client  # noqa: E402
 from p2pxfer.client import DaemonError as DaemonError  # noqa: E402
+from p2pxfer.client import MemberUpdate as MemberUpdate  # noqa: E402
 from p2pxfer.client import SharedMemory as SharedMemory  # noqa: E402
 from p2pxfer.client import SyncClient as SyncClient  # noqa: E402
 from p2pxfer.client import connect as connect  # noqa: E402
@@ -21,6 +22,7 @@ from p2pxfer.errors import EngineClosed as EngineClosed  # noqa: E402
 from p2pxfer.errors import FabricError as FabricError  # noqa: E402
 from p2pxfer.errors import InvalidArgument as InvalidArgument  # noqa: E402
 from p2pxfer.errors import P2PXferError as P2PXferError  # noqa: E402
+from p2pxfer.errors import PeerLost as PeerLost  # noqa: E402
 from p2pxfer.errors import ProviderNotFound as ProviderNotFound  # noqa: E402
 from p2pxfer.errors import ReadOnlyBuffer as ReadOnlyBuffer  # noqa: E402
 from p2pxfer.errors import RegistrationError as RegistrationError  # noqa: E402
@@ -49,7 +51,9 @@ __all__ = [
     "FabricError",
     "InvalidArgument",
     "LocalRegion",
+    "MemberUpdate",
     "P2PXferError",
+    "PeerLost",
     "ProviderNotFound",
     "ReadOnlyBuffer",
     "RegionDescriptor",

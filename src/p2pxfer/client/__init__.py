@@ -3,6 +3,7 @@ blocking facade)."""
 
 from ._client import Client as Client
 from ._client import DaemonError as DaemonError
+from ._client import MemberUpdate as MemberUpdate
 from ._client import SharedMemory as SharedMemory
 from ._client import connect as connect
 from ._sync import SyncClient as SyncClient

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -68,6 +69,28 @@ def _error(code: str, message: str) -> P2PXferError:
     exc = _BY_CODE.get(code, DaemonError)(f"{code}: {message}")
     exc.code = code  # type: ignore[attr-defined]
     return exc
+
+
+@dataclass(frozen=True)
+class MemberUpdate:
+    """A membership change as the node's daemon saw it (:meth:`Client.watch_members`).
+
+    ``event``: ``"present"`` (a member as it is when watching starts, or starts
+    over after falling behind), ``"joined"``, ``"alive"`` (a suspect proved
+    alive), ``"suspect"``, ``"dead"``, ``"left"`` or ``"restarted"`` (a new
+    life: whatever ``previous_incarnation`` exported is void)."""
+
+    event: str
+    name: str
+    address: str
+    state: str
+    incarnation: int
+    previous_incarnation: int | None = None
+
+    @classmethod
+    def _from_wire(cls, event: str, m: dict[str, Any]) -> MemberUpdate:
+        return cls(event, str(m["name"]), str(m["address"]), str(m["state"]),
+                   int(m["incarnation"]), m.get("previous_incarnation"))
 
 
 class SharedMemory:
@@ -223,6 +246,29 @@ class Client:
 
     async def peers(self) -> list[dict[str, Any]]:
         return list((await self._request("peers"))["peers"])
+
+    async def lookup(self, name: str) -> dict[str, Any] | None:
+        """The member (or static peer) called ``name`` as this node's daemon
+        sees it: address and, with membership, state, incarnation and seconds
+        since last heard. None if the daemon knows no such node."""
+        return next((p for p in await self.peers() if p["name"] == name), None)
+
+    async def watch_members(self, *, poll_s: float = 30.0) -> AsyncIterator[MemberUpdate]:
+        """Membership changes, as they happen, for as long as you iterate:
+        first a ``"present"`` update per member (this node included), then
+        one per change. If this watcher falls so far behind that the daemon
+        dropped changes it had not seen, it starts over with ``"present"``
+        updates. Needs membership on the daemon (``bad_request`` otherwise).
+        Each round trip waits up to ``poll_s`` for news (a long poll)."""
+        after = -1
+        while True:
+            result = await self._request("watch", after=after, timeout_ms=int(poll_s * 1000))
+            if result.get("reset"):
+                for m in result["members"]:
+                    yield MemberUpdate._from_wire("present", m)
+            for e in result["events"]:
+                yield MemberUpdate._from_wire(e["event"], e)
+            after = int(result["next"])
 
     async def add_peer(self, name: str, address: str) -> None:
         await self._request("add_peer", name=name, address=address)

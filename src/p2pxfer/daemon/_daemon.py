@@ -29,6 +29,7 @@ import trio
 from p2pxfer.engine import Engine, EngineConfig, open_engine
 from p2pxfer.errors import P2PXferError
 from p2pxfer.membership import (
+    ClusterAuth,
     EmbeddedBackend,
     EtcdBackend,
     MemberAlive,
@@ -38,6 +39,7 @@ from p2pxfer.membership import (
     MemberRestarted,
     MembershipBackend,
     MembershipEvent,
+    MemberSuspect,
     PeerLost,
     Superseded,
 )
@@ -109,14 +111,20 @@ class Daemon:
         self._resolved_by: dict[str, set[str]] = {}
         self.writes_in_flight = 0
         self.nursery: trio.Nursery | None = None
-        # Incoming peer connection (by id) -> the node name it said hello with.
-        self._conn_peer: dict[int, str] = {}
+        #: proves and checks the cluster token on control connections (None:
+        #: no token configured, connections are not authenticated)
+        self.auth = ClusterAuth(config.cluster_token.encode()) if config.cluster_token else None
         #: the membership backend (None: membership = "none", static peers)
         self.membership: MembershipBackend | None = None
         # Writes in flight per peer (their cancel scopes), failed with
         # ``peer_lost`` when membership says the peer died, left or restarted.
         self._writes_to: dict[str, set[trio.CancelScope]] = {}
         self._lost_reason: dict[str, str] = {}
+        # Membership changes for clients that watch them (numbered; the
+        # newest EVENT_LOG kept: a watcher further behind starts over).
+        self._events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG)
+        self._event_seq = 0
+        self._event_wake = trio.Event()
 
     # -- regions and peers ----------------------------------------------------
 
@@ -259,9 +267,11 @@ class Daemon:
             if self.nursery is not None:
                 self.nursery.cancel_scope.cancel()
             return
-        if isinstance(ev, MemberJoined | MemberAlive | MemberDead | MemberLeft |
-                      MemberRestarted) and ev.member.name == self.node:
-            return
+        if isinstance(ev, MemberJoined | MemberAlive | MemberSuspect | MemberDead | MemberLeft |
+                      MemberRestarted):
+            if ev.member.name == self.node:
+                return
+            self._record(ev)
         if isinstance(ev, MemberJoined | MemberAlive):
             self._member_up(ev.member.name, ev.member.address)
         elif isinstance(ev, MemberDead | MemberLeft):
@@ -273,6 +283,36 @@ class Daemon:
                                            f"{ev.previous_incarnation} -> "
                                            f"{ev.member.incarnation})")
             self._member_up(ev.member.name, ev.member.address)
+
+    def _record(self, ev: MemberJoined | MemberAlive | MemberSuspect | MemberDead | MemberLeft
+                | MemberRestarted) -> None:
+        m = ev.member
+        self._event_seq += 1
+        entry: dict[str, Any] = {"seq": self._event_seq, "event": _EVENT_KINDS[type(ev)],
+                                 "name": m.name, "address": m.address,
+                                 "state": str(m.state), "incarnation": m.incarnation}
+        if isinstance(ev, MemberRestarted):
+            entry["previous_incarnation"] = ev.previous_incarnation
+        self._events.append(entry)
+        self._event_wake.set()
+        self._event_wake = trio.Event()
+
+    async def watch(self, after: int, timeout_s: float) -> dict[str, Any]:
+        """Membership changes numbered above ``after``, waiting up to
+        ``timeout_s`` for one. ``after`` < 0, or older than what is kept:
+        ``reset`` with every member as it is now, to start over from."""
+        if self.membership is None:
+            raise RequestError("bad_request", f"membership is off on {self.node}: there are "
+                               "no membership events to watch (static peers)")
+        oldest = self._events[0]["seq"] if self._events else self._event_seq + 1
+        if after < 0 or (after < self._event_seq and after + 1 < oldest):
+            return {"reset": True, "members": self.peer_list(), "events": [],
+                    "next": self._event_seq}
+        with trio.move_on_after(timeout_s):
+            while self._event_seq <= after:
+                await self._event_wake.wait()
+        return {"events": [e for e in self._events if e["seq"] > after],
+                "next": self._event_seq}
 
     def _member_up(self, name: str, address: str) -> None:
         if name == self.node:
@@ -381,8 +421,9 @@ class Daemon:
 
     async def _peer(self, stream: trio.SocketStream) -> None:
         conn = Connection("peer", RESPONDER, max_frame=self.config.max_frame)
+        caller = _Caller(_remote(stream), authenticated=self.auth is None)
         try:
-            while True:
+            while not caller.hang_up:
                 try:
                     event = conn.next_event()
                 except RemoteProtocolError as exc:
@@ -397,38 +438,49 @@ class Daemon:
                 if event is CLOSED:
                     return
                 assert isinstance(event, Message)
-                await stream.send_all(self._peer_reply(conn, event))
+                await stream.send_all(self._peer_reply(conn, caller, event))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         except ProtocolError as exc:  # we could not answer: end this connection only
             log.warning("peer.closed_on_error", code=exc.code, error=exc.message)
             return
         finally:
-            self._conn_peer.pop(id(conn), None)
             await stream.aclose()
 
-    def _peer_reply(self, conn: Connection, msg: Message) -> bytes:
+    def _peer_reply(self, conn: Connection, caller: _Caller, msg: Message) -> bytes:
         if msg.kind == "hello":
-            name, control = msg.get("name", ""), msg.get("control", "")
-            self._conn_peer[id(conn)] = name
-            if name and control and name not in self.peers and self.membership is None:
-                # A daemon that reached us can be reached back: no static world.
-                # (With membership on, the members are the peers: a caller
-                # without the cluster token must not add itself this way.)
-                with contextlib.suppress(RequestError):
-                    self.add_peer(name, control)
-            return conn.send("welcome", v=SCHEMA_VERSION, node=self.node,
+            caller.name, caller.control = msg.get("name", ""), msg.get("control", "")
+            caller.nonce = msg.get("nonce", b"")
+            extra: dict[str, Any] = {}
+            if self.auth is not None:
+                caller.our_nonce = os.urandom(NONCE_BYTES)
+                extra["nonce"] = caller.our_nonce
+                if _nonce_ok(caller.nonce):
+                    extra["proof"] = self.auth.connection_proof(
+                        "responder", caller.nonce, caller.our_nonce, self.node)
+            else:
+                self._caller_known(caller)
+            return conn.send("welcome", extra, v=SCHEMA_VERSION, node=self.node,
                              incarnation=self.incarnation, max_frame=self.config.max_frame)
         if msg.kind == "bye":
             return b""
+        if msg.kind == "auth":
+            return self._check_caller(conn, caller, msg)
+        if not caller.authenticated:
+            log.warning("peer.auth_required", caller=caller.name, remote=caller.remote,
+                        request=msg.kind)
+            caller.hang_up = True
+            return conn.send("error", id=msg.id, code="auth_failed",
+                             message=f"{self.node} requires the cluster token: "
+                                     "authenticate (auth) before any request")
         try:
             if msg.kind == "resolve":
                 desc = self.local_descriptor(msg["region"])
-                if who := self._conn_peer.get(id(conn)):
-                    self._resolved_by.setdefault(msg["region"], set()).add(who)
+                if caller.name:
+                    self._resolved_by.setdefault(msg["region"], set()).add(caller.name)
                 result: dict[str, Any] = {"descriptor": desc.to_wire()}
             elif msg.kind == "invalidate":
-                self.forget(self._conn_peer.get(id(conn), ""), msg["region"])
+                self.forget(caller.name, msg["region"])
                 result = {}
             elif msg.kind == "status":
                 result = self.status()
@@ -438,6 +490,65 @@ class Daemon:
         except P2PXferError as exc:
             code, text = error_code(exc)
             return conn.send("error", id=msg.id, code=code, message=text)
+
+    def _check_caller(self, conn: Connection, caller: _Caller, msg: Message) -> bytes:
+        """The caller's answer to our challenge: right, and the connection may
+        make requests; wrong, and it is refused, logged and closed."""
+        if self.auth is None:
+            return conn.send("ok", id=msg.id, result={})  # nothing to prove here
+        if caller.our_nonce and _nonce_ok(caller.nonce) and self.auth.check_connection(
+                "initiator", caller.nonce, caller.our_nonce, caller.name, msg["proof"]):
+            caller.authenticated = True
+            self._caller_known(caller)
+            return conn.send("ok", id=msg.id, result={})
+        log.warning("peer.auth_failed", caller=caller.name, remote=caller.remote,
+                    reason="wrong proof of the cluster token")
+        caller.hang_up = True
+        return conn.send("error", id=msg.id, code="auth_failed",
+                         message=f"{self.node}: wrong cluster token")
+
+    def _caller_known(self, caller: _Caller) -> None:
+        if caller.name and caller.control and caller.name not in self.peers \
+                and self.membership is None:
+            # A daemon that reached us can be reached back: no static world.
+            # (With membership on, the members are the peers: a caller
+            # must not add itself this way.)
+            with contextlib.suppress(RequestError):
+                self.add_peer(caller.name, caller.control)
+
+
+NONCE_BYTES = 16
+EVENT_LOG = 1024  # membership changes kept for watching clients
+WATCH_TIMEOUT_MAX_S = 300.0
+_EVENT_KINDS: dict[type[Any], str] = {
+    MemberJoined: "joined", MemberAlive: "alive", MemberSuspect: "suspect",
+    MemberDead: "dead", MemberLeft: "left", MemberRestarted: "restarted",
+}
+
+
+def _nonce_ok(nonce: bytes) -> bool:
+    return NONCE_BYTES <= len(nonce) <= 64
+
+
+def _remote(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+class _Caller:
+    """What one incoming control connection has said about itself."""
+
+    def __init__(self, remote: str, *, authenticated: bool) -> None:
+        self.remote = remote
+        self.authenticated = authenticated
+        self.name = ""
+        self.control = ""
+        self.nonce = b""  # the caller's challenge to us
+        self.our_nonce = b""  # ours to it
+        self.hang_up = False  # close once the reply is sent
 
 
 class PeerLink:
@@ -464,13 +575,7 @@ class PeerLink:
 
     async def _request(self, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
         if self._stream is None:
-            host, port = parse_hostport(self.address)
-            self._stream = await trio.open_tcp_stream(host, port)
-            self._conn = Connection("peer", INITIATOR, max_frame=self.daemon.config.max_frame)
-            await self._stream.send_all(self._conn.send(
-                "hello", v=SCHEMA_VERSION, role="daemon", name=self.daemon.node,
-                control=self.daemon.control_address))
-            await self._reply(None)
+            await self._connect()
         assert self._conn is not None and self._stream is not None
         rid = self._conn.next_id()
         await self._stream.send_all(self._conn.send(kind, id=rid, **fields))
@@ -478,6 +583,43 @@ class PeerLink:
         if msg.kind == "error":
             raise RequestError(msg["code"], f"{self.peer.name}: {msg['message']}")
         return dict(msg.get("result") or {})
+
+    async def _connect(self) -> None:
+        """Dial, say hello and, with a cluster token, prove it and check the
+        peer's proof. The connection is kept only once all of that passed."""
+        d = self.daemon
+        host, port = parse_hostport(self.address)
+        self._stream = await trio.open_tcp_stream(host, port)
+        self._conn = Connection("peer", INITIATOR, max_frame=d.config.max_frame)
+        try:
+            nonce = os.urandom(NONCE_BYTES) if d.auth is not None else b""
+            await self._stream.send_all(self._conn.send(
+                "hello", {"nonce": nonce} if nonce else None, v=SCHEMA_VERSION, role="daemon",
+                name=d.node, control=d.control_address))
+            welcome = await self._reply(None)
+            if d.auth is not None:
+                await self._authenticate(d.auth, nonce, welcome)
+        except BaseException:
+            await self._drop()
+            raise
+
+    async def _authenticate(self, auth: ClusterAuth, nonce: bytes, welcome: Message) -> None:
+        assert self._conn is not None and self._stream is not None
+        name, theirs = welcome["node"], welcome.get("nonce", b"")
+        where = f"peer {self.peer.name} at {self.address}"
+        if name != self.peer.name:
+            raise RequestError("auth_failed", f"{where} says it is {name!r}")
+        if not (_nonce_ok(theirs) and auth.check_connection(
+                "responder", nonce, theirs, name, welcome.get("proof", b""))):
+            log.warning("peer.auth_failed", peer=self.peer.name, remote=self.address,
+                        reason="the peer did not prove the cluster token")
+            raise RequestError("auth_failed", f"{where} did not prove the cluster token")
+        rid = self._conn.next_id()
+        proof = auth.connection_proof("initiator", nonce, theirs, self.daemon.node)
+        await self._stream.send_all(self._conn.send("auth", id=rid, proof=proof))
+        reply = await self._reply(rid)
+        if reply.kind == "error":
+            raise RequestError(reply["code"], f"{where}: {reply['message']}")
 
     async def _reply(self, rid: int | None) -> Message:
         assert self._conn is not None and self._stream is not None
@@ -561,7 +703,7 @@ class ClientSession:
                 return
             if event.kind == "hello":
                 await self._send(self._welcome)
-            elif event.kind in ("write", "wait_imm"):
+            elif event.kind in ("write", "wait_imm", "watch"):
                 nursery.start_soon(self._answer, event)
             else:
                 await self._answer(event)
@@ -638,6 +780,11 @@ class ClientSession:
         if kind == "add_peer":
             d.add_peer(msg["name"], msg["address"])
             return {}
+        if kind == "watch":
+            timeout_ms = msg.get("timeout_ms", 30_000)
+            if timeout_ms < 0:
+                raise RequestError("bad_request", f"timeout_ms must be >= 0, got {timeout_ms}")
+            return await d.watch(msg["after"], min(timeout_ms / 1000, WATCH_TIMEOUT_MAX_S))
         raise RequestError("unexpected", f"no handler for {kind!r}")
 
     def _mem(self, mem_id: int) -> _Mem:

@@ -94,6 +94,7 @@ class ClusterAuth:
         self._mac_key = hmac.digest(token, b"p2pxfer/membership/datagram/v1", "sha256")
         self._join_key = hmac.digest(token, b"p2pxfer/membership/join/v1", "sha256")
         self._value_key = hmac.digest(token, b"p2pxfer/membership/value/v1", "sha256")
+        self._control_key = hmac.digest(token, b"p2pxfer/control/v1", "sha256")
 
     def seal(self, body: bytes) -> bytes:
         head = bytes((WIRE_VERSION,))
@@ -117,6 +118,20 @@ class ClusterAuth:
 
     def check(self, nonce: bytes, name: str, proof: bytes) -> bool:
         return hmac.compare_digest(self.prove(nonce, name), proof)
+
+    def connection_proof(self, side: str, initiator_nonce: bytes, responder_nonce: bytes,
+                         name: str) -> bytes:
+        """What ``side`` ("initiator" or "responder") of a control connection
+        shows to prove it holds the token: a MAC over both nonces in a fixed
+        order, its side and its node name (so a proof can be neither replayed
+        on another connection nor reflected back to its sender)."""
+        return hmac.digest(self._control_key, b"\0".join((
+            side.encode(), initiator_nonce, responder_nonce, name.encode())), "sha256")
+
+    def check_connection(self, side: str, initiator_nonce: bytes, responder_nonce: bytes,
+                         name: str, proof: bytes) -> bool:
+        return hmac.compare_digest(
+            self.connection_proof(side, initiator_nonce, responder_nonce, name), proof)
 
     def sign(self, data: bytes) -> bytes:
         """A MAC for a value stored outside the wire (the etcd backend's keys)."""

@@ -40,9 +40,9 @@ _OPT_INT = (int, type(None))
 SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # handshake and teardown (both protocols)
     "hello": {"v": (_INT, True), "role": (_STR, True), "name": (_STR, False),
-              "auth": (_BIN, False), "control": (_STR, False)},
+              "nonce": (_BIN, False), "control": (_STR, False)},
     "welcome": {"v": (_INT, True), "node": (_STR, True), "incarnation": (_INT, True),
-                "max_frame": (_INT, True), "nonce": (_BIN, False)},
+                "max_frame": (_INT, True), "nonce": (_BIN, False), "proof": (_BIN, False)},
     "bye": {},
     # replies
     "ok": {"id": (_INT, True), "result": (_MAP, False)},
@@ -60,16 +60,18 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "status": {"id": (_INT, True)},
     "peers": {"id": (_INT, True)},
     "add_peer": {"id": (_INT, True), "name": (_STR, True), "address": (_STR, True)},
+    "watch": {"id": (_INT, True), "after": (_INT, True), "timeout_ms": (_INT, False)},
     # daemon -> daemon
+    "auth": {"id": (_INT, True), "proof": (_BIN, True)},
     "resolve": {"id": (_INT, True), "region": (_STR, True)},
     "invalidate": {"id": (_INT, True), "region": (_STR, True)},
 }
 
 CLIENT_REQUESTS = frozenset(
     {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
-     "add_peer"}
+     "add_peer", "watch"}
 )
-PEER_REQUESTS = frozenset({"resolve", "invalidate", "status", "peers"})
+PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers"})
 
 
 @dataclass(frozen=True)
