@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -260,7 +261,6 @@ def agent_main(flavor: str, socket_path: str, conn: Connection) -> None:
 
 
 async def _agent(socket_path: str, conn: Connection) -> None:
-    import anyio
 
     import p2pxfer
     from p2pxfer.errors import P2PXferError
@@ -282,7 +282,8 @@ async def _agent(socket_path: str, conn: Connection) -> None:
             if op == "exit":
                 break
             try:
-                with anyio.fail_after(OP_TIMEOUT):
+                # A loop runs until killed; each of its writes is bounded instead.
+                with anyio.fail_after(None if op == "loop" else OP_TIMEOUT):
                     reply = await _do(client, mems, conn, op, *args)
             except P2PXferError as exc:
                 reply = ("raised", type(exc).__name__, getattr(exc, "code", None), str(exc))
@@ -321,7 +322,8 @@ async def _do(client: Any, mems: dict[str, Any], conn: Connection, op: str,
         await client.write(peer, region, scatter, src=src, imm=imm)
         conn.send(("ok", "looping"))
         while True:
-            await client.write(peer, region, scatter, src=src, imm=imm)
+            with anyio.fail_after(OP_TIMEOUT):
+                await client.write(peer, region, scatter, src=src, imm=imm)
     if op == "verify":  # region, plan, imm, pieces: wait for the pieces, check every byte
         region, plan, imm, pieces = args
         await client.wait_imm(imm, pieces)

@@ -185,6 +185,8 @@ def test_client_watches_membership_and_looks_up_peers(tmp_path: Path, procs: lis
     procs.append(b)
     wait_for(lambda: {p["name"] for p in a.status()["peers"]} == {"node-a", "node-b"},
              "a to see b")
+    stats = a.status()["membership_stats"]
+    assert stats["sent"] > 0 and stats["received"] > 0 and stats["auth_failures"] == 0
     seen: list[MemberUpdate] = []
 
     async def main() -> None:

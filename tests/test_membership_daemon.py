@@ -63,6 +63,9 @@ def test_config_membership_keys() -> None:
     with pytest.raises(InvalidArgument, match="etcd_endpoint"):
         DaemonConfig.from_dict({"membership": "etcd", "cluster_token": "t",
                                 "etcd_endpoint": "127.0.0.1:2379"})
+    with pytest.raises(InvalidArgument, match="etcd_ttl must be >= 1"):
+        DaemonConfig.from_dict({"membership": "etcd", "cluster_token": "t", "etcd_ttl": 0})
+    assert DaemonConfig.from_dict({"etcd_ttl": 2}).etcd_ttl == 2
     with pytest.raises(InvalidArgument, match="specific host"):
         DaemonConfig.from_dict({"membership": "embedded", "cluster_token": "t",
                                 "control": "0.0.0.0:7700"})
@@ -322,7 +325,8 @@ def test_etcd_discovery_and_transfer(etcd: str, tmp_path: Path, procs: list[Any]
 CONTROL_PORT = 7700  # every host's daemon: control (TCP) and membership (UDP)
 #: how long a SIGKILLed (or cut off) member may take to be seen dead: SWIM's
 #: suspicion, or etcd's lease (EtcdBackend's ttl, 5 s; not a daemon config key)
-DEAD_WITHIN_BY = {"embedded": DEAD_WITHIN, "etcd": 15.0}
+ETCD_TTL = 2  # seconds: a killed member is seen dead about this long after
+DEAD_WITHIN_BY = {"embedded": DEAD_WITHIN, "etcd": 10.0}
 NO_ETCD = "no etcd binary on PATH (Debian: apt-get install etcd-server)"
 # Run inside etcd's namespace: waits (bounded) until etcd answers /health.
 ETCD_PROBE = """\
@@ -422,7 +426,7 @@ def lan_members(backend: str, n: int,
         else:
             with etcd_in(hosts[n], workdir / "etcd") as url:
                 yield hosts[:n], {"membership": "etcd", "cluster_token": TOKEN,
-                                  "etcd_endpoint": url}
+                                  "etcd_endpoint": url, "etcd_ttl": ETCD_TTL}
 
 
 def four_hosts_scenario(hosts: list[Any], keys: dict[str, Any], workdir: Path,
@@ -466,16 +470,25 @@ def four_hosts_scenario(hosts: list[Any], keys: dict[str, Any], workdir: Path,
     assert ds["h2"].stop() == 0
     wait_for(lambda: states(h0).get("h2") == "left", "h0 to see h2 left", timeout=3)
 
-    # h3 is killed: dead everywhere, then a write to it fails fast with PeerLost.
+    # h3 is killed while a write loop to it is in flight: the loop fails with
+    # PeerLost as soon as membership knows; a write after that is refused at once.
     old_inc = members(h0)["h3"]["incarnation"]
+    to_h3 = Agent("trio", h0.socket, "to-h3")
+    procs.append(to_h3)
+    assert to_h3.call("loop", "h3", "r3", plan, 5) == ("ok", "looping")
     kill(h3)
     t_kill = time.monotonic()
+    reply = to_h3.wait_reply("the write loop to h3 to fail", timeout=dead_within + 5)
+    detect_s = time.monotonic() - t_kill
+    # The issue's bound (SWIM: ~2 s here, 2.6 s at worst over 8 hosts; etcd: the 2 s lease).
+    assert detect_s < 3.0, f"PeerLost came {detect_s:.2f} s after the kill"
+    assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
+    assert "h3 died" in reply[3], reply
     wait_for(lambda: states(h0).get("h3") == "dead", "h0 to see h3 dead", timeout=dead_within)
     t0 = time.monotonic()
     reply = other.call("write", "h3", "r3", plan, 3, timeout=10)
     assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
     assert time.monotonic() - t0 < 3, "PeerLost took longer than 3 s"
-    detect_s = t0 - t_kill
 
     # Restarted: a new life, its old descriptors are void.
     ds["h3"] = h3b = start_in(hosts[3], workdir, "h3", keys)
@@ -485,6 +498,29 @@ def four_hosts_scenario(hosts: list[Any], keys: dict[str, Any], workdir: Path,
              timeout=dead_within)
     reply = other.call("write", "h3", "r3", plan, 4, timeout=10)
     assert reply[0] == "raised" and reply[2] in ("unknown_region", "peer_lost"), reply
+    # The new life exports a region of the same name: writes reach the new
+    # memory, never through the old life's descriptor (cached by h0's daemon).
+    target3b = Agent("trio", h3b.socket, "target-h3b")
+    procs.append(target3b)
+    assert target3b.ok("export", "r3", plan.region) == plan.region
+    pieces = other.ok("write", "h3", "r3", plan, 6)
+    assert target3b.call("verify", "r3", plan, 6, pieces)[0] == "ok"
+
+    # Killed and restarted at once, faster than failure detection: h0 sees a
+    # new incarnation replace the running one, and a write loop in flight to
+    # the old life fails with PeerLost naming the restart.
+    mid_inc = members(h0)["h3"]["incarnation"]
+    to_h3 = Agent("trio", h0.socket, "to-h3b")
+    procs.append(to_h3)
+    assert to_h3.call("loop", "h3", "r3", plan, 7) == ("ok", "looping")
+    kill(h3b)
+    ds["h3"] = h3b = start_in(hosts[3], workdir, "h3", keys)
+    procs.append(h3b)
+    reply = to_h3.wait_reply("the write loop to the old h3 to fail", timeout=dead_within + 5)
+    assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
+    wait_for(lambda: members(h0).get("h3", {}).get("state") == "alive" and
+             members(h0)["h3"]["incarnation"] > mid_inc, "h0 to see h3's third life",
+             timeout=dead_within)
 
     # A partition: h3's link down (SWIM: suspected; etcd: its lease runs out),
     # then up; membership converges again.
@@ -497,7 +533,6 @@ def four_hosts_scenario(hosts: list[Any], keys: dict[str, Any], workdir: Path,
 
     # The unaffected pair never saw an error: the loop is still running.
     assert not looper.conn.poll(0), looper.conn.recv()
-    assert detect_s < dead_within
     looper.kill()  # it loops until killed
 
 

@@ -60,6 +60,9 @@ class DaemonConfig:
     seeds: tuple[str, ...] = ()
     #: etcd's client URL (membership = "etcd")
     etcd_endpoint: str = "http://127.0.0.1:2379"
+    #: etcd lease, seconds: a member that stops renewing it (killed, cut off)
+    #: is seen dead about this long after (membership = "etcd")
+    etcd_ttl: int = 5
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -112,6 +115,8 @@ class DaemonConfig:
         if not self.cluster_token:
             raise InvalidArgument(f"config membership = {self.membership!r} needs a "
                                   f"cluster_token (the same secret on every member)")
+        if self.etcd_ttl < 1:
+            raise InvalidArgument(f"config etcd_ttl must be >= 1 second, got {self.etcd_ttl}")
         if self.membership == "etcd" and not self.etcd_endpoint.startswith(
                 ("http://", "https://")):
             raise InvalidArgument(f"config etcd_endpoint must be an http(s):// URL, got "

@@ -196,11 +196,19 @@ class Daemon:
                         for n, (s, d) in sorted(self.exports.items())],
             "peers": self.peer_list(),
             "membership": self.config.membership,
+            "membership_stats": self._membership_stats(),
             "transfers_in_flight": self.writes_in_flight,
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],
         }
+
+    def _membership_stats(self) -> dict[str, Any]:
+        """The embedded backend's protocol counters (datagrams, probes,
+        suspicions, auth failures...); empty for etcd or no membership."""
+        if isinstance(self.membership, EmbeddedBackend):
+            return asdict(self.membership.swim.statistics())
+        return {}
 
     def peer_list(self) -> list[dict[str, Any]]:
         """The ``peers`` reply: static peers, or every member with its state
@@ -227,7 +235,7 @@ class Daemon:
                                       incarnation=self.incarnation, join_timeout=2.0)
         else:
             backend = EtcdBackend(self.node, self.control_address, token, cfg.etcd_endpoint,
-                                  incarnation=self.incarnation)
+                                  incarnation=self.incarnation, ttl=cfg.etcd_ttl)
         events = backend.events()
         await backend.start(nursery)
         self.membership = backend
@@ -867,8 +875,20 @@ class ClientSession:
             # caller hears "unknown_region" rather than a transport error.
             d.forget(peer, region)
             d.check_peer(peer)
+            unreachable = False
             with trio.move_on_after(PEER_TIMEOUT_S):
-                await d.resolve(peer, region)
+                try:
+                    await d.resolve(peer, region)
+                except RequestError as exc:
+                    if exc.code != "peer_unreachable" or d.membership is None:
+                        raise
+                    unreachable = True
+            if unreachable and d.membership is not None:
+                # The peer's daemon is unreachable too: it probably died. Let
+                # membership rule (inside track_write, a verdict of dead, left
+                # or restarted turns this into PeerLost); without one in
+                # time, the transport's error stands.
+                await trio.sleep(d.membership.detection_bound())
             raise
         finally:
             d.writes_in_flight -= 1

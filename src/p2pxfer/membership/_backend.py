@@ -101,6 +101,11 @@ class MembershipBackend(abc.ABC):
     def member(self, name: str) -> Member | None:
         """One member, or None if unknown."""
 
+    def detection_bound(self) -> float:
+        """Seconds within which a member that died is declared dead (about):
+        how long to wait for a verdict before trusting other evidence."""
+        return 5.0
+
     def is_current(self, name: str, incarnation: int) -> bool:
         """True if ``incarnation`` is the running life of ``name``: check it
         before using a descriptor stamped with it. False for an earlier life,

@@ -66,6 +66,14 @@ class EmbeddedBackend(MembershipBackend):
 
     # -- views --------------------------------------------------------------------
 
+    def detection_bound(self) -> float:
+        # Probed within a period or two (round robin over the members, several
+        # probers), suspected for the suspicion timeout, and gossip to spread
+        # the verdict: with a period of slack for a loaded machine.
+        if self._swim is None:
+            return 5.0
+        return 4 * self.config.period + self._swim.suspicion_timeout()
+
     @property
     def swim(self) -> Swim:
         if self._swim is None:

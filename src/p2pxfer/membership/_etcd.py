@@ -97,6 +97,10 @@ class EtcdBackend(MembershipBackend):
 
     # -- views --------------------------------------------------------------------
 
+    def detection_bound(self) -> float:
+        # The lease runs out (etcd may round it up a little), then the watch tells us.
+        return self.ttl + 2.0
+
     def members(self) -> list[Member]:
         return sorted(self._view.values(), key=lambda m: m.name)
 
@@ -153,7 +157,10 @@ class EtcdBackend(MembershipBackend):
     # -- running ------------------------------------------------------------------
 
     async def _run(self, *, task_status: trio.TaskStatus[None]) -> None:
-        self._client = httpx.AsyncClient(base_url=self.endpoint, timeout=self._timeout)
+        # trust_env=False: membership traffic goes to the configured endpoint,
+        # never through a proxy picked up from the environment.
+        self._client = httpx.AsyncClient(base_url=self.endpoint, timeout=self._timeout,
+                                         trust_env=False)
         now = trio.current_time()
         self._view[self.name] = Member(self.name, self.address, self.incarnation,
                                        MemberState.ALIVE, now)
