@@ -152,10 +152,11 @@ class Shard:
             self._send("write", tr)
         elif tr.w.batch.failures():
             self._send("write", tr)  # the poller turns the failed post into an error
-        elif not self._blocks_on_fds:
+        elif not self._blocks_on_fds and not inline:
             # A poller napping without CQ fds (shm) would see the completion only
             # after its back-off: wake it now so it spins for it. (With fds the
-            # CQ wakes it; an extra wake-up would only fight us for the GIL.)
+            # CQ wakes it; when we poll inline ourselves, a wake-up would only
+            # fight us for the GIL.)
             os.eventfd_write(self.wake_fd, 1)
 
     def cancel(self, tr: TransferState) -> None:
@@ -235,7 +236,11 @@ class Shard:
         deadline = time.perf_counter_ns() + budget_ns
         try:
             while not tr.done.is_set():
-                c = self._inline_poller.progress()
+                # One C call spins until this write's completions arrived (or
+                # others', or the budget ran out): no Python per empty poll.
+                left = deadline - time.perf_counter_ns()
+                c = self._inline_poller.progress(spin_ns=max(left, 0),
+                                                 min_entries=max(tr.remaining, 1))
                 with self._lock:
                     self._absorb(c)
                 if self._finished or self._imms:
