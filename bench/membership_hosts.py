@@ -20,8 +20,9 @@ is late by up to one interval plus one polling round. Median and max over the
 repetitions. ``steady`` (after the first join, all members alive): what each
 member sends and receives per second, from its namespace's own counters
 (``/proc/PID/net/snmp``: UDP datagrams, which are SWIM's; TCP segments, which
-for etcd are the lease keepalives and the watch), and its CPU: the daemon's
-``status`` has no membership counters.
+for etcd are the lease keepalives and the watch), and its CPU. (These count
+every datagram the namespace saw, the same way for both backends; the
+daemon's ``status`` has SWIM's own counters under ``membership_stats``.)
 
 Needs root and ``ip netns``; elsewhere it writes one ``skipped`` result and exits 0.
 

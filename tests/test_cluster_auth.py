@@ -175,7 +175,7 @@ def test_caller_refuses_a_daemon_that_cannot_prove_the_token(tmp_path: Path,
 
 # -- clients watching membership --------------------------------------------------------------
 
-def test_client_watches_membership_and_looks_up_peers(tmp_path: Path, procs: list[Any]) -> None:
+def test_client_watches_membership_looks_up_peers_and_regions(tmp_path: Path, procs: list[Any]) -> None:
     ports = {n: free_port() for n in ("node-a", "node-b", "node-c")}
     keys = {"membership": "embedded", "cluster_token": TOKEN,
             "seeds": [f"{LOOPBACK}:{ports['node-a']}"]}
@@ -195,6 +195,12 @@ def test_client_watches_membership_and_looks_up_peers(tmp_path: Path, procs: lis
             assert found is not None and found["address"] == f"{LOOPBACK}:{ports['node-b']}"
             assert found["state"] == "alive" and found["incarnation"] > 0
             assert await client.lookup("node-x") is None
+            # The region directory: who exports what, across the cluster.
+            on_b_cm = connect(b.socket)
+            on_b = await on_b_cm.__aenter__()
+            await on_b.export("kv", await on_b.alloc(1 << 16))
+            assert await client.locate("kv") == ["node-b"]
+            assert await client.locate("absent") == []
             updates = client.watch_members(poll_s=0.5)
 
             async def until(pred: Any, what: str) -> None:
@@ -220,6 +226,9 @@ def test_client_watches_membership_and_looks_up_peers(tmp_path: Path, procs: lis
             assert b.stop() == 0
             await until(lambda u: u.event == "left" and u.name == "node-b", "b left")
             assert time.monotonic() - t0 < 10
+            # b's client is still connected, its export never withdrawn: gone with b.
+            assert await client.locate("kv") == []
+            await on_b_cm.__aexit__(None, None, None)
 
     trio.run(main)
     events = [(u.event, u.name) for u in seen if u.event != "present"]

@@ -323,9 +323,9 @@ def test_etcd_discovery_and_transfer(etcd: str, tmp_path: Path, procs: list[Any]
 # -- several hosts: network namespaces ------------------------------------------------------
 
 CONTROL_PORT = 7700  # every host's daemon: control (TCP) and membership (UDP)
+ETCD_TTL = 2  # seconds (config etcd_ttl): a killed member is seen dead about this long after
 #: how long a SIGKILLed (or cut off) member may take to be seen dead: SWIM's
-#: suspicion, or etcd's lease (EtcdBackend's ttl, 5 s; not a daemon config key)
-ETCD_TTL = 2  # seconds: a killed member is seen dead about this long after
+#: suspicion, or etcd's lease
 DEAD_WITHIN_BY = {"embedded": DEAD_WITHIN, "etcd": 10.0}
 NO_ETCD = "no etcd binary on PATH (Debian: apt-get install etcd-server)"
 # Run inside etcd's namespace: waits (bounded) until etcd answers /health.

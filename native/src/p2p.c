@@ -374,7 +374,10 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
         if (timeout_ns > 0 && left <= 0)
             break;
         if (wait_for_work(p, left)) {
-            nruns = drain_into(p, nruns, max_entries - (p->entries - start));
+            /* Woken on purpose: report what is there, unless a holder polls
+             * these CQs for its own completion right now. */
+            if (!__atomic_load_n(&p->hold, __ATOMIC_ACQUIRE))
+                nruns = drain_into(p, nruns, max_entries - (p->entries - start));
             break;
         }
     }

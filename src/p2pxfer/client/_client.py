@@ -43,7 +43,7 @@ from p2pxfer.protocol import (
 )
 from p2pxfer.scatter import ScatterList
 
-__all__ = ["Client", "DaemonError", "SharedMemory", "connect"]
+__all__ = ["Client", "DaemonError", "MemberUpdate", "SharedMemory", "connect"]
 
 log = structlog.get_logger("p2pxfer.client")
 
@@ -252,6 +252,11 @@ class Client:
         sees it: address and, with membership, state, incarnation and seconds
         since last heard. None if the daemon knows no such node."""
         return next((p for p in await self.peers() if p["name"] == name), None)
+
+    async def locate(self, region: str) -> list[str]:
+        """The nodes that export a region called ``region`` (this one
+        included), as far as this node's daemon can reach right now."""
+        return [str(n) for n in (await self._request("locate", region=region))["nodes"]]
 
     async def watch_members(self, *, poll_s: float = 30.0) -> AsyncIterator[MemberUpdate]:
         """Membership changes, as they happen, for as long as you iterate:

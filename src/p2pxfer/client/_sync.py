@@ -60,6 +60,12 @@ class SyncClient:
     def peers(self) -> list[dict[str, Any]]:
         return list(self._call(self._client.peers))
 
+    def lookup(self, name: str) -> dict[str, Any] | None:
+        return self._call(self._client.lookup, name)  # type: ignore[no-any-return]
+
+    def locate(self, region: str) -> list[str]:
+        return list(self._call(self._client.locate, region))
+
     def add_peer(self, name: str, address: str) -> None:
         self._call(self._client.add_peer, name, address)
 

@@ -150,6 +150,32 @@ class Daemon:
         self._resolved[key] = desc
         return desc
 
+    async def locate(self, region: str) -> list[str]:
+        """The region directory: every node exporting ``region``. This node,
+        and each reachable peer (running members, with membership on) asked
+        at once, each within LOCATE_TIMEOUT_S; the descriptors found are kept
+        like any resolved one, and dropped with their node's life."""
+        if not region:
+            raise RequestError("bad_request", "region name must not be empty")
+        found = [self.node] if region in self.exports else []
+        limiter = trio.CapacityLimiter(LOCATE_CONCURRENCY)
+
+        async def ask(peer: str) -> None:
+            async with limiter:
+                with trio.move_on_after(LOCATE_TIMEOUT_S):
+                    try:
+                        await self.resolve(peer, region)
+                    except P2PXferError:
+                        return  # not there, or not answering: not a place to write to
+                    found.append(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in self.peers:
+                m = self.membership.member(peer) if self.membership is not None else None
+                if m is None or m.running:
+                    nursery.start_soon(ask, peer)
+        return sorted(found)
+
     def forget(self, peer: str, region: str) -> None:
         self._resolved.pop((peer, region), None)
 
@@ -259,8 +285,13 @@ class Daemon:
                     self.on_membership_event(ev)
             if backend._done.is_set():
                 return
-            # Cut off (fell too far behind): subscribe again, catch up from the view.
+            # Cut off (fell too far behind): subscribe again, catch up from the
+            # view. Watching clients missed changes too: make them start over.
             events = backend.events()
+            self._events.clear()
+            self._event_seq += 1
+            self._event_wake.set()
+            self._event_wake = trio.Event()
             for m in backend.members():
                 if m.name == self.node:
                     continue
@@ -312,15 +343,20 @@ class Daemon:
         if self.membership is None:
             raise RequestError("bad_request", f"membership is off on {self.node}: there are "
                                "no membership events to watch (static peers)")
-        oldest = self._events[0]["seq"] if self._events else self._event_seq + 1
-        if after < 0 or (after < self._event_seq and after + 1 < oldest):
+        if not self._missed(after):
+            with trio.move_on_after(timeout_s):
+                while self._event_seq <= after:
+                    await self._event_wake.wait()
+        if self._missed(after):  # also: the log was cleared while we waited
             return {"reset": True, "members": self.peer_list(), "events": [],
                     "next": self._event_seq}
-        with trio.move_on_after(timeout_s):
-            while self._event_seq <= after:
-                await self._event_wake.wait()
         return {"events": [e for e in self._events if e["seq"] > after],
                 "next": self._event_seq}
+
+    def _missed(self, after: int) -> bool:
+        """A watcher at ``after`` cannot be told what it missed from the log."""
+        oldest = self._events[0]["seq"] if self._events else self._event_seq + 1
+        return after < 0 or (after < self._event_seq and after + 1 < oldest)
 
     def _member_up(self, name: str, address: str) -> None:
         if name == self.node:
@@ -526,6 +562,8 @@ class Daemon:
 
 
 NONCE_BYTES = 16
+LOCATE_TIMEOUT_S = 2.0  # per peer asked by ``locate``
+LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
 EVENT_LOG = 1024  # membership changes kept for watching clients
 WATCH_TIMEOUT_MAX_S = 300.0
 _EVENT_KINDS: dict[type[Any], str] = {
@@ -589,6 +627,8 @@ class PeerLink:
         await self._stream.send_all(self._conn.send(kind, id=rid, **fields))
         msg = await self._reply(rid)
         if msg.kind == "error":
+            if msg["code"] == "auth_failed":
+                await self._drop()  # the peer hangs up after saying so
             raise RequestError(msg["code"], f"{self.peer.name}: {msg['message']}")
         return dict(msg.get("result") or {})
 
@@ -616,6 +656,8 @@ class PeerLink:
         name, theirs = welcome["node"], welcome.get("nonce", b"")
         where = f"peer {self.peer.name} at {self.address}"
         if name != self.peer.name:
+            log.warning("peer.auth_failed", peer=self.peer.name, remote=self.address,
+                        reason=f"the peer says it is {name!r}")
             raise RequestError("auth_failed", f"{where} says it is {name!r}")
         if not (_nonce_ok(theirs) and auth.check_connection(
                 "responder", nonce, theirs, name, welcome.get("proof", b""))):
@@ -711,7 +753,7 @@ class ClientSession:
                 return
             if event.kind == "hello":
                 await self._send(self._welcome)
-            elif event.kind in ("write", "wait_imm", "watch"):
+            elif event.kind in ("write", "wait_imm", "watch", "locate"):
                 nursery.start_soon(self._answer, event)
             else:
                 await self._answer(event)
@@ -788,6 +830,8 @@ class ClientSession:
         if kind == "add_peer":
             d.add_peer(msg["name"], msg["address"])
             return {}
+        if kind == "locate":
+            return {"nodes": await d.locate(msg["region"])}
         if kind == "watch":
             timeout_ms = msg.get("timeout_ms", 30_000)
             if timeout_ms < 0:
@@ -876,13 +920,15 @@ class ClientSession:
             d.forget(peer, region)
             d.check_peer(peer)
             unreachable = False
-            with trio.move_on_after(PEER_TIMEOUT_S):
+            with trio.move_on_after(PEER_TIMEOUT_S) as asking:
                 try:
                     await d.resolve(peer, region)
                 except RequestError as exc:
                     if exc.code != "peer_unreachable" or d.membership is None:
                         raise
                     unreachable = True
+            # No answer at all (a host gone or cut off) is unreachable too.
+            unreachable = unreachable or asking.cancelled_caught
             if unreachable and d.membership is not None:
                 # The peer's daemon is unreachable too: it probably died. Let
                 # membership rule (inside track_write, a verdict of dead, left

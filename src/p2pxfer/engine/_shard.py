@@ -231,8 +231,9 @@ class Shard:
     def poll_inline(self, tr: TransferState, budget_ns: int) -> None:
         """In the trio thread, right after posting a small write: poll the CQs
         for up to ``budget_ns`` (blocking the event loop that long) and deliver
-        what finished, so a small write's completion needs no thread hop. If
-        the poller holds the CQs, it will find the completion itself."""
+        what finished, so a small write's completion needs no thread hop. The
+        poller thread is held off the CQs meanwhile (see ``submit``) and let go
+        on the way out; whatever is still due then is its to find."""
         deadline = time.perf_counter_ns() + budget_ns
         try:
             while not tr.done.is_set():

@@ -28,7 +28,7 @@ __all__ = [
     "validate",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: control connections authenticate (nonce/proof/auth); watch, locate
 
 _INT = (int,)
 _STR = (str,)
@@ -61,6 +61,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "peers": {"id": (_INT, True)},
     "add_peer": {"id": (_INT, True), "name": (_STR, True), "address": (_STR, True)},
     "watch": {"id": (_INT, True), "after": (_INT, True), "timeout_ms": (_INT, False)},
+    "locate": {"id": (_INT, True), "region": (_STR, True)},
     # daemon -> daemon
     "auth": {"id": (_INT, True), "proof": (_BIN, True)},
     "resolve": {"id": (_INT, True), "region": (_STR, True)},
@@ -69,7 +70,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 
 CLIENT_REQUESTS = frozenset(
     {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
-     "add_peer", "watch"}
+     "add_peer", "watch", "locate"}
 )
 PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers"})
 
