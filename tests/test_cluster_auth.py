@@ -175,7 +175,8 @@ def test_caller_refuses_a_daemon_that_cannot_prove_the_token(tmp_path: Path,
 
 # -- clients watching membership --------------------------------------------------------------
 
-def test_client_watches_membership_looks_up_peers_and_regions(tmp_path: Path, procs: list[Any]) -> None:
+def test_client_watches_membership_looks_up_peers_and_regions(tmp_path: Path,
+                                                              procs: list[Any]) -> None:
     ports = {n: free_port() for n in ("node-a", "node-b", "node-c")}
     keys = {"membership": "embedded", "cluster_token": TOKEN,
             "seeds": [f"{LOOPBACK}:{ports['node-a']}"]}
