@@ -209,6 +209,23 @@ def test_suspicion_is_refuted_by_a_live_member() -> None:
             assert about(c.events[n], "m005", MemberAlive), n
 
 
+def test_local_suspicion_speeds_up_a_death_and_is_refuted_by_the_living() -> None:
+    c = formed(16, seed=12)
+    timeout = c.nodes["m000"].suspicion_timeout()
+    # A live member suspected on local evidence clears itself.
+    assert c.nodes["m000"].suspect("m003", c.now)
+    assert not c.nodes["m000"].suspect("m003", c.now)  # already suspect
+    assert not c.nodes["m000"].suspect("nobody", c.now)
+    assert c.run_until(c.converged, 20) is not None
+    assert not any(about(ev, "m003", MemberDead) for ev in c.events.values())
+    # A killed one is dead everywhere about one suspicion timeout later: no
+    # waiting for a failed probe first.
+    c.kill("m009")
+    assert c.nodes["m000"].suspect("m009", c.now)
+    everyone = c.run_until(lambda: c.all_see("m009", [DEAD]), 30)
+    assert everyone is not None and everyone <= timeout + 2, (everyone, timeout)
+
+
 def test_a_member_refutes_at_once_when_told_it_is_suspect() -> None:
     a = Swim(Member("a", "10.0.0.1:1", 100), TOKEN, SwimConfig(period=1.0, ack_timeout=0.4))
     b = Swim(Member("b", "10.0.0.2:1", 200), TOKEN, SwimConfig(period=1.0, ack_timeout=0.4))

@@ -930,10 +930,12 @@ class ClientSession:
             # No answer at all (a host gone or cut off) is unreachable too.
             unreachable = unreachable or asking.cancelled_caught
             if unreachable and d.membership is not None:
-                # The peer's daemon is unreachable too: it probably died. Let
-                # membership rule (inside track_write, a verdict of dead, left
-                # or restarted turns this into PeerLost); without one in
-                # time, the transport's error stands.
+                # The peer's daemon is unreachable too: it probably died. Say
+                # so to membership (SWIM suspects it now, not at its next
+                # failed probe) and let it rule: inside track_write, a verdict
+                # of dead, left or restarted turns this into PeerLost; without
+                # one in time, the transport's error stands.
+                d.membership.suspect(peer)
                 await trio.sleep(d.membership.detection_bound())
             raise
         finally:

@@ -101,6 +101,10 @@ class MembershipBackend(abc.ABC):
     def member(self, name: str) -> Member | None:
         """One member, or None if unknown."""
 
+    def suspect(self, name: str) -> None:  # noqa: B027 - optional hook
+        """Local evidence that ``name`` died: a backend that can act on it
+        (SWIM: start the suspicion now) does; etcd waits for the lease."""
+
     def detection_bound(self) -> float:
         """Seconds within which a member that died is declared dead (about):
         how long to wait for a verdict before trusting other evidence."""

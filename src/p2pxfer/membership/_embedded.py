@@ -66,6 +66,14 @@ class EmbeddedBackend(MembershipBackend):
 
     # -- views --------------------------------------------------------------------
 
+    def suspect(self, name: str) -> None:
+        swim = self._swim
+        if swim is None or not swim.suspect(name, trio.current_time()):
+            return
+        self._publish(swim.take_events())
+        if swim.next_deadline() < self._sleeping_until:
+            self._wake.set()  # the suspicion's deadline is sooner than our nap
+
     def detection_bound(self) -> float:
         # Probed within a period or two (round robin over the members, several
         # probers), suspected for the suspicion timeout, and gossip to spread

@@ -671,6 +671,17 @@ class Swim:
         me.version = ver + 1
         self._stats.refutations += 1
 
+    def suspect(self, name: str, now: float) -> bool:
+        """Local evidence that ``name`` is gone (say, its control port refused
+        us right after a write to it failed): suspect it now instead of at its
+        next failed probe. The suspicion runs its normal course and is gossiped;
+        a live member refutes it. True if ``name`` was alive and is now suspect."""
+        e = self._members.get(name)
+        if e is None or e.state is not ALIVE:
+            return False
+        self._suspect(e, now)
+        return True
+
     def _suspect(self, e: _Entry, now: float) -> None:
         self._set_state(e, SUSPECT, e.version, now)
         self._stats.suspicions += 1
