@@ -153,6 +153,35 @@ def test_raw_caller_without_the_token_gets_nothing(tmp_path: Path, procs: list[A
     assert a.alive()
 
 
+def test_a_caller_that_never_proves_the_token_is_cut_off(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """It holds a connection (and a file descriptor) for AUTH_TIMEOUT_S at most."""
+    from types import SimpleNamespace
+
+    from p2pxfer.daemon import DaemonConfig
+    from p2pxfer.daemon import _daemon as daemon_mod
+
+    monkeypatch.setattr(daemon_mod, "AUTH_TIMEOUT_S", 0.3)
+    engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
+    d = daemon_mod.Daemon(DaemonConfig(node="node-a", cluster_token=TOKEN), engine)
+
+    async def main() -> None:
+        ours, theirs = trio.socket.socketpair()
+        caller = trio.SocketStream(theirs)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(d._peer, trio.SocketStream(ours))
+            await caller.send_all(encode_frame({"t": "hello", "v": SCHEMA_VERSION,
+                                                "role": "daemon", "name": "slow"}, 1 << 20))
+            with trio.fail_after(5):
+                while await caller.receive_some(1 << 16):
+                    pass  # the welcome, then nothing until the daemon hangs up
+        assert 0.3 <= trio.current_time() - t0 < 5
+        await caller.aclose()
+
+    trio.run(main)
+
+
 def test_caller_refuses_a_daemon_that_cannot_prove_the_token(tmp_path: Path,
                                                              procs: list[Any]) -> None:
     """Mutual: a daemon holding the token will not take descriptors from a

@@ -233,6 +233,8 @@ def test_scatter_list_owns_read_only_copies() -> None:
         assert not arr.flags.writeable
         with pytest.raises(ValueError):
             arr[0] = 5
+        with pytest.raises(ValueError):
+            arr.flags.writeable = True  # not even on purpose
     sl.check_bounds(120, 220)
     with pytest.raises(ScatterError, match=r"piece 1 .*past the destination region of 219"):
         sl.check_bounds(120, 219)

@@ -335,8 +335,8 @@ int p2p_poller_wait(struct p2p_poller *p, int64_t timeout_ns)
  * min_entries completions were seen (or an error entry, a nearly full run
  * table, max_entries, a wake-up, or timeout_ns since the call: negative means
  * no limit, 0 means do not block). Between batches it spins (reading keeps
- * manual-progress providers moving) for spin_ns after the last activity, then
- * sleeps on the wait fds. Returns the number of runs, or a negative error. */
+ * manual-progress providers moving) for spin_ns after the last activity (with
+ * timeout_ns == 0: at most spin_ns in all), then sleeps on the wait fds. Returns the number of runs, or a negative error. */
 int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
                             int64_t spin_ns, int64_t timeout_ns)
 {
@@ -354,6 +354,7 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
                 break;
             if (wait_while_held(p, P2P_HOLD_NAP_NS))
                 break;
+            active = p2p_now_ns();  /* spin anew once let go: the holder's write may be due */
             continue;
         }
         nruns = drain_into(p, nruns, max_entries - (p->entries - start));
@@ -366,7 +367,10 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
         now = p2p_now_ns();
         if (p->entries > before)
             active = now;
-        if (now - active < spin_ns)
+        /* timeout_ns == 0 (never sleep) also caps the spin at spin_ns from
+         * the call: such a caller (the trio thread) must not stay longer,
+         * however often completions keep it active. */
+        if (now - active < spin_ns && (timeout_ns != 0 || now - t0 < spin_ns))
             continue;
         if (timeout_ns == 0)
             break;

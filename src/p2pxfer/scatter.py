@@ -28,12 +28,11 @@ def _column(name: str, value: object) -> I64:
         raise ScatterError(f"{name} must have dtype int64, got {value.dtype}")
     if value.ndim != 1:
         raise ScatterError(f"{name} must be one-dimensional, got shape {value.shape}")
-    # A copy of our own, contiguous (C reads raw memory) and read-only: the
+    # A copy of our own, contiguous (C reads raw memory) and immutable: the
     # bounds found at construction must stay true while posting, whatever the
-    # caller does to its arrays afterwards.
-    own = np.array(value, dtype=np.int64, order="C", copy=True)
-    own.flags.writeable = False
-    return own
+    # caller does afterwards. Backed by ``bytes``, so not even
+    # ``flags.writeable = True`` can make it writable again.
+    return np.frombuffer(np.ascontiguousarray(value).tobytes(), np.int64)
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ path (``p2pxfer.engine``).
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import signal
@@ -27,7 +28,7 @@ import structlog
 import trio
 
 from p2pxfer.engine import Engine, EngineConfig, open_engine
-from p2pxfer.errors import P2PXferError
+from p2pxfer.errors import P2PXferError, TransferError
 from p2pxfer.membership import (
     ClusterAuth,
     EmbeddedBackend,
@@ -356,7 +357,8 @@ class Daemon:
     def _missed(self, after: int) -> bool:
         """A watcher at ``after`` cannot be told what it missed from the log."""
         oldest = self._events[0]["seq"] if self._events else self._event_seq + 1
-        return after < 0 or (after < self._event_seq and after + 1 < oldest)
+        return after < 0 or after > self._event_seq or \
+            (after < self._event_seq and after + 1 < oldest)
 
     def _member_up(self, name: str, address: str) -> None:
         if name == self.node:
@@ -466,23 +468,17 @@ class Daemon:
     async def _peer(self, stream: trio.SocketStream) -> None:
         conn = Connection("peer", RESPONDER, max_frame=self.config.max_frame)
         caller = _Caller(_remote(stream), authenticated=self.auth is None)
+        # A caller that has not proved the token soon gets no more of our time
+        # (nor a file descriptor to hold).
+        proving = trio.CancelScope(deadline=trio.current_time() + AUTH_TIMEOUT_S)
+        if caller.authenticated:
+            proving.deadline = math.inf
         try:
-            while not caller.hang_up:
-                try:
-                    event = conn.next_event()
-                except RemoteProtocolError as exc:
-                    log.warning("peer.protocol_error", code=exc.code, error=exc.message)
-                    await stream.send_all(conn.send_error(exc))
-                    if exc.fatal:
-                        return
-                    continue
-                if event is NEED_DATA:
-                    conn.receive_data(await stream.receive_some(1 << 16))
-                    continue
-                if event is CLOSED:
-                    return
-                assert isinstance(event, Message)
-                await stream.send_all(self._peer_reply(conn, caller, event))
+            with proving:
+                await self._serve_caller(stream, conn, caller, proving)
+            if proving.cancelled_caught:
+                log.warning("peer.auth_timeout", caller=caller.name, remote=caller.remote,
+                            seconds=AUTH_TIMEOUT_S)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         except ProtocolError as exc:  # we could not answer: end this connection only
@@ -490,6 +486,27 @@ class Daemon:
             return
         finally:
             await stream.aclose()
+
+    async def _serve_caller(self, stream: trio.SocketStream, conn: Connection,
+                            caller: _Caller, proving: trio.CancelScope) -> None:
+        while not caller.hang_up:
+            try:
+                event = conn.next_event()
+            except RemoteProtocolError as exc:
+                log.warning("peer.protocol_error", code=exc.code, error=exc.message)
+                await stream.send_all(conn.send_error(exc))
+                if exc.fatal:
+                    return
+                continue
+            if event is NEED_DATA:
+                conn.receive_data(await stream.receive_some(1 << 16))
+                continue
+            if event is CLOSED:
+                return
+            assert isinstance(event, Message)
+            await stream.send_all(self._peer_reply(conn, caller, event))
+            if caller.authenticated:
+                proving.deadline = math.inf
 
     def _peer_reply(self, conn: Connection, caller: _Caller, msg: Message) -> bytes:
         if msg.kind == "hello":
@@ -562,6 +579,7 @@ class Daemon:
 
 
 NONCE_BYTES = 16
+AUTH_TIMEOUT_S = 10.0  # a peer connection must have proved the token by then
 LOCATE_TIMEOUT_S = 2.0  # per peer asked by ``locate``
 LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
 EVENT_LOG = 1024  # membership changes kept for watching clients
@@ -578,10 +596,10 @@ def _nonce_ok(nonce: bytes) -> bool:
 
 def _remote(stream: trio.SocketStream) -> str:
     try:
-        host, port = stream.socket.getpeername()[:2]
+        peer = stream.socket.getpeername()
     except OSError:
         return "?"
-    return f"{host}:{port}"
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "?")
 
 
 class _Caller:
@@ -914,7 +932,7 @@ class ClientSession:
         t0 = time.perf_counter()
         try:
             pieces = await d.engine.write(src, desc, scatter, imm=msg.get("imm"))
-        except P2PXferError:
+        except TransferError:
             # The region (or its owner) may be gone: look it up afresh, so the
             # caller hears "unknown_region" rather than a transport error.
             d.forget(peer, region)

@@ -275,6 +275,11 @@ class Engine:
 
         ``dry_run`` does everything but the provider calls (for measuring the
         engine's own cost per page).
+
+        Checkpoints: a write always checks for cancellation before posting,
+        but a small write that completes while the trio thread polls for it
+        returns without a schedule point unless the engine has not yielded for
+        ``YIELD_EVERY_NS`` (1 ms): a deadline may be noticed that much late.
         """
         inline = self.config.inline_poll_ns > 0
         t = await self._submit(src, dst, scatter, imm, dry_run, inline=inline)

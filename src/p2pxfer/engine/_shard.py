@@ -261,8 +261,13 @@ class Shard:
 
     def _take_commands(self) -> bool:
         while self._inbox:
-            what, tr = self._inbox.popleft()
+            # Peek, act, then pop: a write moves to _posting before it leaves
+            # the inbox, so the trio thread (which checks both without the
+            # lock before posting directly) never sees both empty while a
+            # write is still due: writes go out in submission order.
+            what, tr = self._inbox[0]
             if what == "stop":
+                self._inbox.popleft()
                 return True
             assert tr is not None
             if what == "write":
@@ -277,6 +282,7 @@ class Shard:
                 tr.remaining -= never
                 self._posting.remove(tr)
                 self._finish_if_done(tr)
+            self._inbox.popleft()
         return False
 
     def _post_pending(self) -> None:

@@ -125,8 +125,10 @@ class ClusterAuth:
         shows to prove it holds the token: a MAC over both nonces in a fixed
         order, its side and its node name (so a proof can be neither replayed
         on another connection nor reflected back to its sender)."""
-        return hmac.digest(self._control_key, b"\0".join((
-            side.encode(), initiator_nonce, responder_nonce, name.encode())), "sha256")
+        # Each part length-prefixed: no two different tuples give the same input.
+        parts = (side.encode(), initiator_nonce, responder_nonce, name.encode())
+        data = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+        return hmac.digest(self._control_key, data, "sha256")
 
     def check_connection(self, side: str, initiator_nonce: bytes, responder_nonce: bytes,
                          name: str, proof: bytes) -> bool:
