@@ -182,6 +182,44 @@ def test_a_caller_that_never_proves_the_token_is_cut_off(monkeypatch: pytest.Mon
     trio.run(main)
 
 
+def test_idle_peer_links_are_closed_and_reopened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two in-process daemons (control ports only, on 127.0.0.1): a link
+    unused for LINK_IDLE_S is closed, and the next request dials again."""
+    from types import SimpleNamespace
+
+    from p2pxfer.daemon import DaemonConfig
+    from p2pxfer.daemon import _daemon as daemon_mod
+
+    monkeypatch.setattr(daemon_mod, "LINK_IDLE_S", 0.2)
+    engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
+
+    def daemon(name: str) -> Any:
+        return daemon_mod.Daemon(DaemonConfig(node=name, control=f"{LOOPBACK}:0",
+                                              cluster_token=TOKEN), engine)
+
+    async def main() -> None:
+        a, b = daemon("node-a"), daemon("node-b")
+        async with trio.open_nursery() as nursery:
+            a.nursery, b.nursery = nursery, nursery
+            await a.serve_peers(nursery)
+            await b.serve_peers(nursery)
+            nursery.start_soon(a.close_idle_links)
+            a.add_peer("node-b", b.control_address)
+            link = a._link("node-b")
+            with trio.fail_after(10):
+                # b learned a's control address once a proved the token
+                peers = (await link.request("peers"))["peers"]
+                assert [p["name"] for p in peers] == ["node-a"]
+                assert link._stream is not None
+                while link._stream is not None:
+                    await trio.sleep(0.05)
+                assert (await link.request("peers"))["peers"] == peers
+                assert link._stream is not None
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_caller_refuses_a_daemon_that_cannot_prove_the_token(tmp_path: Path,
                                                              procs: list[Any]) -> None:
     """Mutual: a daemon holding the token will not take descriptors from a

@@ -201,6 +201,17 @@ class Daemon:
             link = self._links[peer] = PeerLink(self, self.peers[peer])
         return link
 
+    async def close_idle_links(self) -> None:
+        """Every LINK_IDLE_S, close peer connections unused that long: a node
+        that once asked every member (``locate``) must not hold a socket to
+        each of hundreds of daemons forever. The next request reconnects."""
+        while True:
+            await trio.sleep(LINK_IDLE_S)
+            cutoff = trio.current_time() - LINK_IDLE_S
+            for link in list(self._links.values()):
+                if link.idle and link.last_used < cutoff:
+                    await link.close()
+
     def add_peer(self, name: str, address: str) -> None:
         try:
             parse_hostport(address)
@@ -582,6 +593,7 @@ NONCE_BYTES = 16
 AUTH_TIMEOUT_S = 10.0  # a peer connection must have proved the token by then
 LOCATE_TIMEOUT_S = 2.0  # per peer asked by ``locate``
 LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
+LINK_IDLE_S = 60.0  # a peer connection unused this long is closed
 EVENT_LOG = 1024  # membership changes kept for watching clients
 WATCH_TIMEOUT_MAX_S = 300.0
 _EVENT_KINDS: dict[type[Any], str] = {
@@ -625,8 +637,15 @@ class PeerLink:
         self._lock = trio.Lock()
         self._stream: trio.SocketStream | None = None
         self._conn: Connection | None = None
+        self.last_used = trio.current_time()
+
+    @property
+    def idle(self) -> bool:
+        """Connected, and not in use right now."""
+        return self._stream is not None and not self._lock.locked()
 
     async def request(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.last_used = trio.current_time()
         async with self._lock:
             try:
                 with trio.fail_after(PEER_TIMEOUT_S):
@@ -1000,6 +1019,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
             daemon = Daemon(config, engine)
             daemon.nursery = nursery
             await daemon.serve_peers(nursery)
+            nursery.start_soon(daemon.close_idle_links)
             if config.membership != "none":
                 await daemon.start_membership(nursery)
             sock = await daemon.serve_clients(nursery)
