@@ -39,6 +39,11 @@ log = structlog.get_logger("p2pxfer.engine")
 DIRECT_POST_MAX = 64
 # Spin this long, with transfers in flight, on CQs that have no wait fd.
 INFLIGHT_SPIN_NS = 500_000
+# With transfers in flight, never sleep longer than this even on CQ wait fds:
+# tcp's wait fd signals what arrived, not that a half-sent message may go on
+# (the socket became writable), so a large write could otherwise sit out the
+# whole idle timeout. A wake-up costs tens of microseconds; 1 kHz is cheap.
+INFLIGHT_NAP_NS = 1_000_000
 
 
 @dataclass(eq=False)
@@ -218,11 +223,13 @@ class Shard:
             # Python is a GIL round with trio). The trio thread may poll too.
             # Without CQ wait fds (shm) a nap delays every completion that lands
             # in it: while transfers are in flight, spin longer before napping.
-            spin = self._spin_ns
-            if self._inflight and not self._blocks_on_fds:
-                spin = max(spin, INFLIGHT_SPIN_NS)
+            spin, nap = self._spin_ns, self._idle_ns
+            if self._inflight:
+                nap = min(nap, INFLIGHT_NAP_NS)
+                if not self._blocks_on_fds:
+                    spin = max(spin, INFLIGHT_SPIN_NS)
             c = poller.progress(spin_ns=0 if busy else spin,
-                                timeout_ns=0 if busy else self._idle_ns, min_entries=need)
+                                timeout_ns=0 if busy else nap, min_entries=need)
             with self._lock:
                 self._absorb(c)
             self._flush()
