@@ -501,19 +501,18 @@ def run_child(ctx: Any, target: Any, *args: Any) -> tuple[int | None, Any]:
 
 
 def test_write_to_a_peer_that_left_raises_remote_closed(
-    provider: tuple[str, str | None], tmp_path: Path, request: pytest.FixtureRequest,
+    provider: tuple[str, str | None], tmp_path: Path,
 ) -> None:
-    if provider[0].startswith("tcp"):
-        # Known gap until membership (issue 6) detects dead peers: rxm keeps
-        # returning -FI_EAGAIN for a refused connection, so write() times out.
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="tcp: a departed peer surfaces as WaitTimeout, not RemoteClosed"))
+    # tcp: rxm answers -FI_EAGAIN forever for a refused connection; the stall
+    # watch asks the peer's port after STALL_PROBE_S and finds it refused.
     ctx = mp.get_context("spawn")
     code, desc = run_child(ctx, export_and_leave, *provider)
     assert code == 0 and isinstance(desc, bytes)
     code, got = run_child(ctx, write_to_departed, *provider, desc, str(tmp_path))
     assert code == 0, f"writer died with exit code {code}: {got}"
     assert got is not None and got.split(":")[0] in GONE_ERRORS, got
+    if provider[0].startswith("tcp"):
+        assert got.startswith("RemoteClosed") and "refuses connections" in got, got
 
 
 def test_write_to_an_endpoint_closed_in_this_process_fails_cleanly(tmp_path: Path) -> None:

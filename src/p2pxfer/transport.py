@@ -26,6 +26,7 @@ import structlog
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
+    RemoteClosed,
     TransferError,
     UnregisteredMemory,
     WaitTimeout,
@@ -36,6 +37,7 @@ from p2pxfer.fabric import (
     Completions,
     Poller,
     Rail,
+    StallWatch,
     WriteBatch,
     getinfo,
 )
@@ -223,7 +225,7 @@ class Transport:
             rail = self.rails[st.rail]
             rd = dst.rails[(st.rail + rail_offset) % len(dst.rails)]
             batch.add(st.rail, rail, rail.peer(rd.address), st.start, st.end, base,
-                      region.mrs[st.rail].desc, rd.base, rd.key)
+                      region.mrs[st.rail].desc, rd.base, rd.key, rd.address)
         return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name)
 
     def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
@@ -258,11 +260,14 @@ class Transport:
     def _run(self, w: PreparedWrite, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         tid, batch = w.tid, w.batch
+        watch = StallWatch()
         try:
             while not batch.posted:
                 self._absorb(self.poller.post(batch, POST_BUDGET_NS))
                 if tid in self._failures:
                     break
+                if (gone := watch.check(batch)) is not None:
+                    raise RemoteClosed(f"write to {w.dst_name!r} failed: {gone}")
                 self._check_deadline(deadline, w)
         finally:
             for r, pieces, nbytes in batch.progress():

@@ -28,4 +28,5 @@ from ._rail import CompletionError as CompletionError
 from ._rail import Completions as Completions
 from ._rail import Poller as Poller
 from ._rail import Rail as Rail
+from ._rail import StallWatch as StallWatch
 from ._rail import WriteBatch as WriteBatch

@@ -7,6 +7,9 @@ Nothing here keeps per-transfer state: that belongs to the layers above.
 
 from __future__ import annotations
 
+import re
+import socket
+import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -30,7 +33,8 @@ from ._objects import (
 )
 
 __all__ = [
-    "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "WriteBatch",
+    "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "StallWatch",
+    "WriteBatch",
 ]
 
 log = structlog.get_logger("p2pxfer.fabric")
@@ -91,6 +95,24 @@ class Rail:
         self._mrs.discard(mr)
         mr.close()
 
+    def refuses(self, address: bytes, timeout: float = 0.5) -> bool:
+        """True when the peer endpoint at ``address`` is known to be gone: an
+        IP provider's address whose port refuses TCP connections (its process
+        exited). False when it answers, or when that cannot be told (other
+        providers; no answer within ``timeout``). Asked only about a write
+        that has stalled (see ``StallWatch``): tcp;ofi_rxm answers -FI_EAGAIN
+        forever for a peer whose connection is refused and reports nothing."""
+        m = _SOCKADDR.match(self.av.straddr(address))
+        if m is None:
+            return False
+        try:
+            with socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+
     def peer(self, address: bytes) -> int:
         """The ``fi_addr_t`` of a peer endpoint address (inserted on first use).
         On shm, checked on every call: libfabric 1.17's shm crashes the process
@@ -142,9 +164,13 @@ class WriteBatch:
         self.unposted_at_cancel = 0  # pieces a cancellation kept from going out
         self.rails: list[int] = []
         self.starts: list[int] = []
+        self.peers: list[tuple[Rail, bytes]] = []
 
     def add(self, rail_index: int, rail: Rail, dest: int, start: int, end: int,
-            src_base: int, src_desc: Any, dst_base: int, dst_key: int) -> None:
+            src_base: int, src_desc: Any, dst_base: int, dst_key: int,
+            address: bytes = b"") -> None:
+        """One rail's share; ``address`` is the peer endpoint's (for
+        ``StallWatch`` to ask whether it is gone)."""
         c = self._c[len(self.rails)]
         c.ep = rail.endpoint.handle
         c.dest = dest
@@ -157,6 +183,7 @@ class WriteBatch:
         c.context = self.context
         self.rails.append(rail_index)
         self.starts.append(start)
+        self.peers.append((rail, address))
 
     def __len__(self) -> int:
         return len(self.rails)
@@ -188,6 +215,11 @@ class WriteBatch:
                            f"{fi_strerror(int(c.err))} [{int(c.err)}]")
         return out
 
+    def stuck_peers(self) -> list[tuple[Rail, bytes]]:
+        """(rail, peer address) of every cursor with pieces still to post."""
+        return [p for p, c in zip(self.peers, self._c[0:len(self.rails)], strict=True)
+                if c.next < c.end and not c.err and p[1]]
+
     def cancel(self) -> int:
         """Stop posting: returns how many pieces will now never be posted."""
         n = 0
@@ -195,6 +227,41 @@ class WriteBatch:
             n += int(c.end - c.next)
             c.end = c.next
         return n
+
+
+# Posting that has not moved for this long makes StallWatch ask whether the
+# peer is gone (and not more often than that).
+STALL_PROBE_S = 0.5
+_SOCKADDR = re.compile(r"fi_sockaddr_in6?://\[?([0-9A-Fa-f.:]+?)\]?:(\d+)$")
+
+
+class StallWatch:
+    """Tells a write stuck on a departed peer from one that is merely slow.
+
+    A TX queue that keeps refusing (-FI_EAGAIN) is normally back-pressure;
+    but tcp;ofi_rxm answers that forever, reporting nothing, when the peer's
+    connection is refused. Once a batch's posting has not moved for
+    ``STALL_PROBE_S``, ``check`` asks each stuck rail whether its peer
+    refuses connections (``Rail.refuses``), at most once per period."""
+
+    def __init__(self) -> None:
+        self._left = -1
+        self._since = time.monotonic()
+
+    def check(self, batch: WriteBatch) -> str | None:
+        """Why ``batch`` can never be posted, or None."""
+        left, now = batch.unposted(), time.monotonic()
+        if left != self._left:
+            self._left, self._since = left, now
+            return None
+        if now - self._since < STALL_PROBE_S:
+            return None
+        self._since = now
+        for rail, address in batch.stuck_peers():
+            if rail.refuses(address):
+                return (f"peer {rail.av.straddr(address)} refuses connections: its "
+                        f"endpoint is gone")
+        return None
 
 
 @dataclass(frozen=True)
