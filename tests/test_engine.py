@@ -640,6 +640,26 @@ async def test_a_loop_of_inline_writes_does_not_starve_other_tasks(provider: str
         assert ticks - before >= max(1, int(elapsed / 0.001) // 4), (ticks - before, elapsed)
 
 
+async def test_write_to_a_departed_tcp_peer_fails_with_remote_closed() -> None:
+    """rxm answers -FI_EAGAIN forever for a peer whose connection is refused;
+    the poller's stall watch finds the peer's port closed and fails the write
+    (nothing of it was posted), small (posted from trio) or long alike."""
+    source = random_bytes(23, 1 << 20)
+    async with open_engine(config("tcp;ofi_rxm")) as a:
+        a.register(source)
+        async with open_engine(config("tcp;ofi_rxm")) as b:
+            desc = b.export(np.zeros(1 << 20, np.uint8), "gone")
+        for sl in (ScatterList.contiguous(4096), contiguous_pieces(256, 1024)):
+            t0 = time.monotonic()
+            with trio.fail_after(STEP), pytest.raises(p2pxfer.RemoteClosed,
+                                                      match="refuses connections"):
+                await a.write(source, desc, sl)
+            assert time.monotonic() - t0 < 5
+        st = a.statistics()
+        assert st.failed == 2 and sum(n.inflight for n in st.nics) == 0
+        assert src_pins(a, source) == 0
+
+
 # -- bad input --------------------------------------------------------------------
 
 

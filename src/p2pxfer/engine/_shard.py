@@ -26,8 +26,8 @@ from typing import Any
 import structlog
 import trio
 
-from p2pxfer.errors import EngineClosed, TransferError
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail
+from p2pxfer.errors import EngineClosed, RemoteClosed, TransferError
+from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, StallWatch
 from p2pxfer.topology import Shard as ShardTopology
 from p2pxfer.transport import PreparedWrite, Transport
 
@@ -58,11 +58,15 @@ class TransferState:
     closed: bool = False
     cancel_requested: bool = False
     direct: bool = False  # posted from the trio thread
+    gone: str | None = None  # why its peer can never be reached (poller thread)
+    stall: StallWatch = field(default_factory=StallWatch)
     done: trio.Event = field(default_factory=trio.Event)
 
     def exception(self) -> BaseException | None:
         if self.closed:
             return EngineClosed(f"engine closed while writing to {self.w.dst_name!r}")
+        if self.gone is not None:
+            return RemoteClosed(f"write to {self.w.dst_name!r} failed: {self.gone}")
         if self.error is not None:
             return TransferError(f"write to {self.w.dst_name!r} failed: {self.error}")
         if self.w.batch.unposted_at_cancel:
@@ -188,7 +192,7 @@ class Shard:
             # The slot goes back when the transfer ends, not when someone
             # awaits it: a caller may submit many before waiting for any.
             self.slots.release()
-            if tr.error is not None or tr.closed:
+            if tr.error is not None or tr.closed or tr.gone is not None:
                 self.failed += 1
             elif tr.w.batch.unposted_at_cancel:
                 self.cancelled += 1
@@ -301,12 +305,18 @@ class Shard:
         while self._posting:
             tr = self._posting[0]
             c = poller.post(tr.w.batch)
+            # Outside the lock: asking a stalled peer may take a moment.
+            gone = None if tr.w.batch.posted else tr.stall.check(tr.w.batch)
             with self._lock:
                 self._absorb(c)
                 if tr.error is not None:
                     tr.remaining -= tr.w.batch.cancel()  # stop posting after a failure
                 if not tr.w.batch.posted:
-                    return
+                    if gone is None:
+                        return
+                    # Its peer is gone: what is not posted never will be.
+                    tr.gone = gone
+                    tr.remaining -= tr.w.batch.cancel()
                 self._posting.pop(0)
                 if failures := tr.w.batch.failures():
                     tr.error = tr.error or "; ".join(failures)
