@@ -13,11 +13,14 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from daemon_helpers import free_port
+from p2pxfer.engine import EngineConfig
+from p2pxfer.loopback import loopback_node
 from p2pxfer.transport import Transport
 
 LOOPBACK = "127.0.0.1"
@@ -109,3 +112,8 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def engine_config(provider: str, **kw: Any) -> EngineConfig:
+    """An engine config that keeps ``provider``'s traffic on this machine."""
+    return EngineConfig(provider=provider, node=loopback_node(provider), **kw)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -119,7 +120,6 @@ def start_daemon(workdir: Path, name: str, *, provider: str = "tcp;ofi_rxm",
                  **extra: Any) -> DaemonProc:
     """Write ``workdir/NAME.toml`` and start a daemon on it; returns once its
     socket accepts connections (bounded)."""
-    workdir.mkdir(parents=True, exist_ok=True)
     sock = str(workdir / f"{name}.sock")
     keys: dict[str, Any] = {
         "node": name,
@@ -133,12 +133,23 @@ def start_daemon(workdir: Path, name: str, *, provider: str = "tcp;ofi_rxm",
     }
     if peers:
         keys["peers"] = peers
+    return spawn_daemon(workdir, keys)
+
+
+def spawn_daemon(workdir: Path, keys: dict[str, Any],
+                 wrap: Callable[[list[str]], list[str]] = list) -> DaemonProc:
+    """Write ``workdir/NODE.toml`` from ``keys`` and run ``p2pxfer daemon`` on
+    it (``wrap`` turns the command line into another, e.g. one run inside a
+    network namespace); its output goes to ``NODE.log`` (appended: a restart
+    keeps the earlier life's). Returns once its socket accepts (bounded)."""
+    name = keys["node"]
+    workdir.mkdir(parents=True, exist_ok=True)
     cfg = write_config(workdir / f"{name}.toml", keys)
     log = workdir / f"{name}.log"
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([*p2pxfer_cmd(), "daemon", "--config", str(cfg)],
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(wrap([*p2pxfer_cmd(), "daemon", "--config", str(cfg)]),
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
-    d = DaemonProc(name, sock, keys["control"], cfg, log, proc, keys)
+    d = DaemonProc(name, keys["socket"], keys["control"], cfg, log, proc, keys)
     try:
         wait_accepting(d)
     except BaseException:

@@ -68,6 +68,17 @@ def _wait_up(ns: str, dev: str, timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+def _delete(namespaces: list[str]) -> None:
+    """Delete the namespaces this module created (their veths go with them)."""
+    errors = []
+    for ns in reversed(namespaces):
+        proc = ip("netns", "del", ns, check=False)
+        if proc.returncode != 0:
+            errors.append(f"{ns}: {proc.stderr.strip()}")
+    if errors:
+        raise RuntimeError(f"could not delete namespaces: {errors}")
+
+
 @contextmanager
 def two_hosts(rails: int = 2) -> Iterator[tuple[Host, Host]]:
     """Namespaces A and B with ``rails`` veth links between them; see the module doc."""
@@ -111,13 +122,7 @@ def two_hosts(rails: int = 2) -> Iterator[tuple[Host, Host]]:
         )
         yield hosts[0], hosts[1]
     finally:
-        errors = []
-        for ns in reversed(created):
-            proc = ip("netns", "del", ns, check=False)
-            if proc.returncode != 0:
-                errors.append(f"{ns}: {proc.stderr.strip()}")
-        if errors:
-            raise RuntimeError(f"could not delete namespaces: {errors}")
+        _delete(created)
 
 
 @contextmanager
@@ -161,10 +166,4 @@ def lan(n: int) -> Iterator[list[Host]]:
             _wait_up(h.ns, h.interfaces[0])
         yield hosts
     finally:
-        errors = []
-        for ns in reversed(created):
-            proc = ip("netns", "del", ns, check=False)
-            if proc.returncode != 0:
-                errors.append(f"{ns}: {proc.stderr.strip()}")
-        if errors:
-            raise RuntimeError(f"could not delete namespaces: {errors}")
+        _delete(created)

@@ -28,7 +28,8 @@ import pytest
 import trio
 
 import p2pxfer
-from p2pxfer.engine import Engine, EngineConfig, open_engine
+from conftest import engine_config
+from p2pxfer.engine import Engine, open_engine
 from p2pxfer.errors import (
     DescriptorError,
     EngineClosed,
@@ -37,21 +38,15 @@ from p2pxfer.errors import (
     ScatterError,
     UnregisteredMemory,
 )
+from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RailDescriptor, RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
-LOOPBACK = "127.0.0.1"
 PROVIDERS = ["tcp;ofi_rxm", "shm"]
 U8 = npt.NDArray[np.uint8]
 
 # Every wait in this file is bounded: a hang is a failure, not a stuck run.
 STEP = 20.0
-
-
-def config(provider: str, **kw: Any) -> EngineConfig:
-    """An engine config that keeps ``provider``'s traffic on this machine."""
-    node = LOOPBACK if provider.startswith("tcp") else None
-    return EngineConfig(provider=provider, node=node, **kw)
 
 
 @pytest.fixture(params=PROVIDERS)
@@ -61,7 +56,8 @@ def provider(request: pytest.FixtureRequest) -> str:
 
 @asynccontextmanager
 async def pair(provider: str, **kw: Any) -> AsyncIterator[tuple[Engine, Engine]]:
-    async with open_engine(config(provider, **kw)) as a, open_engine(config(provider, **kw)) as b:
+    async with open_engine(engine_config(provider, **kw)) as a, \
+            open_engine(engine_config(provider, **kw)) as b:
         yield a, b
 
 
@@ -362,9 +358,9 @@ async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
     region = np.zeros(size, np.uint8)
     sl = contiguous_pieces(size // (64 << 10), 64 << 10)
     errors: list[BaseException] = []
-    async with open_engine(config("tcp;ofi_rxm")) as b:
+    async with open_engine(engine_config("tcp;ofi_rxm")) as b:
         desc = b.export(region, "kv")
-        async with open_engine(config("tcp;ofi_rxm")) as a:
+        async with open_engine(engine_config("tcp;ofi_rxm")) as a:
             a.register(source)
 
             async def writer(k: int) -> None:
@@ -393,7 +389,7 @@ async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
         with pytest.raises(EngineClosed):
             a.register(source)
         # The target is unharmed: it still receives from a new initiator.
-        async with open_engine(config("tcp;ofi_rxm")) as c:
+        async with open_engine(engine_config("tcp;ofi_rxm")) as c:
             c.register(source)
             small = contiguous_pieces(16, 4096)
             region[:] = 0
@@ -411,7 +407,7 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
     region = np.zeros(size, np.uint8)
     sl = contiguous_pieces(size // (64 << 10), 64 << 10)
     errors: list[BaseException] = []
-    async with open_engine(config("tcp;ofi_rxm")) as b:
+    async with open_engine(engine_config("tcp;ofi_rxm")) as b:
         desc = b.export(region, "kv")
 
         async def writer(a: Engine, k: int) -> None:
@@ -421,7 +417,8 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
                 errors.append(exc)
 
         with trio.fail_after(10):
-            async with trio.open_nursery() as nursery, open_engine(config("tcp;ofi_rxm")) as a:
+            async with trio.open_nursery() as nursery, \
+                    open_engine(engine_config("tcp;ofi_rxm")) as a:
                 a.register(source)
                 for k in range(3):
                     nursery.start_soon(writer, a, k)
@@ -439,9 +436,9 @@ async def test_close_fails_writers_waiting_for_a_slot() -> None:
     region = np.zeros(size, np.uint8)
     sl = contiguous_pieces(size // (64 << 10), 64 << 10)
     errors: list[BaseException] = []
-    async with open_engine(config("tcp;ofi_rxm")) as b:
+    async with open_engine(engine_config("tcp;ofi_rxm")) as b:
         desc = b.export(region, "kv")
-        async with open_engine(config("tcp;ofi_rxm", max_inflight=1)) as a:
+        async with open_engine(engine_config("tcp;ofi_rxm", max_inflight=1)) as a:
             a.register(source)
 
             async def writer(k: int) -> None:
@@ -462,7 +459,7 @@ async def test_close_fails_writers_waiting_for_a_slot() -> None:
 
 
 async def test_close_wakes_wait_imm_with_engine_closed(provider: str) -> None:
-    async with open_engine(config(provider)) as b:
+    async with open_engine(engine_config(provider)) as b:
         b.export(np.zeros(4096, np.uint8), "kv")
         with trio.fail_after(5):
             async with trio.open_nursery() as nursery:
@@ -533,7 +530,7 @@ async def test_wait_imm_semantics(provider: str) -> None:
 async def test_wait_imm_rejects_bad_arguments(provider: str) -> None:
     """Bad immediates and counts raise ``InvalidArgument`` at once (never a hang,
     never a foreign error); every case is tried and the misses listed together."""
-    async with open_engine(config(provider)) as b:
+    async with open_engine(engine_config(provider)) as b:
         bits = b.shards[0].transport.imm_bits
         cases: list[tuple[Any, Any]] = [(imm, 1) for imm in (-1, 1 << bits, "7", 1.0, None)]
         cases += [(1, count) for count in (0, -3, "3", 2.5, None)]
@@ -624,7 +621,7 @@ def test_a_held_poller_reads_no_cq(provider: str) -> None:
     from p2pxfer import Transport
     from p2pxfer.fabric import Poller
 
-    node = LOOPBACK if provider.startswith("tcp") else None
+    node = loopback_node(provider)
     with Transport.open(provider, node=node) as a, Transport.open(provider, node=node) as b:
         src = random_bytes(24, 4096)
         region = np.zeros(4096, np.uint8)
@@ -693,9 +690,9 @@ async def test_write_to_a_departed_tcp_peer_fails_with_remote_closed() -> None:
     the poller's stall watch finds the peer's port closed and fails the write
     (nothing of it was posted), small (posted from trio) or long alike."""
     source = random_bytes(23, 1 << 20)
-    async with open_engine(config("tcp;ofi_rxm")) as a:
+    async with open_engine(engine_config("tcp;ofi_rxm")) as a:
         a.register(source)
-        async with open_engine(config("tcp;ofi_rxm")) as b:
+        async with open_engine(engine_config("tcp;ofi_rxm")) as b:
             desc = b.export(np.zeros(1 << 20, np.uint8), "gone")
         for sl in (ScatterList.contiguous(4096), contiguous_pieces(256, 1024)):
             t0 = time.monotonic()
@@ -762,7 +759,7 @@ async def test_bad_input_raises_and_engine_keeps_working(provider: str) -> None:
 
 
 async def test_idle_engine_uses_almost_no_cpu(provider: str) -> None:
-    async with open_engine(config(provider)) as e:
+    async with open_engine(engine_config(provider)) as e:
         e.export(np.zeros(1 << 16, np.uint8), "kv")
         await trio.sleep(0.2)  # let start-up settle
         t0, c0 = time.monotonic(), time.process_time()

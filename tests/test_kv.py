@@ -45,8 +45,9 @@ import numpy.typing as npt
 import pytest
 import trio
 
+from conftest import engine_config
 from p2pxfer.client import SharedMemory
-from p2pxfer.engine import Engine, EngineConfig, open_engine
+from p2pxfer.engine import Engine, open_engine
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
@@ -70,7 +71,6 @@ from p2pxfer.kv import (
 )
 from p2pxfer.memory import SharedBuffer
 
-LOOPBACK = "127.0.0.1"
 TCP = "tcp;ofi_rxm"
 PROVIDERS = [TCP, "shm"]
 U8 = npt.NDArray[np.uint8]
@@ -81,12 +81,6 @@ STEP = 20.0  # bound of any single wait that should succeed
 CHILD_STEP = 30.0  # bound of a child's waits (its start-up included)
 
 
-def config(provider: str, **kw: Any) -> EngineConfig:
-    """An engine config that keeps ``provider``'s traffic on this machine."""
-    node = LOOPBACK if provider.startswith("tcp") else None
-    return EngineConfig(provider=provider, node=node, **kw)
-
-
 @pytest.fixture(params=PROVIDERS)
 def provider(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -95,7 +89,8 @@ def provider(request: pytest.FixtureRequest) -> str:
 @asynccontextmanager
 async def pair(provider: str, **kw: Any) -> AsyncIterator[tuple[Engine, Engine]]:
     """(sender, receiver) engines in this process."""
-    async with open_engine(config(provider, **kw)) as a, open_engine(config(provider)) as b:
+    async with open_engine(engine_config(provider, **kw)) as a, \
+            open_engine(engine_config(provider)) as b:
         yield a, b
 
 
@@ -587,7 +582,7 @@ async def test_bad_input_refused_before_anything_is_written(provider: str) -> No
 
 
 async def test_pool_construction_errors() -> None:
-    async with open_engine(config("shm")) as e:
+    async with open_engine(engine_config("shm")) as e:
         lay = KVLayout(2, 8, 1024, planes=2)
         with pytest.raises(InvalidArgument, match="pool memory holds 100 bytes"):
             KVPool(e, "small", lay, buffer=np.zeros(100, np.uint8))
@@ -634,7 +629,7 @@ async def test_descriptor_wire_round_trip_and_malformed() -> None:
     padded = KVLayout(2, 4, 64, layer_stride=4096)
     assert KVLayout.from_wire(padded.to_wire()) == padded
 
-    async with open_engine(config(TCP, node_name="decode-0", incarnation=3)) as e:
+    async with open_engine(engine_config(TCP, node_name="decode-0", incarnation=3)) as e:
         lay = KVLayout(3, 8, 128, planes=2, order="block_major")
         pool = KVPool(e, "kv", lay)
         desc = pool.describe()
@@ -791,7 +786,7 @@ def sender_main(conn: Connection, mode: str) -> None:
 
 
 async def _sender(conn: Connection, mode: str) -> None:
-    async with open_engine(config(TCP)) as eng:
+    async with open_engine(engine_config(TCP)) as eng:
         lay = SEND_LAYOUT
         src = KVPool(eng, "prefill", lay)
         fill(src, SEED)
@@ -852,7 +847,7 @@ async def test_push_between_two_processes() -> None:
     s_lay = SEND_LAYOUT
     src_image = random_bytes(SEED, s_lay.nbytes)
     rng = np.random.default_rng(10)
-    async with open_engine(config(TCP)) as eng, sender_child("full") as (conn, proc):
+    async with open_engine(engine_config(TCP)) as eng, sender_child("full") as (conn, proc):
         dst = KVPool(eng, "decode", RECV_LAYOUT)
         pool_wire = dst.describe().to_wire()
         want = np.zeros(RECV_LAYOUT.nbytes, np.uint8)
@@ -886,7 +881,7 @@ async def test_dead_sender_ends_wait_layers_with_an_error() -> None:
     src_image = random_bytes(SEED, s_lay.nbytes)
     sb = np.arange(10, 30, dtype=np.int64)
     db = np.arange(50, 70, dtype=np.int64)[::-1].copy()
-    async with open_engine(config(TCP)) as eng, sender_child("partial") as (conn, proc):
+    async with open_engine(engine_config(TCP)) as eng, sender_child("partial") as (conn, proc):
         dst = KVPool(eng, "decode", RECV_LAYOUT)
         conn.send(msgpack.packb({"pool": dst.describe().to_wire(), "id": 7,
                                  "src": sb.tobytes(), "dst": db.tobytes(), "layers": [0, 1]}))
@@ -924,7 +919,7 @@ async def test_dead_sender_ends_wait_layers_with_an_error() -> None:
         assert_pool(dst.array, expected_image(src_image, s_lay, RECV_LAYOUT, sb, db, [0, 1]),
                     RECV_LAYOUT)
         dst.forget(7)
-        async with open_engine(config(TCP)) as other:
+        async with open_engine(engine_config(TCP)) as other:
             src = KVPool(other, "src", SEND_LAYOUT)
             fill(src, SEED)
             dst.array[:] = 0
@@ -1013,7 +1008,7 @@ def test_layout_rejects_bad_strides() -> None:
 
 
 async def test_wait_layers_rejects_out_of_range_layers() -> None:
-    async with open_engine(config("shm")) as e:
+    async with open_engine(engine_config("shm")) as e:
         pool = KVPool(e, "kv", KVLayout(2, 4, 64))
         for layers in ([2], [-1], [0, 99]):
             with trio.fail_after(1), pytest.raises(InvalidArgument):
@@ -1054,9 +1049,9 @@ async def test_cancelled_push_stops_posting_later_layers() -> None:
 
 async def test_push_to_dead_receiver_ends() -> None:
     lay = KVLayout(4, 8, 4096)
-    async with open_engine(config(TCP)) as a:
+    async with open_engine(engine_config(TCP)) as a:
         src = KVPool(a, "src", lay)
-        async with open_engine(config(TCP)) as b:
+        async with open_engine(engine_config(TCP)) as b:
             desc = KVPool(b, "dst", lay).describe()
             with trio.fail_after(STEP):
                 await push_pages(a, src, desc, [0], [1], request_id=1)

@@ -352,28 +352,14 @@ def start_in(host: Any, workdir: Path, name: str, membership: dict[str, Any]) ->
     """A daemon inside ``host``'s namespace, control (and membership) on its
     address, port 7700; its unix socket in ``workdir`` (reachable from here);
     ``membership``: its membership keys (from ``lan_members``)."""
-    from daemon_helpers import p2pxfer_cmd, wait_accepting, write_config
+    from daemon_helpers import spawn_daemon
 
     addr = host.addresses[0]
-    workdir.mkdir(parents=True, exist_ok=True)
-    keys: dict[str, Any] = {
+    return spawn_daemon(workdir, {
         "node": name, "socket": str(workdir / f"{name}.sock"),
         "control": f"{addr}:{CONTROL_PORT}", "provider": "tcp;ofi_rxm", "fabric_node": addr,
         "log_level": "INFO", **membership,
-    }
-    cfg = write_config(workdir / f"{name}.toml", keys)
-    log = workdir / f"{name}.log"
-    with open(log, "ab") as logf:
-        proc = subprocess.Popen(host.exec_argv([*p2pxfer_cmd(), "daemon", "--config",
-                                                str(cfg)]),
-                                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
-    d = DaemonProc(name, keys["socket"], keys["control"], cfg, log, proc, keys)
-    try:
-        wait_accepting(d)
-    except BaseException:
-        d.stop()
-        raise
-    return d
+    }, host.exec_argv)
 
 
 @contextmanager

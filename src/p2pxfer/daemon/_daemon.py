@@ -339,7 +339,7 @@ class Daemon:
                 | MemberRestarted) -> None:
         m = ev.member
         self._event_seq += 1
-        entry: dict[str, Any] = {"seq": self._event_seq, "event": _EVENT_KINDS[type(ev)],
+        entry: dict[str, Any] = {"seq": self._event_seq, "event": ev.kind,
                                  "name": m.name, "address": m.address,
                                  "state": str(m.state), "incarnation": m.incarnation}
         if isinstance(ev, MemberRestarted):
@@ -596,10 +596,6 @@ LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
 LINK_IDLE_S = 60.0  # a peer connection unused this long is closed
 EVENT_LOG = 1024  # membership changes kept for watching clients
 WATCH_TIMEOUT_MAX_S = 300.0
-_EVENT_KINDS: dict[type[Any], str] = {
-    MemberJoined: "joined", MemberAlive: "alive", MemberSuspect: "suspect",
-    MemberDead: "dead", MemberLeft: "left", MemberRestarted: "restarted",
-}
 
 
 def _nonce_ok(nonce: bytes) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import structlog
 import trio
@@ -32,10 +32,7 @@ from ._member import (
     AuthFailed,
     BadDatagram,
     Member,
-    MemberAlive,
     MemberDead,
-    MemberJoined,
-    MemberLeft,
     MemberRestarted,
     MembershipEvent,
     MemberSuspect,
@@ -57,13 +54,6 @@ class MembershipError(P2PXferError):
 class StaleIncarnation(PeerLost):
     """A descriptor is stamped with an incarnation that is not its node's
     running life: the node restarted (or died) since it was exported."""
-
-
-_EVENT_NAMES: dict[type[Any], str] = {
-    MemberJoined: "member.joined", MemberAlive: "member.alive",
-    MemberSuspect: "member.suspect", MemberDead: "member.dead", MemberLeft: "member.left",
-    MemberRestarted: "member.restarted",
-}
 
 
 class MembershipBackend(abc.ABC):
@@ -229,5 +219,5 @@ class MembershipBackend(abc.ABC):
                      if isinstance(ev, MemberRestarted) else {})
             level = self.log.warning if isinstance(ev, MemberDead | MemberSuspect) \
                 else self.log.info
-            level(_EVENT_NAMES[type(ev)], member=m.name, address=m.address,
+            level(f"member.{ev.kind}", member=m.name, address=m.address,
                   member_incarnation=m.incarnation, **extra)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 __all__ = [
     "AuthFailed",
@@ -82,6 +83,8 @@ class MemberJoined:
     """A life we did not know is running (a new name, or a new incarnation of
     a name whose previous life we already saw end). Nothing to invalidate."""
 
+    kind: ClassVar[str] = "joined"  # its name in logs and on the wire
+
     member: Member
 
 
@@ -90,12 +93,16 @@ class MemberAlive:
     """A suspect (or falsely declared dead) member proved it is alive, same
     incarnation: its descriptors are valid again."""
 
+    kind: ClassVar[str] = "alive"  # its name in logs and on the wire
+
     member: Member
 
 
 @dataclass(frozen=True, slots=True)
 class MemberSuspect:
     """A member missed its probes; it is still current until declared dead."""
+
+    kind: ClassVar[str] = "suspect"  # its name in logs and on the wire
 
     member: Member
 
@@ -106,12 +113,16 @@ class MemberDead:
     timeout, or its lease expired): fail its transfers with ``PeerLost`` and
     drop its regions. Covers every incarnation up to ``member.incarnation``."""
 
+    kind: ClassVar[str] = "dead"  # its name in logs and on the wire
+
     member: Member
 
 
 @dataclass(frozen=True, slots=True)
 class MemberLeft:
     """A member said goodbye: drop its regions; nothing more will come from it."""
+
+    kind: ClassVar[str] = "left"  # its name in logs and on the wire
 
     member: Member
 
@@ -121,6 +132,8 @@ class MemberRestarted:
     """A new life of a name replaced one we still thought running: everything
     stamped with ``previous_incarnation`` is void (fail its transfers with
     ``PeerLost``, drop its descriptors); ``member`` is the new life."""
+
+    kind: ClassVar[str] = "restarted"  # its name in logs and on the wire
 
     member: Member
     previous_incarnation: int
