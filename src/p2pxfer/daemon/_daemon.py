@@ -234,19 +234,12 @@ class Daemon:
                         for n, (s, d) in sorted(self.exports.items())],
             "peers": self.peer_list(),
             "membership": self.config.membership,
-            "membership_stats": self._membership_stats(),
+            "membership_stats": {} if self.membership is None else self.membership.statistics(),
             "transfers_in_flight": self.writes_in_flight,
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],
         }
-
-    def _membership_stats(self) -> dict[str, Any]:
-        """The embedded backend's protocol counters (datagrams, probes,
-        suspicions, auth failures...); empty for etcd or no membership."""
-        if isinstance(self.membership, EmbeddedBackend):
-            return asdict(self.membership.swim.statistics())
-        return {}
 
     def peer_list(self) -> list[dict[str, Any]]:
         """The ``peers`` reply: static peers, or every member with its state

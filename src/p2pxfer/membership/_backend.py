@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import structlog
 import trio
@@ -90,6 +90,10 @@ class MembershipBackend(abc.ABC):
     @abc.abstractmethod
     def member(self, name: str) -> Member | None:
         """One member, or None if unknown."""
+
+    def statistics(self) -> dict[str, Any]:
+        """The backend's own protocol counters, for ``status`` (none by default)."""
+        return {}
 
     def suspect(self, name: str) -> None:  # noqa: B027 - optional hook
         """Local evidence that ``name`` died: a backend that can act on it

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
 
 import trio
 
@@ -65,6 +67,10 @@ class EmbeddedBackend(MembershipBackend):
         self.address = ""
 
     # -- views --------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        """SWIM's counters: datagrams, bytes, probes, suspicions, auth failures..."""
+        return asdict(self._swim.statistics()) if self._swim is not None else {}
 
     def suspect(self, name: str) -> None:
         swim = self._swim
