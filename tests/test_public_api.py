@@ -3,7 +3,8 @@
 import p2pxfer
 
 EXPECTED = {
-    "BlockingEngine", "Client", "DaemonError", "DescriptorError", "Engine", "EngineClosed", "EngineConfig",
+    "BlockingEngine", "Client", "DaemonError", "DescriptorError", "Engine", "EngineClosed",
+    "EngineConfig",
     "FabricError", "InvalidArgument", "LocalRegion", "MemberUpdate", "P2PXferError",
     "PeerLost", "ProviderNotFound",
     "ReadOnlyBuffer", "RegionDescriptor", "RegistrationCache", "RegistrationError",

@@ -253,6 +253,8 @@ class CacheStats:
     evictions: int
     entries: int
     nbytes: int
+    #: entries pinned now (exports, sources of writes in flight)
+    pinned: int = 0
 
 
 class RegistrationCache:
@@ -362,7 +364,8 @@ class RegistrationCache:
             self._drop(key)
 
     def statistics(self) -> CacheStats:
-        return CacheStats(self._hits, self._misses, self._evictions, len(self._lru), self._bytes)
+        return CacheStats(self._hits, self._misses, self._evictions, len(self._lru), self._bytes,
+                          sum(1 for r in self._lru.values() if r.pins))
 
     def close(self) -> None:
         for key in list(self._lru):

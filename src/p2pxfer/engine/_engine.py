@@ -76,6 +76,10 @@ class EngineStats:
     cancelled: int = 0
     #: each shard's registration cache
     registrations: tuple[CacheStats, ...] = ()
+    #: completions read by the trio thread polling small writes inline
+    read_inline: int = 0
+    #: completions read by the shards' poller threads
+    read_by_pollers: int = 0
 
 
 class _YieldClock:
@@ -359,7 +363,9 @@ class Engine:
                            sum(s.completed for s in self.shards),
                            sum(s.failed for s in self.shards),
                            sum(s.cancelled for s in self.shards),
-                           tuple(s.registrations() for s in self.shards))
+                           tuple(s.registrations() for s in self.shards),
+                           sum(s.read_inline for s in self.shards),
+                           sum(s.read_by_poller for s in self.shards))
 
     def _check_open(self) -> None:
         if self._closed:

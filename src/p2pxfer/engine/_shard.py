@@ -182,6 +182,16 @@ class Shard:
     def registrations(self) -> CacheStats:
         return self._group.cache.statistics()
 
+    @property
+    def read_inline(self) -> int:
+        """Completions the trio thread read polling small writes inline."""
+        return self._inline_poller.entries
+
+    @property
+    def read_by_poller(self) -> int:
+        """Completions the poller thread read."""
+        return self._poller.entries
+
     # -- transfers (trio thread) ---------------------------------------------------
 
     def prepare(self, src: Any, dst: Any, scatter: Any, imm: Any,
