@@ -721,6 +721,55 @@ async def test_write_to_a_departed_tcp_peer_fails_with_remote_closed() -> None:
         assert pinned(a) == 0
 
 
+# -- the blocking facade -------------------------------------------------------------
+
+
+def pinned_blocking(engine: p2pxfer.BlockingEngine) -> int:
+    return sum(st.pinned for st in engine.statistics().registrations)
+
+
+def test_blocking_engine_timeouts_and_close(provider: str) -> None:
+    """``BlockingEngine`` forwards into an engine on a thread of its own: a
+    ``timeout`` becomes ``WaitTimeout`` (arrivals so far stay counted), writes
+    land and count as any engine's, and a closed one refuses calls."""
+    source = random_bytes(25, 1 << 16)
+    region = np.zeros(1 << 16, np.uint8)
+    with p2pxfer.BlockingEngine.open(provider, node=loopback_node(provider)) as e:
+        desc = e.export(region, "r")
+        e.register(source)
+        with pytest.raises(p2pxfer.WaitTimeout, match="only 0 of 3 pieces with immediate 5"):
+            e.wait_imm(5, 3, timeout=0.05)
+        n = e.write(source, desc, contiguous_pieces(2, 4096), imm=5, timeout=STEP)
+        with pytest.raises(p2pxfer.WaitTimeout, match="only 2 of 3 pieces"):
+            e.wait_imm(5, 3, timeout=0.05)
+        assert e.imm_count(5) == n == 2
+        e.wait_imm(5, 2, timeout=STEP)
+        assert_image(region[:8192], source[:8192])
+        st = e.statistics()
+        assert st.completed == 1 and sum(nic.pieces for nic in st.nics) == 2
+        assert e.exported() == {"r": 1 << 16}
+    e.close()  # idempotent
+    with pytest.raises(EngineClosed):
+        e.register(source)
+    assert not [t for t in threading.enumerate() if t.name == "p2pxfer-engine"]
+
+
+def test_blocking_write_timeout_stops_posting() -> None:
+    # A departed tcp peer: rxm retries forever, the timeout (before the stall
+    # watch's verdict) cancels the write, which posted nothing.
+    source = random_bytes(26, 1 << 16)
+    node = loopback_node("tcp;ofi_rxm")
+    with p2pxfer.BlockingEngine.open("tcp;ofi_rxm", node=node) as b:
+        desc = b.export(np.zeros(1 << 16, np.uint8), "gone")
+    with p2pxfer.BlockingEngine.open("tcp;ofi_rxm", node=node) as a:
+        a.register(source)
+        with pytest.raises(p2pxfer.WaitTimeout, match=r"'gone' did not complete within 0\.1 s"):
+            a.write(source, desc, ScatterList.contiguous(4096), timeout=0.1)
+        st = a.statistics()
+        assert st.cancelled == 1 and sum(nic.pieces for nic in st.nics) == 0
+        assert pinned_blocking(a) == 0
+
+
 # -- bad input --------------------------------------------------------------------
 
 
