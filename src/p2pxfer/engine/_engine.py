@@ -1,10 +1,15 @@
 """The engine: shards per NUMA node, opened as an async context manager.
 
 ``open_engine(config)`` discovers the NICs (``p2pxfer.topology``), opens one
-rail per NIC grouped into shards, starts each shard's poller thread, and
-closes everything on exit, failing transfers still in flight with
-``EngineClosed``. Public calls raise plain ``P2PXferError`` subclasses, never
-exception groups.
+rail per NIC grouped into shards (``open_engine_on`` takes the topology as
+given), starts each shard's poller thread, and closes everything on exit,
+failing transfers still in flight with ``EngineClosed``. Public calls raise
+plain ``P2PXferError`` subclasses, never exception groups.
+
+What lives here: routing writes to shards, immediates (counts, waiters,
+routes) and statistics. What must not: posting, polling or counting
+completions (the shards'), and reaching into a shard's rails, cache or
+poller (ask the shard).
 """
 
 from __future__ import annotations
@@ -214,7 +219,6 @@ class Engine:
         """Drop ``obj``'s registration on every shard now (it must not be
         exported, nor the source of a write in flight)."""
         self._check_open()
-        buffer_span(obj)  # refuses what is no buffer, even with no shard to ask
         for shard in self.shards:
             shard.deregister(obj)
 

@@ -95,7 +95,9 @@ class TransferState:
 
 
 class Shard:
-    """Rails of one NUMA node driven by one pinned poller thread."""
+    """Rails of one NUMA node driven by one pinned poller thread. Owns the
+    rails (through a ``RailGroup``, with their registration cache), the poller
+    thread's ``Poller`` and the trio thread's inline one."""
 
     def __init__(self, index: int, topo: ShardTopology, rails: list[Rail], *,
                  token: trio.lowlevel.TrioToken, deliver_imms: Any, max_inflight: int,
