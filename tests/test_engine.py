@@ -262,7 +262,8 @@ async def test_cancel_mid_transfer(provider: str) -> None:
             async with trio.open_nursery() as nursery:
                 cs = await nursery.start(writer)
                 # Cancel once the first pieces completed: the write is under way.
-                await wait_until(lambda: sum(a.shards[0].pieces_done) > 0, STEP, "a completion")
+                await wait_until(lambda: sum(n.completed for n in a.statistics().nics) > 0,
+                                 STEP, "a completion")
                 cs.cancel()
         assert cancelled and not returned and cs.cancelled_caught
 
@@ -512,6 +513,7 @@ async def test_wait_imm_semantics(provider: str) -> None:
                 await trio.sleep(0.01)
                 nursery.start_soon(b.wait_imm, 22, 8)
                 await trio.sleep(0.01)
+                assert b.statistics().imms_awaited == 1  # one immediate, two waiters
                 await a.write(source, desc, sl, imm=22)
                 await a.write(source, desc, sl, imm=22)
         assert b.imm_count(22) == 0
@@ -520,7 +522,7 @@ async def test_wait_imm_semantics(provider: str) -> None:
         # (with one immediate per transfer, leftovers would grow without bound).
         with trio.move_on_after(0.01):
             await b.wait_imm(24, 1)
-        assert 24 not in b._imm_waiters, b._imm_waiters
+        assert b.statistics().imms_awaited == 0
         # ... and nothing that could swallow a later arrival.
         with trio.fail_after(STEP):
             n = await a.write(source, desc, sl, imm=24)

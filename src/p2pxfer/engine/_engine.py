@@ -85,6 +85,8 @@ class EngineStats:
     read_inline: int = 0
     #: completions read by the shards' poller threads
     read_by_pollers: int = 0
+    #: immediate values some ``wait_imm`` is waiting for now
+    imms_awaited: int = 0
 
 
 class _YieldClock:
@@ -369,7 +371,8 @@ class Engine:
                            sum(s.cancelled for s in self.shards),
                            tuple(s.registrations() for s in self.shards),
                            sum(s.read_inline for s in self.shards),
-                           sum(s.read_by_poller for s in self.shards))
+                           sum(s.read_by_poller for s in self.shards),
+                           len(self._imm_waiters))
 
     def _check_open(self) -> None:
         if self._closed:
