@@ -90,7 +90,9 @@ class BlockingEngine:
         return trio.from_thread.run(fn, *args, trio_token=self._token)
 
     @property
-    def engine(self) -> Engine:
+    def _eng(self) -> Engine:
+        # Only for use inside calls forwarded to the engine's thread: an
+        # Engine is not thread-safe.
         assert self._engine is not None
         return self._engine
 
@@ -98,21 +100,21 @@ class BlockingEngine:
 
     def register(self, obj: Any, *, writable: bool = False) -> None:
         """See :meth:`Engine.register`."""
-        self._run_sync(lambda: self.engine.register(obj, writable=writable))
+        self._run_sync(lambda: self._eng.register(obj, writable=writable))
 
     def export(self, obj: Any, name: str) -> RegionDescriptor:
         """See :meth:`Engine.export`."""
-        return self._run_sync(self.engine.export, obj, name)
+        return self._run_sync(self._eng.export, obj, name)
 
     def unexport(self, name: str) -> None:
-        self._run_sync(self.engine.unexport, name)
+        self._run_sync(self._eng.unexport, name)
 
     def deregister(self, obj: Any) -> None:
         """See :meth:`Engine.deregister`."""
-        self._run_sync(self.engine.deregister, obj)
+        self._run_sync(self._eng.deregister, obj)
 
     def exported(self) -> dict[str, int]:
-        return self._run_sync(self.engine.exported)
+        return self._run_sync(self._eng.exported)
 
     # -- transfers ------------------------------------------------------------
 
@@ -125,7 +127,7 @@ class BlockingEngine:
 
         async def write() -> int:
             with trio.move_on_after(math.inf if timeout is None else timeout):
-                return await self.engine.write(src, dst, scatter, imm=imm, dry_run=dry_run)
+                return await self._eng.write(src, dst, scatter, imm=imm, dry_run=dry_run)
             raise WaitTimeout(f"write to {dst.name!r} did not complete within {timeout} s")
 
         return self._run(write)
@@ -136,26 +138,26 @@ class BlockingEngine:
 
         async def wait() -> None:
             with trio.move_on_after(math.inf if timeout is None else timeout):
-                await self.engine.wait_imm(imm, count)
+                await self._eng.wait_imm(imm, count)
                 return
-            raise WaitTimeout(f"only {self.engine.imm_count(imm)} of {count} pieces with "
+            raise WaitTimeout(f"only {self._eng.imm_count(imm)} of {count} pieces with "
                               f"immediate {imm} arrived within {timeout} s")
 
         self._run(wait)
 
     def imm_count(self, imm: int) -> int:
-        return self._run_sync(self.engine.imm_count, imm)
+        return self._run_sync(self._eng.imm_count, imm)
 
     @property
     def imm_bits(self) -> int:
-        return self.engine.imm_bits
+        return self._eng.imm_bits
 
     @property
     def provider(self) -> str:
         return self.config.provider
 
     def statistics(self) -> EngineStats:
-        return self._run_sync(self.engine.statistics)
+        return self._run_sync(self._eng.statistics)
 
     # -- life -----------------------------------------------------------------
 
