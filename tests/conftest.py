@@ -19,26 +19,32 @@ import numpy as np
 import pytest
 
 from daemon_helpers import free_port
-from p2pxfer.engine import EngineConfig
+from p2pxfer.engine import BlockingEngine, EngineConfig
+from p2pxfer.fabric import Rail
 from p2pxfer.loopback import loopback_node
-from p2pxfer.transport import Transport
 
 LOOPBACK = "127.0.0.1"
 
-# (provider, node): what Transport.open needs to stay on this machine.
+# (provider, node): what an engine or a rail needs to stay on this machine.
 PROVIDERS: list[tuple[str, str | None]] = [("tcp;ofi_rxm", LOOPBACK), ("shm", None)]
 
 
-def open_transport(provider: str, node: str | None) -> Transport:
-    """Open a one-rail transport on ``provider``; tcp is pinned to loopback."""
+def open_blocking(provider: str, node: str | None, **options: Any) -> BlockingEngine:
+    """Open a blocking engine on ``provider`` (one rail here); tcp is pinned to
+    loopback."""
     if provider.startswith("tcp") and node != LOOPBACK:
         raise AssertionError(f"tcp tests must bind {LOOPBACK}, got node={node!r}")
-    return Transport.open(provider, node=node)
+    return BlockingEngine.open(provider, node=node, **options)
 
 
-def posted(transport: Transport) -> int:
-    """Pieces this transport has posted over its life, all rails together."""
-    return sum(transport.pieces_posted)
+def posted(engine: BlockingEngine) -> int:
+    """Pieces this engine has posted over its life, all NICs together."""
+    return sum(n.pieces for n in engine.statistics().nics)
+
+
+def posted_bytes(engine: BlockingEngine) -> int:
+    """Bytes this engine has posted over its life, all NICs together."""
+    return sum(n.bytes for n in engine.statistics().nics)
 
 
 @pytest.fixture(params=PROVIDERS, ids=[p for p, _ in PROVIDERS])
@@ -48,23 +54,18 @@ def provider(request: pytest.FixtureRequest) -> tuple[str, str | None]:
 
 
 @pytest.fixture
-def transport(provider: tuple[str, str | None]) -> Iterator[Transport]:
-    """A transport on each provider, closed after the test."""
-    t = open_transport(*provider)
-    try:
-        yield t
-    finally:
-        t.close()
+def engine(provider: tuple[str, str | None]) -> Iterator[BlockingEngine]:
+    """A blocking engine on each provider, closed after the test."""
+    with open_blocking(*provider) as e:
+        yield e
 
 
 @pytest.fixture
-def tcp_transport() -> Iterator[Transport]:
-    """A tcp;ofi_rxm transport on loopback, for tests that need only one provider."""
-    t = open_transport("tcp;ofi_rxm", LOOPBACK)
-    try:
-        yield t
-    finally:
-        t.close()
+def rail(provider: tuple[str, str | None]) -> Iterator[Rail]:
+    """One bare rail on each provider (for the layers below the engine)."""
+    name, node = provider
+    with Rail.open(name, node=node) as r:
+        yield r
 
 
 @pytest.fixture

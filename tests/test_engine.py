@@ -117,11 +117,14 @@ def poller_threads() -> list[str]:
 
 
 def registrations(engine: Engine) -> int:
-    return sum(len(r._mrs) for shard in engine.shards for r in shard.transport.rails)
+    """Registrations the engine holds now, all shards together."""
+    return sum(st.entries for st in engine.statistics().registrations)
 
 
-def src_pins(engine: Engine, src: Any) -> int:
-    return sum(shard.transport.cache.require(src).pins for shard in engine.shards)
+def pinned(engine: Engine) -> int:
+    """Registrations pinned now (exports, sources of writes in flight). On an
+    initiator that exports nothing: 0 once its writes have returned."""
+    return sum(st.pinned for st in engine.statistics().registrations)
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -189,7 +192,7 @@ async def test_64_concurrent_writers(provider: str) -> None:
         tb = b.statistics()
         assert tb.completed == 0 and tb.failed == 0
         assert sum(n.bytes for n in tb.nics) == 0
-        assert src_pins(a, source) == 0
+        assert pinned(a) == 0
 
 
 async def test_nic_completed_counts_only_own_writes(provider: str) -> None:
@@ -259,7 +262,8 @@ async def test_cancel_mid_transfer(provider: str) -> None:
             async with trio.open_nursery() as nursery:
                 cs = await nursery.start(writer)
                 # Cancel once the first pieces completed: the write is under way.
-                await wait_until(lambda: sum(a.shards[0].pieces_done) > 0, STEP, "a completion")
+                await wait_until(lambda: sum(n.completed for n in a.statistics().nics) > 0,
+                                 STEP, "a completion")
                 cs.cancel()
         assert cancelled and not returned and cs.cancelled_caught
 
@@ -272,8 +276,7 @@ async def test_cancel_mid_transfer(provider: str) -> None:
         assert st.queue_depth == (0,)
         # The cancelled write returned only after its posted pieces finished:
         # its source is unpinned (reusable) now.
-        assert src_pins(a, source) == 0
-        assert a.shards[0].transport.cache.require(source).pins == 0
+        assert pinned(a) == 0
 
         # Everything posted lands in full, nothing else does; it is a prefix
         # of each rail's stripe, so compare piece by piece.
@@ -297,7 +300,7 @@ async def test_cancel_mid_transfer(provider: str) -> None:
         assert n == 256
         assert_image(region[: 256 * BIG_PIECE], source[: 256 * BIG_PIECE])
         assert not region[256 * BIG_PIECE:].any()
-        assert src_pins(a, source) == 0
+        assert pinned(a) == 0
 
         # A write cancelled before it started posts nothing.
         before = nic_totals(a)
@@ -306,12 +309,11 @@ async def test_cancel_mid_transfer(provider: str) -> None:
             await a.write(source, desc, small, imm=imm + 2)
         assert early.cancelled_caught
         assert nic_totals(a) == before
-        assert src_pins(a, source) == 0
+        assert pinned(a) == 0
 
     # Nothing leaks: fds, poller threads, registrations.
     assert registrations(a) == 0 and registrations(b) == 0
-    assert all(mr.closed for e in (a, b) for s in e.shards for r in s.transport.rails
-               for mr in r._mrs)
+    assert all(st.nbytes == 0 for e in (a, b) for st in e.statistics().registrations)
     await wait_until(lambda: poller_threads() == [], 5, "poller threads to go")
     assert open_fds() == fds
 
@@ -341,7 +343,7 @@ async def test_many_cancelled_writers_leave_engine_clean(provider: str) -> None:
         assert st.completed + st.failed + st.cancelled <= 16
         assert all(n.inflight == 0 for n in st.nics)
         assert st.queue_depth == (0,)
-        assert src_pins(a, source) == 0
+        assert pinned(a) == 0
         with trio.fail_after(STEP):
             if posted:
                 await b.wait_imm(99, posted)
@@ -511,6 +513,7 @@ async def test_wait_imm_semantics(provider: str) -> None:
                 await trio.sleep(0.01)
                 nursery.start_soon(b.wait_imm, 22, 8)
                 await trio.sleep(0.01)
+                assert b.statistics().imms_awaited == 1  # one immediate, two waiters
                 await a.write(source, desc, sl, imm=22)
                 await a.write(source, desc, sl, imm=22)
         assert b.imm_count(22) == 0
@@ -519,7 +522,11 @@ async def test_wait_imm_semantics(provider: str) -> None:
         # (with one immediate per transfer, leftovers would grow without bound).
         with trio.move_on_after(0.01):
             await b.wait_imm(24, 1)
-        assert 24 not in b._imm_waiters, b._imm_waiters
+        assert b.statistics().imms_awaited == 0
+        # ... and nothing that could swallow a later arrival.
+        with trio.fail_after(STEP):
+            n = await a.write(source, desc, sl, imm=24)
+            await wait_until(lambda: b.imm_count(24) == n, STEP, "arrivals with 24")
 
         # The engine still works.
         with trio.fail_after(STEP):
@@ -531,7 +538,7 @@ async def test_wait_imm_rejects_bad_arguments(provider: str) -> None:
     """Bad immediates and counts raise ``InvalidArgument`` at once (never a hang,
     never a foreign error); every case is tried and the misses listed together."""
     async with open_engine(engine_config(provider)) as b:
-        bits = b.shards[0].transport.imm_bits
+        bits = b.imm_bits
         cases: list[tuple[Any, Any]] = [(imm, 1) for imm in (-1, 1 << bits, "7", 1.0, None)]
         cases += [(1, count) for count in (0, -3, "3", 2.5, None)]
         wrong = []
@@ -567,7 +574,7 @@ async def test_dry_run_moves_nothing(provider: str) -> None:
         assert not region.any()
         assert b.imm_count(31) == 0
         assert nic_totals(a) == (0, 0)
-        assert src_pins(a, source) == 0
+        assert pinned(a) == 0
         # ... and dry runs still validate their input.
         with pytest.raises(ScatterError):
             await a.write(source, desc, ScatterList.contiguous(2 << 20), dry_run=True)
@@ -593,51 +600,62 @@ async def test_small_write_completes_inline_poller_keeps_off(provider: str) -> N
     async with pair(provider, inline_poll_ns=2_000_000_000) as (a, b):
         desc = b.export(region, "r")
         a.register(source)
-        shard = a.shards[0]
         with trio.fail_after(STEP):
             await a.write(source, desc, ScatterList.contiguous(4096), imm=1)  # connects
-            background, inline = shard.transport.poller.entries, shard._inline_poller.entries
+            st = a.statistics()
+            background, inline = st.read_by_pollers, st.read_inline
             for k in range(20):
                 await a.write(source, desc, ScatterList.contiguous(4096, k * 4096, k * 4096))
         # The poller may take one now and then: it can be past its look at the
         # flag and inside a CQ read as the flag goes up (costs latency, never a
         # completion: it delivers through trio). Unheld, over tcp, the CQ fd
         # wakes it for every one.
-        stolen = shard.transport.poller.entries - background
-        assert stolen <= 2 and shard._inline_poller.entries - inline == 20 - stolen, stolen
-        assert shard.transport.poller._p.hold == 0
+        st = a.statistics()
+        stolen = st.read_by_pollers - background
+        assert stolen <= 2 and st.read_inline - inline == 20 - stolen, stolen
+        # Let go: a held poller reads no CQ, so this long write would never finish.
         sl = contiguous_pieces(512, 2048)  # over DIRECT_POST_MAX: the poller's
         with trio.fail_after(STEP):
             await a.write(source, desc, sl, imm=2)
             await b.wait_imm(2, len(sl))
-        assert shard.transport.poller.entries > background
+        assert a.statistics().read_by_pollers > background
         assert_image(region[:512 * 2048], source[:512 * 2048])
 
 
 def test_a_held_poller_reads_no_cq(provider: str) -> None:
     """The C side of the hold: while held, ``progress`` leaves a completion
     waiting (for the thread that holds) even with time to spare; let go, it
-    reads it."""
-    from p2pxfer import Transport
-    from p2pxfer.fabric import Poller
+    reads it. Below the engine: a shard's rail group and pollers, by hand."""
+    from p2pxfer.engine import RailGroup
+    from p2pxfer.fabric import Poller, Rail
 
     node = loopback_node(provider)
-    with Transport.open(provider, node=node) as a, Transport.open(provider, node=node) as b:
+    with RailGroup([Rail.open(provider, node=node)]) as a, \
+            RailGroup([Rail.open(provider, node=node)]) as b:
         src = random_bytes(24, 4096)
         region = np.zeros(4096, np.uint8)
         desc = b.export(region, "r")
         a.register(src)
+        held, target_poller = Poller(a.rails), Poller(b.rails)
         stop = threading.Event()
 
         def target() -> None:  # tcp lands writes only while the target progresses
             while not stop.is_set():
-                b.progress(timeout_ns=1_000_000)
+                target_poller.progress(timeout_ns=1_000_000)
 
         th = threading.Thread(target=target)
         th.start()
-        held = a.poller
         try:
-            a.write(src, desc, ScatterList.contiguous(64), timeout=STEP)  # connected
+            # Connect first: post one piece and read its completion.
+            w = a.prepare(src, desc, ScatterList.contiguous(64), None, 76)
+            deadline = time.monotonic() + STEP
+            done = 0
+            while not (w.batch.posted and done) and time.monotonic() < deadline:
+                c = held.post(w.batch) if not w.batch.posted else held.progress(
+                    spin_ns=1_000_000, timeout_ns=10_000_000)
+                assert c.error is None, c.error
+                done += int(c.count[c.context == 76].sum())
+            assert done == 1, "the connecting write did not complete"
             w = a.prepare(src, desc, ScatterList.contiguous(4096), None, 77)
             held.hold(True)
             assert not w.batch.post_once()
@@ -702,7 +720,56 @@ async def test_write_to_a_departed_tcp_peer_fails_with_remote_closed() -> None:
             assert time.monotonic() - t0 < 5
         st = a.statistics()
         assert st.failed == 2 and sum(n.inflight for n in st.nics) == 0
-        assert src_pins(a, source) == 0
+        assert pinned(a) == 0
+
+
+# -- the blocking facade -------------------------------------------------------------
+
+
+def pinned_blocking(engine: p2pxfer.BlockingEngine) -> int:
+    return sum(st.pinned for st in engine.statistics().registrations)
+
+
+def test_blocking_engine_timeouts_and_close(provider: str) -> None:
+    """``BlockingEngine`` forwards into an engine on a thread of its own: a
+    ``timeout`` becomes ``WaitTimeout`` (arrivals so far stay counted), writes
+    land and count as any engine's, and a closed one refuses calls."""
+    source = random_bytes(25, 1 << 16)
+    region = np.zeros(1 << 16, np.uint8)
+    with p2pxfer.BlockingEngine.open(provider, node=loopback_node(provider)) as e:
+        desc = e.export(region, "r")
+        e.register(source)
+        with pytest.raises(p2pxfer.WaitTimeout, match="only 0 of 3 pieces with immediate 5"):
+            e.wait_imm(5, 3, timeout=0.05)
+        n = e.write(source, desc, contiguous_pieces(2, 4096), imm=5, timeout=STEP)
+        with pytest.raises(p2pxfer.WaitTimeout, match="only 2 of 3 pieces"):
+            e.wait_imm(5, 3, timeout=0.05)
+        assert e.imm_count(5) == n == 2
+        e.wait_imm(5, 2, timeout=STEP)
+        assert_image(region[:8192], source[:8192])
+        st = e.statistics()
+        assert st.completed == 1 and sum(nic.pieces for nic in st.nics) == 2
+        assert e.exported() == {"r": 1 << 16}
+    e.close()  # idempotent
+    with pytest.raises(EngineClosed):
+        e.register(source)
+    assert not [t for t in threading.enumerate() if t.name == "p2pxfer-engine"]
+
+
+def test_blocking_write_timeout_stops_posting() -> None:
+    # A departed tcp peer: rxm retries forever, the timeout (before the stall
+    # watch's verdict) cancels the write, which posted nothing.
+    source = random_bytes(26, 1 << 16)
+    node = loopback_node("tcp;ofi_rxm")
+    with p2pxfer.BlockingEngine.open("tcp;ofi_rxm", node=node) as b:
+        desc = b.export(np.zeros(1 << 16, np.uint8), "gone")
+    with p2pxfer.BlockingEngine.open("tcp;ofi_rxm", node=node) as a:
+        a.register(source)
+        with pytest.raises(p2pxfer.WaitTimeout, match=r"'gone' did not complete within 0\.1 s"):
+            a.write(source, desc, ScatterList.contiguous(4096), timeout=0.1)
+        st = a.statistics()
+        assert st.cancelled == 1 and sum(nic.pieces for nic in st.nics) == 0
+        assert pinned_blocking(a) == 0
 
 
 # -- bad input --------------------------------------------------------------------
@@ -739,7 +806,7 @@ async def test_bad_input_raises_and_engine_keeps_working(provider: str) -> None:
         st = a.statistics()
         assert st.queue_depth == (0,) and st.completed == 0 and st.failed == 0
         assert nic_totals(a) == (0, 0)
-        assert src_pins(a, source) == 0
+        assert pinned(a) == 0
         assert not region.any()
         # Export errors too.
         with pytest.raises(InvalidArgument):

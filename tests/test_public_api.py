@@ -3,12 +3,13 @@
 import p2pxfer
 
 EXPECTED = {
-    "Client", "DaemonError", "DescriptorError", "Engine", "EngineClosed", "EngineConfig",
+    "BlockingEngine", "Client", "DaemonError", "DescriptorError", "Engine", "EngineClosed",
+    "EngineConfig",
     "FabricError", "InvalidArgument", "LocalRegion", "MemberUpdate", "P2PXferError",
     "PeerLost", "ProviderNotFound",
     "ReadOnlyBuffer", "RegionDescriptor", "RegistrationCache", "RegistrationError",
     "RemoteClosed", "ScatterError", "ScatterList", "SharedBuffer", "SharedMemory",
-    "SyncClient", "TransferError", "Transport", "UnregisteredMemory", "WaitTimeout",
+    "SyncClient", "TransferError", "UnregisteredMemory", "WaitTimeout",
     "alloc_shared", "connect", "open_engine",
 }
 

@@ -1,11 +1,12 @@
 """Two processes, one real provider: B scatters writes into A's exported region.
 
-A (the target) exports a 256 MiB zeroed region and sends its descriptor to B
-out of band (a pipe, as ``RegionDescriptor.to_bytes()``). B (the initiator)
-writes two random scatter lists carrying immediates. Both sides derive the
-lists and the source bytes from the same seed, so A can rebuild the whole
-expected 256 MiB image and compare every byte: the pieces, and the zeros
-between them (nothing outside a piece was touched).
+Each side runs an engine (``BlockingEngine``). A (the target) exports a
+256 MiB zeroed region and sends its descriptor to B out of band (a pipe, as
+``RegionDescriptor.to_bytes()``). B (the initiator) writes two random scatter
+lists carrying immediates. Both sides derive the lists and the source bytes
+from the same seed, so A can rebuild the whole expected 256 MiB image and
+compare every byte: the pieces, and the zeros between them (nothing outside a
+piece was touched).
 
 Phase 1: 10,000 pieces of 1 B..32 KiB. Phase 2 (after A verified phase 1):
 1,000 pieces of 64..256 KiB, laid over the phase-1 image.
@@ -29,9 +30,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from p2pxfer.engine import BlockingEngine
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
-from p2pxfer.transport import Transport
 
 REGION = 256 << 20
 SOURCE = 64 << 20
@@ -105,30 +106,28 @@ def describe_mismatch(got: npt.NDArray[np.uint8], want: npt.NDArray[np.uint8],
 
 # -- the two children -----------------------------------------------------------
 
-def recv(conn: Connection, transport: Transport, what: str) -> Any:
-    """Receive one message, progressing the CQ meanwhile: on manual-progress
-    providers a peer's operations only complete while we call into ours."""
-    deadline = time.monotonic() + OP_TIMEOUT
-    while not conn.poll(0):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} from the peer within {OP_TIMEOUT} s")
-        transport.progress(timeout_ns=2_000_000)
+def recv(conn: Connection, what: str) -> Any:
+    """Receive one message. (The engine's poller thread progresses our CQ
+    meanwhile: on manual-progress providers a peer's operations only complete
+    while we call into ours.)"""
+    if not conn.poll(OP_TIMEOUT):
+        raise TimeoutError(f"no {what} from the peer within {OP_TIMEOUT} s")
     return conn.recv()
 
 
 def target_main(provider: str, node: str | None, seed: int, conn: Connection,
                 results: Any) -> None:
     try:
-        with Transport.open(provider, node=node) as t:
+        with BlockingEngine.open(provider, node=node, node_name="A", incarnation=1) as t:
             region = np.zeros(REGION, np.uint8)
-            desc = t.export(region, "kv", node="A", incarnation=1)
+            desc = t.export(region, "kv")
             conn.send(desc.to_bytes())
             source = make_source(seed)
             expected = np.zeros(REGION, np.uint8)
             for k, phase in enumerate(PHASES):
                 sl = make_pieces(seed, k, phase)
                 t.wait_imm(phase.imm, len(sl), timeout=OP_TIMEOUT)
-                reported = recv(conn, t, f"{phase.name} piece count")
+                reported = recv(conn, f"{phase.name} piece count")
                 if reported != len(sl):
                     raise AssertionError(
                         f"{phase.name}: write returned {reported}, list has {len(sl)} pieces")
@@ -143,7 +142,7 @@ def target_main(provider: str, node: str | None, seed: int, conn: Connection,
             if int(np.count_nonzero(expected == 0)) < REGION // 8:
                 raise AssertionError("too few untouched bytes to prove writes stay in bounds")
             # B keeps its endpoint open until we are done reading.
-            recv(conn, t, "goodbye")
+            recv(conn, "goodbye")
         results.put(("A", None))
     except BaseException:
         results.put(("A", traceback.format_exc()))
@@ -153,10 +152,10 @@ def target_main(provider: str, node: str | None, seed: int, conn: Connection,
 def initiator_main(provider: str, node: str | None, seed: int, conn: Connection,
                    results: Any) -> None:
     try:
-        with Transport.open(provider, node=node) as t:
+        with BlockingEngine.open(provider, node=node) as t:
             source = make_source(seed)
             t.register(source)
-            desc = RegionDescriptor.from_bytes(recv(conn, t, "descriptor"))
+            desc = RegionDescriptor.from_bytes(recv(conn, "descriptor"))
             if desc.length != REGION or desc.name != "kv" or desc.incarnation != 1:
                 raise AssertionError(f"descriptor did not round-trip: {desc}")
             for k, phase in enumerate(PHASES):
@@ -166,11 +165,12 @@ def initiator_main(provider: str, node: str | None, seed: int, conn: Connection,
                 if n != len(sl):
                     raise AssertionError(f"{phase.name}: write returned {n}, "
                                          f"expected {len(sl)}")
-                ack = recv(conn, t, f"{phase.name} verification")
+                ack = recv(conn, f"{phase.name} verification")
                 if ack != ("verified", phase.name):
                     raise AssertionError(f"unexpected message from A: {ack!r}")
-            if sum(t.pieces_posted) != sum(p.pieces for p in PHASES):
-                raise AssertionError(f"posted {t.pieces_posted} pieces")
+            posted = [n.pieces for n in t.statistics().nics]
+            if sum(posted) != sum(p.pieces for p in PHASES):
+                raise AssertionError(f"posted {posted} pieces")
             conn.send("goodbye")
         results.put(("B", None))
     except BaseException:

@@ -156,12 +156,6 @@ out:
     return nruns;
 }
 
-int64_t p2p_poller_drain(struct p2p_poller *p, int64_t max_entries)
-{
-    p->err_cq = -1;
-    return drain_into(p, 0, max_entries);
-}
-
 static int post_pass(struct p2p_cursor *cur, int ncur)
 {
     int pending = 0, k;
@@ -322,13 +316,6 @@ static int wait_while_held(struct p2p_poller *p, int64_t nap_ns)
         return 1;
     }
     return 0;
-}
-
-/* Only wait (no CQ read): for a poller that drains under a lock it must not
- * hold while asleep. Returns 1 if the wake fd fired. */
-int p2p_poller_wait(struct p2p_poller *p, int64_t timeout_ns)
-{
-    return wait_for_work(p, timeout_ns);
 }
 
 /* The poller's one call: drain every CQ, accumulating runs, until at least

@@ -14,6 +14,7 @@ from p2pxfer.client import MemberUpdate as MemberUpdate  # noqa: E402
 from p2pxfer.client import SharedMemory as SharedMemory  # noqa: E402
 from p2pxfer.client import SyncClient as SyncClient  # noqa: E402
 from p2pxfer.client import connect as connect  # noqa: E402
+from p2pxfer.engine import BlockingEngine as BlockingEngine  # noqa: E402
 from p2pxfer.engine import Engine as Engine  # noqa: E402
 from p2pxfer.engine import EngineConfig as EngineConfig  # noqa: E402
 from p2pxfer.engine import open_engine as open_engine  # noqa: E402
@@ -37,11 +38,11 @@ from p2pxfer.memory import RegistrationCache as RegistrationCache  # noqa: E402
 from p2pxfer.memory import SharedBuffer as SharedBuffer  # noqa: E402
 from p2pxfer.memory import alloc_shared as alloc_shared  # noqa: E402
 from p2pxfer.scatter import ScatterList as ScatterList  # noqa: E402
-from p2pxfer.transport import Transport as Transport  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockingEngine",
     "Client",
     "DaemonError",
     "DescriptorError",
@@ -66,7 +67,6 @@ __all__ = [
     "SharedMemory",
     "SyncClient",
     "TransferError",
-    "Transport",
     "UnregisteredMemory",
     "WaitTimeout",
     "alloc_shared",

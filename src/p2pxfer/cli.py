@@ -51,10 +51,10 @@ def main(log_level: str) -> None:
 @click.option("--seed", default=1, show_default=True)
 def demo(provider: str, pages: int, page_size: str, region_size: str, seed: int) -> None:
     """Write random pages into a region exported by a second process on this
-    machine (a real loopback transfer) and verify every byte."""
+    machine (a real loopback transfer through the engine) and verify every byte."""
+    from p2pxfer.engine import BlockingEngine
     from p2pxfer.loopback import LoopbackTarget, digest, loopback_node
     from p2pxfer.scatter import ScatterList
-    from p2pxfer.transport import Transport
 
     psize, rsize = _size(page_size), _size(region_size)
     slots = rsize // psize
@@ -69,14 +69,14 @@ def demo(provider: str, pages: int, page_size: str, region_size: str, seed: int)
     expected[0] = src[0]  # the warm-up write below
     expected.reshape(slots, psize)[dst_pages] = src.reshape(pages, psize)
     try:
-        with Transport.open(provider, node=loopback_node(provider)) as t, \
+        with BlockingEngine.open(provider, node=loopback_node(provider)) as t, \
                 LoopbackTarget(provider, rsize) as target:
-            region = t.register(src)
+            t.register(src)
             # Connect and fault in pages first, so the timing is the transfer's.
-            t.write(region, target.descriptor, ScatterList.contiguous(1), imm=41)
+            t.write(src, target.descriptor, ScatterList.contiguous(1), imm=41)
             target.wait_imm(41, 1)
             t0 = time.perf_counter()
-            n = t.write(region, target.descriptor, scatter, imm=42)
+            n = t.write(src, target.descriptor, scatter, imm=42)
             seconds = time.perf_counter() - t0
             landed = target.wait_imm(42, n)
     except P2PXferError as exc:

@@ -1,9 +1,10 @@
 """A target in a second process on this machine, for demos, tests and benchmarks.
 
-``LoopbackTarget`` spawns a process that opens a ``Transport`` on loopback
-(``127.0.0.1`` for tcp, the shm provider within the node), exports a zeroed
-region and answers requests over a pipe: wait for immediates, report a digest
-of the region, stop. Real provider, real second process; nothing is faked.
+``LoopbackTarget`` spawns a process that opens an engine (``BlockingEngine``)
+on loopback (``127.0.0.1`` for tcp, the shm provider within the node), exports
+a zeroed region and answers requests over a pipe: wait for immediates, report
+a digest of the region, stop. Real provider, real second process; nothing is
+faked.
 """
 
 from __future__ import annotations
@@ -32,18 +33,16 @@ def digest(buf: Any) -> str:
 
 
 def _serve(provider: str, nbytes: int, conn: Any) -> None:
-    from p2pxfer.transport import Transport
+    from p2pxfer.engine import BlockingEngine
 
     try:
-        with Transport.open(provider, node=loopback_node(provider)) as t:
+        with BlockingEngine.open(provider, node=loopback_node(provider)) as t:
             region = np.zeros(nbytes, np.uint8)
             region.fill(0)  # fault the pages in now, not during the first transfer
             conn.send(("ready", t.export(region, "loopback").to_bytes()))
             while True:
-                # Keep the CQ progressed while idle: on manual-progress providers
-                # an initiator's writes only land while we call into the CQ.
-                while not conn.poll(0):
-                    t.progress(timeout_ns=2_000_000)
+                # The engine's poller thread progresses the CQ meanwhile (on
+                # manual-progress providers writes land only while it does).
                 msg = conn.recv()
                 if msg[0] == "stop":
                     conn.send(("stopped",))

@@ -4,7 +4,7 @@ What lives here: turning buffer-protocol objects (bytearray, numpy arrays, mmap,
 memfd-backed shared memory) into address ranges; ``LocalRegion`` (one buffer
 registered on every rail); the LRU ``RegistrationCache``; and the
 ``RegionDescriptor`` a peer needs to write into a region, which round-trips
-through msgpack. What must not: posting or polling (that is the transport's).
+through msgpack. What must not: posting or polling (that is the engine's shards').
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class RegionDescriptor:
 
 
 class LocalRegion:
-    """One buffer registered on every rail of a transport.
+    """One buffer registered on every rail of a rail group (one engine shard).
 
     ``writable`` regions accept remote writes (they can be exported); every
     region can be a source. ``pins`` counts users (exports, writes in flight)
@@ -253,6 +253,8 @@ class CacheStats:
     evictions: int
     entries: int
     nbytes: int
+    #: entries pinned now (exports, sources of writes in flight)
+    pinned: int = 0
 
 
 class RegistrationCache:
@@ -362,7 +364,8 @@ class RegistrationCache:
             self._drop(key)
 
     def statistics(self) -> CacheStats:
-        return CacheStats(self._hits, self._misses, self._evictions, len(self._lru), self._bytes)
+        return CacheStats(self._hits, self._misses, self._evictions, len(self._lru), self._bytes,
+                          sum(1 for r in self._lru.values() if r.pins))
 
     def close(self) -> None:
         for key in list(self._lru):

@@ -37,12 +37,12 @@ import numpy.typing as npt
 import structlog
 import trio
 
-from p2pxfer.engine import Engine, EngineConfig, open_engine
+from p2pxfer.engine import Engine, EngineConfig, open_engine, plan_stripes
+from p2pxfer.engine import RailGroup as Transport
 from p2pxfer.errors import P2PXferError, ProviderNotFound
 from p2pxfer.fabric import FabricInfo, Rail, baseline_write, getinfo
 from p2pxfer.memory import LocalRegion, RegionDescriptor
 from p2pxfer.scatter import ScatterList
-from p2pxfer.transport import Transport, plan_stripes
 
 from ._options import (
     BenchConfigError,

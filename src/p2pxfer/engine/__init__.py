@@ -1,8 +1,13 @@
-"""Layer 5: the async engine (shards per NUMA node, poller threads bridged into trio)."""
+"""Layer 5: the async engine (shards per NUMA node, poller threads bridged into
+trio), the one data path: nothing else posts writes or counts completions.
+``BlockingEngine`` is a facade over it for synchronous callers."""
 
+from ._blocking import BlockingEngine as BlockingEngine
 from ._engine import Engine as Engine
 from ._engine import EngineConfig as EngineConfig
 from ._engine import EngineStats as EngineStats
-from ._engine import NicStats as NicStats
 from ._engine import Transfer as Transfer
 from ._engine import open_engine as open_engine
+from ._plan import RailGroup as RailGroup
+from ._plan import plan_stripes as plan_stripes
+from ._shard import NicStats as NicStats

@@ -1,10 +1,15 @@
 """The engine: shards per NUMA node, opened as an async context manager.
 
 ``open_engine(config)`` discovers the NICs (``p2pxfer.topology``), opens one
-rail per NIC grouped into shards, starts each shard's poller thread, and
-closes everything on exit, failing transfers still in flight with
-``EngineClosed``. Public calls raise plain ``P2PXferError`` subclasses, never
-exception groups.
+rail per NIC grouped into shards (``open_engine_on`` takes the topology as
+given), starts each shard's poller thread, and closes everything on exit,
+failing transfers still in flight with ``EngineClosed``. Public calls raise
+plain ``P2PXferError`` subclasses, never exception groups.
+
+What lives here: routing writes to shards, immediates (counts, waiters,
+routes) and statistics. What must not: posting, polling or counting
+completions (the shards'), and reaching into a shard's rails, cache or
+poller (ask the shard).
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ import trio
 
 from p2pxfer.errors import EngineClosed, InvalidArgument
 from p2pxfer.fabric import Rail
-from p2pxfer.memory import RailDescriptor, RegionDescriptor, buffer_span
+from p2pxfer.memory import CacheStats, RailDescriptor, RegionDescriptor, buffer_span
 from p2pxfer.scatter import ScatterList
 from p2pxfer.topology import Topology, discover
 
-from ._shard import Shard, TransferState
+from ._shard import NicStats, Shard, TransferState
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer", "open_engine"]
 
@@ -68,33 +73,45 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class NicStats:
-    shard: int
-    name: str
-    provider: str
-    bytes: int
-    pieces: int
-    completed: int
-    inflight: int
-    errors: int
-    received: int
-
-
-@dataclass(frozen=True)
 class EngineStats:
     nics: tuple[NicStats, ...]
     queue_depth: tuple[int, ...]
     completed: int
     failed: int
     cancelled: int = 0
+    #: each shard's registration cache
+    registrations: tuple[CacheStats, ...] = ()
+    #: completions read by the trio thread polling small writes inline
+    read_inline: int = 0
+    #: completions read by the shards' poller threads
+    read_by_pollers: int = 0
+    #: immediate values some ``wait_imm`` is waiting for now
+    imms_awaited: int = 0
+
+
+class _YieldClock:
+    """When the engine's writes last went through the scheduler (see
+    ``Transfer.wait``), shared by the engine and its transfers."""
+
+    def __init__(self) -> None:
+        self.yielded_ns = 0
+
+    def mark(self) -> None:
+        self.yielded_ns = time.perf_counter_ns()
+
+    async def maybe_yield(self) -> None:
+        now = time.perf_counter_ns()
+        if now - self.yielded_ns >= YIELD_EVERY_NS:
+            self.yielded_ns = now
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
 
 class Transfer:
     """A submitted write. ``await wait()`` for its completion."""
 
-    def __init__(self, engine: Engine, shard: Shard, tr: TransferState,
+    def __init__(self, clock: _YieldClock, shard: Shard, tr: TransferState,
                  dst: RegionDescriptor) -> None:
-        self._engine = engine
+        self._clock = clock
         self._shard = shard
         self._tr = tr
         self._dst = dst
@@ -132,7 +149,7 @@ class Transfer:
         if tr.done.is_set():
             # Done already: at most a schedule point, never a cancellation of
             # a write that has in fact completed.
-            await self._engine._maybe_yield()
+            await self._clock.maybe_yield()
         else:
             try:
                 await tr.done.wait()
@@ -142,7 +159,7 @@ class Transfer:
                     await tr.done.wait()
                 raise
             finally:
-                self._engine._yielded_ns = time.perf_counter_ns()
+                self._clock.mark()
         if (exc := tr.exception()) is not None:
             raise exc
         log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,
@@ -165,7 +182,7 @@ class Engine:
         #: per-engine state of layers above (e.g. the KV receiver), by name
         self.attachments: dict[str, Any] = {}
         self._closed = False
-        self._yielded_ns = 0  # when a write last went through the scheduler
+        self._clock = _YieldClock()
 
     # -- memory ---------------------------------------------------------------
 
@@ -173,7 +190,7 @@ class Engine:
         """Register ``obj`` on every shard (cached: registering twice is free)."""
         self._check_open()
         for shard in self.shards:
-            shard.transport.register(obj, writable=writable)
+            shard.register(obj, writable=writable)
 
     def export(self, obj: Any, name: str) -> RegionDescriptor:
         """Register ``obj`` for remote writes on every rail, pin it, and return
@@ -186,7 +203,7 @@ class Engine:
         rails: list[RailDescriptor] = []
         length = 0
         for shard in self.shards:
-            d = shard.transport.export(obj, name)
+            d = shard.export(obj, name)
             rails.extend(d.rails)
             length = d.length
         self._exports[name] = obj
@@ -198,18 +215,14 @@ class Engine:
         if obj is None:
             raise InvalidArgument(f"no region named {name!r} is exported")
         for shard in self.shards:
-            region = shard.transport.cache.require(obj)
-            shard.transport.cache.unpin(region)
+            shard.unexport(obj)
 
     def deregister(self, obj: Any) -> None:
         """Drop ``obj``'s registration on every shard now (it must not be
         exported, nor the source of a write in flight)."""
         self._check_open()
-        span = buffer_span(obj)
         for shard in self.shards:
-            region = shard.transport.cache.lookup(span.address, span.nbytes)
-            if region is not None:
-                shard.transport.cache.release(region)
+            shard.deregister(obj)
 
     def exported(self) -> dict[str, int]:
         """Exported region names and their sizes."""
@@ -217,11 +230,11 @@ class Engine:
 
     # -- transfers ------------------------------------------------------------
 
-    async def _maybe_yield(self) -> None:
-        now = time.perf_counter_ns()
-        if now - self._yielded_ns >= YIELD_EVERY_NS:
-            self._yielded_ns = now
-            await trio.lowlevel.cancel_shielded_checkpoint()
+    @property
+    def imm_bits(self) -> int:
+        """How wide an immediate may be: the narrowest any rail carries (EFA and
+        verbs carry 32 bits, tcp and shm 64)."""
+        return min(s.imm_bits for s in self.shards)
 
     def _pick_shard(self) -> Shard:
         return min(self.shards, key=lambda s: s.queued)
@@ -235,11 +248,12 @@ class Engine:
         raises before anything is posted. ``imm`` may be a function of the
         final piece count (striping can split pieces). Await
         :meth:`Transfer.wait`."""
-        return await self._submit(src, dst, scatter, imm, dry_run, inline=False)
+        shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=False)
+        return Transfer(self._clock, shard, tr, dst)
 
     async def _submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
                       imm: int | Callable[[int], int] | None, dry_run: bool, *,
-                      inline: bool) -> Transfer:
+                      inline: bool) -> tuple[Shard, TransferState]:
         self._check_open()
         # Already cancelled: raise before posting anything (costs nothing otherwise).
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -254,10 +268,9 @@ class Engine:
             tr = shard.prepare(src, dst, scatter, imm, dry_run)
             shard.submit(tr, inline=inline)
         except BaseException:
-            shard.transport.poller.hold(False)
             shard.slots.release()
             raise
-        return Transfer(self, shard, tr, dst)
+        return shard, tr
 
     async def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
                     imm: int | None = None, dry_run: bool = False) -> int:
@@ -282,18 +295,17 @@ class Engine:
         ``YIELD_EVERY_NS`` (1 ms): a deadline may be noticed that much late.
         """
         inline = self.config.inline_poll_ns > 0
-        t = await self._submit(src, dst, scatter, imm, dry_run, inline=inline)
-        if inline and t._tr.direct:
-            t._shard.poll_inline(t._tr, self.config.inline_poll_ns)
-        return await t.wait()
+        shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=inline)
+        if inline and tr.direct:
+            shard.poll_inline(tr, self.config.inline_poll_ns)
+        return await Transfer(self._clock, shard, tr, dst).wait()
 
     async def wait_imm(self, imm: int, count: int) -> None:
         """Return once ``count`` pieces carrying ``imm`` have landed here (and
         consume them). Cancellation leaves the counts in place for a later wait."""
         self._check_open()
-        if not isinstance(imm, int) or isinstance(imm, bool):
-            raise InvalidArgument(f"immediate must be an integer, got {imm!r}")
-        self.shards[0].transport.check_imm(imm)
+        for shard in self.shards:
+            shard.check_imm(imm)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
         if self._imm[imm] >= count and not self._imm_waiters.get(imm):
@@ -328,9 +340,6 @@ class Engine:
         protocols that encode more than a counter in the immediate (KV pages)."""
         self._routes[(shift, tag)] = handler
 
-    def unroute_imms(self, shift: int, tag: int) -> None:
-        self._routes.pop((shift, tag), None)
-
     def _deliver_imms(self, arrivals: list[tuple[int, int]]) -> None:
         for imm, cnt in arrivals:
             if self._routes:
@@ -353,20 +362,17 @@ class Engine:
         return self._imm[imm]
 
     def statistics(self) -> EngineStats:
-        nics = []
-        for shard in self.shards:
-            t = shard.transport
-            posting = shard.posted_in_flight()
-            for r, rail in enumerate(t.rails):
-                done = int(shard.pieces_done[r])
-                posted = t.pieces_posted[r] + posting[r]
-                nics.append(NicStats(shard.index, rail.name, rail.provider, t.bytes_posted[r],
-                                     t.pieces_posted[r], done, max(0, posted - done),
-                                     shard.errors[r], int(shard.pieces_received[r])))
+        """A frozen snapshot: per NIC what was posted, completed, received and
+        failed; per shard the queue depth and the registration cache."""
+        nics = [n for shard in self.shards for n in shard.nic_stats()]
         return EngineStats(tuple(nics), tuple(s.queued for s in self.shards),
                            sum(s.completed for s in self.shards),
                            sum(s.failed for s in self.shards),
-                           sum(s.cancelled for s in self.shards))
+                           sum(s.cancelled for s in self.shards),
+                           tuple(s.registrations() for s in self.shards),
+                           sum(s.read_inline for s in self.shards),
+                           sum(s.read_by_poller for s in self.shards),
+                           len(self._imm_waiters))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -398,6 +404,15 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
     topo = discover(config.provider, node=config.node, sysfs_root=config.sysfs_root,
                     interfaces=list(config.interfaces) if config.interfaces else None,
                     numa_override=config.numa_override)
+    async with open_engine_on(topo, config) as engine:
+        yield engine
+
+
+@asynccontextmanager
+async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[Engine]:
+    """An engine over the NICs of ``topo`` as given (``open_engine`` discovers
+    them): a rail per NIC, a shard per topology shard. Tests use it to give a
+    shard two rails on one interface, which discovery never offers."""
     token = trio.lowlevel.current_trio_token()
     engine = Engine(config, topo)
     shards = engine.shards

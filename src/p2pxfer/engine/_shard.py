@@ -1,4 +1,4 @@
-"""One shard: the rails of one NUMA node, their transport, and its poller thread.
+"""One shard: the rails of one NUMA node, and the poller thread that drives them.
 
 The poller thread owns this shard's CQs (pplx-garden's worker model): trio
 hands it prepared transfers through a deque plus an eventfd wake-up, and it
@@ -10,7 +10,11 @@ FI_THREAD_SAFE), and polls the CQs for a few microseconds with a poller of its
 own; whichever thread reads a completion absorbs it under ``_lock``.
 Operation contexts are integer transfer ids; no Python object crosses into C.
 
-What must not live here: validation (done by ``Transport.prepare`` in the trio
+This is the only place that posts writes and counts completions (ours and
+the immediates peers' writes carry); ``Engine`` asks the shard, never its
+rails, cache or poller.
+
+What must not live here: validation (done by ``RailGroup.prepare``, in the trio
 thread, before anything is queued) and any Python loop over pieces.
 """
 
@@ -28,10 +32,12 @@ import trio
 
 from p2pxfer.errors import EngineClosed, RemoteClosed, TransferError
 from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, StallWatch
+from p2pxfer.memory import CacheStats, RegionDescriptor
 from p2pxfer.topology import Shard as ShardTopology
-from p2pxfer.transport import PreparedWrite, Transport
 
-__all__ = ["Shard", "TransferState"]
+from ._plan import PreparedWrite, RailGroup
+
+__all__ = ["NicStats", "Shard", "TransferState"]
 
 log = structlog.get_logger("p2pxfer.engine")
 
@@ -44,6 +50,19 @@ INFLIGHT_SPIN_NS = 500_000
 # (the socket became writable), so a large write could otherwise sit out the
 # whole idle timeout. A wake-up costs tens of microseconds; 1 kHz is cheap.
 INFLIGHT_NAP_NS = 1_000_000
+
+
+@dataclass(frozen=True)
+class NicStats:
+    shard: int
+    name: str
+    provider: str
+    bytes: int
+    pieces: int
+    completed: int
+    inflight: int
+    errors: int
+    received: int
 
 
 @dataclass(eq=False)
@@ -76,7 +95,9 @@ class TransferState:
 
 
 class Shard:
-    """Rails of one NUMA node driven by one pinned poller thread."""
+    """Rails of one NUMA node driven by one pinned poller thread. Owns the
+    rails (through a ``RailGroup``, with their registration cache), the poller
+    thread's ``Poller`` and the trio thread's inline one."""
 
     def __init__(self, index: int, topo: ShardTopology, rails: list[Rail], *,
                  token: trio.lowlevel.TrioToken, deliver_imms: Any, max_inflight: int,
@@ -84,17 +105,22 @@ class Shard:
                  backoff_max_ns: int) -> None:
         self.index = index
         self.topo = topo
+        self._group = RailGroup(rails, cache_entries=cache_entries)
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.transport = Transport(rails, cache_entries=cache_entries, wake_fd=self.wake_fd,
-                                   backoff_max_ns=backoff_max_ns)
+        try:
+            self._poller = Poller(rails, wake_fd=self.wake_fd, backoff_max_ns=backoff_max_ns)
+            self._inline_poller = Poller(rails, max_runs=64)
+        except BaseException:
+            os.close(self.wake_fd)
+            self._group.close()
+            raise
         self.slots = trio.Semaphore(max_inflight)
         # Guards transfer bookkeeping (absorbing completions, taking commands):
         # both the poller thread and the trio thread (polling a small write
         # inline, with a poller of its own over the same FI_THREAD_SAFE CQs)
         # absorb completions. Never held while in C.
         self._lock = threading.Lock()
-        self._inline_poller = Poller(rails, max_runs=64)
-        self._blocks_on_fds = self.transport.poller.blocks_on_fds
+        self._blocks_on_fds = self._poller.blocks_on_fds
         self._token = token
         self._deliver_imms = deliver_imms
         self._spin_ns = spin_ns
@@ -109,6 +135,8 @@ class Shard:
         self.thread_done = trio.Event()
         self.thread_error: BaseException | None = None
         nrails = len(rails)
+        self._pieces_posted = [0] * nrails  # by delivered transfers
+        self._bytes_posted = [0] * nrails
         self.pieces_done = [0] * nrails  # our writes' completions
         self.pieces_received = [0] * nrails  # peers' writes that landed here
         self.errors = [0] * nrails
@@ -132,12 +160,48 @@ class Shard:
         self._token.run_sync_soon(self._deliver)
         self._token.run_sync_soon(self.thread_done.set)
 
+    # -- memory (trio thread) ---------------------------------------------------
+
+    @property
+    def imm_bits(self) -> int:
+        return self._group.imm_bits
+
+    def check_imm(self, imm: object) -> None:
+        self._group.check_imm(imm)
+
+    def register(self, obj: Any, *, writable: bool = False) -> None:
+        self._group.register(obj, writable=writable)
+
+    def export(self, obj: Any, name: str) -> RegionDescriptor:
+        return self._group.export(obj, name)
+
+    def unexport(self, obj: Any) -> None:
+        self._group.unexport(obj)
+
+    def deregister(self, obj: Any) -> None:
+        self._group.deregister(obj)
+
+    def registrations(self) -> CacheStats:
+        return self._group.cache.statistics()
+
+    @property
+    def read_inline(self) -> int:
+        """Completions the trio thread read polling small writes inline."""
+        return self._inline_poller.entries
+
+    @property
+    def read_by_poller(self) -> int:
+        """Completions the poller thread read."""
+        return self._poller.entries
+
+    # -- transfers (trio thread) ---------------------------------------------------
+
     def prepare(self, src: Any, dst: Any, scatter: Any, imm: Any,
                 dry_run: bool) -> TransferState:
         """Validate and lay out (raises on bad input; nothing queued)."""
         tid = self._next_id
         self._next_id += 1
-        w = self.transport.prepare(src, dst, scatter, imm, tid)
+        w = self._group.prepare(src, dst, scatter, imm, tid)
         w.region.pins += 1
         return TransferState(w, dry_run, w.pieces)
 
@@ -145,8 +209,16 @@ class Shard:
         """Post a small write right now, from this (trio) thread: it saves a
         thread hop. The poller posts long lists and whatever the TX queue refused.
         The endpoint is FI_THREAD_SAFE. With ``inline``, the caller polls for
-        the completion next (:meth:`poll_inline`, which must follow): the
-        poller thread is told to keep off the CQs until then."""
+        the completion next (:meth:`poll_inline`, which must follow whenever
+        ``tr.direct``): the poller thread is told to keep off the CQs until
+        then. Raises only before anything is posted, with the hold released."""
+        try:
+            self._submit(tr, inline)
+        except BaseException:
+            self._poller.hold(False)
+            raise
+
+    def _submit(self, tr: TransferState, inline: bool) -> None:
         self.queued += 1
         # Registered before the first post, so no completion can miss it.
         self._inflight[tr.w.tid] = tr
@@ -156,7 +228,7 @@ class Shard:
         tr.direct = (not tr.dry_run and tr.w.pieces <= DIRECT_POST_MAX
                      and not self._posting and not self._inbox)
         if tr.direct and inline:
-            self.transport.poller.hold(True)
+            self._poller.hold(True)
         if not tr.direct or tr.w.batch.post_once():
             self._send("write", tr)
         elif tr.w.batch.failures():
@@ -188,7 +260,7 @@ class Shard:
             # may see the last completion before the posting call has stored
             # how far it got.
             self._account_posted(tr)
-            self.transport.cache.unpin(tr.w.region)
+            self._group.cache.unpin(tr.w.region)
             # The slot goes back when the transfer ends, not when someone
             # awaits it: a caller may submit many before waiting for any.
             self.slots.release()
@@ -203,7 +275,8 @@ class Shard:
             self._deliver_imms(self._imms.popleft())
 
     def close(self) -> None:
-        self.transport.close()
+        """Deregister everything and close the rails (the poller thread has stopped)."""
+        self._group.close()
         os.close(self.wake_fd)
 
     # -- poller thread --------------------------------------------------------
@@ -212,7 +285,7 @@ class Shard:
         if self._pin and self.topo.cpus:
             # Pin to the node's CPUs (not one core: these machines have two).
             os.sched_setaffinity(0, self.topo.cpus)
-        poller = self.transport.poller
+        poller = self._poller
         while True:
             with self._lock:
                 if self._inbox and self._take_commands():
@@ -264,7 +337,7 @@ class Shard:
                         os.eventfd_write(self.wake_fd, 1)
                     return
         finally:
-            self.transport.poller.hold(False)
+            self._poller.hold(False)
 
     def _flush(self) -> None:
         if self._finished or self._imms:
@@ -301,7 +374,7 @@ class Shard:
         never overtakes one that is not fully posted (KV layers must land in
         order). ``_posting`` is this thread's alone; the C call runs outside
         the lock, the bookkeeping inside it."""
-        poller = self.transport.poller
+        poller = self._poller
         while self._posting:
             tr = self._posting[0]
             c = poller.post(tr.w.batch)
@@ -324,20 +397,26 @@ class Shard:
                     tr.remaining -= tr.w.batch.cancel()
                 self._finish_if_done(tr)
 
-    def posted_in_flight(self) -> list[int]:
-        """Pieces posted per rail by transfers not yet delivered (a snapshot)."""
-        out = [0] * len(self.transport.rails)
-        pending = list(self._inflight.values()) + list(self._finished)
-        for tr in pending:
+    def nic_stats(self) -> list[NicStats]:
+        """A snapshot per rail, in trio. Bytes and pieces count delivered
+        transfers; ``inflight`` adds what undelivered ones posted so far."""
+        posting = [0] * len(self._group.rails)
+        for tr in list(self._inflight.values()) + list(self._finished):
             for r, pieces, _ in tr.w.batch.progress():
-                out[r] += pieces
+                posting[r] += pieces
+        out = []
+        for r, rail in enumerate(self._group.rails):
+            done = int(self.pieces_done[r])
+            posted = self._pieces_posted[r] + posting[r]
+            out.append(NicStats(self.index, rail.name, rail.provider, self._bytes_posted[r],
+                                self._pieces_posted[r], done, max(0, posted - done),
+                                self.errors[r], int(self.pieces_received[r])))
         return out
 
     def _account_posted(self, tr: TransferState) -> None:
-        t = self.transport
         for r, pieces, nbytes in tr.w.batch.progress():
-            t.pieces_posted[r] += pieces
-            t.bytes_posted[r] += nbytes
+            self._pieces_posted[r] += pieces
+            self._bytes_posted[r] += nbytes
 
     def _absorb(self, c: Completions) -> None:
         # Plain Python over the runs (a handful per batch): on this thread every

@@ -364,11 +364,6 @@ class Poller:
         return self._completions(lib.p2p_poller_progress(self._p, max_entries, min_entries,
                                                          spin_ns, timeout_ns))
 
-    def wait(self, timeout_ns: int) -> bool:
-        """Sleep until a CQ has something, the wake fd fires (returns True) or
-        ``timeout_ns`` passes; reads nothing. Releases the GIL."""
-        return bool(lib.p2p_poller_wait(self._p, timeout_ns))
-
     def _completions(self, n: int) -> Completions:
         if n < 0:
             raise_fabric_error("fi_cq_read", n, "poller")

@@ -1,0 +1,170 @@
+"""A shard's rails and memory, and turning a write request into a postable plan.
+
+``RailGroup`` owns the rails of one provider that one shard drives and their
+registration cache: it registers and exports memory, and ``prepare`` validates
+a write (immediate, destination, source, bounds) and lays it out on the rails
+(``plan_stripes``) as a ``WriteBatch``, posting nothing. It runs in the trio
+thread, before anything is queued.
+
+What must not live here: posting, polling or counting completions (the
+shard's, ``_shard.py``), trio, and any Python loop over pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+from p2pxfer.errors import DescriptorError, InvalidArgument, UnregisteredMemory
+from p2pxfer.fabric import INT64_MAX, Rail, WriteBatch
+from p2pxfer.memory import LocalRegion, RegionDescriptor, RegistrationCache, buffer_span
+from p2pxfer.scatter import ScatterList
+
+__all__ = ["PreparedWrite", "RailGroup", "Stripe", "plan_stripes"]
+
+
+@dataclass(frozen=True)
+class PreparedWrite:
+    """A validated write laid out on rails, ready for ``Poller.post``."""
+
+    tid: int
+    region: LocalRegion
+    batch: WriteBatch
+    pieces: int
+    nbytes: int
+    dst_name: str
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """Pieces ``[start, end)`` of a scatter list go out on ``rail``."""
+
+    rail: int
+    start: int
+    end: int
+
+
+def plan_stripes(scatter: ScatterList, nrails: int, max_msg: int) -> tuple[ScatterList,
+                                                                        list[Stripe]]:
+    """Split pieces the provider cannot take in one message, and, with several
+    rails, pieces too large to balance; then give each rail a contiguous range
+    of about equal bytes. Deterministic: the target can compute the count."""
+    sl = scatter.split(max_msg)
+    if nrails == 1:
+        return sl, [Stripe(0, 0, len(sl))]
+    # Aim for >= 4 pieces per rail so a few big pieces still balance.
+    sl = sl.split(max(1 << 16, -(-sl.nbytes // (4 * nrails))))
+    return sl, [Stripe(r, s, e) for r, (s, e) in enumerate(sl.stripes(nrails)) if e > s]
+
+
+class RailGroup:
+    """The rails of one provider (one shard's NICs) and their registrations.
+
+    Takes ownership of ``rails``: ``close`` deregisters everything, then
+    closes them."""
+
+    def __init__(self, rails: list[Rail], *, cache_entries: int = 1024) -> None:
+        if not rails:
+            raise InvalidArgument("a rail group needs at least one rail")
+        providers = {r.provider for r in rails}
+        if len(providers) != 1:
+            raise InvalidArgument(f"rails of one group must share a provider: {providers}")
+        self.rails = rails
+        self.provider = rails[0].provider
+        self.cache = RegistrationCache(rails, max_entries=cache_entries)
+        self.max_msg = min(INT64_MAX, *(r.info.max_msg_size for r in rails))
+        #: the widest immediate every rail carries (EFA and verbs: 32 bits)
+        self.imm_bits = 8 * min(r.imm_bytes for r in rails)
+
+    # -- memory ---------------------------------------------------------------
+
+    def register(self, obj: Any, *, writable: bool = False, pin: bool = False) -> LocalRegion:
+        return self.cache.register(obj, writable=writable, pin=pin)
+
+    def export(self, obj: Any, name: str, *, node: str = "",
+               incarnation: int = 0) -> RegionDescriptor:
+        """Register ``obj`` for remote writes, pin it, and describe it for peers."""
+        region = self.cache.register(obj, writable=True, pin=True)
+        region.name = name
+        return region.descriptor(name, node, incarnation, buffer_span(obj))
+
+    def unexport(self, obj: Any) -> None:
+        """Drop the pin an export took (the registration stays cached)."""
+        self.cache.unpin(self.cache.require(obj))
+
+    def deregister(self, obj: Any) -> None:
+        """Deregister whatever covers ``obj`` now, pinned or not."""
+        span = buffer_span(obj)
+        region = self.cache.lookup(span.address, span.nbytes)
+        if region is not None:
+            self.cache.release(region)
+
+    def source(self, src: Any) -> tuple[LocalRegion, int, int]:
+        """(registration, base address, size) of a write's source."""
+        if isinstance(src, LocalRegion):
+            if src.closed:
+                raise UnregisteredMemory(f"{src!r} was deregistered")
+            return src, src.address, src.length
+        span = buffer_span(src)
+        return self.cache.require_span(span), span.address, span.nbytes
+
+    # -- validation and layout --------------------------------------------------
+
+    def check_imm(self, imm: object) -> None:
+        if (not isinstance(imm, int) or isinstance(imm, bool)
+                or not 0 <= imm < 1 << self.imm_bits):
+            raise InvalidArgument(f"immediate {imm!r} does not fit in {self.imm_bits} bits")
+
+    def check_destination(self, dst: RegionDescriptor) -> None:
+        if not isinstance(dst, RegionDescriptor):
+            raise DescriptorError(f"destination must be a RegionDescriptor, got {type(dst)}")
+        for r in dst.rails:
+            if r.provider != self.provider:
+                raise DescriptorError(
+                    f"region {dst.name!r} is on provider {r.provider!r}, this engine "
+                    f"speaks {self.provider!r}"
+                )
+
+    def prepare(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
+                imm: int | Callable[[int], int] | None, tid: int,
+                rail_offset: int = 0) -> PreparedWrite:
+        """Validate a write and lay it out on the rails, posting nothing.
+
+        Raises ``ScatterError``/``InvalidArgument``/``DescriptorError``/
+        ``UnregisteredMemory`` naming what is wrong. ``imm`` may be a function
+        of the final piece count (for protocols that put the count in the
+        immediate). ``rail_offset`` rotates which of the target's rails our
+        rail 0 writes to."""
+        if not isinstance(scatter, ScatterList):
+            raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
+        if imm is not None and not callable(imm):
+            self.check_imm(imm)
+        self.check_destination(dst)
+        region, base, size = self.source(src)
+        scatter.check_bounds(size, dst.length)
+        nrails = min(len(self.rails), len(dst.rails))
+        sl, stripes = plan_stripes(scatter, nrails, self.max_msg)
+        if callable(imm):
+            imm = imm(len(sl))
+            self.check_imm(imm)
+        batch = WriteBatch(sl.src, sl.dst, sl.length, tid, imm, len(stripes))
+        for st in stripes:
+            rail = self.rails[st.rail]
+            rd = dst.rails[(st.rail + rail_offset) % len(dst.rails)]
+            batch.add(st.rail, rail, rail.peer(rd.address), st.start, st.end, base,
+                      region.mrs[st.rail].desc, rd.base, rd.key, rd.address)
+        return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name)
+
+    def close(self) -> None:
+        self.cache.close()
+        for rail in self.rails:
+            rail.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
