@@ -767,6 +767,85 @@ def test_control_port_garbage(live: tuple[DaemonProc, DaemonProc]) -> None:
     assert a.alive()
 
 
+def _control_exchange(address: str, *frames: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """Send ``frames`` in turn on a fresh control connection, each followed by
+    the reply (None once the daemon has closed the connection)."""
+    host, port = address.rsplit(":", 1)
+    replies: list[dict[str, Any] | None] = []
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        dec = FrameDecoder()
+        for obj in frames:
+            try:
+                s.sendall(encode_frame(obj))
+            except OSError:
+                replies.append(None)
+                continue
+            while (frame := dec.next_frame()) is None:
+                try:
+                    data = s.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:
+                    break
+                dec.feed(data)
+            replies.append(frame)
+    return replies
+
+
+def _hello(control: str) -> dict[str, Any]:
+    return {"t": "hello", "v": SCHEMA_VERSION, "role": "daemon", "name": "evil",
+            "control": control}
+
+
+@pytest.mark.parametrize("control", [f"{LOOPBACK}:\u00b2", f"{LOOPBACK}:" + "7" * 5000,
+                                     "bad..host:7000", f"{LOOPBACK}:0"],
+                         ids=["superscript-port", "5000-digit-port", "bad-host", "port-0"])
+def test_peer_hello_with_a_bad_address_is_refused(tmp_path: Path, control: str) -> None:
+    """A peer's hello names where it can be reached back; one that is not
+    host:port gets a clear fatal ``bad_request`` and a close, is not taken as
+    a peer, and the daemon serves on (issue 14: ``int("\u00b2")`` and a
+    5000-digit port used to raise ValueError past the handler, killing it)."""
+    d = start_daemon(tmp_path, "strict", control_port=free_port())
+    try:
+        (reply,) = _control_exchange(d.control, _hello(control))
+        assert reply is not None and reply["t"] == "error", reply
+        assert reply["code"] == "bad_request" and reply["id"] is None, reply
+        assert "hello" in reply["message"] and len(reply["message"]) < 1000, reply
+        assert d.alive(), d.log_tail()
+        assert "evil" not in {p["name"] for p in d.status()["peers"]}
+        # a well-formed hello on the next connection is welcomed
+        (ok,) = _control_exchange(d.control, _hello(f"{LOOPBACK}:{free_port()}"))
+        assert ok is not None and ok["t"] == "welcome", ok
+    finally:
+        d.stop()
+
+
+def test_bad_hello_host_then_resolve_and_unexport(tmp_path: Path) -> None:
+    """Issue 14: a hello with an invalid host name, then ``resolve`` of a real
+    region, then its unexport: the invalidation used to dial that host, and
+    the resolver's UnicodeError killed the daemon. Now the hello is refused,
+    and nothing the connection does afterwards reaches the daemon's state."""
+    d = start_daemon(tmp_path, "strict", control_port=free_port())
+    try:
+        async def main() -> list[dict[str, Any] | None]:
+            async with p2pxfer.connect(d.socket) as c:
+                await c.export("r", await c.alloc(1 << 16))
+                replies = await trio.to_thread.run_sync(
+                    _control_exchange, d.control, _hello("a" * 64 + ".example:7000"),
+                    {"t": "resolve", "id": 1, "region": "r"})
+                await c.unexport("r")
+                await trio.sleep(0.5)  # an invalidation would be on its way now
+                assert (await c.status())["node"] == "strict"
+                return replies
+
+        hello, resolved = trio.run(main)
+        assert hello is not None and hello["code"] == "bad_request", hello
+        assert resolved is None, resolved  # the connection was closed
+        assert d.alive(), d.log_tail()
+    finally:
+        d.stop()
+
+
 # -- bad input, then a real transfer -----------------------------------------------------
 
 def test_daemon_serves_after_bad_input(live: tuple[DaemonProc, DaemonProc],
