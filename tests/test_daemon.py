@@ -52,7 +52,13 @@ from daemon_helpers import (
     write_config,
 )
 from p2pxfer.client import DaemonError, SyncClient
-from p2pxfer.errors import EngineClosed, InvalidArgument, P2PXferError, ScatterError
+from p2pxfer.errors import (
+    EngineClosed,
+    InvalidArgument,
+    P2PXferError,
+    ScatterError,
+    UnknownRegion,
+)
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
 from p2pxfer.scatter import ScatterList
 
@@ -688,9 +694,9 @@ async def test_semantic_errors_through_the_client(live: tuple[DaemonProc, Daemon
             one = ScatterList.contiguous(4096)
             # unknown region, remote and local
             for peer in ("node-b", "node-a"):
-                with pytest.raises(DaemonError) as ei:
+                with pytest.raises(UnknownRegion) as eu:
                     await ca.write(peer, "no-such-region", one, src=src)
-                assert ei.value.code == "unknown_region"
+                assert isinstance(eu.value, DaemonError) and eu.value.code == "unknown_region"
             # unknown peer
             with pytest.raises(DaemonError) as ei:
                 await ca.write("node-z", "sem-kv", one, src=src)
@@ -701,7 +707,7 @@ async def test_semantic_errors_through_the_client(live: tuple[DaemonProc, Daemon
                             ScatterList.contiguous(4096, src=(1 << 20) - 100)):
                 with pytest.raises(ScatterError) as ei2:
                     await ca.write("node-b", "sem-kv", scatter, src=src)
-                assert ei2.value.code == "out_of_range"  # type: ignore[attr-defined]
+                assert ei2.value.code == "out_of_range"
             # src_offset past the source memory
             with pytest.raises(ScatterError):
                 await ca.write("node-b", "sem-kv", one, src=src, src_offset=2 << 20)
@@ -962,6 +968,42 @@ def test_cli_missing_socket(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
     r = invoke("peers", "--socket", missing)
     assert r.exit_code != 0 and "cannot reach the p2pxfer daemon" in r.output, r.output
+
+
+async def test_lost_daemon_connection_is_connection_lost(tmp_path: Path) -> None:
+    """A daemon that goes away while a request waits: the request (and every
+    later one) raises ``ConnectionLost``, not a bare ``EngineClosed`` of the
+    daemon's ``closed`` code."""
+    from p2pxfer.errors import ConnectionLost
+    from p2pxfer.protocol import RESPONDER, Connection, Message
+
+    path = str(tmp_path / "fake.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await listener.bind(path)
+    listener.listen(1)
+
+    async def fake_daemon() -> None:
+        sock, _ = await listener.accept()
+        conn = Connection("client", RESPONDER)
+        with sock:
+            while True:
+                conn.receive_data(await sock.recv(1 << 16))
+                while isinstance(msg := conn.next_event(), Message):
+                    if msg.kind != "hello":
+                        return  # a request: hang up without answering
+                    await sock.send(conn.send("welcome", v=SCHEMA_VERSION, node="fake",
+                                              incarnation=1, max_frame=1 << 20))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fake_daemon)
+            async with p2pxfer.connect(path) as c:
+                assert c.node == "fake"
+                with pytest.raises(ConnectionLost, match="closed the connection"):
+                    await c.status()
+                with pytest.raises(ConnectionLost):
+                    await c.peers()
+    listener.close()
 
 
 def test_client_connect_missing_socket(tmp_path: Path) -> None:
