@@ -21,7 +21,7 @@ import trio
 
 from p2pxfer._pump import Pump, TrioStream, bounded
 from p2pxfer.address import format_hostport, parse_hostport
-from p2pxfer.errors import P2PXferError
+from p2pxfer.errors import ConnectionLost, P2PXferError
 from p2pxfer.protocol import (
     PEER_REQUESTS,
     RESPONDER,
@@ -108,6 +108,8 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
         if proving.cancelled_caught:
             log.warning("peer.auth_timeout", caller=bounded(caller.name, 100), remote=remote,
                         seconds=_auth.AUTH_TIMEOUT_S)
+    except ConnectionLost:
+        return  # the caller went away
     except Exception as exc:  # this connection ends; the daemon serves on
         log.warning("peer.connection_failed", remote=remote, caller=bounded(caller.name, 100),
                     error=bounded(f"{type(exc).__name__}: {exc}"))

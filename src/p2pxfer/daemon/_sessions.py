@@ -38,6 +38,7 @@ from p2pxfer.protocol import (
     RemoteProtocolError,
     check_handlers,
     unpack_scatter,
+    wire_error,
 )
 from p2pxfer.scatter import ScatterList
 
@@ -154,7 +155,7 @@ class ClientSession:
                 log.error("request.crashed", client=self.label, kind=msg.kind,
                           error=bounded(f"{type(exc).__name__}: {exc}"))
             log.info("request.failed", client=self.label, kind=msg.kind,
-                     error=bounded(str(exc)))
+                     code=wire_error(exc)[0], error=bounded(str(exc)))
             outcome = exc
         await self._send(self.pump.answer(msg.id, outcome))
 
