@@ -1021,7 +1021,9 @@ def test_error_codes_round_trip(code: str) -> None:
     exc = error_from_wire(code, "words")
     assert type(exc) is cls
     assert exc.code == code  # type: ignore[attr-defined]
+    assert str(exc) == f"{code}: words"
     assert wire_error(exc) == (code, str(exc) if cls is not ProtocolError else "words")
+    assert str(error_from_wire(code, "words", "node-b")).endswith("node-b: words")
     assert is_fatal(code) is fatal
     assert isinstance(exc, P2PXferError)
 
@@ -1033,7 +1035,7 @@ def test_specific_errors_and_unknown_codes() -> None:
     # a code from a newer daemon: a DaemonError that keeps it
     future = error_from_wire("quota_exceeded", "slow down")
     assert type(future) is DaemonError and future.code == "quota_exceeded"
-    assert wire_error(future) == ("quota_exceeded", "slow down")
+    assert wire_error(future) == ("quota_exceeded", "quota_exceeded: slow down")
     # subclasses map to their nearest coded class; foreign errors are internal
     assert wire_error(StaleIncarnation("old life"))[0] == "peer_lost"
     assert wire_error(ReadOnlyBuffer("ro"))[0] == "bad_request"

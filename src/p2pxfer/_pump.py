@@ -166,8 +166,7 @@ class Pump:
         return dict(msg.get("result") or {})
 
     def error(self, msg: Message) -> P2PXferError:
-        code, text = msg["code"], msg["message"]
-        return error_from_wire(code, f"{self.where or code}: {text}")
+        return error_from_wire(msg["code"], msg["message"], self.where)
 
     async def aclose(self) -> None:
         await self.stream.aclose()

@@ -77,7 +77,7 @@ class PeerLink:
             if msg.kind == "error" and is_fatal(msg["code"]):
                 await self._drop()  # the peer hangs up after saying so
             if msg.kind == "error":
-                raise error_from_wire(msg["code"], f"{self.peer.name}: {msg['message']}")
+                raise error_from_wire(msg["code"], msg["message"], self.peer.name)
             return dict(msg.get("result") or {})
 
     async def _dial(self) -> Pump:

@@ -92,15 +92,17 @@ ERRORS = _table()
 _WIRE = tuple({cls for cls, _ in ERRORS.values() if cls is not ProtocolError})
 
 
-def error_from_wire(code: str, message: str) -> P2PXferError:
-    """The exception a receiver raises for an ``error`` frame. A code this
+def error_from_wire(code: str, message: str, where: str = "") -> P2PXferError:
+    """The exception a receiver raises for an ``error`` frame, its text
+    "WHERE: message" (without ``where``: "CODE: message"). A code this
     version does not know becomes a ``DaemonError`` that keeps it."""
     cls, fatal = ERRORS.get(code, (DaemonError, False))
-    if issubclass(cls, ProtocolError):
-        return cls(code, message, fatal=fatal)
+    if issubclass(cls, ProtocolError):  # says "CODE: ..." by itself
+        return cls(code, f"{where}: {message}" if where else message, fatal=fatal)
+    text = f"{where or code}: {message}"
     if cls is DaemonError:
-        return DaemonError(message, code=code)
-    return cls(message)
+        return DaemonError(text, code=code)
+    return cls(text)
 
 
 def wire_error(exc: BaseException) -> tuple[str, str]:
