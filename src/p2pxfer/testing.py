@@ -19,15 +19,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2pxfer.errors import P2PXferError
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
 
-__all__ = ["LOOPBACK", "START_TIMEOUT", "STOP_TIMEOUT", "DaemonProc", "RawConn", "free_port",
-           "p2pxfer_cmd", "spawn_daemon", "start_daemon", "toml_value", "wait_accepting",
-           "wait_for", "write_config"]
+__all__ = [
+    "LOOPBACK",
+    "START_TIMEOUT",
+    "STOP_TIMEOUT",
+    "DaemonProc",
+    "LaunchError",
+    "RawConn",
+    "free_port",
+    "p2pxfer_cmd",
+    "spawn_daemon",
+    "start_daemon",
+    "toml_value",
+    "wait_accepting",
+    "wait_for",
+    "write_config",
+]
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT = 20.0  # a daemon's socket must accept within this
 STOP_TIMEOUT = 5.0  # SIGINT, then SIGKILL after this
+
+
+class LaunchError(P2PXferError, AssertionError):
+    """A daemon did not start, answer or stop as expected (an
+    ``AssertionError`` too, so a test that meets one fails rather than errs)."""
 
 
 def p2pxfer_cmd() -> list[str]:
@@ -91,7 +110,8 @@ class DaemonProc:
         with RawConn(self.socket, timeout) as c:
             c.hello()
             reply = c.request({"t": "status", "id": 1})
-            assert reply["t"] == "ok", reply
+            if reply["t"] != "ok":
+                raise LaunchError(f"daemon {self.name} answered status with {reply!r:.300}")
             return dict(reply["result"])
 
     def stop(self) -> int:
@@ -153,7 +173,7 @@ def wait_accepting(d: DaemonProc, timeout: float = START_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if not d.alive():
-            raise AssertionError(f"daemon {d.name} exited with {d.proc.returncode} before "
+            raise LaunchError(f"daemon {d.name} exited with {d.proc.returncode} before "
                                  f"accepting:\n{d.log_tail()}")
         if os.path.exists(d.socket):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -164,7 +184,7 @@ def wait_accepting(d: DaemonProc, timeout: float = START_TIMEOUT) -> None:
                 except OSError:
                     pass
         if time.monotonic() > deadline:
-            raise AssertionError(f"daemon {d.name} did not accept on {d.socket} within "
+            raise LaunchError(f"daemon {d.name} did not accept on {d.socket} within "
                                  f"{timeout} s:\n{d.log_tail()}")
         time.sleep(0.05)
 
@@ -178,9 +198,7 @@ def wait_for(pred: Any, what: str, timeout: float = 10.0, interval: float = 0.05
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
-
-
+    raise LaunchError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
 
 
 class RawConn:
@@ -206,7 +224,8 @@ class RawConn:
     def hello(self) -> dict[str, Any]:
         self.send({"t": "hello", "v": SCHEMA_VERSION, "role": "client"})
         reply = self.frame()
-        assert reply is not None and reply["t"] == "welcome", reply
+        if reply is None or reply["t"] != "welcome":
+            raise LaunchError(f"the daemon answered hello with {reply!r:.300}")
         return reply
 
     def frame(self) -> dict[str, Any] | None:
@@ -231,7 +250,8 @@ class RawConn:
     def request(self, obj: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
         self.send(obj, fds)
         reply = self.frame()
-        assert reply is not None, f"connection closed instead of answering {obj!r}"
+        if reply is None:
+            raise LaunchError(f"connection closed instead of answering {obj!r:.300}")
         return reply
 
     def close(self) -> None:
