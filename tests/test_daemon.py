@@ -910,6 +910,28 @@ def test_a_failure_inside_one_control_connection_ends_only_it(
     trio.run(main)
 
 
+async def test_client_accept_out_of_descriptors_backs_off() -> None:
+    """``accept`` on the unix socket failing for want of descriptors (EMFILE)
+    is waited out, not raised into the daemon's nursery."""
+    import errno
+
+    from p2pxfer.daemon import _sessions
+
+    tries: list[float] = []
+
+    class Starved:
+        async def accept(self) -> Any:
+            tries.append(trio.current_time())
+            if len(tries) == 1:
+                raise OSError(errno.EMFILE, "Too many open files")
+            await trio.sleep_forever()
+
+    with trio.move_on_after(0.5):
+        await _sessions._accept(None, Starved())  # type: ignore[arg-type]
+    assert len(tries) == 2
+    assert tries[1] - tries[0] >= _sessions.ACCEPT_BACKOFF_S
+
+
 # -- bad input, then a real transfer -----------------------------------------------------
 
 def test_daemon_serves_after_bad_input(live: tuple[DaemonProc, DaemonProc],

@@ -12,6 +12,7 @@ region directory's rules (``_regions``) or the write path (``_writes``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from collections.abc import Awaitable, Callable
@@ -312,10 +313,24 @@ async def serve_clients(d: Daemon, nursery: trio.Nursery) -> trio.socket.SocketT
     return sock
 
 
+# accept() failures that say "not now" (out of descriptors or memory): wait a
+# little and go on, as trio.serve_listeners does for the control port.
+_ACCEPT_LATER = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_BACKOFF_S = 0.1
+
+
 async def _accept(d: Daemon, sock: trio.socket.SocketType) -> None:
     async with trio.open_nursery() as nursery:
         while True:
-            conn, _ = await sock.accept()
+            try:
+                conn, _ = await sock.accept()
+            except OSError as exc:
+                if exc.errno in _ACCEPT_LATER:
+                    log.error("client.accept_failed", error=str(exc))
+                    await trio.sleep(ACCEPT_BACKOFF_S)
+                elif exc.errno != errno.ECONNABORTED:
+                    raise
+                continue
             nursery.start_soon(_client, d, conn)
 
 
