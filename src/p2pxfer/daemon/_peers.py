@@ -74,6 +74,10 @@ class PeerLink:
                 await self._drop()
                 raise RemoteClosed(f"peer {self.peer.name} at {bounded(self.address, 100)}: "
                                    f"{bounded(str(exc) or type(exc).__name__, 200)}") from exc
+            except BaseException:
+                # Cancelled mid-request: a frame may be half sent. Start afresh.
+                await self._drop()
+                raise
             if msg.kind == "error" and is_fatal(msg["code"]):
                 await self._drop()  # the peer hangs up after saying so
             if msg.kind == "error":
