@@ -158,19 +158,20 @@ def test_a_caller_that_never_proves_the_token_is_cut_off(monkeypatch: pytest.Mon
     """It holds a connection (and a file descriptor) for AUTH_TIMEOUT_S at most."""
     from types import SimpleNamespace
 
-    from p2pxfer.daemon import DaemonConfig
-    from p2pxfer.daemon import _daemon as daemon_mod
+    from p2pxfer.daemon import Daemon, DaemonConfig
+    from p2pxfer.daemon import _auth as auth_mod
+    from p2pxfer.daemon._control import serve_peer
 
-    monkeypatch.setattr(daemon_mod, "AUTH_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(auth_mod, "AUTH_TIMEOUT_S", 0.3)
     engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
-    d = daemon_mod.Daemon(DaemonConfig(node="node-a", cluster_token=TOKEN), engine)
+    d = Daemon(DaemonConfig(node="node-a", cluster_token=TOKEN), engine)
 
     async def main() -> None:
         ours, theirs = trio.socket.socketpair()
         caller = trio.SocketStream(theirs)
         t0 = trio.current_time()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(d._peer, trio.SocketStream(ours))
+            nursery.start_soon(serve_peer, d, trio.SocketStream(ours))
             await caller.send_all(encode_frame({"t": "hello", "v": SCHEMA_VERSION,
                                                 "role": "daemon", "name": "slow"}, 1 << 20))
             with trio.fail_after(5):
@@ -187,15 +188,15 @@ def test_idle_peer_links_are_closed_and_reopened(monkeypatch: pytest.MonkeyPatch
     unused for LINK_IDLE_S is closed, and the next request dials again."""
     from types import SimpleNamespace
 
-    from p2pxfer.daemon import DaemonConfig
-    from p2pxfer.daemon import _daemon as daemon_mod
+    from p2pxfer.daemon import Daemon, DaemonConfig
+    from p2pxfer.daemon import _peers as peers_mod
 
-    monkeypatch.setattr(daemon_mod, "LINK_IDLE_S", 0.2)
+    monkeypatch.setattr(peers_mod, "LINK_IDLE_S", 0.2)
     engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
 
     def daemon(name: str) -> Any:
-        return daemon_mod.Daemon(DaemonConfig(node=name, control=f"{LOOPBACK}:0",
-                                              cluster_token=TOKEN), engine)
+        return Daemon(DaemonConfig(node=name, control=f"{LOOPBACK}:0",
+                                   cluster_token=TOKEN), engine)
 
     async def main() -> None:
         a, b = daemon("node-a"), daemon("node-b")
@@ -203,18 +204,18 @@ def test_idle_peer_links_are_closed_and_reopened(monkeypatch: pytest.MonkeyPatch
             a.nursery, b.nursery = nursery, nursery
             await a.serve_peers(nursery)
             await b.serve_peers(nursery)
-            nursery.start_soon(a.close_idle_links)
-            a.add_peer("node-b", b.control_address)
-            link = a._link("node-b")
+            nursery.start_soon(a.peers.close_idle_links)
+            a.peers.add("node-b", b.control_address)
+            link = a.peers.link("node-b")
             with trio.fail_after(10):
                 # b learned a's control address once a proved the token
                 peers = (await link.request("peers"))["peers"]
                 assert [p["name"] for p in peers] == ["node-a"]
-                assert link._stream is not None
-                while link._stream is not None:
+                assert link.connected
+                while link.connected:
                     await trio.sleep(0.05)
                 assert (await link.request("peers"))["peers"] == peers
-                assert link._stream is not None
+                assert link.connected
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -52,7 +52,13 @@ from daemon_helpers import (
     write_config,
 )
 from p2pxfer.client import DaemonError, SyncClient
-from p2pxfer.errors import EngineClosed, InvalidArgument, P2PXferError, ScatterError
+from p2pxfer.errors import (
+    EngineClosed,
+    InvalidArgument,
+    P2PXferError,
+    ScatterError,
+    UnknownRegion,
+)
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
 from p2pxfer.scatter import ScatterList
 
@@ -688,9 +694,9 @@ async def test_semantic_errors_through_the_client(live: tuple[DaemonProc, Daemon
             one = ScatterList.contiguous(4096)
             # unknown region, remote and local
             for peer in ("node-b", "node-a"):
-                with pytest.raises(DaemonError) as ei:
+                with pytest.raises(UnknownRegion) as eu:
                     await ca.write(peer, "no-such-region", one, src=src)
-                assert ei.value.code == "unknown_region"
+                assert isinstance(eu.value, DaemonError) and eu.value.code == "unknown_region"
             # unknown peer
             with pytest.raises(DaemonError) as ei:
                 await ca.write("node-z", "sem-kv", one, src=src)
@@ -701,7 +707,7 @@ async def test_semantic_errors_through_the_client(live: tuple[DaemonProc, Daemon
                             ScatterList.contiguous(4096, src=(1 << 20) - 100)):
                 with pytest.raises(ScatterError) as ei2:
                     await ca.write("node-b", "sem-kv", scatter, src=src)
-                assert ei2.value.code == "out_of_range"  # type: ignore[attr-defined]
+                assert ei2.value.code == "out_of_range"
             # src_offset past the source memory
             with pytest.raises(ScatterError):
                 await ca.write("node-b", "sem-kv", one, src=src, src_offset=2 << 20)
@@ -765,6 +771,165 @@ def test_control_port_garbage(live: tuple[DaemonProc, DaemonProc]) -> None:
             assert frame["t"] == "error", frame
             assert s.recv(1 << 16) == b""
     assert a.alive()
+
+
+def _control_exchange(address: str, *frames: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """Send ``frames`` in turn on a fresh control connection, each followed by
+    the reply (None once the daemon has closed the connection)."""
+    host, port = address.rsplit(":", 1)
+    replies: list[dict[str, Any] | None] = []
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        dec = FrameDecoder()
+        for obj in frames:
+            try:
+                s.sendall(encode_frame(obj))
+            except OSError:
+                replies.append(None)
+                continue
+            while (frame := dec.next_frame()) is None:
+                try:
+                    data = s.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:
+                    break
+                dec.feed(data)
+            replies.append(frame)
+    return replies
+
+
+def _hello(control: str) -> dict[str, Any]:
+    return {"t": "hello", "v": SCHEMA_VERSION, "role": "daemon", "name": "evil",
+            "control": control}
+
+
+@pytest.mark.parametrize("control", [f"{LOOPBACK}:\u00b2", f"{LOOPBACK}:" + "7" * 5000,
+                                     "bad..host:7000", f"{LOOPBACK}:0"],
+                         ids=["superscript-port", "5000-digit-port", "bad-host", "port-0"])
+def test_peer_hello_with_a_bad_address_is_refused(tmp_path: Path, control: str) -> None:
+    """A peer's hello names where it can be reached back; one that is not
+    host:port gets a clear fatal ``bad_request`` and a close, is not taken as
+    a peer, and the daemon serves on (issue 14: ``int("\u00b2")`` and a
+    5000-digit port used to raise ValueError past the handler, killing it)."""
+    d = start_daemon(tmp_path, "strict", control_port=free_port())
+    try:
+        (reply,) = _control_exchange(d.control, _hello(control))
+        assert reply is not None and reply["t"] == "error", reply
+        assert reply["code"] == "bad_request" and reply["id"] is None, reply
+        assert "hello" in reply["message"] and len(reply["message"]) < 1000, reply
+        assert d.alive(), d.log_tail()
+        assert "evil" not in {p["name"] for p in d.status()["peers"]}
+        # a well-formed hello on the next connection is welcomed
+        (ok,) = _control_exchange(d.control, _hello(f"{LOOPBACK}:{free_port()}"))
+        assert ok is not None and ok["t"] == "welcome", ok
+    finally:
+        d.stop()
+
+
+def test_bad_hello_host_then_resolve_and_unexport(tmp_path: Path) -> None:
+    """Issue 14: a hello with an invalid host name, then ``resolve`` of a real
+    region, then its unexport: the invalidation used to dial that host, and
+    the resolver's UnicodeError killed the daemon. Now the hello is refused,
+    and nothing the connection does afterwards reaches the daemon's state."""
+    d = start_daemon(tmp_path, "strict", control_port=free_port())
+    try:
+        async def main() -> list[dict[str, Any] | None]:
+            async with p2pxfer.connect(d.socket) as c:
+                await c.export("r", await c.alloc(1 << 16))
+                replies = await trio.to_thread.run_sync(
+                    _control_exchange, d.control, _hello("a" * 64 + ".example:7000"),
+                    {"t": "resolve", "id": 1, "region": "r"})
+                await c.unexport("r")
+                await trio.sleep(0.5)  # an invalidation would be on its way now
+                assert (await c.status())["node"] == "strict"
+                return replies
+
+        hello, resolved = trio.run(main)
+        assert hello is not None and hello["code"] == "bad_request", hello
+        assert resolved is None, resolved  # the connection was closed
+        assert d.alive(), d.log_tail()
+    finally:
+        d.stop()
+
+
+def test_a_failure_inside_one_control_connection_ends_only_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process, over socketpairs: a handler that raises something not ours
+    is answered ``internal`` (bounded) and the connection goes on; a failure
+    in the connection's own loop ends that connection, and ``serve_peer``
+    returns normally (it never reaches the daemon's nursery)."""
+    from types import SimpleNamespace
+
+    from p2pxfer.daemon import Daemon, DaemonConfig, _auth, _control
+
+    engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
+    d = Daemon(DaemonConfig(node="node-a"), engine)
+
+    def handler_bug(*args: Any) -> dict[str, Any]:
+        raise ValueError("x" * 10_000)
+
+    monkeypatch.setitem(_control.HANDLERS, "peers", handler_bug)
+    hello = {"t": "hello", "v": SCHEMA_VERSION, "role": "daemon", "name": "b"}
+
+    async def exchange(*frames: dict[str, Any]) -> list[dict[str, Any] | None]:
+        ours, theirs = trio.socket.socketpair()
+        caller = trio.SocketStream(theirs)
+        replies: list[dict[str, Any] | None] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_control.serve_peer, d, trio.SocketStream(ours))
+            dec = FrameDecoder()
+            for obj in frames:
+                await caller.send_all(encode_frame(obj))
+                while (frame := dec.next_frame()) is None:
+                    data = await caller.receive_some(1 << 16)
+                    if not data:
+                        break
+                    dec.feed(data)
+                replies.append(frame)
+            await caller.aclose()
+        return replies
+
+    async def main() -> None:
+        with trio.fail_after(10):
+            welcome, crashed, status = await exchange(
+                hello, {"t": "peers", "id": 1}, {"t": "status", "id": 2})
+            assert welcome is not None and welcome["t"] == "welcome"
+            assert crashed is not None and crashed["code"] == "internal", crashed
+            assert crashed["message"].startswith("ValueError: xxx")
+            assert len(crashed["message"]) < 1000
+            # a status needs the engine (a stub here): "internal" too, and still served
+            assert status is not None and status["t"] == "error" and status["id"] == 2
+
+            def loop_bug(self: Any, msg: Any) -> dict[str, Any]:
+                raise KeyError("inside the loop")
+
+            monkeypatch.setattr(_auth.Caller, "hello", loop_bug)
+            (closed,) = await exchange(hello)
+            assert closed is None  # the connection ended, nothing else did
+
+    trio.run(main)
+
+
+async def test_client_accept_out_of_descriptors_backs_off() -> None:
+    """``accept`` on the unix socket failing for want of descriptors (EMFILE)
+    is waited out, not raised into the daemon's nursery."""
+    import errno
+
+    from p2pxfer.daemon import _sessions
+
+    tries: list[float] = []
+
+    class Starved:
+        async def accept(self) -> Any:
+            tries.append(trio.current_time())
+            if len(tries) == 1:
+                raise OSError(errno.EMFILE, "Too many open files")
+            await trio.sleep_forever()
+
+    with trio.move_on_after(0.5):
+        await _sessions._accept(None, Starved())  # type: ignore[arg-type]
+    assert len(tries) == 2
+    assert tries[1] - tries[0] >= _sessions.ACCEPT_BACKOFF_S
 
 
 # -- bad input, then a real transfer -----------------------------------------------------
@@ -883,6 +1048,42 @@ def test_cli_missing_socket(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
     r = invoke("peers", "--socket", missing)
     assert r.exit_code != 0 and "cannot reach the p2pxfer daemon" in r.output, r.output
+
+
+async def test_lost_daemon_connection_is_connection_lost(tmp_path: Path) -> None:
+    """A daemon that goes away while a request waits: the request (and every
+    later one) raises ``ConnectionLost``, not a bare ``EngineClosed`` of the
+    daemon's ``closed`` code."""
+    from p2pxfer.errors import ConnectionLost
+    from p2pxfer.protocol import RESPONDER, Connection, Message
+
+    path = str(tmp_path / "fake.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await listener.bind(path)
+    listener.listen(1)
+
+    async def fake_daemon() -> None:
+        sock, _ = await listener.accept()
+        conn = Connection("client", RESPONDER)
+        with sock:
+            while True:
+                conn.receive_data(await sock.recv(1 << 16))
+                while isinstance(msg := conn.next_event(), Message):
+                    if msg.kind != "hello":
+                        return  # a request: hang up without answering
+                    await sock.send(conn.send("welcome", v=SCHEMA_VERSION, node="fake",
+                                              incarnation=1, max_frame=1 << 20))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fake_daemon)
+            async with p2pxfer.connect(path) as c:
+                assert c.node == "fake"
+                with pytest.raises(ConnectionLost, match="closed the connection"):
+                    await c.status()
+                with pytest.raises(ConnectionLost):
+                    await c.peers()
+    listener.close()
 
 
 def test_client_connect_missing_socket(tmp_path: Path) -> None:

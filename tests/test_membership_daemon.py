@@ -27,9 +27,7 @@ import pytest
 import trio
 
 from daemon_helpers import LOOPBACK, Agent, DaemonProc, Plan, free_port, start_daemon, wait_for
-from p2pxfer.daemon import DaemonConfig
-from p2pxfer.daemon._daemon import Daemon
-from p2pxfer.daemon._io import error_code
+from p2pxfer.daemon import Daemon, DaemonConfig
 from p2pxfer.errors import InvalidArgument, PeerLost, RemoteClosed
 from p2pxfer.membership import (
     Member,
@@ -41,6 +39,7 @@ from p2pxfer.membership import (
     StaleIncarnation,
 )
 from p2pxfer.memory import RegionDescriptor
+from p2pxfer.protocol import wire_error
 
 TOKEN = "s3cret-cluster-token"
 DEAD_WITHIN = 8.0  # SWIM: a probe period, suspicion 3 x 0.4 s; generous for CI
@@ -100,7 +99,7 @@ def fake_daemon(members: list[Member]) -> tuple[Daemon, FakeBackend]:
     cfg = DaemonConfig(node="node-a", membership="embedded", cluster_token="t")
     engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
     d = Daemon(cfg, engine)
-    d.membership = backend = FakeBackend(members)
+    d.follower.backend = backend = FakeBackend(members)
     return d, backend
 
 
@@ -110,14 +109,14 @@ def desc(node: str, inc: int) -> RegionDescriptor:
 
 def test_stale_descriptor_is_refused_as_peer_lost() -> None:
     d, backend = fake_daemon([Member("node-b", "127.0.0.1:1", 200)])
-    d.check_descriptor(desc("node-b", 200))  # the running life
+    d.follower.check_descriptor(desc("node-b", 200))  # the running life
     with pytest.raises(StaleIncarnation) as info:
-        d.check_descriptor(desc("node-b", 100))  # exported by an earlier life
-    assert error_code(info.value)[0] == "peer_lost"
+        d.follower.check_descriptor(desc("node-b", 100))  # exported by an earlier life
+    assert wire_error(info.value)[0] == "peer_lost"
     assert "incarnation 100 is not running" in str(info.value)
     backend.view["node-b"] = Member("node-b", "127.0.0.1:1", 200, MemberState.DEAD)
     with pytest.raises(PeerLost, match="dead"):
-        d.check_peer("node-b")
+        d.follower.check_peer("node-b")
     assert issubclass(PeerLost, RemoteClosed)
 
 
@@ -126,14 +125,14 @@ def test_events_update_peers_and_fail_writes_in_flight() -> None:
     d, _ = fake_daemon([b1])
 
     async def main() -> None:
-        d.on_membership_event(MemberJoined(b1))
-        assert d.peers["node-b"].address == "127.0.0.1:1"
-        d._resolved[("node-b", "r")] = desc("node-b", 100)
+        d.follower.on_event(MemberJoined(b1))
+        assert d.peers.peers["node-b"].address == "127.0.0.1:1"
+        d.regions.remember("node-b", "r", desc("node-b", 100))
         failed: list[BaseException] = []
 
         async def write() -> None:
             try:
-                with d.track_write("node-b"):
+                with d.follower.track_write("node-b"):
                     await trio.sleep_forever()
             except PeerLost as exc:
                 failed.append(exc)
@@ -142,17 +141,17 @@ def test_events_update_peers_and_fail_writes_in_flight() -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(write)
                 await trio.sleep(0.05)
-                d.on_membership_event(MemberDead(Member("node-b", "127.0.0.1:1", 100,
+                d.follower.on_event(MemberDead(Member("node-b", "127.0.0.1:1", 100,
                                                         MemberState.DEAD)))
         assert len(failed) == 1 and "node-b died" in str(failed[0])
-        assert error_code(failed[0])[0] == "peer_lost"
-        assert ("node-b", "r") not in d._resolved
-        assert not d._writes_to
+        assert wire_error(failed[0])[0] == "peer_lost"
+        assert d.regions.cached("node-b", "r") is None
+        assert d.follower.writes_to("node-b") == 0
         b2 = Member("node-b", "127.0.0.1:2", 300)
-        d._resolved[("node-b", "r")] = desc("node-b", 100)
-        d.on_membership_event(MemberRestarted(b2, 100))
-        assert d.peers["node-b"].address == "127.0.0.1:2"
-        assert ("node-b", "r") not in d._resolved
+        d.regions.remember("node-b", "r", desc("node-b", 100))
+        d.follower.on_event(MemberRestarted(b2, 100))
+        assert d.peers.peers["node-b"].address == "127.0.0.1:2"
+        assert d.regions.cached("node-b", "r") is None
 
     trio.run(main)
 

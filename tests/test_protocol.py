@@ -22,9 +22,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from p2pxfer.errors import (
+    ConnectionLost,
+    DaemonError,
+    EngineClosed,
+    FabricError,
+    P2PXferError,
+    PeerLost,
+    ReadOnlyBuffer,
+    UnknownRegion,
+)
+from p2pxfer.membership import StaleIncarnation
 from p2pxfer.protocol import (
     CLOSED,
     DEFAULT_MAX_FRAME,
+    ERRORS,
     INITIATOR,
     NEED_DATA,
     RESPONDER,
@@ -37,9 +49,13 @@ from p2pxfer.protocol import (
     ProtocolError,
     RemoteProtocolError,
     State,
+    check_handlers,
     encode_frame,
+    error_from_wire,
+    is_fatal,
     pack_scatter,
     unpack_scatter,
+    wire_error,
 )
 from p2pxfer.protocol._messages import CLIENT_REQUESTS, PEER_REQUESTS
 from p2pxfer.protocol._state import transition
@@ -982,3 +998,57 @@ def test_pack_scatter_refuses_ragged_columns() -> None:
     a = np.array
     with pytest.raises((ValueError, ProtocolError)):
         pack_scatter(a([1, 2], np.int64), a([3], np.int64), a([4, 5, 6], np.int64))
+
+
+# -- the one table of error codes ---------------------------------------------------------
+
+def test_every_documented_error_code_is_in_the_table() -> None:
+    """``proto/PROTOCOL.md`` lists the codes; ``ERRORS`` has exactly those."""
+    from pathlib import Path
+
+    spec = (Path(__file__).resolve().parent.parent / "proto" / "PROTOCOL.md").read_text()
+    section = spec.split("### Error codes", 1)[1].split("\n## ", 1)[0]
+    documented = {line.split("`")[1] for line in section.splitlines()
+                  if line.startswith("| `")}
+    assert documented == set(ERRORS)
+
+
+@pytest.mark.parametrize("code", sorted(ERRORS))
+def test_error_codes_round_trip(code: str) -> None:
+    """Daemon and client derive from one table: the exception a client raises
+    for a code is sent back as that same code, and carries it."""
+    cls, fatal = ERRORS[code]
+    exc = error_from_wire(code, "words")
+    assert type(exc) is cls
+    assert exc.code == code  # type: ignore[attr-defined]
+    assert str(exc) == f"{code}: words"
+    assert wire_error(exc) == (code, str(exc) if cls is not ProtocolError else "words")
+    assert str(error_from_wire(code, "words", "node-b")).endswith("node-b: words")
+    assert is_fatal(code) is fatal
+    assert isinstance(exc, P2PXferError)
+
+
+def test_specific_errors_and_unknown_codes() -> None:
+    assert isinstance(error_from_wire("unknown_region", "x"), UnknownRegion)
+    assert isinstance(error_from_wire("unknown_region", "x"), DaemonError)
+    assert isinstance(error_from_wire("peer_lost", "x"), PeerLost)
+    # a code from a newer daemon: a DaemonError that keeps it
+    future = error_from_wire("quota_exceeded", "slow down")
+    assert type(future) is DaemonError and future.code == "quota_exceeded"
+    assert wire_error(future) == ("quota_exceeded", "quota_exceeded: slow down")
+    # subclasses map to their nearest coded class; foreign errors are internal
+    assert wire_error(StaleIncarnation("old life"))[0] == "peer_lost"
+    assert wire_error(ReadOnlyBuffer("ro"))[0] == "bad_request"
+    assert wire_error(FabricError("fi_x", -5, "EIO"))[0] == "internal"
+    assert wire_error(ValueError("boom")) == ("internal", "ValueError: boom")
+    assert ConnectionLost.__mro__[1] is EngineClosed  # a lost socket is not the engine's code
+    assert "connection" not in ERRORS
+
+
+def test_handler_tables_are_checked() -> None:
+    check_handlers({"status": 0, "peers": 0, "auth": 0, "resolve": 0, "invalidate": 0},
+                   PEER_REQUESTS, "test")
+    with pytest.raises(LocalProtocolError, match=r"missing \['invalidate'\]"):
+        check_handlers({"status", "peers", "auth", "resolve"}, PEER_REQUESTS, "test")
+    with pytest.raises(LocalProtocolError, match=r"extra \['frobnicate'\]"):
+        check_handlers({*PEER_REQUESTS, "frobnicate"}, PEER_REQUESTS, "test")

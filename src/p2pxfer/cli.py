@@ -12,7 +12,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from p2pxfer.errors import P2PXferError
+from p2pxfer.errors import InvalidArgument, P2PXferError
 from p2pxfer.log import configure
 
 if TYPE_CHECKING:
@@ -24,14 +24,12 @@ console = Console()
 
 
 def _size(text: str) -> int:
-    units = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-             "g": 1 << 30, "gib": 1 << 30}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    unit = t[len(num):]
-    if not num.isdigit() or unit not in units:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 4096, 64KiB, 1MiB)")
-    return int(num) * units[unit]
+    from p2pxfer.address import parse_size
+
+    try:
+        return parse_size(text)
+    except InvalidArgument as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -3,6 +3,12 @@
 Every failure p2pxfer reports is one of these, so callers can catch the base.
 Foreign errors (libfabric return codes, trio exception groups) are mapped here
 or at the API edge, once; nothing below re-wraps an error that is already ours.
+
+An error that can cross a socket (daemon -> client, daemon -> daemon) carries
+its wire ``code`` (``proto/PROTOCOL.md``, "Error codes") as a class attribute;
+the one code -> (class, fatal) table is ``p2pxfer.protocol.ERRORS``, built
+from these classes. ``FabricError.code`` is libfabric's return code instead:
+fabric errors never cross a socket as themselves (they are ``internal``).
 """
 
 from __future__ import annotations
@@ -33,9 +39,14 @@ class TransferError(P2PXferError):
     """A transfer failed after it was accepted (a completion came back with an
     error); the message carries the provider's words."""
 
+    code: str = "transfer_failed"
+
 
 class RemoteClosed(TransferError):
-    """The peer is gone (connection refused or reset) while a transfer ran."""
+    """The peer is gone (connection refused or reset) while a transfer ran,
+    or its daemon could not be asked (``peer_unreachable``)."""
+
+    code: str = "peer_unreachable"
 
 
 class PeerLost(RemoteClosed):
@@ -43,17 +54,32 @@ class PeerLost(RemoteClosed):
     (before or while it ran): its memory is gone, whatever the fabric says.
     Protocol error code ``peer_lost``."""
 
+    code: str = "peer_lost"
+
 
 class EngineClosed(P2PXferError):
     """The engine or rail was closed while the operation was pending."""
+
+    code: str = "closed"
+
+
+class ConnectionLost(EngineClosed):
+    """The connection to a daemon ended (it closed, died, or could not be
+    reached) before the answer came. Never sent on the wire: each side sees
+    it for itself."""
 
 
 class InvalidArgument(P2PXferError, ValueError):
     """Bad input from the caller; nothing was posted."""
 
+    code: str = "bad_request"
+
 
 class ScatterError(InvalidArgument):
-    """A scatter list is malformed or does not fit the regions it names."""
+    """A scatter list is malformed or does not fit the regions it names (or a
+    byte range falls outside its memory)."""
+
+    code: str = "out_of_range"
 
 
 class RegistrationError(P2PXferError):
@@ -61,7 +87,10 @@ class RegistrationError(P2PXferError):
 
 
 class UnregisteredMemory(RegistrationError, InvalidArgument):
-    """The buffer (or region) used was never registered with this rail."""
+    """The buffer (or region) used was never registered with this rail (or a
+    client names shared memory its connection does not hold)."""
+
+    code: str = "unknown_mem"
 
 
 class ReadOnlyBuffer(RegistrationError, InvalidArgument):
@@ -74,3 +103,41 @@ class DescriptorError(InvalidArgument):
 
 class WaitTimeout(P2PXferError, TimeoutError):
     """A bounded wait ran out before the awaited condition held."""
+
+
+class DaemonError(P2PXferError):
+    """The daemon refused a request for a reason of its own (``internal`` when
+    nothing more specific applies). ``code`` is the protocol's error code; an
+    instance made for a code this version does not know carries that code."""
+
+    code: str = "internal"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class UnknownRegion(DaemonError, LookupError):
+    """No region of that name is exported there (or not by this client)."""
+
+    code = "unknown_region"
+
+
+class UnknownPeer(DaemonError, LookupError):
+    """A request names a node that is neither this one nor a known peer."""
+
+    code = "unknown_peer"
+
+
+class NameTaken(DaemonError):
+    """A region of that name is already exported on this node."""
+
+    code = "name_taken"
+
+
+class AuthenticationFailed(DaemonError):
+    """Two daemons could not prove the cluster token to each other (a wrong
+    token, a token on one side only, or another node at that address)."""
+
+    code = "auth_failed"

@@ -10,11 +10,11 @@ What must not: opening providers, sockets or processes.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from p2pxfer import address
 from p2pxfer.errors import InvalidArgument, P2PXferError
 from p2pxfer.scatter import ScatterList
 
@@ -32,15 +32,10 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 7790
-KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-MAX_SIZE = 1 << 40
+KIB, MIB, GIB = address.KIB, address.MIB, address.GIB
 # Scatter lists built per case and cycled through the rounds: enough variety
 # that random pages differ between rounds, little enough to build quickly.
 VARIANTS = 4
-
-_UNITS = {"": 1, "b": 1, "k": KIB, "kb": KIB, "kib": KIB, "m": MIB, "mb": MIB, "mib": MIB,
-          "g": GIB, "gb": GIB, "gib": GIB}
-_SIZE = re.compile(r"\s*(-?)\s*([0-9]+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
 class BenchError(P2PXferError):
@@ -54,20 +49,10 @@ class BenchConfigError(BenchError, InvalidArgument):
 def parse_size(text: str | int) -> int:
     """``4096``, ``64KiB``, ``1M``, ``2GiB`` (units are binary; ``KB`` = ``KiB``)
     as a positive number of bytes. Raises ``BenchConfigError`` otherwise."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE.fullmatch(str(text))
-        if m is None or m[3].lower() not in _UNITS:
-            raise BenchConfigError(f"{text!r} is not a size (e.g. 4096, 64KiB, 1MiB, 2GiB)")
-        value = int(m[2]) * _UNITS[m[3].lower()]
-        if m[1]:
-            value = -value
-    if value <= 0:
-        raise BenchConfigError(f"size must be > 0, got {text!r}")
-    if value > MAX_SIZE:
-        raise BenchConfigError(f"size {text!r} is larger than 1 TiB")
-    return value
+    try:
+        return address.parse_size(text)
+    except InvalidArgument as exc:
+        raise BenchConfigError(str(exc)) from None
 
 
 def format_size(n: int) -> str:
@@ -80,25 +65,10 @@ def format_size(n: int) -> str:
 
 def parse_hostport(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
     """``HOST``, ``HOST:PORT`` or ``[V6ADDR]:PORT``."""
-    text = text.strip()
-    host, port_text = text, ""
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0:
-            raise BenchConfigError(f"{text!r}: unclosed '[' in address")
-        host, rest = text[1:end], text[end + 1:]
-        if rest and not rest.startswith(":"):
-            raise BenchConfigError(f"{text!r} is not HOST[:PORT]")
-        port_text = rest[1:]
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    if not host:
-        raise BenchConfigError(f"{text!r}: no host")
-    if not port_text:
-        return host, default_port
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise BenchConfigError(f"{text!r}: port must be a number in 1..65535")
-    return host, int(port_text)
+    try:
+        return address.parse_hostport(text, default_port=default_port, port_zero=False)
+    except InvalidArgument as exc:
+        raise BenchConfigError(str(exc)) from None
 
 
 def sweep_sizes(lo: int, hi: int) -> tuple[int, ...]:

@@ -60,6 +60,7 @@ from ._server import (
     connect_server,
     fabric_node,
     pick_interfaces,
+    resolve_region,
     serve,
 )
 
@@ -486,44 +487,6 @@ async def loopback_server(start_timeout: float = 60.0,
         parent.close()
 
 
-async def resolve_region(address: str, region: str, timeout: float) -> RegionDescriptor:
-    """Ask a daemon's control port for the descriptor of its region ``region``
-    (the question peer daemons ask each other)."""
-    from p2pxfer.protocol import CLOSED, INITIATOR, NEED_DATA, SCHEMA_VERSION, Connection
-
-    host, port = parse_hostport(address)
-    with trio.fail_after(timeout):
-        stream = await trio.open_tcp_stream(host, port)
-        try:
-            conn = Connection("peer", INITIATOR)
-
-            async def reply() -> Any:
-                while True:
-                    event = conn.next_event()
-                    if event is NEED_DATA:
-                        conn.receive_data(await stream.receive_some(1 << 16))
-                        continue
-                    if event is CLOSED:
-                        raise BenchError(f"daemon at {address} closed the connection")
-                    return event
-
-            await stream.send_all(conn.send("hello", v=SCHEMA_VERSION, role="daemon",
-                                            name="p2pxfer-bench"))
-            msg = await reply()
-            if msg.kind != "welcome":
-                raise BenchError(f"daemon at {address}: {msg.get('message', msg.kind)}")
-            rid = conn.next_id()
-            await stream.send_all(conn.send("resolve", id=rid, region=region))
-            msg = await reply()
-            if msg.kind == "error":
-                raise BenchError(f"daemon at {address}: {msg['message']}")
-            desc = RegionDescriptor.from_wire(dict(msg.get("result") or {})["descriptor"])
-            await stream.send_all(conn.send("bye"))
-            return desc
-        finally:
-            await stream.aclose()
-
-
 async def _daemon_session(opts: BenchOptions, cases: list[Case], progress: Progress,
                           notes: list[str]) -> list[BenchResult]:
     from p2pxfer.client import connect
@@ -538,7 +501,8 @@ async def _daemon_session(opts: BenchOptions, cases: list[Case], progress: Progr
         address = peers[opts.peer]
         dst: RegionDescriptor | None = None
         try:
-            dst = await resolve_region(address, opts.region, opts.connect_timeout)
+            dst = await resolve_region(address, opts.region, opts.connect_timeout,
+                                       peer=opts.peer)
         except (OSError, trio.TooSlowError, P2PXferError) as exc:
             why = str(exc) or type(exc).__name__
             notes.append(f"no C baseline: could not ask {opts.peer} ({address}) for region "

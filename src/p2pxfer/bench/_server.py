@@ -8,8 +8,8 @@ used and how many pieces carried it, and the server confirms once that many
 have landed (``engine.wait_imm``). The engine's poller keeps the CQ
 progressed meanwhile, as manual-progress providers need.
 
-The handshake runs over TCP on the control port: each message is a msgpack
-map behind a 4-byte big-endian length.
+The handshake runs over TCP on the control port, in the protocol's framing
+(``p2pxfer.protocol``: a msgpack map behind a 4-byte big-endian length).
 
     client -> server  {"t": "hello", "v": 1, "provider": str, "size": int, "rails": int,
                        "interfaces": [str] (optional: same-host runs)}
@@ -21,19 +21,25 @@ map behind a 4-byte big-endian length.
     client -> server  {"t": "bye"}
     either way        {"t": "error", "message": str}
 
+Also here: ``resolve_region``, the ``--via-daemon`` baseline's question to
+the peer daemon's control port, asked like daemons ask each other
+(``p2pxfer.daemon.dial_peer``, proving the cluster token from
+``P2PXFER_CLUSTER_TOKEN`` when the daemons have one).
+
 What must not live here: measuring (``_run``) and rendering.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import structlog
 import trio
@@ -42,12 +48,13 @@ from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.errors import P2PXferError
 from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RegionDescriptor
+from p2pxfer.protocol import FrameDecoder, ProtocolError, encode_frame
 from p2pxfer.topology import discover
 
 from ._options import GIB, BenchError, format_size
 
-__all__ = ["PROTOCOL_VERSION", "ServerConfig", "ServerLink", "connect_server", "fabric_node",
-           "is_loopback", "pick_interfaces", "serve"]
+__all__ = ["PROTOCOL_VERSION", "TOKEN_ENV", "ServerConfig", "ServerLink", "connect_server",
+           "fabric_node", "is_loopback", "pick_interfaces", "resolve_region", "serve"]
 
 log = structlog.get_logger("p2pxfer.bench")
 
@@ -60,38 +67,34 @@ class ProtocolViolation(BenchError):
 
 
 class Wire:
-    """Length-prefixed msgpack maps over a trio stream."""
+    """Bench messages over a trio stream, in the protocol's framing
+    (``p2pxfer.protocol.encode_frame`` / ``FrameDecoder``)."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self._buf = bytearray()
+        self._decoder = FrameDecoder(MAX_MESSAGE)
 
     async def send(self, kind: str, **fields: Any) -> None:
-        body = msgpack.packb({"t": kind, **fields}, use_bin_type=True)
-        await self.stream.send_all(len(body).to_bytes(4, "big") + body)
+        try:
+            frame = encode_frame({"t": kind, **fields}, MAX_MESSAGE)
+        except ProtocolError as exc:
+            raise ProtocolViolation(f"cannot send {kind!r}: {exc.message}") from exc
+        await self.stream.send_all(frame)
 
     async def recv(self) -> dict[str, Any]:
         while True:
-            if len(self._buf) >= 4:
-                n = int.from_bytes(self._buf[:4], "big")
-                if n > MAX_MESSAGE:
-                    raise ProtocolViolation(f"message of {n} bytes is over the "
-                                            f"{MAX_MESSAGE}-byte limit")
-                if len(self._buf) >= 4 + n:
-                    body = bytes(self._buf[4:4 + n])
-                    del self._buf[:4 + n]
-                    try:
-                        msg = msgpack.unpackb(body, raw=False)
-                    except (ValueError, msgpack.ExtraData, msgpack.FormatError,
-                            msgpack.StackError) as exc:
-                        raise ProtocolViolation(f"message is not msgpack: {exc}") from exc
-                    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-                        raise ProtocolViolation(f"expected a map with 't', got {msg!r:.80}")
-                    return msg
+            try:
+                msg = self._decoder.next_frame()
+            except ProtocolError as exc:
+                raise ProtocolViolation(exc.message) from exc
+            if msg is not None:
+                if not isinstance(msg.get("t"), str):
+                    raise ProtocolViolation(f"expected a map with 't', got {msg!r:.80}")
+                return msg
             data = await self.stream.receive_some(1 << 16)
             if not data:
                 raise ProtocolViolation("the other side closed the connection")
-            self._buf += data
+            self._decoder.feed(data)
 
 
 # -- server -------------------------------------------------------------------
@@ -367,3 +370,30 @@ async def connect_server(host: str, port: int, *, connect_timeout: float = 5.0,
         with trio.CancelScope(shield=True):
             await stream.aclose()
 
+
+# -- via-daemon: a region's descriptor from a peer daemon ---------------------------------
+
+#: environment variable holding the cluster token (the daemons' ``cluster_token``)
+TOKEN_ENV = "P2PXFER_CLUSTER_TOKEN"
+
+
+async def resolve_region(address: str, region: str, timeout: float, *, peer: str | None = None,
+                         token: str | None = None) -> RegionDescriptor:
+    """Ask the daemon at ``address`` (node ``peer``, when known) for the
+    descriptor of its region ``region``, as peer daemons ask each other. With
+    a cluster token (``token``, else ``$P2PXFER_CLUSTER_TOKEN``) both sides
+    prove it first; a daemon that has one refuses a caller without it."""
+    from p2pxfer.daemon import dial_peer
+    from p2pxfer.membership import ClusterAuth
+
+    secret = os.environ.get(TOKEN_ENV, "") if token is None else token
+    auth = ClusterAuth(secret.encode()) if secret else None
+    with trio.fail_after(timeout):
+        pump = await dial_peer(address, name="p2pxfer-bench", expect=peer, auth=auth)
+        try:
+            result = await pump.request("resolve", region=region)
+            with trio.move_on_after(1), contextlib.suppress(P2PXferError):
+                await pump.send("bye")
+        finally:
+            await pump.aclose()
+    return RegionDescriptor.from_wire(result.get("descriptor"))

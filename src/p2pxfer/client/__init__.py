@@ -1,5 +1,8 @@
 """Layer 8b: the client library (trio and asyncio through anyio, plus a
-blocking facade)."""
+blocking facade). ``ConnectionLost`` is what a call raises when the
+connection to the daemon is gone."""
+
+from p2pxfer.errors import ConnectionLost as ConnectionLost
 
 from ._client import Client as Client
 from ._client import DaemonError as DaemonError

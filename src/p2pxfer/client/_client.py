@@ -3,14 +3,15 @@
 Works under trio and asyncio alike (anyio). Memory is shared with the daemon
 without copies: ``alloc`` creates a memfd, maps it here and passes the fd to
 the daemon with SCM_RIGHTS, which maps and registers the same pages. Errors
-the daemon reports come back as the matching ``P2PXferError`` subclass with
-the protocol's ``code`` attached.
+the daemon reports come back as the class ``p2pxfer.protocol.ERRORS`` names
+for their code (each carries its ``code``); a connection to the daemon that
+ends while a request waits raises ``ConnectionLost``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,21 +21,16 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from p2pxfer._pump import Pump
 from p2pxfer.errors import (
-    EngineClosed,
+    ConnectionLost,
+    DaemonError,
     InvalidArgument,
     P2PXferError,
-    PeerLost,
-    RemoteClosed,
-    ScatterError,
-    TransferError,
-    UnregisteredMemory,
 )
 from p2pxfer.memory import RegionDescriptor, SharedBuffer
 from p2pxfer.protocol import (
-    CLOSED,
     INITIATOR,
-    NEED_DATA,
     SCHEMA_VERSION,
     Connection,
     Message,
@@ -48,27 +44,34 @@ __all__ = ["Client", "DaemonError", "MemberUpdate", "SharedMemory", "connect"]
 log = structlog.get_logger("p2pxfer.client")
 
 
-class DaemonError(P2PXferError):
-    """The daemon refused a request; ``code`` is the protocol's error code."""
+class _AnyioStream:
+    """The client's unix socket (anyio: trio or asyncio), its failures mapped
+    at this edge: a broken receive is the end of the stream, a broken send is
+    ``ConnectionLost``."""
 
-    code: str = "internal"
+    def __init__(self, stream: anyio.abc.SocketStream, path: str) -> None:
+        self.stream = stream
+        self.path = path
 
+    async def receive_some(self) -> bytes:
+        try:
+            return await self.stream.receive(1 << 16)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                OSError):
+            return b""
 
-_BY_CODE: dict[str, type[P2PXferError]] = {
-    "out_of_range": ScatterError,
-    "bad_request": InvalidArgument,
-    "unknown_mem": UnregisteredMemory,
-    "transfer_failed": TransferError,
-    "peer_unreachable": RemoteClosed,
-    "peer_lost": PeerLost,
-    "closed": EngineClosed,
-}
+    async def send_all(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        try:
+            if fds:
+                await self.stream.send_fds(data, fds)  # type: ignore[attr-defined]
+            else:
+                await self.stream.send(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise ConnectionLost(f"the daemon at {self.path} is gone: "
+                                 f"{exc or type(exc).__name__}") from exc
 
-
-def _error(code: str, message: str) -> P2PXferError:
-    exc = _BY_CODE.get(code, DaemonError)(f"{code}: {message}")
-    exc.code = code  # type: ignore[attr-defined]
-    return exc
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,10 @@ class SharedMemory:
 class Client:
     """A connection to the node daemon. Use :func:`connect`."""
 
-    def __init__(self, stream: anyio.abc.SocketStream, max_frame: int) -> None:
-        self._stream = stream
-        self._conn = Connection("client", INITIATOR, max_frame=max_frame)
-        self._lock = anyio.Lock()
+    def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
+        self._pump = Pump(Connection("client", INITIATOR, max_frame=max_frame),
+                          _AnyioStream(stream, path), "")
+        self._path = path
         self._pending: dict[int, tuple[anyio.Event, list[Message]]] = {}
         self._closed: P2PXferError | None = None
         self._mems: list[SharedMemory] = []
@@ -128,42 +131,27 @@ class Client:
     # -- plumbing -------------------------------------------------------------
 
     async def _handshake(self) -> None:
-        await self._stream.send(self._conn.send("hello", v=SCHEMA_VERSION, role="client"))
-        msg = await self._read_one()
-        if msg.kind == "error":
-            raise _error(msg["code"], msg["message"])
+        msg = await self._pump.hello(v=SCHEMA_VERSION, role="client")
         self.node, self.incarnation = msg["node"], msg["incarnation"]
-
-    async def _read_one(self) -> Message:
-        while True:
-            event = self._conn.next_event()
-            if event is NEED_DATA:
-                try:
-                    self._conn.receive_data(await self._stream.receive(1 << 16))
-                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    self._conn.receive_data(b"")
-                continue
-            if event is CLOSED:
-                raise EngineClosed("the daemon closed the connection")
-            assert isinstance(event, Message)
-            return event
 
     async def _reader(self) -> None:
         try:
             while True:
-                msg = await self._read_one()
+                msg = await self._pump.receive()
+                if msg is None:
+                    raise ConnectionLost(f"the daemon at {self._path} closed the connection")
                 if msg.id is None:
                     if msg.kind == "error":
-                        raise _error(msg["code"], msg["message"])
+                        raise self._pump.error(msg)
                     continue
                 slot = self._pending.pop(msg.id, None)
                 if slot is not None:
                     slot[1].append(msg)
                     slot[0].set()
+        except ProtocolError as exc:
+            self._fail_all(ConnectionLost(f"protocol error from the daemon: {exc}"))
         except P2PXferError as exc:
             self._fail_all(exc)
-        except ProtocolError as exc:
-            self._fail_all(P2PXferError(f"protocol error from the daemon: {exc}"))
 
     def _fail_all(self, exc: P2PXferError) -> None:
         self._closed = exc
@@ -173,24 +161,20 @@ class Client:
     async def _request(self, kind: str, fds: list[int] | None = None, **fields: Any
                        ) -> dict[str, Any]:
         if self._closed is not None:
-            raise EngineClosed(f"connection to the daemon is closed ({self._closed})")
+            raise ConnectionLost(f"connection to the daemon is closed ({self._closed})")
         event, box = anyio.Event(), list[Message]()
-        async with self._lock:
-            rid = self._conn.next_id()
-            data = self._conn.send(kind, id=rid, **fields)
-            self._pending[rid] = (event, box)
-            if fds:
-                await self._stream.send_fds(data, fds)  # type: ignore[attr-defined]
-            else:
-                await self._stream.send(data)
+        rid = self._pump.conn.next_id()
+        self._pending[rid] = (event, box)
+        try:
+            await self._pump.send(kind, id=rid, fds=fds or (), **fields)
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
         await event.wait()
         if not box:
             assert self._closed is not None
-            raise EngineClosed(f"connection to the daemon closed: {self._closed}")
-        msg = box[0]
-        if msg.kind == "error":
-            raise _error(msg["code"], msg["message"])
-        return dict(msg.get("result") or {})
+            raise ConnectionLost(f"connection to the daemon closed: {self._closed}")
+        return self._pump.result(box[0])
 
     # -- API ------------------------------------------------------------------
 
@@ -280,14 +264,10 @@ class Client:
 
     async def aclose(self) -> None:
         if self._closed is None:
-            try:
-                async with self._lock:
-                    await self._stream.send(self._conn.send("bye"))
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError,
-                    ProtocolError):
-                pass
-            self._closed = EngineClosed("client closed")
-        await self._stream.aclose()
+            with suppress(ConnectionLost, ProtocolError):
+                await self._pump.send("bye")
+            self._closed = ConnectionLost("client closed")
+        await self._pump.aclose()
         for mem in self._mems:
             mem.close()
         self._mems.clear()
@@ -299,8 +279,8 @@ async def connect(path: str, *, max_frame: int = 16 << 20) -> AsyncIterator[Clie
     try:
         stream = await anyio.connect_unix(path)
     except OSError as exc:
-        raise EngineClosed(f"cannot reach the p2pxfer daemon at {path}: {exc}") from exc
-    client = Client(stream, max_frame)
+        raise ConnectionLost(f"cannot reach the p2pxfer daemon at {path}: {exc}") from exc
+    client = Client(stream, max_frame, path)
     try:
         await client._handshake()
         async with anyio.create_task_group() as tg:

@@ -9,18 +9,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from p2pxfer.address import parse_hostport
 from p2pxfer.errors import InvalidArgument
 
 __all__ = ["MEMBERSHIP_BACKENDS", "DaemonConfig", "PeerAddress", "parse_hostport"]
 
 MEMBERSHIP_BACKENDS = ("none", "embedded", "etcd")
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise InvalidArgument(f"{text!r} is not host:port")
-    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)

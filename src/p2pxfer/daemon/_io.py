@@ -1,6 +1,7 @@
-"""Socket plumbing shared by the daemon's listeners: receiving bytes together
-with SCM_RIGHTS file descriptors, peer credentials, and the mapping of our
-errors onto the protocol's error codes (done here, once, at the edge)."""
+"""Socket plumbing of the daemon's unix listener: receiving bytes together
+with SCM_RIGHTS file descriptors, peer credentials, and the client socket as
+a ``p2pxfer._pump.ByteStream`` (its failures mapped here, once). Error codes
+are the protocol's (``p2pxfer.protocol.ERRORS``)."""
 
 from __future__ import annotations
 
@@ -9,35 +10,17 @@ import contextlib
 import os
 import socket
 import struct
+from collections import deque
+from collections.abc import Sequence
 
 import trio
 
-from p2pxfer.errors import (
-    DescriptorError,
-    EngineClosed,
-    InvalidArgument,
-    P2PXferError,
-    PeerLost,
-    RemoteClosed,
-    ScatterError,
-    TransferError,
-    UnregisteredMemory,
-)
-from p2pxfer.protocol import ProtocolError
+from p2pxfer.errors import ConnectionLost
 
-__all__ = ["MAX_FDS", "RequestError", "error_code", "peer_credentials", "recv_with_fds"]
+__all__ = ["MAX_FDS", "UnixFdStream", "close_fds", "peer_credentials", "recv_with_fds"]
 
 MAX_FDS = 8
 _CREDS = struct.Struct("3i")
-
-
-class RequestError(P2PXferError):
-    """A request the daemon refuses, with the protocol's error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 async def recv_with_fds(sock: trio.socket.SocketType, bufsize: int = 1 << 16
@@ -67,23 +50,39 @@ def close_fds(fds: list[int]) -> None:
     fds.clear()
 
 
-def error_code(exc: BaseException) -> tuple[str, str]:
-    """The protocol's (code, message) for an exception raised serving a request."""
-    if isinstance(exc, RequestError):
-        return exc.code, exc.message
-    if isinstance(exc, ProtocolError):
-        return exc.code, exc.message
-    table: list[tuple[type[BaseException], str]] = [
-        (ScatterError, "out_of_range"),
-        (UnregisteredMemory, "unknown_mem"),
-        (DescriptorError, "bad_request"),
-        (InvalidArgument, "bad_request"),
-        (PeerLost, "peer_lost"),
-        (RemoteClosed, "peer_unreachable"),
-        (TransferError, "transfer_failed"),
-        (EngineClosed, "closed"),
-    ]
-    for cls, code in table:
-        if isinstance(exc, cls):
-            return code, str(exc)
-    return "internal", f"{type(exc).__name__}: {exc}"
+class UnixFdStream:
+    """A client's unix socket: bytes in with the descriptors that came with
+    them (queued in ``fds``, oldest first), bytes out."""
+
+    def __init__(self, sock: trio.socket.SocketType, label: str) -> None:
+        self.sock = sock
+        self.label = label
+        self.fds: deque[int] = deque()
+
+    async def receive_some(self) -> bytes:
+        try:
+            data, fds = await recv_with_fds(self.sock)
+        except OSError:
+            return b""
+        self.fds.extend(fds)
+        return data
+
+    async def send_all(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        if fds:
+            raise ConnectionLost("the daemon passes no file descriptors to clients")
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[await self.sock.send(view):]
+        except OSError as exc:
+            raise ConnectionLost(f"client {self.label} is gone: {exc}") from exc
+
+    def shutdown(self) -> None:
+        """End the conversation from our side (the receive loop then ends)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    async def aclose(self) -> None:
+        close_fds(list(self.fds))
+        self.fds.clear()
+        self.sock.close()

@@ -119,6 +119,12 @@ class MembershipBackend(abc.ABC):
             raise StaleIncarnation(f"{name} incarnation {incarnation} is not running ({name} "
                                    f"is {now})")
 
+    @property
+    def finished(self) -> bool:
+        """True once the backend stopped running (stopped, or failed): its
+        subscriptions have ended for good."""
+        return self._done.is_set()
+
     # -- lifecycle --------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:

@@ -36,7 +36,7 @@ class FrameDecoder:
         self.max_frame = max_frame
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._buf += data
 
     @property

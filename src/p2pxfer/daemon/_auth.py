@@ -1,0 +1,84 @@
+"""The responder's half of the cluster-token handshake on the control port.
+
+A ``Caller`` is what one incoming control connection has said about itself.
+With a token configured, the ``welcome`` carries our nonce and (when the
+caller challenged us) our proof; the caller's ``auth`` must prove the token
+for our nonce before anything else is served, within ``AUTH_TIMEOUT_S``.
+Dialling and the initiator's half are ``_dial``. What must not live here:
+what an authenticated caller may ask (``_control``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import structlog
+
+from p2pxfer._pump import bounded
+from p2pxfer.address import format_hostport, parse_hostport
+from p2pxfer.errors import AuthenticationFailed
+from p2pxfer.membership import ClusterAuth
+from p2pxfer.protocol import Message
+
+from ._dial import NONCE_BYTES, nonce_ok
+
+__all__ = ["AUTH_TIMEOUT_S", "Caller"]
+
+log = structlog.get_logger("p2pxfer.daemon")
+
+AUTH_TIMEOUT_S = 10.0  # a peer connection must have proved the token by then
+
+
+class Caller:
+    """What one incoming control connection has said about itself."""
+
+    def __init__(self, remote: str, auth: ClusterAuth | None, node: str) -> None:
+        self.remote = remote
+        self.auth = auth
+        self.node = node  # ours
+        self.authenticated = auth is None
+        self.name = ""
+        self.control = ""  # where it can be reached back (checked host:port), or ""
+        self.nonce = b""  # the caller's challenge to us
+        self.our_nonce = b""  # ours to it
+
+    def hello(self, msg: Message) -> dict[str, Any]:
+        """Take in a ``hello``; the extra fields of our ``welcome``. A control
+        address that is not ``host:port`` raises ``InvalidArgument``."""
+        self.name = msg.get("name", "")
+        control = msg.get("control", "")
+        if control:
+            host, port = parse_hostport(control, port_zero=False)
+            self.control = format_hostport(host, port)
+        self.nonce = msg.get("nonce", b"")
+        extra: dict[str, Any] = {}
+        if self.auth is not None:
+            self.our_nonce = os.urandom(NONCE_BYTES)
+            extra["nonce"] = self.our_nonce
+            if nonce_ok(self.nonce):
+                extra["proof"] = self.auth.connection_proof(
+                    "responder", self.nonce, self.our_nonce, self.node)
+        return extra
+
+    def prove(self, proof: bytes) -> None:
+        """The caller's answer to our challenge: right, and it is
+        authenticated; wrong, ``AuthenticationFailed`` (logged)."""
+        if self.auth is None:
+            return  # nothing to prove here
+        if self.our_nonce and nonce_ok(self.nonce) and self.auth.check_connection(
+                "initiator", self.nonce, self.our_nonce, self.name, proof):
+            self.authenticated = True
+            return
+        log.warning("peer.auth_failed", caller=bounded(self.name, 100), remote=self.remote,
+                    reason="wrong proof of the cluster token")
+        raise AuthenticationFailed(f"{self.node}: wrong cluster token")
+
+    def require(self, kind: str) -> None:
+        """Refuse (logged) a request before the caller proved the token."""
+        if self.authenticated:
+            return
+        log.warning("peer.auth_required", caller=bounded(self.name, 100), remote=self.remote,
+                    request=kind)
+        raise AuthenticationFailed(f"{self.node} requires the cluster token: authenticate "
+                                   "(auth) before any request")

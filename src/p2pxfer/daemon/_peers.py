@@ -1,0 +1,174 @@
+"""The daemon's peers and its links to them.
+
+``PeerTable`` knows every peer daemon by name (configured, added with
+``add_peer``, learnt from an authenticated caller's hello, or a running
+member) and keeps one ``PeerLink`` per peer it talks to: a control connection
+opened by ``dial_peer`` on first use, requests in turn, closed after
+``LINK_IDLE_S`` unused. Every failure to talk to a peer becomes
+``RemoteClosed`` (``peer_unreachable``) naming it; the peer's own answers
+come back as the exceptions of their codes. What must not live here: what
+the answers mean (regions, membership).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import trio
+
+from p2pxfer._pump import Pump, bounded
+from p2pxfer.address import format_hostport, parse_hostport
+from p2pxfer.errors import AuthenticationFailed, RemoteClosed, UnknownPeer
+from p2pxfer.membership import ClusterAuth
+from p2pxfer.protocol import error_from_wire, is_fatal
+
+from ._config import PeerAddress
+from ._dial import dial_peer
+
+__all__ = ["LINK_IDLE_S", "PEER_TIMEOUT_S", "PeerLink", "PeerTable"]
+
+log = structlog.get_logger("p2pxfer.daemon")
+
+PEER_TIMEOUT_S = 5.0
+LINK_IDLE_S = 60.0  # a peer connection unused this long is closed
+
+
+class PeerLink:
+    """Our connection to one peer daemon's control port (requests in turn)."""
+
+    def __init__(self, table: PeerTable, peer: PeerAddress) -> None:
+        self.table = table
+        self.peer = peer
+        self.address = peer.address
+        self._lock = trio.Lock()
+        self._pump: Pump | None = None
+        self.last_used = trio.current_time()
+
+    @property
+    def connected(self) -> bool:
+        return self._pump is not None
+
+    @property
+    def idle(self) -> bool:
+        """Connected, and not in use right now."""
+        return self._pump is not None and not self._lock.locked()
+
+    async def request(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """One request and its result. ``RemoteClosed`` when the peer cannot
+        be asked (within ``PEER_TIMEOUT_S``); ``AuthenticationFailed`` when
+        the two of us cannot prove the token; the peer's error answers as
+        their exceptions (a fatal one also drops the connection)."""
+        self.last_used = trio.current_time()
+        async with self._lock:
+            try:
+                with trio.fail_after(PEER_TIMEOUT_S):
+                    if self._pump is None:
+                        self._pump = await self._dial()
+                    msg = await self._pump.exchange(kind, **fields)
+            except AuthenticationFailed:
+                await self._drop()
+                raise
+            except Exception as exc:  # any failure to talk is "unreachable", never a crash
+                await self._drop()
+                raise RemoteClosed(f"peer {self.peer.name} at {bounded(self.address, 100)}: "
+                                   f"{bounded(str(exc) or type(exc).__name__, 200)}") from exc
+            except BaseException:
+                # Cancelled mid-request: a frame may be half sent. Start afresh.
+                await self._drop()
+                raise
+            if msg.kind == "error" and is_fatal(msg["code"]):
+                await self._drop()  # the peer hangs up after saying so
+            if msg.kind == "error":
+                raise error_from_wire(msg["code"], msg["message"], self.peer.name)
+            return dict(msg.get("result") or {})
+
+    async def _dial(self) -> Pump:
+        t = self.table
+        return await dial_peer(self.address, name=t.node, expect=self.peer.name, auth=t.auth,
+                               control=t.control_address, max_frame=t.max_frame)
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._drop()
+
+    async def _drop(self) -> None:
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            await pump.aclose()
+
+
+class PeerTable:
+    """Peers by name, and the links to them."""
+
+    def __init__(self, node: str, peers: tuple[PeerAddress, ...], *,
+                 auth: ClusterAuth | None, max_frame: int) -> None:
+        self.node = node
+        self.auth = auth
+        self.max_frame = max_frame
+        self.control_address = ""  # ours, once listening: said in every hello
+        self.peers: dict[str, PeerAddress] = {p.name: p for p in peers}
+        self._links: dict[str, PeerLink] = {}
+        #: called with a peer's name when what we knew of it is void (a new
+        #: address, a new life): the region cache drops its descriptors
+        self.on_forget: Callable[[str], None] = lambda name: None
+        self.nursery: trio.Nursery | None = None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.peers
+
+    def names(self) -> list[str]:
+        return list(self.peers)
+
+    def link(self, peer: str) -> PeerLink:
+        """The link to ``peer`` (made on first use); ``UnknownPeer`` if there
+        is no such peer."""
+        if peer not in self.peers:
+            raise UnknownPeer(f"no peer named {peer!r} (known: "
+                              f"{[*sorted(self.peers), self.node]})")
+        link = self._links.get(peer)
+        if link is None or link.address != self.peers[peer].address:
+            link = self._links[peer] = PeerLink(self, self.peers[peer])
+        return link
+
+    async def request(self, peer: str, kind: str, **fields: Any) -> dict[str, Any]:
+        return await self.link(peer).request(kind, **fields)
+
+    def add(self, name: str, address: str) -> None:
+        """A peer at ``address`` (``host:port``, checked: ``InvalidArgument``
+        naming what is wrong); a known one's descriptors are forgotten."""
+        host, port = parse_hostport(address, port_zero=False)
+        self.peers[name] = PeerAddress(name, format_hostport(host, port))
+        self.on_forget(name)
+
+    def up(self, name: str, address: str) -> None:
+        """A running member at ``address``: known from now on; if it moved,
+        what we knew of it is void."""
+        if name == self.node:
+            return
+        known = self.peers.get(name)
+        if known is None or known.address != address:
+            self.peers[name] = PeerAddress(name, address)
+            self.drop(name)
+
+    def drop(self, name: str) -> None:
+        """Forget ``name``'s descriptors and close its link (in the background)."""
+        self.on_forget(name)
+        link = self._links.pop(name, None)
+        if link is not None and self.nursery is not None:
+            self.nursery.start_soon(link.close)
+
+    async def close_idle_links(self) -> None:
+        """Every LINK_IDLE_S, close peer connections unused that long: a node
+        that once asked every member (``locate``) must not hold a socket to
+        each of hundreds of daemons forever. The next request reconnects."""
+        while True:
+            await trio.sleep(LINK_IDLE_S)
+            cutoff = trio.current_time() - LINK_IDLE_S
+            for link in list(self._links.values()):
+                if link.idle and link.last_used < cutoff:
+                    await link.close()
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [{"name": p.name, "address": p.address} for p in self.peers.values()]

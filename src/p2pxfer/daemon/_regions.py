@@ -1,0 +1,141 @@
+"""The region directory: what this node exports, and what it resolved.
+
+``Regions`` holds this node's exports (name -> owner and descriptor), the
+descriptors resolved from peers (cached per ``(peer, region)``), and which
+peers resolved each of ours, to tell them with ``invalidate`` when it goes
+(a write with a dead key would break their connection). ``locate`` asks
+every reachable peer at once who exports a name. What must not live here:
+client memory (``_sessions``) or membership verdicts (``_follow``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import trio
+
+from p2pxfer._pump import bounded
+from p2pxfer.errors import InvalidArgument, NameTaken, P2PXferError, RemoteClosed, UnknownRegion
+from p2pxfer.memory import RegionDescriptor
+
+from ._peers import PeerTable
+
+__all__ = ["LOCATE_CONCURRENCY", "LOCATE_TIMEOUT_S", "Regions"]
+
+log = structlog.get_logger("p2pxfer.daemon")
+
+LOCATE_TIMEOUT_S = 2.0  # per peer asked by ``locate``
+LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
+
+
+class Regions:
+    """Exports, resolved descriptors, and who resolved ours."""
+
+    def __init__(self, node: str, peers: PeerTable) -> None:
+        self.node = node
+        self.peers = peers
+        self._exports: dict[str, tuple[str, RegionDescriptor]] = {}  # name -> (owner, desc)
+        self._resolved: dict[tuple[str, str], RegionDescriptor] = {}
+        self._resolved_by: dict[str, set[str]] = {}
+        #: whether a peer may be asked now (membership: it is running)
+        self.reachable: Callable[[str], bool] = lambda peer: True
+        self.nursery: trio.Nursery | None = None
+        peers.on_forget = self.forget_peer
+
+    # -- ours -------------------------------------------------------------------
+
+    def add_export(self, name: str, owner: str, desc: RegionDescriptor) -> None:
+        self._exports[name] = (owner, desc)
+
+    def check_free(self, name: str) -> None:
+        if not name:
+            raise InvalidArgument("region name must not be empty")
+        if name in self._exports:
+            raise NameTaken(f"a region named {name!r} is already exported on {self.node}")
+
+    def remove_export(self, name: str) -> None:
+        """``name`` is gone: tell every peer that resolved it (in the background)."""
+        self._exports.pop(name, None)
+        for peer in self._resolved_by.pop(name, set()):
+            if peer in self.peers and self.nursery is not None:
+                self.nursery.start_soon(self._invalidate, peer, name)
+
+    async def _invalidate(self, peer: str, region: str) -> None:
+        try:
+            await self.peers.request(peer, "invalidate", region=region)
+        except P2PXferError as exc:
+            log.warning("region.invalidate_failed", peer=peer, region=region,
+                        error=bounded(str(exc)))
+
+    def local_descriptor(self, region: str, *, for_peer: str = "") -> RegionDescriptor:
+        """Our descriptor of ``region``; ``for_peer`` will be told when it goes."""
+        hit = self._exports.get(region)
+        if hit is None:
+            raise UnknownRegion(f"no region named {region!r} on {self.node}")
+        if for_peer:
+            self._resolved_by.setdefault(region, set()).add(for_peer)
+        return hit[1]
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [{"name": n, "length": d.length, "client": owner}
+                for n, (owner, d) in sorted(self._exports.items())]
+
+    # -- theirs -----------------------------------------------------------------
+
+    async def resolve(self, peer: str, region: str) -> RegionDescriptor:
+        if peer == self.node:
+            return self.local_descriptor(region)
+        key = (peer, region)
+        if (hit := self._resolved.get(key)) is not None:
+            return hit
+        result = await self.peers.request(peer, "resolve", region=region)
+        try:
+            desc = RegionDescriptor.from_wire(result.get("descriptor"))
+        except P2PXferError as exc:
+            raise RemoteClosed(f"{peer} sent a bad descriptor: {exc}") from exc
+        self._resolved[key] = desc
+        return desc
+
+    def cached(self, peer: str, region: str) -> RegionDescriptor | None:
+        return self._resolved.get((peer, region))
+
+    def remember(self, peer: str, region: str, desc: RegionDescriptor) -> None:
+        self._resolved[(peer, region)] = desc
+
+    def forget(self, peer: str, region: str) -> None:
+        self._resolved.pop((peer, region), None)
+
+    def forget_peer(self, peer: str) -> None:
+        """``peer``'s life (or address) changed: its descriptors are void, and
+        it holds none of ours."""
+        for key in [k for k in self._resolved if k[0] == peer]:
+            del self._resolved[key]
+        for holders in self._resolved_by.values():
+            holders.discard(peer)
+
+    async def locate(self, region: str) -> list[str]:
+        """Every node exporting ``region``: this node, and each reachable
+        peer asked at once, each within LOCATE_TIMEOUT_S; the descriptors
+        found are kept like any resolved one, and dropped with their node's
+        life."""
+        if not region:
+            raise InvalidArgument("region name must not be empty")
+        found = [self.node] if region in self._exports else []
+        limiter = trio.CapacityLimiter(LOCATE_CONCURRENCY)
+
+        async def ask(peer: str) -> None:
+            async with limiter:
+                with trio.move_on_after(LOCATE_TIMEOUT_S):
+                    try:
+                        await self.resolve(peer, region)
+                    except P2PXferError:
+                        return  # not there, or not answering: not a place to write to
+                    found.append(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in self.peers.names():
+                if self.reachable(peer):
+                    nursery.start_soon(ask, peer)
+        return sorted(found)

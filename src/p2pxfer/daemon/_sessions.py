@@ -1,0 +1,357 @@
+"""Client sessions: the unix socket, one ``ClientSession`` per client.
+
+A session holds its client's memory (memfds mapped here and registered with
+the engine) and its exports, and serves its requests through ``HANDLERS``, a
+table checked against the client protocol's requests when this module loads.
+Requests that wait (``write``, ``wait_imm``, ``watch``, ``locate``) run as
+tasks, so one client can have many in flight. A client that goes away loses
+its regions and memory; nobody else notices. What must not live here: the
+region directory's rules (``_regions``) or the write path (``_writes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import trio
+
+from p2pxfer._pump import Pump, bounded
+from p2pxfer.errors import (
+    InvalidArgument,
+    P2PXferError,
+    ScatterError,
+    UnknownRegion,
+    UnregisteredMemory,
+)
+from p2pxfer.protocol import (
+    CLIENT_REQUESTS,
+    RESPONDER,
+    SCHEMA_VERSION,
+    Connection,
+    LocalProtocolError,
+    Message,
+    RemoteProtocolError,
+    check_handlers,
+    unpack_scatter,
+    wire_error,
+)
+from p2pxfer.scatter import ScatterList
+
+from ._follow import WATCH_TIMEOUT_MAX_S
+from ._io import UnixFdStream, peer_credentials
+
+if TYPE_CHECKING:
+    from ._daemon import Daemon
+
+__all__ = ["HANDLERS", "ClientSession", "serve_clients"]
+
+log = structlog.get_logger("p2pxfer.daemon")
+
+#: requests served as tasks of the session (they wait); the rest in turn
+CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate"})
+
+
+class _Mem:
+    """A client's memfd, mapped here and registered with the engine."""
+
+    def __init__(self, mem_id: int, fd: int, size: int) -> None:
+        st = os.fstat(fd)
+        if st.st_size < size:
+            raise InvalidArgument(f"memfd holds {st.st_size} bytes, not {size}")
+        self.id = mem_id
+        self.size = size
+        try:
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot map the shared fd read-write: {exc}") from exc
+
+    def view(self, offset: int, length: int | None = None) -> memoryview:
+        end = self.size if length is None else offset + length
+        if offset < 0 or end > self.size or end <= offset:
+            raise ScatterError(f"[{offset}, {end}) is outside memory {self.id} of "
+                               f"{self.size} bytes")
+        return memoryview(self.map)[offset:end]
+
+    def close(self) -> None:
+        # A view still alive somewhere keeps the mapping; it goes with the view.
+        with contextlib.suppress(BufferError):
+            self.map.close()
+
+
+class ClientSession:
+    """One connected client: its memory, its exports, its requests in flight."""
+
+    def __init__(self, daemon: Daemon, sock: trio.socket.SocketType, pid: int) -> None:
+        self.daemon = daemon
+        self.label = f"pid:{pid}"
+        self.stream = UnixFdStream(sock, self.label)
+        self.pump = Pump(Connection("client", RESPONDER, max_frame=daemon.config.max_frame),
+                         self.stream, f"client {self.label}")
+        self.mems: dict[int, _Mem] = {}
+        self.exports: dict[str, int] = {}  # region name -> memory backing it
+        self._next_mem = 1
+
+    async def run(self) -> None:
+        log.info("client.connected", client=self.label)
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    await self._serve(nursery)
+                finally:
+                    nursery.cancel_scope.cancel()  # pending writes finish, shielded
+        finally:
+            with trio.CancelScope(shield=True):
+                self._release()
+                await self.stream.aclose()
+            log.info("client.gone", client=self.label)
+
+    async def _serve(self, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                msg = await self.pump.receive()
+            except RemoteProtocolError as exc:
+                log.warning("client.protocol_error", client=self.label, code=exc.code,
+                            error=bounded(exc.message))
+                await self._send(self.pump.send_error(exc))
+                if exc.fatal:
+                    return
+                continue
+            if msg is None or msg.kind == "bye":
+                return
+            if msg.kind == "hello":
+                d = self.daemon
+                await self._send(self.pump.send("welcome", v=SCHEMA_VERSION, node=d.node,
+                                                incarnation=d.incarnation,
+                                                max_frame=d.config.max_frame))
+            elif msg.kind in CONCURRENT:
+                nursery.start_soon(self._answer, msg)
+            else:
+                await self._answer(msg)
+
+    async def _send(self, sending: Awaitable[None]) -> None:
+        try:
+            await sending
+        except LocalProtocolError as exc:
+            # We cannot say this (too big, not encodable...): this client's
+            # conversation is over; nobody else's is.
+            log.warning("client.closed_on_error", client=self.label, code=exc.code,
+                        error=bounded(exc.message))
+            self.stream.shutdown()
+        except P2PXferError:
+            pass  # the client is gone; the receive side notices
+
+    async def _answer(self, msg: Message) -> None:
+        try:
+            outcome: dict[str, Any] | BaseException = await HANDLERS[msg.kind](self, msg)
+        except trio.Cancelled:
+            raise
+        except Exception as exc:  # every failure becomes an answer, never a crash
+            if not isinstance(exc, P2PXferError):
+                log.error("request.crashed", client=self.label, kind=msg.kind,
+                          error=bounded(f"{type(exc).__name__}: {exc}"))
+            log.info("request.failed", client=self.label, kind=msg.kind,
+                     code=wire_error(exc)[0], error=bounded(str(exc)))
+            outcome = exc
+        await self._send(self.pump.answer(msg.id, outcome))
+
+    # -- memory and exports -----------------------------------------------------
+
+    def mem(self, mem_id: int) -> _Mem:
+        mem = self.mems.get(mem_id)
+        if mem is None:
+            raise UnregisteredMemory(f"no shared memory {mem_id} on this connection")
+        return mem
+
+    def share(self, size: int) -> int:
+        if not self.stream.fds:
+            raise InvalidArgument("share came without a file descriptor")
+        fd = self.stream.fds.popleft()
+        try:
+            if size <= 0:
+                raise InvalidArgument(f"share size must be > 0, got {size}")
+            mem = _Mem(self._next_mem, fd, size)
+        finally:
+            os.close(fd)
+        self._next_mem += 1
+        self.mems[mem.id] = mem
+        self.daemon.engine.register(mem.map, writable=True)
+        log.info("memory.shared", client=self.label, mem=mem.id, nbytes=size)
+        return mem.id
+
+    def unshare(self, mem_id: int) -> None:
+        mem = self.mem(mem_id)
+        if mem.id in self.exports.values():
+            raise InvalidArgument(f"memory {mem.id} still backs an export")
+        self.daemon.engine.deregister(mem.map)
+        del self.mems[mem.id]
+        mem.close()
+
+    def export(self, name: str, mem_id: int, offset: int, length: int) -> dict[str, Any]:
+        d = self.daemon
+        d.regions.check_free(name)
+        mem = self.mem(mem_id)
+        desc = d.engine.export(mem.view(offset, length), name)
+        d.regions.add_export(name, self.label, desc)
+        self.exports[name] = mem.id
+        log.info("region.exported", client=self.label, region=name, nbytes=desc.length)
+        return desc.to_wire()
+
+    def unexport(self, name: str) -> None:
+        if name not in self.exports:
+            raise UnknownRegion(f"this client exported no {name!r}")
+        del self.exports[name]
+        self.daemon.regions.remove_export(name)
+        self.daemon.engine.unexport(name)
+
+    def _release(self) -> None:
+        """The client is gone: drop its exports, registrations and mappings."""
+        for name in list(self.exports):
+            try:
+                self.unexport(name)
+            except P2PXferError as exc:
+                log.warning("region.unexport_failed", region=name, error=bounded(str(exc)))
+        for mem in self.mems.values():
+            with contextlib.suppress(P2PXferError):
+                self.daemon.engine.deregister(mem.map)
+            mem.close()
+        self.mems.clear()
+
+
+# -- the handler table ------------------------------------------------------------------
+
+Handler = Callable[[ClientSession, Message], Awaitable[dict[str, Any]]]
+
+
+async def _share(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return {"mem": s.share(msg["size"])}
+
+
+async def _unshare(s: ClientSession, msg: Message) -> dict[str, Any]:
+    s.unshare(msg["mem"])
+    return {}
+
+
+async def _export(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return {"descriptor": s.export(msg["name"], msg["mem"], msg["offset"], msg["length"])}
+
+
+async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
+    s.unexport(msg["name"])
+    return {}
+
+
+async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
+    src = s.mem(msg["mem"]).view(msg["offset"])
+    scatter = ScatterList(*unpack_scatter(msg["scatter"]))
+    pieces = await s.daemon.writes.write(s.label, src, scatter, msg["peer"], msg["region"],
+                                         msg.get("imm"))
+    return {"pieces": pieces}
+
+
+async def _wait_imm(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.daemon.engine.wait_imm(msg["imm"], msg["count"])
+    return {}
+
+
+async def _status(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return s.daemon.status()
+
+
+async def _peers(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return {"peers": s.daemon.peer_list()}
+
+
+async def _add_peer(s: ClientSession, msg: Message) -> dict[str, Any]:
+    s.daemon.peers.add(msg["name"], msg["address"])
+    return {}
+
+
+async def _locate(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return {"nodes": await s.daemon.regions.locate(msg["region"])}
+
+
+async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
+    timeout_ms = msg.get("timeout_ms", 30_000)
+    if timeout_ms < 0:
+        raise InvalidArgument(f"timeout_ms must be >= 0, got {timeout_ms}")
+    d = s.daemon
+    return await d.follower.watch(msg["after"], min(timeout_ms / 1000, WATCH_TIMEOUT_MAX_S),
+                                  d.peer_list)
+
+
+HANDLERS: dict[str, Handler] = {
+    "share": _share, "unshare": _unshare, "export": _export, "unexport": _unexport,
+    "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
+    "add_peer": _add_peer, "locate": _locate, "watch": _watch,
+}
+check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")
+
+
+# -- the listener -----------------------------------------------------------------------
+
+async def serve_clients(d: Daemon, nursery: trio.Nursery) -> trio.socket.SocketType:
+    """Listen on the unix socket (created 0600); returns the listening socket."""
+    path = d.config.socket
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)  # a stale socket from an earlier run
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket is created 0600, never briefly wider
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(64)
+    nursery.start_soon(_accept, d, sock)
+    return sock
+
+
+# accept() failures that say "not now" (out of descriptors or memory): wait a
+# little and go on, as trio.serve_listeners does for the control port.
+_ACCEPT_LATER = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_BACKOFF_S = 0.1
+
+
+async def _accept(d: Daemon, sock: trio.socket.SocketType) -> None:
+    async with trio.open_nursery() as nursery:
+        while True:
+            try:
+                conn, _ = await sock.accept()
+            except OSError as exc:
+                if exc.errno in _ACCEPT_LATER:
+                    log.error("client.accept_failed", error=str(exc))
+                    await trio.sleep(ACCEPT_BACKOFF_S)
+                elif exc.errno != errno.ECONNABORTED:
+                    raise
+                continue
+            nursery.start_soon(_client, d, conn)
+
+
+async def _client(d: Daemon, sock: trio.socket.SocketType) -> None:
+    try:
+        pid, uid, _gid = peer_credentials(sock)
+    except OSError as exc:
+        log.warning("client.refused", error=bounded(str(exc)))
+        sock.close()
+        return
+    allowed = {0, os.getuid(), *d.config.allowed_uids}
+    if uid not in allowed:
+        log.warning("client.refused", pid=pid, uid=uid)
+        sock.close()
+        return
+    session = ClientSession(d, sock, pid)
+    d.sessions.add(session)
+    try:
+        await session.run()
+    except Exception as exc:  # one client's failure must never reach the others
+        log.error("client.failed", client=session.label,
+                  error=bounded(f"{type(exc).__name__}: {exc}"))
+    finally:
+        d.sessions.discard(session)

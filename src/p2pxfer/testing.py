@@ -1,0 +1,264 @@
+"""Running real daemons from tests and benches: ``start_daemon`` /
+``spawn_daemon`` write a TOML config and start ``p2pxfer daemon --config``
+in a subprocess (tcp daemons bind the fabric to 127.0.0.1), returning once
+its socket accepts; ``DaemonProc`` stops it (SIGINT, then SIGKILL) and reads
+its status over ``RawConn``, a bare unix-socket connection. Every wait is
+bounded. What must not live here: anything the daemon itself runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from p2pxfer.errors import P2PXferError
+from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
+
+__all__ = [
+    "LOOPBACK",
+    "START_TIMEOUT",
+    "STOP_TIMEOUT",
+    "DaemonProc",
+    "LaunchError",
+    "RawConn",
+    "free_port",
+    "p2pxfer_cmd",
+    "spawn_daemon",
+    "start_daemon",
+    "toml_value",
+    "wait_accepting",
+    "wait_for",
+    "write_config",
+]
+
+LOOPBACK = "127.0.0.1"
+START_TIMEOUT = 20.0  # a daemon's socket must accept within this
+STOP_TIMEOUT = 5.0  # SIGINT, then SIGKILL after this
+
+
+class LaunchError(P2PXferError, AssertionError):
+    """A daemon did not start, answer or stop as expected (an
+    ``AssertionError`` too, so a test that meets one fails rather than errs)."""
+
+
+def p2pxfer_cmd() -> list[str]:
+    """The ``p2pxfer`` console script of this interpreter's environment."""
+    script = Path(sys.executable).parent / "p2pxfer"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "p2pxfer"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def write_config(path: Path, keys: dict[str, Any]) -> Path:
+    path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items()))
+    return path
+
+
+@dataclass
+class DaemonProc:
+    """A ``p2pxfer daemon`` subprocess."""
+
+    name: str
+    socket: str
+    control: str
+    config: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+    keys: dict[str, Any] = field(default_factory=dict)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The daemon's status, over a raw connection (every read bounded)."""
+        with RawConn(self.socket, timeout) as c:
+            c.hello()
+            reply = c.request({"t": "status", "id": 1})
+            if reply["t"] != "ok":
+                raise LaunchError(f"daemon {self.name} answered status with {reply!r:.300}")
+            return dict(reply["result"])
+
+    def stop(self) -> int:
+        """SIGINT (the daemon's clean shutdown), then SIGKILL; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT)
+        return int(self.proc.returncode)
+
+
+def start_daemon(workdir: Path, name: str, *, provider: str = "tcp;ofi_rxm",
+                 control_port: int = 0, peers: list[dict[str, str]] | None = None,
+                 **extra: Any) -> DaemonProc:
+    """Write ``workdir/NAME.toml`` and start a daemon on it; returns once its
+    socket accepts connections (bounded)."""
+    sock = str(workdir / f"{name}.sock")
+    keys: dict[str, Any] = {
+        "node": name,
+        "socket": sock,
+        "control": f"{LOOPBACK}:{control_port}",
+        "provider": provider,
+        # tcp stays on loopback; shm takes no address.
+        "fabric_node": LOOPBACK if provider.startswith("tcp") else "",
+        "log_level": "INFO",
+        **extra,
+    }
+    if peers:
+        keys["peers"] = peers
+    return spawn_daemon(workdir, keys)
+
+
+def spawn_daemon(workdir: Path, keys: dict[str, Any],
+                 wrap: Callable[[list[str]], list[str]] = list) -> DaemonProc:
+    """Write ``workdir/NODE.toml`` from ``keys`` and run ``p2pxfer daemon`` on
+    it (``wrap`` turns the command line into another, e.g. one run inside a
+    network namespace); its output goes to ``NODE.log`` (appended: a restart
+    keeps the earlier life's). Returns once its socket accepts (bounded)."""
+    name = keys["node"]
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = write_config(workdir / f"{name}.toml", keys)
+    log = workdir / f"{name}.log"
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(wrap([*p2pxfer_cmd(), "daemon", "--config", str(cfg)]),
+                                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
+    d = DaemonProc(name, keys["socket"], keys["control"], cfg, log, proc, keys)
+    try:
+        wait_accepting(d)
+    except BaseException:
+        d.stop()
+        raise
+    return d
+
+
+def wait_accepting(d: DaemonProc, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not d.alive():
+            raise LaunchError(f"daemon {d.name} exited with {d.proc.returncode} before "
+                                 f"accepting:\n{d.log_tail()}")
+        if os.path.exists(d.socket):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(1.0)
+                try:
+                    s.connect(d.socket)
+                    return
+                except OSError:
+                    pass
+        if time.monotonic() > deadline:
+            raise LaunchError(f"daemon {d.name} did not accept on {d.socket} within "
+                                 f"{timeout} s:\n{d.log_tail()}")
+        time.sleep(0.05)
+
+
+def wait_for(pred: Any, what: str, timeout: float = 10.0, interval: float = 0.05) -> Any:
+    """Poll ``pred()`` until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise LaunchError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+class RawConn:
+    """A bare unix-socket connection to a daemon, frames decoded with the
+    protocol's FrameDecoder; every read has a timeout."""
+
+    def __init__(self, path: str, timeout: float = 5.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.decoder = FrameDecoder(1 << 30)
+        self.eof = False
+
+    def send_raw(self, data: bytes, fds: list[int] | None = None) -> None:
+        if fds:
+            socket.send_fds(self.sock, [data], fds)
+        else:
+            self.sock.sendall(data)
+
+    def send(self, obj: dict[str, Any], fds: list[int] | None = None) -> None:
+        self.send_raw(encode_frame(obj, 1 << 30), fds)
+
+    def hello(self) -> dict[str, Any]:
+        self.send({"t": "hello", "v": SCHEMA_VERSION, "role": "client"})
+        reply = self.frame()
+        if reply is None or reply["t"] != "welcome":
+            raise LaunchError(f"the daemon answered hello with {reply!r:.300}")
+        return reply
+
+    def frame(self) -> dict[str, Any] | None:
+        """The next frame, or None at end of stream (or a reset)."""
+        while (obj := self.decoder.next_frame()) is None:
+            if self.eof:
+                return None
+            try:
+                data = self.sock.recv(1 << 16)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                self.eof = True
+            else:
+                self.decoder.feed(data)
+        return obj
+
+    def closed_by_peer(self) -> bool:
+        """True once the daemon has closed its end (no more frames)."""
+        return self.frame() is None
+
+    def request(self, obj: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+        self.send(obj, fds)
+        reply = self.frame()
+        if reply is None:
+            raise LaunchError(f"connection closed instead of answering {obj!r:.300}")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawConn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
