@@ -29,13 +29,16 @@ def _size(text: str) -> int:
     t = text.strip().lower()
     num = t.rstrip("kmgib")
     unit = t[len(num):]
-    if not num.isdigit() or unit not in units:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 4096, 64KiB, 1MiB)")
+    if not num.isdigit() or unit not in units or int(num) == 0:
+        raise click.BadParameter(f"{text!r} is not a positive size (e.g. 4096, 64KiB, 1MiB)")
     return int(num) * units[unit]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", default="WARNING", show_default=True, help="structlog level")
+@click.version_option(package_name="p2pxfer", message="p2pxfer %(version)s")
+@click.option("--log-level", default="WARNING", show_default=True, help="structlog level",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                                case_sensitive=False))
 def main(log_level: str) -> None:
     """p2pxfer: RDMA writes of scatter lists between machines over libfabric."""
     configure(log_level)
@@ -92,29 +95,71 @@ def demo(provider: str, pages: int, page_size: str, region_size: str, seed: int)
         raise click.ClickException("destination bytes differ from what was written")
 
 
-@main.command()
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="TOML config (see deploy/p2pxfer.toml for every option)")
-@click.option("--socket", "socket_path", help="override the config's unix socket path")
-@click.option("--control", help="override the config's control host:port")
-@click.option("--node", help="override the config's node name")
-def daemon(config_path: str | None, socket_path: str | None, control: str | None,
-           node: str | None) -> None:
-    """Run the node daemon in the foreground until interrupted."""
-    import dataclasses
+def _peer_flag(ctx: click.Context, param: click.Parameter,
+               value: tuple[str, ...]) -> tuple[object, ...]:
+    from p2pxfer.daemon._config import parse_peer
 
+    try:
+        return tuple(parse_peer(v) for v in value)
+    except P2PXferError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="TOML config (see deploy/p2pxfer.toml for every option)")
+@click.option("--node", help="this node's name (config: node)")
+@click.option("--socket", "socket_path", help="unix socket for clients (config: socket)")
+@click.option("--control", metavar="HOST:PORT", help="control listener (config: control)")
+@click.option("--peer", "peer_list", metavar="NAME=HOST:PORT", multiple=True,
+              callback=_peer_flag, help="a peer daemon's control address; repeatable "
+              "(added to the config's peers)")
+@click.option("--provider", help="libfabric provider (config: provider)")
+@click.option("--fabric-node", help="local address the fabric binds to (config: fabric_node)")
+@click.option("--token-file", type=click.Path(dir_okay=False),
+              help="file holding the cluster token (config: cluster_token_file)")
+@click.option("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics (config: metrics)")
+@click.option("--log-format", type=click.Choice(["console", "json"]),
+              help="log lines as text or JSON (config: log_format)")
+@click.option("--debug", is_flag=True, help="on a startup failure, show the traceback")
+def daemon(config_path: str | None, node: str | None, socket_path: str | None,
+           control: str | None, peer_list: tuple[object, ...], provider: str | None,
+           fabric_node: str | None, token_file: str | None, metrics: str | None,
+           log_format: str | None, debug: bool) -> None:
+    """Run the node daemon in the foreground until interrupted (SIGINT, SIGTERM).
+
+    \b
+    Flags override the config file; without --config the defaults apply:
+      p2pxfer daemon --node a --socket /tmp/a.sock --control 127.0.0.1:7700 \\
+          --fabric-node 127.0.0.1 --peer b=127.0.0.1:7701
+    """
     import trio
 
     from p2pxfer.daemon import DaemonConfig, serve
+    from p2pxfer.startup import check_startup, one_line
 
+    flags = {"node": node, "socket": socket_path, "control": control, "provider": provider,
+             "fabric_node": fabric_node, "cluster_token_file": token_file,
+             "metrics": metrics, "log_format": log_format}
+    overrides: dict[str, object] = {k: v for k, v in flags.items() if v is not None}
+    if peer_list:
+        overrides["peers"] = list(peer_list)
     try:
-        cfg = DaemonConfig.from_toml(config_path) if config_path else DaemonConfig()
-        cfg = dataclasses.replace(cfg, socket=socket_path or cfg.socket,
-                                  control=control or cfg.control, node=node or cfg.node)
-        configure(cfg.log_level)
-        trio.run(partial(serve, cfg, handle_signals=True))
+        cfg = DaemonConfig.load(config_path, **overrides)
+        configure(cfg.log_level, json=cfg.log_format == "json")
+        check_startup(cfg)
     except P2PXferError as exc:
-        raise click.ClickException(str(exc)) from exc
+        if debug:
+            raise
+        raise click.ClickException(str(exc)) from None
+    try:
+        trio.run(partial(serve, cfg, handle_signals=True))
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:  # the edge: everything becomes one line (or a traceback)
+        if debug:
+            raise
+        raise click.ClickException(one_line(exc, cfg)) from None
 
 
 def _client_call(socket_path: str, method: str) -> object:

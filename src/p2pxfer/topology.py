@@ -248,7 +248,8 @@ def discover(
             allowed_cpus=os.sched_getaffinity(0),
         )
     except Exception as exc:
-        log.warning("topology.discover.failed", provider=provider, node=node, error=str(exc))
+        # The caller reports the error it gets; at WARNING this would say it twice.
+        log.debug("topology.discover.failed", provider=provider, node=node, error=str(exc))
         raise
     log.info(
         "topology.discover.complete",
