@@ -61,6 +61,7 @@ from p2pxfer.scatter import ScatterList
 
 from ._config import DaemonConfig, PeerAddress, parse_hostport
 from ._io import RequestError, close_fds, error_code, peer_credentials, recv_with_fds
+from ._metrics import DaemonMetrics, serve_metrics
 
 __all__ = ["Daemon", "serve"]
 
@@ -126,6 +127,8 @@ class Daemon:
         self._events: deque[dict[str, Any]] = deque(maxlen=EVENT_LOG)
         self._event_seq = 0
         self._event_wake = trio.Event()
+        #: Prometheus metrics (None: ``metrics`` is not configured)
+        self.metrics: DaemonMetrics | None = None
 
     # -- regions and peers ----------------------------------------------------
 
@@ -938,8 +941,10 @@ class ClientSession:
         d = self.daemon
         d.writes_in_flight += 1
         t0 = time.perf_counter()
+        ok = False
         try:
             pieces = await d.engine.write(src, desc, scatter, imm=msg.get("imm"))
+            ok = True
         except TransferError:
             # The region (or its owner) may be gone: look it up afresh, so the
             # caller hears "unknown_region" rather than a transport error.
@@ -966,6 +971,8 @@ class ClientSession:
             raise
         finally:
             d.writes_in_flight -= 1
+            if d.metrics is not None:
+                d.metrics.observe_write(time.perf_counter() - t0, ok)
         log.debug("transfer.complete", client=self.label, peer=peer, region=region,
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return {"pieces": pieces}
@@ -1009,6 +1016,9 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
             daemon.nursery = nursery
             await daemon.serve_peers(nursery)
             nursery.start_soon(daemon.close_idle_links)
+            if config.metrics:
+                daemon.metrics = DaemonMetrics(daemon)
+                await nursery.start(serve_metrics, daemon.metrics, config.metrics)
             if config.membership != "none":
                 await daemon.start_membership(nursery)
             sock = await daemon.serve_clients(nursery)
