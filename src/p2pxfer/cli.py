@@ -12,7 +12,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from p2pxfer.errors import P2PXferError
+from p2pxfer.errors import ConfigError, P2PXferError
 from p2pxfer.log import configure
 
 if TYPE_CHECKING:
@@ -95,6 +95,13 @@ def demo(provider: str, pages: int, page_size: str, region_size: str, seed: int)
         raise click.ClickException("destination bytes differ from what was written")
 
 
+class _ConfigFailure(click.ClickException):
+    """A wrong config: exit 78 (EX_CONFIG), which the systemd unit does not
+    restart on (a restart cannot fix it)."""
+
+    exit_code = 78
+
+
 def _peer_flag(ctx: click.Context, param: click.Parameter,
                value: tuple[str, ...]) -> tuple[object, ...]:
     from p2pxfer.daemon._config import parse_peer
@@ -151,6 +158,8 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
     except P2PXferError as exc:
         if debug:
             raise
+        if isinstance(exc, ConfigError):
+            raise _ConfigFailure(str(exc)) from None
         raise click.ClickException(str(exc)) from None
     try:
         trio.run(partial(serve, cfg, handle_signals=True))
