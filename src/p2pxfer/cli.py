@@ -188,27 +188,14 @@ def status(socket_path: str, as_json: bool) -> None:
     """Regions, peers, transfers in flight and bytes per NIC of a running daemon."""
     import json
 
+    from p2pxfer._views import print_status
+
     st = _client_call(socket_path, "status")
     assert isinstance(st, dict)
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    console.print(f"[bold]{st['node']}[/bold] incarnation {st['incarnation']} "
-                  f"provider {st['provider']} control {st['control']} clients {st['clients']} "
-                  f"transfers in flight {st['transfers_in_flight']}")
-    regions = Table(title="regions")
-    for col in ("name", "bytes", "client"):
-        regions.add_column(col)
-    for r in st["regions"]:
-        regions.add_row(r["name"], str(r["length"]), r["client"])
-    nics = Table(title="NICs")
-    for col in ("shard", "nic", "bytes sent", "pieces", "in flight", "received", "errors"):
-        nics.add_column(col)
-    for n in st["nics"]:
-        nics.add_row(str(n["shard"]), n["name"], str(n["bytes"]), str(n["pieces"]),
-                     str(n["inflight"]), str(n["received"]), str(n["errors"]))
-    console.print(regions)
-    console.print(nics)
+    print_status(console, st)
 
 
 @main.command()
@@ -219,24 +206,18 @@ def peers(socket_path: str, as_json: bool) -> None:
     incarnation, address and when it was last heard)."""
     import json
 
+    from p2pxfer._views import merge_links, print_peers
+
     result = _client_call(socket_path, "peers")
     assert isinstance(result, list)
-    if as_json:
+    if as_json:  # the daemon's reply as it is (status --json has the links too)
         click.echo(json.dumps(result, indent=2))
         return
-    table = Table(title="peers")
-    table.add_column("name")
-    if any("state" in p for p in result):  # membership is on: members and their lives
-        for col in ("state", "incarnation", "address", "last heard"):
-            table.add_column(col)
-        for p in result:
-            table.add_row(p["name"], p.get("state", "?"), str(p.get("incarnation", "")),
-                          p["address"], f"{p.get('last_heard_s', 0.0):.1f} s ago")
-    else:
-        table.add_column("control address")
-        for p in result:
-            table.add_row(p["name"], p["address"])
-    console.print(table)
+    if not any("state" in p for p in result):  # static peers: add their links' state
+        st = _client_call(socket_path, "status")
+        assert isinstance(st, dict)
+        result = merge_links(result, st.get("links", []))
+    print_peers(console, result)
 
 
 # -- bench --------------------------------------------------------------------

@@ -62,6 +62,7 @@ from p2pxfer.scatter import ScatterList
 from ._config import DaemonConfig, PeerAddress, parse_hostport
 from ._io import RequestError, close_fds, error_code, peer_credentials, recv_with_fds
 from ._metrics import DaemonMetrics, serve_metrics
+from ._notes import rails, slow_paths
 
 __all__ = ["Daemon", "serve"]
 
@@ -129,6 +130,8 @@ class Daemon:
         self._event_wake = trio.Event()
         #: Prometheus metrics (None: ``metrics`` is not configured)
         self.metrics: DaemonMetrics | None = None
+        #: slow paths found at startup (``status`` shows them)
+        self.notes: list[str] = []
 
     # -- regions and peers ----------------------------------------------------
 
@@ -242,6 +245,9 @@ class Daemon:
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],
+            "rails": rails(self.engine),
+            "links": [link.state() for link in self._links.values()],
+            "notes": self.notes,
         }
 
     def peer_list(self) -> list[dict[str, Any]]:
@@ -630,6 +636,9 @@ class PeerLink:
         self._stream: trio.SocketStream | None = None
         self._conn: Connection | None = None
         self.last_used = trio.current_time()
+        self.last_heard: float | None = None  # trio time of the last answer
+        self.last_error = ""  # why the last request failed ("" once one succeeds)
+        self._failure = ""  # the state that failure leaves: "unreachable", "auth failed"
 
     @property
     def idle(self) -> bool:
@@ -641,9 +650,18 @@ class PeerLink:
         async with self._lock:
             try:
                 with trio.fail_after(PEER_TIMEOUT_S):
-                    return await self._request(kind, fields)
+                    result = await self._request(kind, fields)
+                self.last_heard, self.last_error = trio.current_time(), ""
+                return result
+            except RequestError as exc:  # an answer, if a refusal
+                self.last_heard = trio.current_time()
+                self.last_error = str(exc) if exc.code == "auth_failed" else ""
+                self._failure = "auth failed"
+                raise
             except (OSError, trio.TooSlowError, trio.BrokenResourceError,
                     RemoteProtocolError) as exc:
+                self.last_error = str(exc) or type(exc).__name__
+                self._failure = "unreachable"
                 await self._drop()
                 raise RequestError("peer_unreachable", f"peer {self.peer.name} at "
                                    f"{self.address}: {exc or type(exc).__name__}") from exc
@@ -715,6 +733,16 @@ class PeerLink:
                 if rid is None and event.kind == "error":
                     raise RequestError(event["code"], event["message"])
                 return event
+
+    def state(self) -> dict[str, Any]:
+        """For ``status``: the control connection's state and when the peer
+        last answered (None: never)."""
+        state = (self._failure if self.last_error else "connected" if self._stream is not None
+                 else "idle" if self.last_heard is not None else "not contacted")
+        heard = (None if self.last_heard is None
+                 else round(trio.current_time() - self.last_heard, 3))
+        return {"name": self.peer.name, "address": self.address, "state": state,
+                "last_heard_s": heard, "error": self.last_error}
 
     async def close(self) -> None:
         async with self._lock:
@@ -1014,6 +1042,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as nursery:
             daemon = Daemon(config, engine)
             daemon.nursery = nursery
+            daemon.notes = slow_paths(engine, config.provider)
             await daemon.serve_peers(nursery)
             nursery.start_soon(daemon.close_idle_links)
             if config.metrics:

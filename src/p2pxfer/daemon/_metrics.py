@@ -120,8 +120,11 @@ class DaemonMetrics(Collector):
         yield entries
 
     def _members(self, d: Daemon) -> Iterator[Metric]:
-        peers = d.peer_list()
-        states = Counter(str(p.get("state", "unknown")) for p in peers)
+        if d.membership is not None:
+            states = Counter(str(p["state"]) for p in d.peer_list())
+        else:  # static peers: the state of our control connection to each
+            links = {link["name"]: link["state"] for link in d.status()["links"]}
+            states = Counter(links.get(name, "not contacted") for name in d.peers)
         members = GaugeMetricFamily("p2pxfer_peers", "Peers (members) by state",
                                     labels=["state"])
         for state in sorted({*MEMBER_STATES, *states}) if d.membership else sorted(states):
