@@ -849,7 +849,9 @@ class ClientSession:
             code, text = error_code(exc)
             if code == "internal":
                 log.error("request.crashed", client=self.label, kind=msg.kind, error=text)
-            log.info("request.failed", client=self.label, kind=msg.kind, code=code, error=text)
+            where = {k: msg.get(k) for k in ("peer", "region", "name") if msg.get(k) is not None}
+            log.info("request.failed", client=self.label, kind=msg.kind, **where, code=code,
+                     error=text)
             await self._send(lambda: self.conn.send("error", id=msg.id, code=code, message=text))
             return
         await self._send(lambda: self.conn.send("ok", id=msg.id, result=result))
