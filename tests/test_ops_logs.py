@@ -84,3 +84,29 @@ def test_shm_backoff_is_a_slow_path(tmp_path: Path) -> None:
         d.stop()
     assert any("has no completion wait fd" in n for n in notes), notes
     assert "no completion wait fd" in d.log.read_text()
+
+
+def test_transfer_failure_names_peer_region_client(tmp_path: Path) -> None:
+    """node-a wrote once into node-b's region (its descriptor cached), then
+    node-b's daemon is killed: the next write fails in the fabric, and node-a
+    logs transfer.failed with the peer, the region and the client."""
+    port_a, port_b = free_port(), free_port()
+    a = start_daemon(tmp_path, "node-a", control_port=port_a, log_format="json",
+                     peers=[{"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}])
+    b = start_daemon(tmp_path, "node-b", control_port=port_b)
+    try:
+        with p2pxfer.SyncClient(b.socket) as target, p2pxfer.SyncClient(a.socket) as client:
+            target.export("kv-doomed", target.alloc(1 << 16))
+            src = client.alloc(1 << 16)
+            client.write("node-b", "kv-doomed", ScatterList.contiguous(1 << 12), src=src)
+            b.proc.kill()
+            b.proc.wait(10)
+            with pytest.raises(P2PXferError):
+                client.write("node-b", "kv-doomed", ScatterList.contiguous(1 << 12), src=src)
+    finally:
+        b.stop()
+        a.stop()
+    failed = [x for x in json_lines(a.log) if x["event"] == "transfer.failed"]
+    assert failed, a.log_tail()
+    assert failed[0]["peer"] == "node-b" and failed[0]["region"] == "kv-doomed"
+    assert failed[0]["client"].startswith("pid:") and failed[0]["level"] == "warning"

@@ -975,7 +975,9 @@ class ClientSession:
         try:
             pieces = await d.engine.write(src, desc, scatter, imm=msg.get("imm"))
             ok = True
-        except TransferError:
+        except TransferError as exc:
+            log.warning("transfer.failed", client=self.label, peer=peer, region=region,
+                        nbytes=scatter.nbytes, error=str(exc))
             # The region (or its owner) may be gone: look it up afresh, so the
             # caller hears "unknown_region" rather than a transport error.
             d.forget(peer, region)
