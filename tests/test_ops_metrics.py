@@ -5,6 +5,7 @@ writes shows the bytes moving on the rail."""
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,8 +93,19 @@ def test_metrics_during_a_transfer(pair: tuple[DaemonProc, DaemonProc, str]) -> 
     assert a.alive() and b.alive()
 
 
-def test_metrics_paths(pair: tuple[DaemonProc, DaemonProc, str]) -> None:
-    _, _, metrics = pair
+def test_metrics_paths_and_bad_scrapers(pair: tuple[DaemonProc, DaemonProc, str]) -> None:
+    a, _, metrics = pair
     assert http_get(metrics, "/nope")[0] == 404
     status, text = http_get(metrics, "/")
     assert status == 200 and "p2pxfer_rail_bytes_total" in text
+    host, port = metrics.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=SCRAPE_TIMEOUT) as s:
+        s.sendall(b"BREW /coffee HTCPCP/1.0\r\n\r\n")
+        assert s.recv(64).startswith(b"HTTP/1.1 400")
+    for _ in range(3):  # connections reset mid-request
+        s = socket.create_connection((host, int(port)), timeout=SCRAPE_TIMEOUT)
+        s.sendall(b"GET /met")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    assert http_get(metrics)[0] == 200
+    assert a.alive(), a.log_tail()

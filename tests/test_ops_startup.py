@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from daemon_helpers import LOOPBACK, p2pxfer_cmd, start_daemon
+from p2pxfer._startup import one_line
 from p2pxfer.cli import main
 from p2pxfer.daemon import DaemonConfig
 from p2pxfer.errors import StartupError
-from p2pxfer.startup import one_line
 
 RUN_TIMEOUT = 60.0
 

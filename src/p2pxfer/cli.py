@@ -142,8 +142,8 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
     """
     import trio
 
+    from p2pxfer._startup import check_startup, one_line
     from p2pxfer.daemon import DaemonConfig, serve
-    from p2pxfer.startup import check_startup, one_line
 
     flags = {"node": node, "socket": socket_path, "control": control, "provider": provider,
              "fabric_node": fabric_node, "cluster_token_file": token_file,

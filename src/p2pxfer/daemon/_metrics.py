@@ -15,7 +15,6 @@ What must not live here: anything that changes the daemon's state.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from functools import partial
@@ -41,6 +40,7 @@ log = structlog.get_logger("p2pxfer.metrics")
 MEMBER_STATES = ("alive", "suspect", "dead", "left")
 REQUEST_LIMIT = 8192  # bytes of request head a scraper may send
 REQUEST_TIMEOUT_S = 5.0
+MAX_SCRAPES = 8  # connections served at once; more wait for their turn
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 #: write latency buckets, seconds: 50 us (a small write on shm) to 10 s
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
@@ -157,37 +157,46 @@ async def serve_metrics(metrics: DaemonMetrics, address: str, *,
     bound = listeners[0].socket.getsockname()
     where = f"{bound[0]}:{bound[1]}"
     log.info("metrics.ready", address=where)
-    await trio.serve_listeners(partial(_answer, metrics), listeners,
-                               task_status=_Started(task_status, where))
+    task_status.started(where)  # bound already: scrapes queue until served
+    await trio.serve_listeners(partial(_answer, metrics, trio.CapacityLimiter(MAX_SCRAPES)),
+                               listeners)
 
 
-class _Started:
-    """Reports the bound address, not the listeners, to whoever started us."""
+async def _answer(metrics: DaemonMetrics, limiter: trio.CapacityLimiter,
+                  stream: trio.SocketStream) -> None:
+    """One scrape. Whatever the scraper does (resets, garbage, silence) ends
+    this connection only, never the daemon."""
+    async with limiter, stream:
+        try:
+            head = await _read_head(stream)
+            await stream.send_all(_response(metrics, head))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the scraper left; its loss
 
-    def __init__(self, status: trio.TaskStatus[str], where: str) -> None:
-        self.status, self.where = status, where
 
-    def started(self, value: object = None) -> None:
-        self.status.started(self.where)
+async def _read_head(stream: trio.SocketStream) -> bytes:
+    head = b""
+    with trio.move_on_after(REQUEST_TIMEOUT_S):
+        while b"\r\n\r\n" not in head and len(head) < REQUEST_LIMIT:
+            data = await stream.receive_some(4096)
+            if not data:
+                break
+            head += data
+    return head
 
 
-async def _answer(metrics: DaemonMetrics, stream: trio.SocketStream) -> None:
-    async with stream:
-        head = b""
-        with trio.move_on_after(REQUEST_TIMEOUT_S):
-            while b"\r\n\r\n" not in head and len(head) < REQUEST_LIMIT:
-                data = await stream.receive_some(4096)
-                if not data:
-                    break
-                head += data
-        parts = head.split(b"\r\n", 1)[0].split()
-        if len(parts) < 2 or parts[0] != b"GET":
-            status, body, ctype = b"400 Bad Request", b"GET /metrics\n", b"text/plain"
-        elif parts[1].split(b"?")[0] not in (b"/metrics", b"/"):
-            status, body, ctype = b"404 Not Found", b"GET /metrics\n", b"text/plain"
-        else:
+def _response(metrics: DaemonMetrics, head: bytes) -> bytes:
+    parts = head.split(b"\r\n", 1)[0].split()
+    if len(parts) < 2 or parts[0] != b"GET":
+        status, body, ctype = b"400 Bad Request", b"GET /metrics\n", b"text/plain"
+    elif parts[1].split(b"?")[0] not in (b"/metrics", b"/"):
+        status, body, ctype = b"404 Not Found", b"GET /metrics\n", b"text/plain"
+    else:
+        try:
             status, body, ctype = b"200 OK", metrics.render(), CONTENT_TYPE
-        with contextlib.suppress(trio.BrokenResourceError):  # the scraper left; its loss
-            await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype +
-                                  b"\r\nContent-Length: " + str(len(body)).encode() +
-                                  b"\r\nConnection: close\r\n\r\n" + body)
+        except Exception as exc:  # a collector bug must not take the daemon down
+            log.error("metrics.failed", error=repr(exc))
+            status, body, ctype = b"500 Internal Server Error", b"see the daemon's log\n", \
+                b"text/plain"
+    return (b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\nContent-Length: " +
+            str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
