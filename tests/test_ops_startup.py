@@ -5,6 +5,7 @@ unless ``--debug``."""
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -86,6 +87,20 @@ def test_socket_directory_cannot_be_made(tmp_path: Path) -> None:
     blocker.write_text("")
     _, lines = run_daemon("--node", "a", "--socket", str(blocker / "sub" / "a.sock"))
     one_error(lines, "socket directory", str(blocker / "sub"))
+
+
+def test_socket_directory_not_writable(tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # In-process: as root every directory is writable, so the check is made to
+    # see what a service user would.
+    real = os.access
+    target = str(tmp_path / "ro")
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr(os, "access",
+                        lambda p, mode: False if str(p) == target else real(p, mode))
+    result = CliRunner().invoke(main, ["daemon", "--node", "a", "--socket", target + "/a.sock"])
+    assert result.exit_code == 1
+    one_error(result.output.strip().splitlines(), "socket directory", target, "not writable")
 
 
 def test_socket_path_too_long(tmp_path: Path) -> None:
