@@ -96,3 +96,21 @@ def test_faster_providers_only_for_socket_providers() -> None:
     assert faster_providers("shm") == []
     assert faster_providers("efa") == []
     assert set(faster_providers("tcp;ofi_rxm")) <= {"efa", "verbs"}
+
+
+def test_peer_with_another_token_is_auth_failed(tmp_path: Path) -> None:
+    port_a, port_b = free_port(), free_port()
+    a = start_daemon(tmp_path, "node-a", control_port=port_a, cluster_token="one-secret",
+                     peers=[{"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}])
+    try:
+        b = start_daemon(tmp_path, "node-b", control_port=port_b, cluster_token="other-secret")
+        try:
+            with p2pxfer.SyncClient(a.socket) as client, contextlib.suppress(P2PXferError):
+                client.locate("anything")
+            (link,) = a.status()["links"]
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+    assert link["state"] == "auth failed" and link["last_heard_s"] is not None
+    assert "cluster token" in link["error"]

@@ -655,8 +655,8 @@ class PeerLink:
                 return result
             except RequestError as exc:  # an answer, if a refusal
                 self.last_heard = trio.current_time()
-                self.last_error = str(exc) if exc.code == "auth_failed" else ""
-                self._failure = "auth failed"
+                refused = exc.code == "auth_failed"
+                self.last_error, self._failure = (str(exc), "auth failed") if refused else ("", "")
                 raise
             except (OSError, trio.TooSlowError, trio.BrokenResourceError,
                     RemoteProtocolError) as exc:
