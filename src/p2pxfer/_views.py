@@ -32,11 +32,13 @@ def merge_links(peers: list[dict[str, Any]], links: list[dict[str, Any]]) -> lis
 
 def _peer_table(peers: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
-    for col in ("name", "state", "address", "last heard", "incarnation / error"):
+    members = any("incarnation" in p for p in peers)  # membership on: their lives
+    last = "incarnation" if members else "error"
+    for col in ("name", "state", "address", "last heard", last):
         table.add_column(col)
     for p in peers:
-        detail = str(p.get("incarnation", "")) or p.get("error", "")
-        table.add_row(p["name"], p["state"], p["address"], _ago(p.get("last_heard_s")), detail)
+        table.add_row(p["name"], p["state"], p["address"], _ago(p.get("last_heard_s")),
+                      str(p.get(last, "")))
     return table
 
 
