@@ -40,6 +40,8 @@ def test_rate_limit_holds_repeats_back() -> None:
     # another subject, and errors, are never held back by b's repeats
     assert passes(limiter, peer="c") is not None
     assert passes(limiter, "error", peer="b") is not None
+    assert passes(limiter, "debug", peer="b") is not None
+    assert passes(limiter, "warning", peer="b") is not None  # its own count
     clock.now += 10.0
     line = passes(limiter, peer="b")
     assert line is not None and line["suppressed"] == 4

@@ -27,8 +27,8 @@ __all__ = ["RateLimiter", "configure", "ensure_default"]
 REPEAT_KEYS = ("peer", "region", "client", "rail", "code", "kind", "node", "remote")
 BURST = 5  # lines per event and subject in one window
 WINDOW_S = 10.0
-#: at or above this level nothing is held back
-UNLIMITED_LEVELS = frozenset({"error", "critical", "exception"})
+#: levels never held back: failures, and DEBUG (asked for, so wanted whole)
+UNLIMITED_LEVELS = frozenset({"debug", "error", "critical", "exception"})
 
 
 class RateLimiter:
