@@ -195,7 +195,8 @@ def status(socket_path: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    print_status(console, st)
+    # Logs and pipes get the whole NIC table, not one cut to 80 columns.
+    print_status(console if console.is_terminal else Console(width=max(console.width, 160)), st)
 
 
 @main.command()
