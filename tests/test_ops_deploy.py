@@ -154,6 +154,11 @@ def test_daemonset_matches_the_daemon(tmp_path: Path) -> None:
     assert str(Path(cfg.socket).parent) == socket_dir
     probe = container["readinessProbe"]["exec"]["command"]
     assert probe[1] == "status" and cfg.socket in probe
+    # the daemon runs unprivileged; only the init container (chown of the
+    # hostPath) is root
+    assert container["securityContext"]["runAsNonRoot"] is True
+    (init,) = pod["initContainers"]
+    assert init["command"][-1] == socket_dir
 
 
 def test_containerfile_packages_exist() -> None:
