@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian 12 machine for p2pxfer: system packages (libfabric,
-# a C compiler, iproute2 for namespace tests, etcd for the etcd backend), then a
+# a C compiler and pkg-config, iproute2 for namespace tests, etcd for the etcd
+# backend, systemd for `systemd-analyze verify` of the unit), then a
 # virtual environment in .venv with p2pxfer built in place (cffi compiles the
 # libfabric binding). Safe to run again.
 set -euo pipefail
@@ -12,7 +13,7 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
     libfabric-dev libfabric-bin gcc libc6-dev python3 python3-venv python3-dev \
-    iproute2 ethtool nftables etcd-server procps >/dev/null
+    pkg-config iproute2 ethtool nftables etcd-server procps systemd >/dev/null
 
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then

@@ -4,10 +4,19 @@ API mode (a compiled extension), never ABI mode: libfabric's data-path calls
 (``fi_write``, ``fi_cq_read``, ...) are ``static inline`` in its headers and do
 not exist as symbols to ``dlopen``. Declarations live in ``cdefs/*.h`` split by
 area; constants there are ``...`` so the compiler fills in the real values.
+
+Which libfabric: the one ``pkg-config libfabric`` names, so a site install
+(an EFA installer's ``/opt/amazon/efa``, a source build in ``/opt/libfabric``)
+is used by putting its ``lib/pkgconfig`` on ``PKG_CONFIG_PATH`` before
+building; its library directory is also recorded as the extension's rpath, so
+the same libfabric is loaded at run time. Without pkg-config, or with the
+system's libfabric, the compiler's default paths apply.
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 from cffi import FFI
@@ -15,6 +24,28 @@ from cffi import FFI
 HERE = Path(__file__).resolve().parent
 # Paths below are relative to the project root, where setuptools runs this.
 CDEFS = ("types.h", "constants.h", "calls.h", "helpers.h")
+
+
+
+def site_libfabric() -> tuple[list[str], list[str]]:
+    """(include dirs, library dirs) of the libfabric ``pkg-config`` names;
+    empty lists when there is no pkg-config or no libfabric.pc (or it points
+    at the compiler's default paths, which pkg-config leaves out)."""
+    exe = shutil.which("pkg-config")
+    if exe is None:
+        return [], []
+    try:
+        incs = subprocess.run([exe, "--cflags-only-I", "libfabric"], check=True,
+                              capture_output=True, text=True).stdout.split()
+        libs = subprocess.run([exe, "--libs-only-L", "libfabric"], check=True,
+                              capture_output=True, text=True).stdout.split()
+    except subprocess.CalledProcessError:
+        return [], []
+    return ([f[2:] for f in incs if f.startswith("-I")],
+            [f[2:] for f in libs if f.startswith("-L")])
+
+
+SITE_INCLUDE, SITE_LIB = site_libfabric()
 
 ffibuilder = FFI()
 ffibuilder.cdef("\n".join((HERE / "cdefs" / name).read_text() for name in CDEFS))
@@ -32,8 +63,10 @@ ffibuilder.set_source(
     #include "p2p.h"
     """,
     sources=["native/src/p2p.c"],
-    include_dirs=["native/src"],
+    include_dirs=["native/src", *SITE_INCLUDE],
     libraries=["fabric"],
+    library_dirs=SITE_LIB,
+    runtime_library_dirs=SITE_LIB,
     extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"],
 )
 

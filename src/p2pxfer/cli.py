@@ -12,7 +12,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from p2pxfer.errors import InvalidArgument, P2PXferError
+from p2pxfer.errors import ConfigError, InvalidArgument, P2PXferError
 from p2pxfer.log import configure
 
 if TYPE_CHECKING:
@@ -33,7 +33,10 @@ def _size(text: str) -> int:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", default="WARNING", show_default=True, help="structlog level")
+@click.version_option(package_name="p2pxfer", message="p2pxfer %(version)s")
+@click.option("--log-level", default="WARNING", show_default=True, help="structlog level",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                                case_sensitive=False))
 def main(log_level: str) -> None:
     """p2pxfer: RDMA writes of scatter lists between machines over libfabric."""
     configure(log_level)
@@ -90,29 +93,80 @@ def demo(provider: str, pages: int, page_size: str, region_size: str, seed: int)
         raise click.ClickException("destination bytes differ from what was written")
 
 
-@main.command()
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="TOML config (see deploy/p2pxfer.toml for every option)")
-@click.option("--socket", "socket_path", help="override the config's unix socket path")
-@click.option("--control", help="override the config's control host:port")
-@click.option("--node", help="override the config's node name")
-def daemon(config_path: str | None, socket_path: str | None, control: str | None,
-           node: str | None) -> None:
-    """Run the node daemon in the foreground until interrupted."""
-    import dataclasses
+class _ConfigFailure(click.ClickException):
+    """A wrong config: exit 78 (EX_CONFIG), which the systemd unit does not
+    restart on (a restart cannot fix it)."""
 
-    import trio
+    exit_code = 78
 
-    from p2pxfer.daemon import DaemonConfig, serve
+
+def _peer_flag(ctx: click.Context, param: click.Parameter,
+               value: tuple[str, ...]) -> tuple[object, ...]:
+    from p2pxfer.daemon._config import parse_peer
 
     try:
-        cfg = DaemonConfig.from_toml(config_path) if config_path else DaemonConfig()
-        cfg = dataclasses.replace(cfg, socket=socket_path or cfg.socket,
-                                  control=control or cfg.control, node=node or cfg.node)
-        configure(cfg.log_level)
-        trio.run(partial(serve, cfg, handle_signals=True))
+        return tuple(parse_peer(v) for v in value)
     except P2PXferError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="TOML config (see deploy/p2pxfer.toml for every option)")
+@click.option("--node", help="this node's name (config: node)")
+@click.option("--socket", "socket_path", help="unix socket for clients (config: socket)")
+@click.option("--control", metavar="HOST:PORT", help="control listener (config: control)")
+@click.option("--peer", "peer_list", metavar="NAME=HOST:PORT", multiple=True,
+              callback=_peer_flag, help="a peer daemon's control address; repeatable "
+              "(added to the config's peers)")
+@click.option("--provider", help="libfabric provider (config: provider)")
+@click.option("--fabric-node", help="local address the fabric binds to (config: fabric_node)")
+@click.option("--token-file", type=click.Path(dir_okay=False),
+              help="file holding the cluster token (config: cluster_token_file)")
+@click.option("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics (config: metrics)")
+@click.option("--log-format", type=click.Choice(["console", "json"]),
+              help="log lines as text or JSON (config: log_format)")
+@click.option("--debug", is_flag=True, help="on a startup failure, show the traceback")
+def daemon(config_path: str | None, node: str | None, socket_path: str | None,
+           control: str | None, peer_list: tuple[object, ...], provider: str | None,
+           fabric_node: str | None, token_file: str | None, metrics: str | None,
+           log_format: str | None, debug: bool) -> None:
+    """Run the node daemon in the foreground until interrupted (SIGINT, SIGTERM).
+
+    \b
+    Flags override the config file; without --config the defaults apply:
+      p2pxfer daemon --node a --socket /tmp/a.sock --control 127.0.0.1:7700 \\
+          --fabric-node 127.0.0.1 --peer b=127.0.0.1:7701
+    """
+    import trio
+
+    from p2pxfer._startup import check_startup, one_line
+    from p2pxfer.daemon import DaemonConfig, serve
+
+    flags = {"node": node, "socket": socket_path, "control": control, "provider": provider,
+             "fabric_node": fabric_node, "cluster_token_file": token_file,
+             "metrics": metrics, "log_format": log_format}
+    overrides: dict[str, object] = {k: v for k, v in flags.items() if v is not None}
+    if peer_list:
+        overrides["peers"] = list(peer_list)
+    try:
+        cfg = DaemonConfig.load(config_path, **overrides)
+        configure(cfg.log_level, json=cfg.log_format == "json")
+        check_startup(cfg)
+    except P2PXferError as exc:
+        if debug:
+            raise
+        if isinstance(exc, ConfigError):
+            raise _ConfigFailure(str(exc)) from None
+        raise click.ClickException(str(exc)) from None
+    try:
+        trio.run(partial(serve, cfg, handle_signals=True))
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:  # the edge: everything becomes one line (or a traceback)
+        if debug:
+            raise
+        raise click.ClickException(one_line(exc, cfg)) from None
 
 
 def _client_call(socket_path: str, method: str) -> object:
@@ -132,27 +186,15 @@ def status(socket_path: str, as_json: bool) -> None:
     """Regions, peers, transfers in flight and bytes per NIC of a running daemon."""
     import json
 
+    from p2pxfer._views import print_status
+
     st = _client_call(socket_path, "status")
     assert isinstance(st, dict)
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    console.print(f"[bold]{st['node']}[/bold] incarnation {st['incarnation']} "
-                  f"provider {st['provider']} control {st['control']} clients {st['clients']} "
-                  f"transfers in flight {st['transfers_in_flight']}")
-    regions = Table(title="regions")
-    for col in ("name", "bytes", "client"):
-        regions.add_column(col)
-    for r in st["regions"]:
-        regions.add_row(r["name"], str(r["length"]), r["client"])
-    nics = Table(title="NICs")
-    for col in ("shard", "nic", "bytes sent", "pieces", "in flight", "received", "errors"):
-        nics.add_column(col)
-    for n in st["nics"]:
-        nics.add_row(str(n["shard"]), n["name"], str(n["bytes"]), str(n["pieces"]),
-                     str(n["inflight"]), str(n["received"]), str(n["errors"]))
-    console.print(regions)
-    console.print(nics)
+    # Logs and pipes get the whole NIC table, not one cut to 80 columns.
+    print_status(console if console.is_terminal else Console(width=max(console.width, 160)), st)
 
 
 @main.command()
@@ -163,24 +205,18 @@ def peers(socket_path: str, as_json: bool) -> None:
     incarnation, address and when it was last heard)."""
     import json
 
+    from p2pxfer._views import merge_links, print_peers
+
     result = _client_call(socket_path, "peers")
     assert isinstance(result, list)
-    if as_json:
+    if as_json:  # the daemon's reply as it is (status --json has the links too)
         click.echo(json.dumps(result, indent=2))
         return
-    table = Table(title="peers")
-    table.add_column("name")
-    if any("state" in p for p in result):  # membership is on: members and their lives
-        for col in ("state", "incarnation", "address", "last heard"):
-            table.add_column(col)
-        for p in result:
-            table.add_row(p["name"], p.get("state", "?"), str(p.get("incarnation", "")),
-                          p["address"], f"{p.get('last_heard_s', 0.0):.1f} s ago")
-    else:
-        table.add_column("control address")
-        for p in result:
-            table.add_row(p["name"], p["address"])
-    console.print(table)
+    if not any("state" in p for p in result):  # static peers: add their links' state
+        st = _client_call(socket_path, "status")
+        assert isinstance(st, dict)
+        result = merge_links(result, st.get("links", []))
+    print_peers(console, result)
 
 
 # -- bench --------------------------------------------------------------------

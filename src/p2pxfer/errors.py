@@ -141,3 +141,19 @@ class AuthenticationFailed(DaemonError):
     token, a token on one side only, or another node at that address)."""
 
     code = "auth_failed"
+
+
+class ConfigError(InvalidArgument):
+    """The daemon's configuration is wrong: the message names the key (and the
+    file) and what it must be. Raised before anything is opened."""
+
+
+class StartupError(P2PXferError):
+    """The daemon could not start: ``what`` failed at ``where`` (a port, a
+    path, a host), for ``reason``. The CLI prints it as one line."""
+
+    def __init__(self, what: str, where: str, reason: str) -> None:
+        self.what = what
+        self.where = where
+        self.reason = reason
+        super().__init__(f"{what} {where}: {reason}")

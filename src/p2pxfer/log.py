@@ -4,33 +4,92 @@ Library code only calls ``structlog.get_logger("p2pxfer.<component>")`` and
 logs events named ``<noun>.<verb>`` (``transfer.complete``) with ids and
 sizes. If the application has not configured structlog, importing p2pxfer
 sends our events to stderr at WARNING and above, so a library never writes to
-stdout. ``configure`` is what the CLI and daemon call.
+stdout. ``configure`` is what the CLI and daemon call: text or JSON lines, and
+a rate limit on repeats, so a peer that fails every retry costs a few lines
+a window, not one per retry.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 import structlog
 
-__all__ = ["configure", "ensure_default"]
+__all__ = ["RateLimiter", "configure", "ensure_default"]
+
+#: fields that tell two occurrences of an event apart for the rate limit
+#: (the same event about another peer, region or client is not a repeat)
+REPEAT_KEYS = ("peer", "region", "client", "rail", "code", "kind", "node", "remote")
+BURST = 5  # lines per event and subject in one window
+WINDOW_S = 10.0
+#: levels never held back: failures, and DEBUG (asked for, so wanted whole)
+UNLIMITED_LEVELS = frozenset({"debug", "error", "critical", "exception"})
 
 
-def configure(level: str | int = "INFO", *, json: bool = False) -> None:
-    """Log p2pxfer's events to stderr at ``level``, as text or JSON lines."""
+class RateLimiter:
+    """A structlog processor: at most ``burst`` lines of one event about one
+    subject (the :data:`REPEAT_KEYS` it carries) per ``window`` seconds; the
+    first line after a window says how many were dropped (``suppressed``).
+    Thread-safe: pollers log from their own threads."""
+
+    def __init__(self, burst: int = BURST, window: float = WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.window, self.clock = burst, window, clock
+        self._lock = threading.Lock()
+        # key -> [window start, lines in this window, dropped since last shown]
+        self._seen: dict[tuple[Any, ...], list[float]] = {}
+
+    def __call__(self, logger: Any, method: str,
+                 event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        if method in UNLIMITED_LEVELS:
+            return event
+        key = (method, event.get("event"), *(str(event.get(k)) for k in REPEAT_KEYS))
+        now = self.clock()
+        with self._lock:
+            state = self._seen.get(key)
+            if state is None or now - state[0] >= self.window:
+                dropped = 0 if state is None else int(state[2])
+                self._seen[key] = [now, 1, 0]
+                if len(self._seen) > 4096:  # forget the oldest windows
+                    for old in sorted(self._seen, key=lambda k: self._seen[k][0])[:1024]:
+                        del self._seen[old]
+                if dropped:
+                    event["suppressed"] = dropped
+                return event
+            if state[1] < self.burst:
+                state[1] += 1
+                return event
+            state[2] += 1
+        raise structlog.DropEvent
+
+
+def configure(level: str | int = "INFO", *, json: bool = False,
+              rate_limit: bool = True) -> None:
+    """Log p2pxfer's events to stderr at ``level``, as text or JSON lines,
+    repeats held to :data:`BURST` per :data:`WINDOW_S` (unless ``rate_limit``
+    is False)."""
     if isinstance(level, str):
-        level = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+        name = level.upper()
+        if name not in logging.getLevelNamesMapping():
+            raise ValueError(f"unknown log level {level!r}")
+        level = logging.getLevelNamesMapping()[name]
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     )
+    processors: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+    ]
+    if rate_limit:
+        processors.append(RateLimiter())
+    processors += [structlog.processors.TimeStamper(fmt="iso", key="timestamp"), renderer]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,

@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 import structlog
 
-from p2pxfer.errors import InvalidArgument
+from p2pxfer.errors import InvalidArgument, P2PXferError
 from p2pxfer.fabric import FabricInfo, getinfo
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
     "Topology",
     "build_topology",
     "discover",
+    "faster_providers",
+    "is_loopback",
     "parse_cpulist",
     "select_nics",
 ]
@@ -50,6 +52,11 @@ _NODE_DIR = re.compile(r"node([0-9]+)")
 # verbs and efa name RDM/datagram domains after the device plus a suffix
 # ("rdmap0s6-rdm", "mlx5_0-dgram"); sysfs knows only the device.
 _DOMAIN_SUFFIXES = ("-rdm", "-dgrm", "-dgram", "-xrc")
+
+_ARPHRD_LOOPBACK = "772"  # /sys/class/net/<if>/type of a loopback interface
+# Providers that copy through the kernel's sockets, and the RDMA ones that beat them.
+_SOCKET_PROVIDERS = ("tcp", "sockets", "udp")
+_RDMA_PROVIDERS = ("efa", "verbs")
 
 
 @dataclass(frozen=True)
@@ -248,7 +255,8 @@ def discover(
             allowed_cpus=os.sched_getaffinity(0),
         )
     except Exception as exc:
-        log.warning("topology.discover.failed", provider=provider, node=node, error=str(exc))
+        # The caller reports the error it gets; at WARNING this would say it twice.
+        log.debug("topology.discover.failed", provider=provider, node=node, error=str(exc))
         raise
     log.info(
         "topology.discover.complete",
@@ -387,3 +395,27 @@ def _node_cpus(
     if not cpus:
         cpus = tuple(sorted(allowed if allowed is not None else os.sched_getaffinity(0)))
     return cpus, source
+
+
+def is_loopback(name: str, sysfs_root: str | os.PathLike[str] = "/sys") -> bool:
+    """True when the interface ``name`` is a loopback device (``lo``, or any
+    whose sysfs type says so): a rail on it never leaves this host."""
+    if name == "lo":
+        return True
+    kind = _read_text(Path(sysfs_root) / "class" / "net" / name / "type")
+    return kind is not None and kind.strip() == _ARPHRD_LOOPBACK
+
+
+def faster_providers(provider: str) -> list[str]:
+    """The RDMA providers (efa, verbs) libfabric offers here when ``provider``
+    copies through sockets (tcp, sockets, udp); empty otherwise."""
+    if provider.split(";", maxsplit=1)[0] not in _SOCKET_PROVIDERS:
+        return []
+    found = []
+    for name in _RDMA_PROVIDERS:
+        try:
+            getinfo(name)  # the infos are freed when collected
+        except P2PXferError:
+            continue  # not on this machine
+        found.append(name)
+    return found

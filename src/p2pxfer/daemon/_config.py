@@ -1,5 +1,9 @@
 """The daemon's configuration: a TOML file, every key documented here and in
-``deploy/p2pxfer.toml``. Unknown keys are errors (a typo must not be ignored)."""
+``deploy/p2pxfer.toml``. Unknown keys are errors (a typo must not be ignored),
+and every key's type and range is checked here, before anything opens, so a
+wrong config is one :class:`ConfigError` naming the key, the file and what the
+key must be. What must not live here: opening sockets, files other than the
+config and the token file, or anything that needs the network."""
 
 from __future__ import annotations
 
@@ -10,11 +14,26 @@ from pathlib import Path
 from typing import Any
 
 from p2pxfer.address import parse_hostport
-from p2pxfer.errors import InvalidArgument
+from p2pxfer.errors import ConfigError, InvalidArgument
 
-__all__ = ["MEMBERSHIP_BACKENDS", "DaemonConfig", "PeerAddress", "parse_hostport"]
+__all__ = ["LOG_FORMATS", "LOG_LEVELS", "MEMBERSHIP_BACKENDS", "DaemonConfig", "PeerAddress",
+           "parse_hostport", "parse_peer"]
 
 MEMBERSHIP_BACKENDS = ("none", "embedded", "etcd")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("console", "json")
+
+
+def parse_peer(text: str) -> PeerAddress:
+    """``name=host:port`` (the ``--peer`` flag) as a :class:`PeerAddress`."""
+    name, sep, address = text.partition("=")
+    if not sep or not name.strip():
+        raise ConfigError(f"a peer is name=host:port, got {text!r}")
+    try:
+        parse_hostport(address)
+    except InvalidArgument as exc:
+        raise ConfigError(f"peer {name!r}: {exc}") from exc
+    return PeerAddress(name.strip(), address)
 
 
 @dataclass(frozen=True)
@@ -41,6 +60,10 @@ class DaemonConfig:
     max_frame: int = 16 << 20
     #: structlog level
     log_level: str = "INFO"
+    #: "console" (key=value lines) or "json" (one object per line)
+    log_format: str = "console"
+    #: host:port to serve Prometheus metrics on (empty: no metrics)
+    metrics: str = ""
     #: peers known from the start (more can be added at run time)
     peers: tuple[PeerAddress, ...] = ()
     #: uids allowed on the unix socket besides the daemon's own (and root)
@@ -50,6 +73,8 @@ class DaemonConfig:
     membership: str = "none"
     #: shared secret of the cluster (required unless membership is "none")
     cluster_token: str = ""
+    #: a file holding the cluster token (instead of cluster_token)
+    cluster_token_file: str = ""
     #: control addresses ("host:port") of members to join through (embedded)
     seeds: tuple[str, ...] = ()
     #: etcd's client URL (membership = "etcd")
@@ -60,69 +85,186 @@ class DaemonConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
+        return cls.load(path)
+
+    @classmethod
+    def load(cls, path: str | Path | None, **overrides: Any) -> DaemonConfig:
+        """The config in ``path`` (None: the defaults) with ``overrides`` (from
+        the command line) replacing its keys, except ``peers``, which are added
+        to the file's; ``cluster_token_file`` replaces a ``cluster_token``."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                data = tomllib.loads(Path(path).read_text())
+            except OSError as exc:
+                raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+        if "peers" in overrides:
+            overrides["peers"] = [*_list("peers", data.get("peers", []), "tables"),
+                                  *overrides["peers"]]
+        if overrides.get("cluster_token_file"):
+            data.pop("cluster_token", None)
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise InvalidArgument(f"cannot read config {path}: {exc}") from exc
-        return cls.from_dict(data)
+            return cls.from_dict({**data, **overrides})
+        except ConfigError as exc:
+            if path is None:
+                raise
+            raise ConfigError(f"config {path}: {exc}") from exc
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DaemonConfig:
-        known = {f.name: f for f in fields(cls)}
-        if extra := sorted(set(data) - set(known)):
-            raise InvalidArgument(f"unknown config keys {extra}; known: {sorted(known)}")
-        kw: dict[str, Any] = {}
-        for key, value in data.items():
-            if key == "peers":
-                kw[key] = tuple(cls._peer(p) for p in value)
-            elif key in ("interfaces", "allowed_uids", "seeds"):
-                if not isinstance(value, list):
-                    raise InvalidArgument(f"config {key} must be a list")
-                kw[key] = tuple(value)
-            else:
-                default = known[key].default
-                if default is not field and not isinstance(value, type(default)) and \
-                        key != "node":
-                    raise InvalidArgument(f"config {key} must be {type(default).__name__}, "
-                                          f"got {value!r}")
-                kw[key] = value
+        known = {f.name for f in fields(cls)}
+        if extra := sorted(set(data) - known):
+            raise ConfigError(f"unknown config keys {extra}; known: {sorted(known)}")
+        kw = {key: _CHECKS[key](key, value) for key, value in data.items()}
+        token_file = kw.get("cluster_token_file", "")
+        if token_file:
+            if kw.get("cluster_token"):
+                raise ConfigError("set cluster_token or cluster_token_file, not both")
+            kw["cluster_token"] = _read_token(token_file)
         cfg = cls(**kw)
-        parse_hostport(cfg.control)
-        if cfg.max_frame < 4096:
-            raise InvalidArgument(f"max_frame {cfg.max_frame} is too small (>= 4096)")
         cfg._check_membership()
         return cfg
 
     def _check_membership(self) -> None:
-        if self.membership not in MEMBERSHIP_BACKENDS:
-            raise InvalidArgument(f"config membership must be one of {list(MEMBERSHIP_BACKENDS)}, "
-                                  f"got {self.membership!r}")
-        for seed in self.seeds:
-            if not isinstance(seed, str):
-                raise InvalidArgument(f"config seeds are 'host:port' strings, got {seed!r}")
-            try:
-                parse_hostport(seed)
-            except InvalidArgument as exc:
-                raise InvalidArgument(f"config seeds: {exc}") from exc
         if self.membership == "none":
             return
         if not self.cluster_token:
-            raise InvalidArgument(f"config membership = {self.membership!r} needs a "
-                                  f"cluster_token (the same secret on every member)")
-        if self.etcd_ttl < 1:
-            raise InvalidArgument(f"config etcd_ttl must be >= 1 second, got {self.etcd_ttl}")
-        if self.membership == "etcd" and not self.etcd_endpoint.startswith(
-                ("http://", "https://")):
-            raise InvalidArgument(f"config etcd_endpoint must be an http(s):// URL, got "
-                                  f"{self.etcd_endpoint!r}")
+            raise ConfigError(f"membership = {self.membership!r} needs a cluster_token "
+                              f"(the same secret on every member)")
         if self.membership == "embedded" and parse_hostport(self.control)[0] in (
                 "0.0.0.0", "::", ""):
-            raise InvalidArgument("config membership = 'embedded' needs a control address "
-                                  "with a specific host (it is the member's address)")
+            raise ConfigError("membership = 'embedded' needs a control address with a "
+                              "specific host (it is the member's address)")
 
-    @staticmethod
-    def _peer(p: Any) -> PeerAddress:
+
+def _read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster_token_file {path}: "
+                          f"{exc.strerror or exc}") from exc
+    if not token:
+        raise ConfigError(f"cluster_token_file {path} is empty")
+    return token
+
+
+# -- one check per key: the value as the dataclass holds it, or ConfigError --------
+
+def _str(key: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"{key} must be a string, got {v!r}")
+    return v
+
+
+def _nonempty(key: str, v: Any) -> str:
+    if not _str(key, v).strip():
+        raise ConfigError(f"{key} must not be empty")
+    return str(v)
+
+
+def _int(key: str, v: Any, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{key} must be an integer, got {v!r}")
+    if v < low:
+        raise ConfigError(f"{key} must be >= {low}, got {v}")
+    return v
+
+
+def _choice(key: str, v: Any, choices: tuple[str, ...], fold: bool = False) -> str:
+    s = _str(key, v)
+    s = s.upper() if fold else s
+    if s not in choices:
+        raise ConfigError(f"{key} must be one of {list(choices)}, got {v!r}")
+    return s
+
+
+def _hostport(key: str, v: Any, allow_empty: bool = False) -> str:
+    s = _str(key, v)
+    if allow_empty and not s:
+        return s
+    try:
+        parse_hostport(s)
+    except InvalidArgument as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+    return s
+
+
+def _list(key: str, v: Any, what: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise ConfigError(f"{key} must be a list of {what}, got {v!r}")
+    return v
+
+
+def _strs(key: str, v: Any) -> tuple[str, ...]:
+    items = _list(key, v, "strings")
+    for x in items:
+        if not isinstance(x, str) or not x:
+            raise ConfigError(f"{key} must be a list of strings, got the item {x!r}")
+    return tuple(items)
+
+
+def _uids(key: str, v: Any) -> tuple[int, ...]:
+    items = _list(key, v, "numeric uids")
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ConfigError(f"{key} must be a list of numeric uids (e.g. [1000]), "
+                              f"got the item {x!r}")
+    return tuple(items)
+
+
+def _seeds(key: str, v: Any) -> tuple[str, ...]:
+    items = _strs(key, v)
+    for s in items:
+        _hostport(key, s)
+    return items
+
+
+def _peers(key: str, v: Any) -> tuple[PeerAddress, ...]:
+    shape = "an array of tables ([[peers]] with name = \"...\" and address = \"host:port\")"
+    if not isinstance(v, list):
+        raise ConfigError(f"{key} must be {shape}, got {v!r}")
+    out: list[PeerAddress] = []
+    for p in v:
+        if isinstance(p, PeerAddress):  # from the command line, already checked
+            out.append(p)
+            continue
         if not isinstance(p, dict) or set(p) != {"name", "address"}:
-            raise InvalidArgument(f"a peer is {{name = ..., address = 'host:port'}}, got {p!r}")
-        parse_hostport(p["address"])
-        return PeerAddress(str(p["name"]), str(p["address"]))
+            raise ConfigError(f"{key} must be {shape}, got the item {p!r}")
+        name = _nonempty(f"{key}.name", p["name"])
+        out.append(PeerAddress(name, _hostport(f"peer {name!r} address", p["address"])))
+    names = [p.name for p in out]
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        raise ConfigError(f"{key}: names listed twice: {dup}")
+    return tuple(out)
+
+
+def _url(key: str, v: Any) -> str:
+    s = _str(key, v)
+    if not s.startswith(("http://", "https://")):
+        raise ConfigError(f"{key} must be an http(s):// URL, got {v!r}")
+    return s
+
+
+_CHECKS: dict[str, Any] = {
+    "node": _nonempty,
+    "socket": _nonempty,
+    "control": _hostport,
+    "provider": _nonempty,
+    "fabric_node": _str,
+    "interfaces": _strs,
+    "max_frame": lambda k, v: _int(k, v, 4096),
+    "log_level": lambda k, v: _choice(k, v, LOG_LEVELS, fold=True),
+    "log_format": lambda k, v: _choice(k, v, LOG_FORMATS),
+    "metrics": lambda k, v: _hostport(k, v, allow_empty=True),
+    "peers": _peers,
+    "allowed_uids": _uids,
+    "membership": lambda k, v: _choice(k, v, MEMBERSHIP_BACKENDS),
+    "cluster_token": _str,
+    "cluster_token_file": _str,
+    "seeds": _seeds,
+    "etcd_endpoint": _url,
+    "etcd_ttl": lambda k, v: _int(k, v, 1),
+}
+assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"

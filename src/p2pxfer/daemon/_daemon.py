@@ -29,6 +29,8 @@ from p2pxfer.membership import ClusterAuth
 from ._config import DaemonConfig
 from ._control import serve_control
 from ._follow import Follower
+from ._metrics import DaemonMetrics, serve_metrics
+from ._notes import rails, slow_paths
 from ._peers import PeerTable
 from ._regions import Regions
 from ._sessions import serve_clients
@@ -64,6 +66,10 @@ class Daemon:
         self.writes = Writes(self)
         self.sessions: set[ClientSession] = set()
         self._nursery: trio.Nursery | None = None
+        #: Prometheus metrics (None: ``metrics`` is not configured)
+        self.metrics: DaemonMetrics | None = None
+        #: slow paths found at startup (``status`` shows them)
+        self.notes: list[str] = []
 
     @property
     def control_address(self) -> str:
@@ -105,6 +111,9 @@ class Daemon:
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],
+            "rails": rails(self.engine),
+            "links": self.peers.link_states(),
+            "notes": self.notes,
         }
 
     def peer_list(self) -> list[dict[str, Any]]:
@@ -135,8 +144,12 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as nursery:
             daemon = Daemon(config, engine)
             daemon.nursery = nursery
+            daemon.notes = slow_paths(engine, config.provider)
             await daemon.serve_peers(nursery)
             nursery.start_soon(daemon.peers.close_idle_links)
+            if config.metrics:
+                daemon.metrics = DaemonMetrics(daemon)
+                await nursery.start(serve_metrics, daemon.metrics, config.metrics)
             if config.membership != "none":
                 await daemon.follower.start(config, daemon.control_address,
                                             daemon.incarnation, nursery)

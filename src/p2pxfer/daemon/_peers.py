@@ -45,6 +45,9 @@ class PeerLink:
         self._lock = trio.Lock()
         self._pump: Pump | None = None
         self.last_used = trio.current_time()
+        self.last_heard: float | None = None  # trio time of the last answer
+        self.last_error = ""  # why the last request failed ("" once one succeeds)
+        self._failure = ""  # the state that failure leaves: "unreachable", "auth failed"
 
     @property
     def connected(self) -> bool:
@@ -67,10 +70,14 @@ class PeerLink:
                     if self._pump is None:
                         self._pump = await self._dial()
                     msg = await self._pump.exchange(kind, **fields)
-            except AuthenticationFailed:
+            except AuthenticationFailed as exc:
+                self.last_heard = trio.current_time()  # an answer, if a refusal
+                self.last_error, self._failure = str(exc), "auth failed"
                 await self._drop()
                 raise
             except Exception as exc:  # any failure to talk is "unreachable", never a crash
+                self.last_error = bounded(str(exc) or type(exc).__name__, 200)
+                self._failure = "unreachable"
                 await self._drop()
                 raise RemoteClosed(f"peer {self.peer.name} at {bounded(self.address, 100)}: "
                                    f"{bounded(str(exc) or type(exc).__name__, 200)}") from exc
@@ -78,11 +85,22 @@ class PeerLink:
                 # Cancelled mid-request: a frame may be half sent. Start afresh.
                 await self._drop()
                 raise
+            self.last_heard, self.last_error = trio.current_time(), ""
             if msg.kind == "error" and is_fatal(msg["code"]):
                 await self._drop()  # the peer hangs up after saying so
             if msg.kind == "error":
                 raise error_from_wire(msg["code"], msg["message"], self.peer.name)
             return dict(msg.get("result") or {})
+
+    def state(self) -> dict[str, Any]:
+        """For ``status``: the control connection's state and when the peer
+        last answered (None: never)."""
+        state = (self._failure if self.last_error else "connected" if self._pump is not None
+                 else "idle" if self.last_heard is not None else "not contacted")
+        heard = (None if self.last_heard is None
+                 else round(trio.current_time() - self.last_heard, 3))
+        return {"name": self.peer.name, "address": self.address, "state": state,
+                "last_heard_s": heard, "error": self.last_error}
 
     async def _dial(self) -> Pump:
         t = self.table
@@ -169,6 +187,10 @@ class PeerTable:
             for link in list(self._links.values()):
                 if link.idle and link.last_used < cutoff:
                     await link.close()
+
+    def link_states(self) -> list[dict[str, Any]]:
+        """Each link's :meth:`PeerLink.state` (for ``status``)."""
+        return [link.state() for link in self._links.values()]
 
     def listing(self) -> list[dict[str, Any]]:
         return [{"name": p.name, "address": p.address} for p in self.peers.values()]

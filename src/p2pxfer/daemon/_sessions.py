@@ -155,7 +155,9 @@ class ClientSession:
             if not isinstance(exc, P2PXferError):
                 log.error("request.crashed", client=self.label, kind=msg.kind,
                           error=bounded(f"{type(exc).__name__}: {exc}"))
-            log.info("request.failed", client=self.label, kind=msg.kind,
+            where = {k: msg.get(k) for k in ("peer", "region", "name")
+                     if msg.get(k) is not None}
+            log.info("request.failed", client=self.label, kind=msg.kind, **where,
                      code=wire_error(exc)[0], error=bounded(str(exc)))
             outcome = exc
         await self._send(self.pump.answer(msg.id, outcome))

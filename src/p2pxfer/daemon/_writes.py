@@ -64,13 +64,19 @@ class Writes:
         d = self.d
         self.in_flight += 1
         t0 = time.perf_counter()
+        ok = False
         try:
             pieces = await d.engine.write(src, desc, scatter, imm=imm)
-        except TransferError:
+            ok = True
+        except TransferError as exc:
+            log.warning("transfer.failed", client=client, peer=peer, region=region,
+                        nbytes=scatter.nbytes, error=str(exc))
             await self._why_failed(peer, region)
             raise
         finally:
             self.in_flight -= 1
+            if d.metrics is not None:
+                d.metrics.observe_write(time.perf_counter() - t0, ok)
         log.debug("transfer.complete", client=client, peer=peer, region=region,
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return pieces

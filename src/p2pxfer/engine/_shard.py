@@ -145,6 +145,11 @@ class Shard:
         self.failed = 0
         self.cancelled = 0
 
+    @property
+    def rails(self) -> tuple[Rail, ...]:
+        """This shard's rails (NICs), in order."""
+        return tuple(self._group.rails)
+
     # -- trio side ------------------------------------------------------------
 
     def start(self) -> None:

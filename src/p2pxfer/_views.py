@@ -1,0 +1,73 @@
+"""Tables for ``p2pxfer status`` and ``p2pxfer peers``: rich renderings of
+the daemon's replies, nothing else (no requests, no option parsing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["merge_links", "print_peers", "print_status"]
+
+
+def _ago(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f} s ago"
+
+
+def merge_links(peers: list[dict[str, Any]], links: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Static peers (no membership) with their control connection's state and
+    last answer; members (which carry a state already) as they are."""
+    by_name = {link["name"]: link for link in links}
+    out = []
+    for p in peers:
+        if "state" in p:
+            out.append(p)
+            continue
+        link = by_name.get(p["name"], {})
+        out.append({**p, "state": link.get("state", "not contacted"),
+                    "last_heard_s": link.get("last_heard_s"), "error": link.get("error", "")})
+    return out
+
+
+def _peer_table(peers: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    members = any("incarnation" in p for p in peers)  # membership on: their lives
+    last = "incarnation" if members else "error"
+    for col in ("name", "state", "address", "last heard", last):
+        table.add_column(col)
+    for p in peers:
+        table.add_row(p["name"], p["state"], p["address"], _ago(p.get("last_heard_s")),
+                      str(p.get(last, "")))
+    return table
+
+
+def print_peers(console: Console, peers: list[dict[str, Any]]) -> None:
+    console.print(_peer_table(peers, "peers"))
+
+
+def print_status(console: Console, st: dict[str, Any]) -> None:
+    console.print(f"[bold]{st['node']}[/bold] incarnation {st['incarnation']} "
+                  f"provider {st['provider']} control {st['control']} clients {st['clients']} "
+                  f"transfers in flight {st['transfers_in_flight']}")
+    regions = Table(title="regions")
+    for col in ("name", "bytes", "client"):
+        regions.add_column(col)
+    for r in st["regions"]:
+        regions.add_row(r["name"], str(r["length"]), r["client"])
+    where = {(r["shard"], r["nic"]): r for r in st.get("rails", [])}
+    nics = Table(title="NICs")
+    for col in ("shard", "nic", "provider", "address", "NUMA", "bytes sent", "pieces",
+                "in flight", "received", "errors"):
+        nics.add_column(col)
+    for n in st["nics"]:
+        rail = where.get((n["shard"], n["name"]), {})
+        nics.add_row(str(n["shard"]), n["name"], n.get("provider", ""), rail.get("address", ""),
+                     str(rail.get("numa_node", "")), str(n["bytes"]), str(n["pieces"]),
+                     str(n["inflight"]), str(n["received"]), str(n["errors"]))
+    console.print(regions)
+    console.print(_peer_table(merge_links(st["peers"], st.get("links", [])),
+                              f"peers (membership: {st.get('membership', 'none')})"))
+    console.print(nics)
+    for note in st.get("notes", []):
+        console.print(f"[yellow]note:[/yellow] {note}")
