@@ -149,7 +149,7 @@ def test_debug_shows_traceback(tmp_path: Path) -> None:
 def test_demo_page_size_zero() -> None:
     result = CliRunner().invoke(main, ["demo", "--page-size", "0"])
     assert result.exit_code == 2
-    assert "'0' is not a positive size" in result.output
+    assert "size must be > 0, got '0'" in result.output
     assert not isinstance(result.exception, ZeroDivisionError)
 
 
