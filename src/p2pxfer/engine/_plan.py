@@ -17,12 +17,28 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-from p2pxfer.errors import DescriptorError, InvalidArgument, UnregisteredMemory
+from p2pxfer.errors import DescriptorError, InvalidArgument, ReadOnlyBuffer, UnregisteredMemory
 from p2pxfer.fabric import INT64_MAX, Rail, WriteBatch
-from p2pxfer.memory import LocalRegion, RegionDescriptor, RegistrationCache, buffer_span
+from p2pxfer.memory import (
+    ExportedRegion,
+    LocalRegion,
+    RegionDescriptor,
+    RegistrationCache,
+    buffer_span,
+)
 from p2pxfer.scatter import ScatterList
 
-__all__ = ["PreparedWrite", "RailGroup", "Stripe", "plan_stripes"]
+__all__ = ["PreparedWrite", "RailGroup", "Source", "Stripe", "plan_stripes"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A write's source already looked up: the registration covering it and
+    the span the scatter list's source offsets count from."""
+
+    region: LocalRegion
+    address: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -62,10 +78,15 @@ def plan_stripes(scatter: ScatterList, nrails: int, max_msg: int) -> tuple[Scatt
 class RailGroup:
     """The rails of one provider (one shard's NICs) and their registrations.
 
+    Two kinds of registration live here, never sharing an MR: the cache's,
+    for local access only (sources of writes), and one per export, for remote
+    writes over exactly the exported range with keys of its own.
+
     Takes ownership of ``rails``: ``close`` deregisters everything, then
     closes them."""
 
-    def __init__(self, rails: list[Rail], *, cache_entries: int = 1024) -> None:
+    def __init__(self, rails: list[Rail], *, cache_entries: int = 1024,
+                 numa_node: int = -1) -> None:
         if not rails:
             raise InvalidArgument("a rail group needs at least one rail")
         providers = {r.provider for r in rails}
@@ -74,6 +95,9 @@ class RailGroup:
         self.rails = rails
         self.provider = rails[0].provider
         self.cache = RegistrationCache(rails, max_entries=cache_entries)
+        #: the NUMA node of these rails' NICs (-1: unknown), told to peers
+        self.numa_node = numa_node
+        self._exports: dict[str, tuple[ExportedRegion, LocalRegion | None]] = {}
         self.max_msg = min(INT64_MAX, *(r.info.max_msg_size for r in rails))
         #: the widest immediate every rail carries (EFA and verbs: 32 bits)
         self.imm_bits = 8 * min(r.imm_bytes for r in rails)
@@ -81,18 +105,41 @@ class RailGroup:
     # -- memory ---------------------------------------------------------------
 
     def register(self, obj: Any, *, writable: bool = False, pin: bool = False) -> LocalRegion:
-        return self.cache.register(obj, writable=writable, pin=pin)
+        """Register ``obj`` as a source of writes: local access only, whatever
+        ``writable`` says (it only checks that the buffer could back an export;
+        exports register for remote writes on their own)."""
+        if writable and buffer_span(obj).readonly:
+            raise ReadOnlyBuffer(
+                f"cannot register a read-only {type(obj).__name__} as a write target")
+        return self.cache.register(obj, pin=pin)
 
-    def export(self, obj: Any, name: str, *, node: str = "",
-               incarnation: int = 0) -> RegionDescriptor:
-        """Register ``obj`` for remote writes, pin it, and describe it for peers."""
-        region = self.cache.register(obj, writable=True, pin=True)
-        region.name = name
-        return region.descriptor(name, node, incarnation, buffer_span(obj))
+    def export(self, obj: Any, name: str, *, node: str = "", incarnation: int = 0,
+               local: bool = True) -> RegionDescriptor:
+        """Register exactly ``obj``'s span for remote writes on every rail, with
+        fresh keys, and describe it for peers. With ``local``, also pin a
+        local-access registration of it in the cache, so the exported memory
+        can be a source of writes too (a KV pool sends from its own pages)."""
+        if name in self._exports:
+            raise InvalidArgument(f"a region named {name!r} is already exported")
+        exp = ExportedRegion(name, buffer_span(obj), self.rails,
+                             [self.numa_node] * len(self.rails))
+        try:
+            region = self.cache.register(obj, pin=True) if local else None
+        except BaseException:
+            exp.close()
+            raise
+        if region is not None:
+            region.name = name
+        self._exports[name] = (exp, region)
+        return exp.descriptor(node, incarnation)
 
-    def unexport(self, obj: Any) -> None:
-        """Drop the pin an export took (the registration stays cached)."""
-        self.cache.unpin(self.cache.require(obj))
+    def unexport(self, name: str) -> None:
+        """Close the export's registrations now (a write through its descriptor
+        fails from here on) and drop the pin it held on the cache's."""
+        exp, region = self._exports.pop(name)
+        exp.close()
+        if region is not None and not region.closed:
+            self.cache.unpin(region)
 
     def deregister(self, obj: Any) -> None:
         """Deregister whatever covers ``obj`` now, pinned or not."""
@@ -103,6 +150,10 @@ class RailGroup:
 
     def source(self, src: Any) -> tuple[LocalRegion, int, int]:
         """(registration, base address, size) of a write's source."""
+        if isinstance(src, Source):
+            if src.region.closed:
+                raise UnregisteredMemory(f"{src.region!r} was deregistered")
+            return src.region, src.address, src.nbytes
         if isinstance(src, LocalRegion):
             if src.closed:
                 raise UnregisteredMemory(f"{src!r} was deregistered")
@@ -158,6 +209,9 @@ class RailGroup:
         return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name)
 
     def close(self) -> None:
+        for exp, _ in self._exports.values():
+            exp.close()
+        self._exports.clear()
         self.cache.close()
         for rail in self.rails:
             rail.close()
