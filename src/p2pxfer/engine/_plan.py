@@ -28,7 +28,12 @@ from p2pxfer.memory import (
 )
 from p2pxfer.scatter import ScatterList
 
+from ._pairing import pair_rails
+
 __all__ = ["PreparedWrite", "RailGroup", "Source", "Stripe", "plan_stripes"]
+
+# Destinations (sets of peer rail addresses) whose rail pairing is remembered.
+MAX_PAIRINGS = 4096
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,8 @@ class PreparedWrite:
 
 @dataclass(frozen=True)
 class Stripe:
-    """Pieces ``[start, end)`` of a scatter list go out on ``rail``."""
+    """Pieces ``[start, end)`` of a scatter list go out on ``rail`` (an index
+    into the caller's rails, or into its rail pairs)."""
 
     rail: int
     start: int
@@ -98,6 +104,7 @@ class RailGroup:
         #: the NUMA node of these rails' NICs (-1: unknown), told to peers
         self.numa_node = numa_node
         self._exports: dict[str, tuple[ExportedRegion, LocalRegion | None]] = {}
+        self._pairs: dict[tuple[bytes, ...], list[tuple[int, int]]] = {}
         self.max_msg = min(INT64_MAX, *(r.info.max_msg_size for r in rails))
         #: the widest immediate every rail carries (EFA and verbs: 32 bits)
         self.imm_bits = 8 * min(r.imm_bytes for r in rails)
@@ -178,16 +185,32 @@ class RailGroup:
                     f"speaks {self.provider!r}"
                 )
 
+    def pairs(self, dst: RegionDescriptor) -> list[tuple[int, int]]:
+        """``(our rail, dst rail)`` pairs a write to ``dst`` is striped over
+        (:func:`pair_rails`: by reachability; every reachable rail of the peer
+        takes traffic), worked out once per set of peer addresses."""
+        key = tuple(r.address for r in dst.rails)
+        pairs = self._pairs.get(key)
+        if pairs is None:
+            pairs = pair_rails([(r.address, r.name) for r in self.rails], list(key))
+            if not pairs:
+                raise DescriptorError(
+                    f"no rail of this engine ({', '.join(r.name for r in self.rails)}) "
+                    f"reaches a rail of region {dst.name!r} on {dst.node or 'its node'!r}")
+            if len(self._pairs) >= MAX_PAIRINGS:
+                self._pairs.clear()  # many peers came and went: start over
+            self._pairs[key] = pairs
+        return pairs
+
     def prepare(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
-                imm: int | Callable[[int], int] | None, tid: int,
-                rail_offset: int = 0) -> PreparedWrite:
+                imm: int | Callable[[int], int] | None, tid: int) -> PreparedWrite:
         """Validate a write and lay it out on the rails, posting nothing.
 
         Raises ``ScatterError``/``InvalidArgument``/``DescriptorError``/
         ``UnregisteredMemory`` naming what is wrong. ``imm`` may be a function
         of the final piece count (for protocols that put the count in the
-        immediate). ``rail_offset`` rotates which of the target's rails our
-        rail 0 writes to."""
+        immediate). The write is striped over :meth:`pairs`: one of our rails
+        may write to several of the peer's, and the reverse."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
         if imm is not None and not callable(imm):
@@ -195,17 +218,17 @@ class RailGroup:
         self.check_destination(dst)
         region, base, size = self.source(src)
         scatter.check_bounds(size, dst.length)
-        nrails = min(len(self.rails), len(dst.rails))
-        sl, stripes = plan_stripes(scatter, nrails, self.max_msg)
+        pairs = self.pairs(dst)
+        sl, stripes = plan_stripes(scatter, len(pairs), self.max_msg)
         if callable(imm):
             imm = imm(len(sl))
             self.check_imm(imm)
         batch = WriteBatch(sl.src, sl.dst, sl.length, tid, imm, len(stripes))
         for st in stripes:
-            rail = self.rails[st.rail]
-            rd = dst.rails[(st.rail + rail_offset) % len(dst.rails)]
-            batch.add(st.rail, rail, rail.peer(rd.address), st.start, st.end, base,
-                      region.mrs[st.rail].desc, rd.base, rd.key, rd.address)
+            ours, theirs = pairs[st.rail]
+            rail, rd = self.rails[ours], dst.rails[theirs]
+            batch.add(ours, rail, rail.peer(rd.address), st.start, st.end, base,
+                      region.mrs[ours].desc, rd.base, rd.key, rd.address)
         return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name)
 
     def close(self) -> None:
