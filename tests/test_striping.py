@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import socket
 import struct
 import textwrap
@@ -35,7 +36,7 @@ from p2pxfer.engine._engine import open_engine_on
 from p2pxfer.engine._pairing import pair_rails
 from p2pxfer.errors import DescriptorError
 from p2pxfer.fabric import getinfo
-from p2pxfer.memory import RailDescriptor, RegionDescriptor
+from p2pxfer.memory import RailDescriptor, RegionDescriptor, numa_node_of
 from p2pxfer.scatter import ScatterList
 from p2pxfer.topology import Nic, Topology
 from p2pxfer.topology import Shard as TopologyShard
@@ -111,6 +112,32 @@ async def test_a_shard_writes_to_every_nic_of_a_two_shard_target() -> None:
         assert [r.entries for r in a.statistics().registrations] == [1, 1]
 
 
+async def test_without_a_hint_the_page_s_numa_node_picks_the_shard() -> None:
+    touched = np.ones(1 << 16, np.uint8)  # its pages exist: the kernel knows their node
+    node = numa_node_of(touched.ctypes.data)
+    if node not in (0, 1):
+        pytest.skip(f"move_pages gives no node 0/1 for a touched page here ({node})")
+    config = EngineConfig(provider="tcp;ofi_rxm", node=LOOPBACK)
+    async with open_engine_on(two_node_topology(), config) as a:
+        a.register(touched)
+        want = [0, 0]
+        want[node] = 1
+        assert [r.entries for r in a.statistics().registrations] == want
+        # Never touched: no node yet, so the shard with fewer registered bytes.
+        fresh = np.frombuffer(mmap.mmap(-1, 1 << 20), np.uint8)  # a new anonymous mapping
+        assert numa_node_of(fresh.ctypes.data) == -1
+        a.register(fresh)
+        want[1 - node] += 1
+        assert [r.entries for r in a.statistics().registrations] == want
+
+
+def test_a_four_element_rail_from_an_older_peer_still_reads() -> None:
+    old = {"v": 1, "name": "r", "node": "", "inc": 0, "len": 4096,
+           "rails": [["tcp;ofi_rxm", sockaddr(LOOPBACK), 7, 0]]}
+    (rail,) = RegionDescriptor.from_wire(old).rails
+    assert (rail.key, rail.numa) == (7, -1)
+
+
 # -- two hosts -------------------------------------------------------------------------
 
 _PRELUDE = """\
@@ -118,7 +145,7 @@ import json, sys
 import numpy as np
 import trio
 from p2pxfer.engine import EngineConfig, open_engine
-from p2pxfer.memory import RailDescriptor, RegionDescriptor
+from p2pxfer.memory import RailDescriptor, RegionDescriptor, numa_node_of
 from p2pxfer.scatter import ScatterList
 
 def say(kind, value):
