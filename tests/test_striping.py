@@ -129,6 +129,10 @@ async def test_without_a_hint_the_page_s_numa_node_picks_the_shard() -> None:
         a.register(fresh)
         want[1 - node] += 1
         assert [r.entries for r in a.statistics().registrations] == want
+        # Touched now, its node is known: registering again keeps it where it is.
+        fresh[:] = 1
+        a.register(fresh)
+        assert [r.entries for r in a.statistics().registrations] == want
 
 
 def test_a_four_element_rail_from_an_older_peer_still_reads() -> None:

@@ -153,6 +153,14 @@ class Engine:
         fewest registered bytes. Writes from ``obj`` then go through that
         shard's NICs. ``writable`` checks that ``obj`` could back an export."""
         self._check_open()
+        if numa_node is None and len(self.shards) > 1:
+            # Already a source somewhere (its pages may have moved or been
+            # touched since): keep it there rather than register it twice.
+            span = buffer_span(obj)
+            for shard in self.shards:
+                if shard.lookup(span) is not None:
+                    shard.register(obj, writable=writable)  # counts the hit, checks writable
+                    return
         shard = self._home(obj, numa_node)
         region = shard.register(obj, writable=writable)
         region.numa_node = shard.numa_node
