@@ -221,7 +221,7 @@ def test_export_pins_and_names_its_registration(provider: tuple[str, str | None]
         group.export(target, "kept")
         exported = group.cache.require(target)
         assert exported.pins == 1 and exported.name == "kept"
-        group.unexport(target)
+        group.unexport("kept")
         assert exported.pins == 0 and not exported.closed
 
 

@@ -1,17 +1,22 @@
 """Memory that peers can write into, and the registrations that make it so.
 
 What lives here: turning buffer-protocol objects (bytearray, numpy arrays, mmap,
-memfd-backed shared memory) into address ranges; ``LocalRegion`` (one buffer
-registered on every rail); the LRU ``RegistrationCache``; and the
-``RegionDescriptor`` a peer needs to write into a region, which round-trips
-through msgpack. What must not: posting or polling (that is the engine's shards').
+memfd-backed shared memory) into address ranges and finding the NUMA node of
+their pages; ``LocalRegion`` (one buffer registered on every rail); the LRU
+``RegistrationCache``; ``ExportedRegion`` (an export's own remote-write
+registration over exactly its range); and the ``RegionDescriptor`` a peer
+needs to write into a region, which round-trips through msgpack. What must
+not: posting or polling (that is the engine's shards').
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import mmap
 import os
+import platform
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +37,7 @@ from p2pxfer.fabric import ACCESS_REMOTE_WRITE, ACCESS_WRITE, MemoryRegion, Rail
 
 __all__ = [
     "CacheStats",
+    "ExportedRegion",
     "LocalRegion",
     "RailDescriptor",
     "RegionDescriptor",
@@ -39,6 +45,7 @@ __all__ = [
     "SharedBuffer",
     "alloc_shared",
     "buffer_span",
+    "numa_node_of",
 ]
 
 log = structlog.get_logger("p2pxfer.memory")
@@ -104,18 +111,46 @@ class SharedBuffer:
         self.fd = -1
 
 
+# move_pages(2) by syscall number: glibc has no wrapper (libnuma does, but is
+# not a dependency). Other architectures report "unknown".
+_MOVE_PAGES = {"x86_64": 279, "aarch64": 239}.get(platform.machine())
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def numa_node_of(address: int) -> int:
+    """The NUMA node holding the page at ``address``, or -1 when that cannot be
+    told (page not faulted in yet, no such syscall, not permitted). One
+    ``move_pages`` query for one page: asks, moves nothing."""
+    if _MOVE_PAGES is None:
+        return -1
+    page = ctypes.c_void_p(address & ~(mmap.PAGESIZE - 1))
+    status = ctypes.c_int(-1)
+    rc = _libc().syscall(ctypes.c_long(_MOVE_PAGES), ctypes.c_int(0), ctypes.c_ulong(1),
+                       ctypes.byref(page), None, ctypes.byref(status), ctypes.c_int(0))
+    if rc != 0 or status.value < 0:  # status < 0: -errno for that page (-ENOENT: absent)
+        return -1
+    return int(status.value)
+
+
 def alloc_shared(nbytes: int, name: str = "p2pxfer") -> SharedBuffer:
     return SharedBuffer(nbytes, name)
 
 
 @dataclass(frozen=True)
 class RailDescriptor:
-    """How to reach one rail of a region: endpoint address, key, remote base."""
+    """How to reach one rail of a region: endpoint address, key, remote base,
+    and the NUMA node of the NIC behind it (-1: unknown, e.g. a descriptor
+    from a peer that does not send it)."""
 
     provider: str
     address: bytes
     key: int
     base: int
+    numa: int = -1
 
 
 @dataclass(frozen=True)
@@ -135,7 +170,9 @@ class RegionDescriptor:
             "node": self.node,
             "inc": self.incarnation,
             "len": self.length,
-            "rails": [[r.provider, r.address, r.key, r.base] for r in self.rails],
+            # The NUMA node rides as a fifth element: readers that know only four
+            # are the only ones that would refuse it (see from_wire).
+            "rails": [[r.provider, r.address, r.key, r.base, r.numa] for r in self.rails],
         }
 
     def to_bytes(self) -> bytes:
@@ -167,15 +204,18 @@ class RegionDescriptor:
             raise bad("rails must be a non-empty list")
         out = []
         for i, r in enumerate(rails):
-            if not (isinstance(r, list) and len(r) == 4):
-                raise bad(f"rail {i} must be [provider, address, key, base]")
-            prov, addr, key, base = r
+            if not (isinstance(r, list) and len(r) in (4, 5)):
+                raise bad(f"rail {i} must be [provider, address, key, base] or [..., numa node]")
+            prov, addr, key, base = r[:4]
+            numa = r[4] if len(r) == 5 else -1  # older descriptors carry no node
             if not isinstance(prov, str) or not isinstance(addr, bytes) or not addr:
                 raise bad(f"rail {i}: provider must be a string and address non-empty bytes")
             for what, v in (("key", key), ("base", base)):
                 if not isinstance(v, int) or not 0 <= v < 1 << 64:
                     raise bad(f"rail {i}: {what} must be an unsigned 64-bit integer")
-            out.append(RailDescriptor(prov, addr, key, base))
+            if not isinstance(numa, int) or isinstance(numa, bool) or not -1 <= numa < 1 << 16:
+                raise bad(f"rail {i}: numa node must be an integer >= -1")
+            out.append(RailDescriptor(prov, addr, key, base, numa))
         return cls(name, length, tuple(out), node, inc)
 
     @classmethod
@@ -206,6 +246,9 @@ class LocalRegion:
         self.pins = 0
         self.name: str | None = None
         self.closed = False
+        #: NUMA node of the buffer's first page when registered (-1: unknown);
+        #: the engine routes writes from it to that node's shard
+        self.numa_node = -1
 
     @property
     def address(self) -> int:
@@ -244,6 +287,57 @@ class LocalRegion:
     def __repr__(self) -> str:
         return (f"LocalRegion({self.address:#x}+{self.length}, writable={self.writable}, "
                 f"pins={self.pins})")
+
+
+class ExportedRegion:
+    """One export: a registration of its own, for remote writes only, over
+    exactly ``span`` on each of ``rails``, with keys fresh to it (never shared
+    with the cache's registrations or another export). :meth:`close` closes
+    every MR (``fi_close``), after which a write through its descriptor is
+    refused by the provider (where it checks keys: tcp does, shm does not)."""
+
+    def __init__(self, name: str, span: BufferSpan, rails: list[Rail],
+                 numa_nodes: list[int] | None = None) -> None:
+        if span.readonly:
+            raise ReadOnlyBuffer(
+                f"cannot export a read-only {type(span.owner).__name__} as {name!r}")
+        self.name = name
+        self.span = span
+        self.rails = rails
+        self.numa_nodes = numa_nodes or [-1] * len(rails)
+        self.mrs: list[MemoryRegion] = []
+        try:
+            for rail in rails:
+                self.mrs.append(rail.register(span.address, span.nbytes, ACCESS_REMOTE_WRITE))
+        except BaseException:
+            self.close()
+            raise
+        log.debug("memory.export", region=name, address=hex(span.address), nbytes=span.nbytes)
+
+    @property
+    def closed(self) -> bool:
+        return not self.mrs
+
+    def rail_descriptors(self) -> tuple[RailDescriptor, ...]:
+        if self.closed:
+            raise RegistrationError(f"export {self.name!r} is closed")
+        return tuple(RailDescriptor(rail.provider, rail.address, mr.key, mr.base, numa)
+                     for rail, mr, numa in zip(self.rails, self.mrs, self.numa_nodes,
+                                               strict=True))
+
+    def descriptor(self, node: str = "", incarnation: int = 0) -> RegionDescriptor:
+        return RegionDescriptor(self.name, self.span.nbytes, self.rail_descriptors(),
+                                node, incarnation)
+
+    def close(self) -> None:
+        """Close every registration now (idempotent)."""
+        mrs, self.mrs = self.mrs, []
+        for rail, mr in zip(self.rails, mrs, strict=False):
+            rail.deregister(mr)
+
+    def __repr__(self) -> str:
+        return (f"ExportedRegion({self.name!r}, {self.span.address:#x}+{self.span.nbytes}, "
+                f"closed={self.closed})")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ trio), the one data path: nothing else posts writes or counts completions.
 ``BlockingEngine`` is a facade over it for synchronous callers."""
 
 from ._blocking import BlockingEngine as BlockingEngine
+from ._config import EngineConfig as EngineConfig
+from ._config import EngineStats as EngineStats
 from ._engine import Engine as Engine
-from ._engine import EngineConfig as EngineConfig
-from ._engine import EngineStats as EngineStats
 from ._engine import Transfer as Transfer
 from ._engine import open_engine as open_engine
 from ._plan import RailGroup as RailGroup

@@ -98,13 +98,14 @@ class BlockingEngine:
 
     # -- memory ---------------------------------------------------------------
 
-    def register(self, obj: Any, *, writable: bool = False) -> None:
+    def register(self, obj: Any, *, writable: bool = False,
+                 numa_node: int | None = None) -> None:
         """See :meth:`Engine.register`."""
-        self._run_sync(lambda: self._eng.register(obj, writable=writable))
+        self._run_sync(lambda: self._eng.register(obj, writable=writable, numa_node=numa_node))
 
-    def export(self, obj: Any, name: str) -> RegionDescriptor:
+    def export(self, obj: Any, name: str, *, numa_node: int | None = None) -> RegionDescriptor:
         """See :meth:`Engine.export`."""
-        return self._run_sync(self._eng.export, obj, name)
+        return self._run_sync(lambda: self._eng.export(obj, name, numa_node=numa_node))
 
     def unexport(self, name: str) -> None:
         self._run_sync(self._eng.unexport, name)

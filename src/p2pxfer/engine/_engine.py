@@ -16,20 +16,27 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import trio
 
-from p2pxfer.errors import EngineClosed, InvalidArgument
-from p2pxfer.fabric import Rail
-from p2pxfer.memory import CacheStats, RailDescriptor, RegionDescriptor, buffer_span
+from p2pxfer.errors import EngineClosed, InvalidArgument, UnregisteredMemory
+from p2pxfer.fabric import DELIVERY_COMPLETE, Rail
+from p2pxfer.memory import (
+    LocalRegion,
+    RailDescriptor,
+    RegionDescriptor,
+    buffer_span,
+    numa_node_of,
+)
 from p2pxfer.scatter import ScatterList
 from p2pxfer.topology import Topology, discover
 
+from ._config import EngineConfig, EngineStats
+from ._plan import Source
 from ._shard import NicStats, Shard, TransferState
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer", "open_engine"]
@@ -39,54 +46,6 @@ log = structlog.get_logger("p2pxfer.engine")
 # A write that completed without waiting still passes through the scheduler
 # when the engine has not yielded for this long (see ``Transfer.wait``).
 YIELD_EVERY_NS = 1_000_000
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How to open an engine. Every field has a working default for loopback."""
-
-    provider: str = "tcp;ofi_rxm"
-    #: local address to bind (IP providers); keeps tcp on loopback when "127.0.0.1"
-    node: str | None = None
-    #: use exactly these interfaces / domains (e.g. ["veth0", "veth1"]), in order
-    interfaces: tuple[str, ...] | None = None
-    #: NUMA node per interface, where sysfs is wrong or silent
-    numa_override: Mapping[str, int] | None = None
-    sysfs_root: str = "/sys"
-    #: transfers queued or in flight per shard before ``write`` waits (backpressure)
-    max_inflight: int = 256
-    #: poller spins this long after activity before sleeping on the CQ wait fd
-    spin_ns: int = 20_000
-    #: longest single sleep of an idle poller (a safety net: wake-ups come from
-    #: the CQ wait fds and the submit eventfd)
-    idle_timeout_ns: int = 50_000_000
-    #: after posting a small write, the trio thread polls for its completion this
-    #: long (blocking the event loop) before handing over to the poller thread;
-    #: 0 turns it off
-    inline_poll_ns: int = 50_000
-    #: longest back-off nap where a CQ has no wait fd (shm)
-    backoff_max_ns: int = 4_000_000
-    pin_threads: bool = True
-    cache_entries: int = 1024
-    node_name: str = ""
-    incarnation: int = 0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    nics: tuple[NicStats, ...]
-    queue_depth: tuple[int, ...]
-    completed: int
-    failed: int
-    cancelled: int = 0
-    #: each shard's registration cache
-    registrations: tuple[CacheStats, ...] = ()
-    #: completions read by the trio thread polling small writes inline
-    read_inline: int = 0
-    #: completions read by the shards' poller threads
-    read_by_pollers: int = 0
-    #: immediate values some ``wait_imm`` is waiting for now
-    imms_awaited: int = 0
 
 
 class _YieldClock:
@@ -186,36 +145,79 @@ class Engine:
 
     # -- memory ---------------------------------------------------------------
 
-    def register(self, obj: Any, *, writable: bool = False) -> None:
-        """Register ``obj`` on every shard (cached: registering twice is free)."""
+    def register(self, obj: Any, *, writable: bool = False,
+                 numa_node: int | None = None) -> None:
+        """Register ``obj`` as a source of writes (local access only; cached:
+        registering twice is free) on one shard: the one on ``numa_node``, else
+        on the NUMA node of ``obj``'s first page, else the shard with the
+        fewest registered bytes. Writes from ``obj`` then go through that
+        shard's NICs. ``writable`` checks that ``obj`` could back an export."""
         self._check_open()
-        for shard in self.shards:
-            shard.register(obj, writable=writable)
+        if numa_node is None and len(self.shards) > 1:
+            # Already a source somewhere (its pages may have moved or been
+            # touched since): keep it there rather than register it twice.
+            span = buffer_span(obj)
+            for shard in self.shards:
+                if shard.lookup(span) is not None:
+                    shard.register(obj, writable=writable)  # counts the hit, checks writable
+                    return
+        shard = self._home(obj, numa_node)
+        region = shard.register(obj, writable=writable)
+        region.numa_node = shard.numa_node
 
-    def export(self, obj: Any, name: str) -> RegionDescriptor:
-        """Register ``obj`` for remote writes on every rail, pin it, and return
-        the descriptor peers write through."""
+    def _home(self, obj: Any, numa_node: int | None) -> Shard:
+        """The shard that registers ``obj`` as a source (see :meth:`register`)."""
+        if len(self.shards) == 1:
+            return self.shards[0]
+        if numa_node is not None and (not isinstance(numa_node, int)
+                                      or isinstance(numa_node, bool)):
+            raise InvalidArgument(f"numa_node must be an integer, got {numa_node!r}")
+        node = numa_node if numa_node is not None else numa_node_of(buffer_span(obj).address)
+        for shard in self.shards:
+            if shard.numa_node == node:
+                return shard
+        return min(self.shards, key=lambda s: s.registrations().nbytes)
+
+    def export(self, obj: Any, name: str, *, numa_node: int | None = None) -> RegionDescriptor:
+        """Register exactly ``obj``'s span for remote writes on every NIC of
+        every shard, with keys of its own (a second export of the same memory
+        gets other keys), and return the descriptor peers write through. The
+        memory is also registered, pinned, as a source on its home shard (see
+        :meth:`register`) until :meth:`unexport`."""
         self._check_open()
         if not name or not isinstance(name, str):
             raise InvalidArgument(f"region name must be a non-empty string, got {name!r}")
         if name in self._exports:
             raise InvalidArgument(f"a region named {name!r} is already exported")
+        home = self._home(obj, numa_node)
         rails: list[RailDescriptor] = []
         length = 0
-        for shard in self.shards:
-            d = shard.export(obj, name)
-            rails.extend(d.rails)
-            length = d.length
+        done: list[Shard] = []
+        try:
+            for shard in self.shards:
+                d = shard.export(obj, name, local=shard is home)
+                done.append(shard)
+                rails.extend(d.rails)
+                length = d.length
+        except BaseException:
+            for shard in done:
+                shard.unexport(name)
+            raise
         self._exports[name] = obj
+        log.info("region.exported", region=name, nbytes=length, rails=len(rails))
         return RegionDescriptor(name, length, tuple(rails), self.config.node_name,
                                 self.config.incarnation)
 
     def unexport(self, name: str) -> None:
+        """Close the region's registrations before returning: a write through
+        a descriptor handed out earlier fails from now on (on providers that
+        check keys; shm does not)."""
         obj = self._exports.pop(name, None)
         if obj is None:
             raise InvalidArgument(f"no region named {name!r} is exported")
         for shard in self.shards:
-            shard.unexport(obj)
+            shard.unexport(name)
+        log.info("region.unexported", region=name)
 
     def deregister(self, obj: Any) -> None:
         """Drop ``obj``'s registration on every shard now (it must not be
@@ -236,8 +238,25 @@ class Engine:
         verbs carry 32 bits, tcp and shm 64)."""
         return min(s.imm_bits for s in self.shards)
 
-    def _pick_shard(self) -> Shard:
-        return min(self.shards, key=lambda s: s.queued)
+    def _pick_shard(self, src: Any) -> tuple[Shard, Any]:
+        """The shard a write from ``src`` goes through, and the source to hand
+        it: with one shard, that one; else the shard that registered ``src``
+        (chosen by NUMA node at registration: this is one cache lookup per
+        shard, no system call), the least busy if several did."""
+        if len(self.shards) == 1:
+            return self.shards[0], src
+        if isinstance(src, LocalRegion):
+            owner = next((s for s in self.shards if s.owns(src)), None)
+            if owner is None:
+                raise UnregisteredMemory(f"{src!r} was not registered by this engine")
+            return owner, src
+        span = buffer_span(src)
+        found = [(s, r) for s in self.shards if (r := s.lookup(span)) is not None]
+        if not found:
+            raise UnregisteredMemory(f"{span.nbytes} bytes at {span.address:#x} are not "
+                                     "registered: register the buffer first")
+        shard, region = min(found, key=lambda sr: sr[0].queued)
+        return shard, Source(region, span.address, span.nbytes)
 
     async def submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
                      imm: int | Callable[[int], int] | None = None,
@@ -257,7 +276,7 @@ class Engine:
         self._check_open()
         # Already cancelled: raise before posting anything (costs nothing otherwise).
         await trio.lowlevel.checkpoint_if_cancelled()
-        shard = self._pick_shard()
+        shard, src = self._pick_shard(src)
         try:
             # No scheduler round when a slot is free: waiting checkpoints anyway.
             shard.slots.acquire_nowait()
@@ -422,7 +441,10 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
             try:
                 for nic in st.nics:
                     assert nic.info is not None
-                    rails.append(Rail(nic.info))
+                    info = nic.info
+                    if config.delivery_complete:
+                        info = info.with_tx_op_flags(DELIVERY_COMPLETE)
+                    rails.append(Rail(info))
             except BaseException:
                 for r in rails:
                     r.close()

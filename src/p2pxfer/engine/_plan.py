@@ -17,12 +17,33 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-from p2pxfer.errors import DescriptorError, InvalidArgument, UnregisteredMemory
+from p2pxfer.errors import DescriptorError, InvalidArgument, ReadOnlyBuffer, UnregisteredMemory
 from p2pxfer.fabric import INT64_MAX, Rail, WriteBatch
-from p2pxfer.memory import LocalRegion, RegionDescriptor, RegistrationCache, buffer_span
+from p2pxfer.memory import (
+    ExportedRegion,
+    LocalRegion,
+    RegionDescriptor,
+    RegistrationCache,
+    buffer_span,
+)
 from p2pxfer.scatter import ScatterList
 
-__all__ = ["PreparedWrite", "RailGroup", "Stripe", "plan_stripes"]
+from ._pairing import pair_rails
+
+__all__ = ["PreparedWrite", "RailGroup", "Source", "Stripe", "plan_stripes"]
+
+# Destinations (sets of peer rail addresses) whose rail pairing is remembered.
+MAX_PAIRINGS = 4096
+
+
+@dataclass(frozen=True)
+class Source:
+    """A write's source already looked up: the registration covering it and
+    the span the scatter list's source offsets count from."""
+
+    region: LocalRegion
+    address: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -39,7 +60,8 @@ class PreparedWrite:
 
 @dataclass(frozen=True)
 class Stripe:
-    """Pieces ``[start, end)`` of a scatter list go out on ``rail``."""
+    """Pieces ``[start, end)`` of a scatter list go out on ``rail`` (an index
+    into the caller's rails, or into its rail pairs)."""
 
     rail: int
     start: int
@@ -62,10 +84,15 @@ def plan_stripes(scatter: ScatterList, nrails: int, max_msg: int) -> tuple[Scatt
 class RailGroup:
     """The rails of one provider (one shard's NICs) and their registrations.
 
+    Two kinds of registration live here, never sharing an MR: the cache's,
+    for local access only (sources of writes), and one per export, for remote
+    writes over exactly the exported range with keys of its own.
+
     Takes ownership of ``rails``: ``close`` deregisters everything, then
     closes them."""
 
-    def __init__(self, rails: list[Rail], *, cache_entries: int = 1024) -> None:
+    def __init__(self, rails: list[Rail], *, cache_entries: int = 1024,
+                 numa_node: int = -1) -> None:
         if not rails:
             raise InvalidArgument("a rail group needs at least one rail")
         providers = {r.provider for r in rails}
@@ -74,6 +101,10 @@ class RailGroup:
         self.rails = rails
         self.provider = rails[0].provider
         self.cache = RegistrationCache(rails, max_entries=cache_entries)
+        #: the NUMA node of these rails' NICs (-1: unknown), told to peers
+        self.numa_node = numa_node
+        self._exports: dict[str, tuple[ExportedRegion, LocalRegion | None]] = {}
+        self._pairs: dict[tuple[bytes, ...], list[tuple[int, int]]] = {}
         self.max_msg = min(INT64_MAX, *(r.info.max_msg_size for r in rails))
         #: the widest immediate every rail carries (EFA and verbs: 32 bits)
         self.imm_bits = 8 * min(r.imm_bytes for r in rails)
@@ -81,18 +112,41 @@ class RailGroup:
     # -- memory ---------------------------------------------------------------
 
     def register(self, obj: Any, *, writable: bool = False, pin: bool = False) -> LocalRegion:
-        return self.cache.register(obj, writable=writable, pin=pin)
+        """Register ``obj`` as a source of writes: local access only, whatever
+        ``writable`` says (it only checks that the buffer could back an export;
+        exports register for remote writes on their own)."""
+        if writable and buffer_span(obj).readonly:
+            raise ReadOnlyBuffer(
+                f"cannot register a read-only {type(obj).__name__} as a write target")
+        return self.cache.register(obj, pin=pin)
 
-    def export(self, obj: Any, name: str, *, node: str = "",
-               incarnation: int = 0) -> RegionDescriptor:
-        """Register ``obj`` for remote writes, pin it, and describe it for peers."""
-        region = self.cache.register(obj, writable=True, pin=True)
-        region.name = name
-        return region.descriptor(name, node, incarnation, buffer_span(obj))
+    def export(self, obj: Any, name: str, *, node: str = "", incarnation: int = 0,
+               local: bool = True) -> RegionDescriptor:
+        """Register exactly ``obj``'s span for remote writes on every rail, with
+        fresh keys, and describe it for peers. With ``local``, also pin a
+        local-access registration of it in the cache, so the exported memory
+        can be a source of writes too (a KV pool sends from its own pages)."""
+        if name in self._exports:
+            raise InvalidArgument(f"a region named {name!r} is already exported")
+        exp = ExportedRegion(name, buffer_span(obj), self.rails,
+                             [self.numa_node] * len(self.rails))
+        try:
+            region = self.cache.register(obj, pin=True) if local else None
+        except BaseException:
+            exp.close()
+            raise
+        if region is not None:
+            region.name = name
+        self._exports[name] = (exp, region)
+        return exp.descriptor(node, incarnation)
 
-    def unexport(self, obj: Any) -> None:
-        """Drop the pin an export took (the registration stays cached)."""
-        self.cache.unpin(self.cache.require(obj))
+    def unexport(self, name: str) -> None:
+        """Close the export's registrations now (a write through its descriptor
+        fails from here on) and drop the pin it held on the cache's."""
+        exp, region = self._exports.pop(name)
+        exp.close()
+        if region is not None and not region.closed:
+            self.cache.unpin(region)
 
     def deregister(self, obj: Any) -> None:
         """Deregister whatever covers ``obj`` now, pinned or not."""
@@ -103,6 +157,10 @@ class RailGroup:
 
     def source(self, src: Any) -> tuple[LocalRegion, int, int]:
         """(registration, base address, size) of a write's source."""
+        if isinstance(src, Source):
+            if src.region.closed:
+                raise UnregisteredMemory(f"{src.region!r} was deregistered")
+            return src.region, src.address, src.nbytes
         if isinstance(src, LocalRegion):
             if src.closed:
                 raise UnregisteredMemory(f"{src!r} was deregistered")
@@ -127,16 +185,32 @@ class RailGroup:
                     f"speaks {self.provider!r}"
                 )
 
+    def pairs(self, dst: RegionDescriptor) -> list[tuple[int, int]]:
+        """``(our rail, dst rail)`` pairs a write to ``dst`` is striped over
+        (:func:`pair_rails`: by reachability; every reachable rail of the peer
+        takes traffic), worked out once per set of peer addresses."""
+        key = tuple(r.address for r in dst.rails)
+        pairs = self._pairs.get(key)
+        if pairs is None:
+            pairs = pair_rails([(r.address, r.name) for r in self.rails], list(key))
+            if not pairs:
+                raise DescriptorError(
+                    f"no rail of this engine ({', '.join(r.name for r in self.rails)}) "
+                    f"reaches a rail of region {dst.name!r} on {dst.node or 'its node'!r}")
+            if len(self._pairs) >= MAX_PAIRINGS:
+                self._pairs.clear()  # many peers came and went: start over
+            self._pairs[key] = pairs
+        return pairs
+
     def prepare(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
-                imm: int | Callable[[int], int] | None, tid: int,
-                rail_offset: int = 0) -> PreparedWrite:
+                imm: int | Callable[[int], int] | None, tid: int) -> PreparedWrite:
         """Validate a write and lay it out on the rails, posting nothing.
 
         Raises ``ScatterError``/``InvalidArgument``/``DescriptorError``/
         ``UnregisteredMemory`` naming what is wrong. ``imm`` may be a function
         of the final piece count (for protocols that put the count in the
-        immediate). ``rail_offset`` rotates which of the target's rails our
-        rail 0 writes to."""
+        immediate). The write is striped over :meth:`pairs`: one of our rails
+        may write to several of the peer's, and the reverse."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
         if imm is not None and not callable(imm):
@@ -144,20 +218,23 @@ class RailGroup:
         self.check_destination(dst)
         region, base, size = self.source(src)
         scatter.check_bounds(size, dst.length)
-        nrails = min(len(self.rails), len(dst.rails))
-        sl, stripes = plan_stripes(scatter, nrails, self.max_msg)
+        pairs = self.pairs(dst)
+        sl, stripes = plan_stripes(scatter, len(pairs), self.max_msg)
         if callable(imm):
             imm = imm(len(sl))
             self.check_imm(imm)
         batch = WriteBatch(sl.src, sl.dst, sl.length, tid, imm, len(stripes))
         for st in stripes:
-            rail = self.rails[st.rail]
-            rd = dst.rails[(st.rail + rail_offset) % len(dst.rails)]
-            batch.add(st.rail, rail, rail.peer(rd.address), st.start, st.end, base,
-                      region.mrs[st.rail].desc, rd.base, rd.key, rd.address)
+            ours, theirs = pairs[st.rail]
+            rail, rd = self.rails[ours], dst.rails[theirs]
+            batch.add(ours, rail, rail.peer(rd.address), st.start, st.end, base,
+                      region.mrs[ours].desc, rd.base, rd.key, rd.address)
         return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name)
 
     def close(self) -> None:
+        for exp, _ in self._exports.values():
+            exp.close()
+        self._exports.clear()
         self.cache.close()
         for rail in self.rails:
             rail.close()

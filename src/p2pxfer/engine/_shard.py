@@ -32,7 +32,7 @@ import trio
 
 from p2pxfer.errors import EngineClosed, RemoteClosed, TransferError
 from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, StallWatch
-from p2pxfer.memory import CacheStats, RegionDescriptor
+from p2pxfer.memory import BufferSpan, CacheStats, LocalRegion, RegionDescriptor
 from p2pxfer.topology import Shard as ShardTopology
 
 from ._plan import PreparedWrite, RailGroup
@@ -105,7 +105,7 @@ class Shard:
                  backoff_max_ns: int) -> None:
         self.index = index
         self.topo = topo
-        self._group = RailGroup(rails, cache_entries=cache_entries)
+        self._group = RailGroup(rails, cache_entries=cache_entries, numa_node=topo.numa_node)
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
             self._poller = Poller(rails, wake_fd=self.wake_fd, backoff_max_ns=backoff_max_ns)
@@ -174,14 +174,25 @@ class Shard:
     def check_imm(self, imm: object) -> None:
         self._group.check_imm(imm)
 
-    def register(self, obj: Any, *, writable: bool = False) -> None:
-        self._group.register(obj, writable=writable)
+    @property
+    def numa_node(self) -> int:
+        return self.topo.numa_node
 
-    def export(self, obj: Any, name: str) -> RegionDescriptor:
-        return self._group.export(obj, name)
+    def register(self, obj: Any, *, writable: bool = False) -> LocalRegion:
+        return self._group.register(obj, writable=writable)
 
-    def unexport(self, obj: Any) -> None:
-        self._group.unexport(obj)
+    def lookup(self, span: BufferSpan) -> LocalRegion | None:
+        """This shard's registration covering ``span``, if any."""
+        return self._group.cache.lookup(span.address, span.nbytes)
+
+    def owns(self, region: LocalRegion) -> bool:
+        return region.rails is self._group.rails
+
+    def export(self, obj: Any, name: str, *, local: bool) -> RegionDescriptor:
+        return self._group.export(obj, name, local=local)
+
+    def unexport(self, name: str) -> None:
+        self._group.unexport(name)
 
     def deregister(self, obj: Any) -> None:
         self._group.deregister(obj)

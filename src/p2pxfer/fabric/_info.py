@@ -14,7 +14,12 @@ from p2pxfer.errors import ProviderNotFound
 
 from ._binding import check, ffi, fi_strerror, lib
 
-__all__ = ["SUPPORTED_MR_MODE", "FabricInfo", "MrMode", "getinfo"]
+__all__ = ["DELIVERY_COMPLETE", "SUPPORTED_MR_MODE", "FabricInfo", "MrMode", "getinfo"]
+
+# FI_DELIVERY_COMPLETE (fabric.h; not among the binding's constants): a write
+# completes at the initiator only once the target has placed it, so a write the
+# target's provider refuses (stale key, out of range) fails at the initiator.
+DELIVERY_COMPLETE = 1 << 28
 
 # The mr_mode bits p2pxfer implements. FI_MR_HMEM is declared so providers that
 # register device memory stay visible; host buffers are registered the same way.
@@ -87,6 +92,17 @@ class FabricInfo:
     @property
     def raw(self) -> Any:
         return self._raw
+
+    def with_tx_op_flags(self, flags: int) -> FabricInfo:
+        """A copy whose endpoints default to ``flags`` on every transmit (e.g.
+        ``DELIVERY_COMPLETE``)."""
+        out = FabricInfo(self._raw)
+        out._raw.tx_attr.op_flags |= flags
+        return out
+
+    @property
+    def tx_op_flags(self) -> int:
+        return int(self._raw.tx_attr.op_flags)
 
     @property
     def provider(self) -> str:

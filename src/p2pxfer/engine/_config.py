@@ -1,0 +1,68 @@
+"""What an engine is opened with (``EngineConfig``) and what it reports
+(``EngineStats``): plain frozen data, no behaviour. Both are re-exported by
+``p2pxfer.engine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from p2pxfer.memory import CacheStats
+
+from ._shard import NicStats
+
+__all__ = ["EngineConfig", "EngineStats"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to open an engine. Every field has a working default for loopback."""
+
+    provider: str = "tcp;ofi_rxm"
+    #: local address to bind (IP providers); keeps tcp on loopback when "127.0.0.1"
+    node: str | None = None
+    #: use exactly these interfaces / domains (e.g. ["veth0", "veth1"]), in order
+    interfaces: tuple[str, ...] | None = None
+    #: NUMA node per interface, where sysfs is wrong or silent
+    numa_override: Mapping[str, int] | None = None
+    sysfs_root: str = "/sys"
+    #: transfers queued or in flight per shard before ``write`` waits (backpressure)
+    max_inflight: int = 256
+    #: poller spins this long after activity before sleeping on the CQ wait fd
+    spin_ns: int = 20_000
+    #: longest single sleep of an idle poller (a safety net: wake-ups come from
+    #: the CQ wait fds and the submit eventfd)
+    idle_timeout_ns: int = 50_000_000
+    #: after posting a small write, the trio thread polls for its completion this
+    #: long (blocking the event loop) before handing over to the poller thread;
+    #: 0 turns it off
+    inline_poll_ns: int = 50_000
+    #: longest back-off nap where a CQ has no wait fd (shm)
+    backoff_max_ns: int = 4_000_000
+    #: a write completes only once the target placed it (FI_DELIVERY_COMPLETE):
+    #: a write the target refuses (a closed or out-of-range registration) then
+    #: fails here with ``TransferError`` instead of completing unnoticed. Costs
+    #: a round trip per write (tcp: ~2x a small write's latency; shm: far more)
+    delivery_complete: bool = False
+    pin_threads: bool = True
+    cache_entries: int = 1024
+    node_name: str = ""
+    incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    nics: tuple[NicStats, ...]
+    queue_depth: tuple[int, ...]
+    completed: int
+    failed: int
+    cancelled: int = 0
+    #: each shard's registration cache
+    registrations: tuple[CacheStats, ...] = ()
+    #: completions read by the trio thread polling small writes inline
+    read_inline: int = 0
+    #: completions read by the shards' poller threads
+    read_by_pollers: int = 0
+    #: immediate values some ``wait_imm`` is waiting for now
+    imms_awaited: int = 0
