@@ -80,16 +80,6 @@ def test_initiator_times_out_without_a_target() -> None:
         close_rails(rails)
 
 
-def test_rails_are_picked_by_interface_name() -> None:
-    rails = open_rails(TCP, "127.0.0.1", ("lo",))
-    try:
-        assert [r.name for r in rails] == ["lo"]
-    finally:
-        close_rails(rails)
-    with pytest.raises(BenchError, match="no interface nosuch0"):
-        open_rails(TCP, "127.0.0.1", ("nosuch0",))
-
-
 def test_cpu_seconds_of_this_and_another_process() -> None:
     import os
     import subprocess
