@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ from rich.table import Table
 from ._options import BenchError, format_size
 
 __all__ = ["RESULT_FIELDS", "BenchResult", "RailResult", "plot", "plot_series",
-           "read_json", "require_matplotlib", "summary_table", "write_json"]
+           "read_json", "require_matplotlib", "summary_table", "write_document", "write_json"]
 
 #: Fields every JSON record has, and their types. ``baseline_gbps``, ``ratio``
 #: and the baseline percentiles are ``null`` only where no baseline could be
@@ -140,6 +142,19 @@ def write_json(results: Sequence[BenchResult], path: str | Path) -> None:
     """A JSON list with one record per result."""
     text = json.dumps([r.to_json() for r in results], indent=2)
     Path(path).write_text(text + "\n")
+
+
+def write_document(benchmark: str, results: Sequence[dict[str, Any]],
+                   path: str | Path | None) -> str:
+    """The JSON document of a scenario (``{"benchmark", "machine", "cpus",
+    "results"}``, what ``bench/summarize.py`` reads), written to ``path`` if
+    given; returns its text."""
+    doc = {"benchmark": benchmark, "machine": platform.platform(), "cpus": os.cpu_count(),
+           "results": list(results)}
+    text = json.dumps(doc, indent=2) + "\n"
+    if path:
+        Path(path).write_text(text)
+    return text
 
 
 def read_json(path: str | Path) -> list[BenchResult]:

@@ -62,7 +62,7 @@ from ._server import (
 )
 
 __all__ = ["BenchReport", "NullProgress", "Progress", "fabric_node", "loopback_server",
-           "measure_memcpy", "run_bench"]
+           "measure_memcpy", "run_bench", "unwrap_group"]
 
 log = structlog.get_logger("p2pxfer.bench")
 
@@ -76,7 +76,7 @@ class BenchReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _unwrap(exc: BaseException) -> BaseException:
+def unwrap_group(exc: BaseException) -> BaseException:
     """The first of our errors inside (nested) exception groups."""
     while isinstance(exc, BaseExceptionGroup):
         ours = [e for e in exc.exceptions if isinstance(e, P2PXferError | BaseExceptionGroup)]
@@ -228,4 +228,4 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> BenchRepo
     try:
         return trio.run(_run, opts, progress or NullProgress())
     except BaseExceptionGroup as group:
-        raise _unwrap(group) from None
+        raise unwrap_group(group) from None
