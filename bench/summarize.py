@@ -77,6 +77,10 @@ def bench_rows(records: list[dict[str, Any]]) -> list[str]:
         if r.get("reference") == "c-initiator":
             ref += " (C into our target)"
         notes = f"p50 {r['p50_us']:.0f} us per transfer"
+        if r["page_size"] < 1024 and r.get("baseline_seconds"):  # tiny pieces: posting rate
+            pieces = r["pages"] * r["transfers"]
+            notes += (f"; {pieces / r['seconds'] / 1e6:.2f} M pieces/s vs "
+                      f"{pieces / r['baseline_seconds'] / 1e6:.2f} M")
         if r.get("mooncake_p50_us") is not None:
             notes += f"; Mooncake p50 {r['mooncake_p50_us']:.0f} us per round"
         out.append(_row(r["provider"], f"{r['mode']}: {shape(r)}", _gb(r["gbps"]), ref, ratio,
