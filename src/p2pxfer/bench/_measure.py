@@ -203,8 +203,9 @@ async def measure_case(case: Case, ours: OurPath, base: Reference | None, check:
         return n, lat, time.perf_counter() - t0
 
     base_rail_bytes = [0] * (base.nrails if base is not None else 0)
+    n_warm_ours = 0
     for k in range(case.warmup):
-        await ours_round(k)
+        n_warm_ours += (await ours_round(k))[0]
         progress.advance(f"{what} warm-up")
     warm = range(case.warmup)
     n_warm_base = 0
@@ -252,7 +253,7 @@ async def measure_case(case: Case, ours: OurPath, base: Reference | None, check:
             tally.lat += dts
     after = await ours.rail_bytes()
     if check is not None and imm_ours is not None:
-        await check(imm_ours, t_ours.n)
+        await check(imm_ours, t_ours.n + n_warm_ours)
         if base is not None and base.kind == C_INITIATOR and imm_base is not None:
             await check(imm_base, t_base.n + n_warm_base)
 
