@@ -229,6 +229,8 @@ def _target_main(conn: Any, provider: str, node: str | None, names: tuple[str, .
                                        mrs[0].desc, peer.base, peer.key, length, iters, False,
                                        timeout)
                     conn.send(("ponged", time.process_time() - cpu0))
+                else:
+                    conn.send(("error", f"unknown request {msg[0]!r}"))
         finally:
             close_rails(rails)
     except BaseException as exc:  # tell the parent instead of dying silently
