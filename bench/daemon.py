@@ -1,128 +1,78 @@
-"""Daemon-path benchmark: client -> daemon -> peer daemon, against the
-in-process engine writing the same pages into the same region, in one run.
+"""Daemon path: client -> daemon -> peer daemon, against the C reference.
 
-Two daemons run as separate processes on loopback. Client B exports a 1 GiB
-region on daemon B; client A writes 4096 random 64 KiB pages into it through
-daemon A; an in-process engine in this process writes the same pages straight
-to the region's descriptor. Also reports the control round trip of a no-op
-request (``peers``).
+Starts two daemons on loopback (``b``, and ``a`` with ``b`` as its peer), has a
+client of ``b`` export a region, then runs ``p2pxfer bench --via-daemon``
+through ``a`` (4096 random 64 KiB pages; the reference is the C initiator
+writing the same pages into the same region, ``reference = "c-initiator"``)
+and the control round trip of a no-op request. Writes one JSON list of bench
+records and one scenario document.
 
-    python bench/daemon.py --json bench/results/daemon.json
+    python bench/daemon.py --out bench/results
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import statistics
-import subprocess
+import argparse
 import sys
 import tempfile
-import time
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import trio
 
-from _common import emit, parser
+from p2pxfer import connect
+from p2pxfer.bench import BenchOptions, run_bench, run_scenario, write_document, write_json
+from p2pxfer.testing import free_port, start_daemon
 
-GIB = 1 << 30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+PAGE, PAGES = 64 << 10, 4096
 
 
-def start_daemon(tmp: str, name: str, port: int, provider: str,
-                 peers: dict[str, int]) -> subprocess.Popen[bytes]:
-    fabric_node = "127.0.0.1" if provider.startswith("tcp") else ""
-    lines = [f'node = "{name}"', f'socket = "{tmp}/{name}.sock"',
-             f'control = "127.0.0.1:{port}"', f'provider = "{provider}"',
-             f'fabric_node = "{fabric_node}"', 'log_level = "WARNING"']
-    for peer, pport in peers.items():
-        lines += ["[[peers]]", f'name = "{peer}"', f'address = "127.0.0.1:{pport}"']
-    path = f"{tmp}/{name}.toml"
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "p2pxfer.cli", "daemon", "--config", path])
-    deadline = time.monotonic() + 30
-    while not os.path.exists(f"{tmp}/{name}.sock"):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"daemon {name} did not start")
-        time.sleep(0.05)
-    return proc
+async def via_daemon(b_socket: str, opts: BenchOptions) -> list[Any]:
+    """``p2pxfer bench --via-daemon`` while a client of b holds the region."""
+    async with connect(b_socket) as cb:
+        await cb.export(opts.region, await cb.alloc(opts.region_bytes()))
+        report = await trio.to_thread.run_sync(run_bench, opts)
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return list(report.results)
 
 
-async def measure(tmp: str, provider: str, repeat: int) -> list[dict[str, Any]]:
-    from p2pxfer import ScatterList, connect
-    from p2pxfer.engine import EngineConfig, open_engine
-    from p2pxfer.loopback import loopback_node
-
-    page, n = 64 << 10, 4096
-    rng = np.random.default_rng(11)
-    slots = GIB // page
-    sl = ScatterList(rng.choice(slots, n, replace=False).astype(np.int64) * page,
-                     rng.choice(slots, n, replace=False).astype(np.int64) * page,
-                     np.full(n, page, np.int64))
-    async with connect(f"{tmp}/b.sock") as cb, connect(f"{tmp}/a.sock") as ca, \
-            open_engine(EngineConfig(provider=provider, node=loopback_node(provider))) as eng:
-        dst = await cb.alloc(GIB)
-        dst.array.fill(0)
-        desc = await cb.export("bench", dst)
-        src = await ca.alloc(GIB)
-        src.array.fill(1)
-        local = np.ones(GIB, np.uint8)
-        eng.register(local)
-        await ca.write("b", "bench", sl, src=src, imm=1)
-        await eng.write(local, desc, sl, imm=1)
-        d_s, e_s = [], []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            await ca.write("b", "bench", sl, src=src, imm=1)
-            d_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            await eng.write(local, desc, sl, imm=1)
-            e_s.append(time.perf_counter() - t0)
-        rtt = []
-        for _ in range(500):
-            t0 = time.perf_counter()
-            await ca.peers()
-            rtt.append(time.perf_counter() - t0)
-        d, e = statistics.median(d_s), statistics.median(e_s)
-        return [
-            {"provider": provider, "pattern": "4096x64KiB-random via daemons",
-             "pages": n, "bytes": sl.nbytes, "seconds": d, "baseline_seconds": e,
-             "gbps": sl.nbytes / d / 1e9, "baseline_gbps": sl.nbytes / e / 1e9,
-             "baseline": "in-process engine", "ratio": e / d},
-            {"provider": provider, "pattern": "control round trip (peers)",
-             "p50_us": statistics.median(rtt) * 1e6,
-             "p99_us": float(np.percentile(rtt, 99) * 1e6)},
-        ]
+def measure(provider: str, work: Path, args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
+    b = start_daemon(work, "b", provider=provider, control_port=free_port(),
+                     log_level="WARNING")
+    try:
+        a = start_daemon(work, "a", provider=provider, control_port=free_port(),
+                         peers=[{"name": "b", "address": b.control}], log_level="WARNING")
+        try:
+            opts = BenchOptions(mode="via-daemon", socket=a.socket, peer="b", region="bench",
+                                pattern="paged", page_size=PAGE, pages=args.pages,
+                                iterations=args.iterations, memcpy_size=64 << 20)
+            records = trio.run(via_daemon, b.socket, opts)
+            return records, run_scenario("control-rtt", socket=a.socket, n=args.rtt_count)
+        finally:
+            a.stop()
+    finally:
+        b.stop()
 
 
 def main() -> int:
-    ap = parser(__doc__, repeat=5)
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--providers", default="tcp;ofi_rxm,shm")
+    ap.add_argument("--pages", type=int, default=PAGES)
+    ap.add_argument("--iterations", type=int, help="timed rounds [enough for ~256 MiB]")
+    ap.add_argument("--rtt-count", type=int, default=500)
+    ap.add_argument("--out", default="bench/results", help="directory for the JSON files")
     args = ap.parse_args()
-    results: list[dict[str, Any]] = []
+    records, rtts = [], []
     for provider in args.providers.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            pa, pb = free_port(), free_port()
-            procs = [start_daemon(tmp, "b", pb, provider, {}),
-                     start_daemon(tmp, "a", pa, provider, {"b": pb})]
-            try:
-                results += trio.run(measure, tmp, provider, args.repeat)
-            finally:
-                for p in procs:
-                    p.terminate()
-                for p in procs:
-                    try:
-                        p.wait(10)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-    return emit("daemon", results, args.json)
+        with tempfile.TemporaryDirectory(prefix="p2pbd") as tmp:
+            r, t = measure(provider, Path(tmp), args)
+            records += r
+            rtts += t
+    out = Path(args.out)
+    write_json(records, out / "daemon.json")
+    write_document("daemon", rtts, out / "daemon-rtt.json")
+    return 0
 
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import fields, replace
 from typing import Any
 
-from _common import emit
+from p2pxfer.bench import write_document
 from p2pxfer.membership import MemberState, SwimConfig
 from p2pxfer.membership.sim import SimCluster
 
@@ -113,7 +114,8 @@ def main() -> int:
     for n in (int(x) for x in args.members.split(",")):
         for drop in (float(x) for x in args.drops.split(",")):
             results.append(scenario(n, drop, args.seed))
-    return emit("membership", results, args.json)
+    sys.stdout.write(write_document("membership", results, args.json))
+    return 0
 
 
 if __name__ == "__main__":

@@ -39,21 +39,66 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _common import emit
+from p2pxfer.bench import write_document
 
-# The namespace, daemon and etcd helpers are the multi-host tests' own.
+# isort: split
+# The daemon launcher, shared with the tests (helper B's p2pxfer.testing).
+from p2pxfer.testing import DaemonProc, LaunchError, spawn_daemon
+
+# Namespaces on one switch: the multi-host tests' helper (tests/netns.py, no tests in it).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from daemon_helpers import DaemonProc
-from test_membership_daemon import lan_members, members, start_in, stop_all
+from netns import lan
 
 WAIT = 60.0  # the longest any one event may take to converge
+CONTROL_PORT = 7700  # every host's daemon: control (TCP) and membership (UDP)
+TOKEN = "membership-bench-token"
+ETCD_TTL = 3  # seconds; 2 s gave false deaths on a loaded machine
 View = dict[str, dict[str, Any]]
+
+
+def members(d: DaemonProc) -> View:
+    return {p["name"]: p for p in d.status()["peers"]}
+
+
+def start_in(host: Any, workdir: Path, name: str, membership: dict[str, Any]) -> DaemonProc:
+    """A daemon inside ``host``'s namespace, control (and membership) on its
+    address; its unix socket in ``workdir`` (reachable from here)."""
+    addr = host.addresses[0]
+    return spawn_daemon(workdir, {
+        "node": name, "socket": str(workdir / f"{name}.sock"),
+        "control": f"{addr}:{CONTROL_PORT}", "provider": "tcp;ofi_rxm", "fabric_node": addr,
+        "log_level": "INFO", **membership,
+    }, host.exec_argv)
+
+
+def stop_all(procs: list[DaemonProc]) -> None:
+    """Stop these daemons, the last started first."""
+    while procs:
+        procs.pop().stop()
+
+
+@contextmanager
+def lan_members(backend: str, n: int,
+                workdir: Path) -> Iterator[tuple[list[Any], dict[str, Any]]]:
+    """``n`` hosts on one switch and their daemons' membership keys: embedded
+    (seeded by the first host) or etcd (one more namespace on the switch runs it)."""
+    with lan(n + (backend == "etcd")) as hosts:
+        if backend == "embedded":
+            yield hosts, {"membership": "embedded", "cluster_token": TOKEN,
+                          "seeds": [f"{hosts[0].addresses[0]}:{CONTROL_PORT}"]}
+            return
+        from p2pxfer.testing import etcd_in
+
+        with etcd_in(hosts[n], workdir / "etcd") as url:
+            yield hosts[:n], {"membership": "etcd", "cluster_token": TOKEN,
+                              "etcd_endpoint": url, "etcd_ttl": ETCD_TTL}
 
 
 def until_all(ds: list[DaemonProc], seen: Callable[[View], bool], t0: float,
@@ -194,10 +239,13 @@ def main() -> int:
             try:
                 results += run(backend, args.hosts, args.repeat, args.interval,
                                args.steady_seconds, Path(tmp))
-            except pytest.skip.Exception as exc:  # no namespaces (or no etcd) here
+            except pytest.skip.Exception as exc:  # no namespaces here (netns.lan skips)
                 results.append({"pattern": "skipped", "backend": backend,
                                 "skipped": str(exc.msg)})
-    return emit("membership_hosts", results, args.json)
+            except LaunchError as exc:  # no etcd here
+                results.append({"pattern": "skipped", "backend": backend, "skipped": str(exc)})
+    sys.stdout.write(write_document("membership_hosts", results, args.json))
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,18 @@
-"""Turns bench/results/*.json into the Markdown table README's Performance
-section shows. Usage: python bench/summarize.py bench/results/*.json
+"""Turns bench/results/*.json into the Markdown that README's Performance
+section and bench/results/SUMMARY.md show, and checks them.
 
-Also reads what ``p2pxfer bench --json`` writes (a JSON list of records):
-those add one row per record of a fixed pattern, and for a size sweep the
-rows of a few representative sizes. ``--summary`` prints a whole Markdown
-page instead (machine, command, that table, every sweep point, the plot):
-``bench/run_all`` writes it to bench/results/SUMMARY.md."""
+Reads both kinds of JSON the benchmarks write: lists of ``p2pxfer bench``
+records (``p2pxfer bench --json``, ``python -m p2pxfer.bench write``,
+``bench/daemon.py``'s daemon.json) and scenario documents
+(``{"benchmark", "results"}``: latency, dry-run, idle, kv, control round trip,
+membership). A size sweep adds a few representative sizes to the main table
+and all of them to a sweep table.
+
+    python bench/summarize.py FILES...                  # the main table
+    python bench/summarize.py --summary FILES...        # SUMMARY.md (machine, command, tables)
+    python bench/summarize.py --check FILES...          # exit 1 naming what is missing
+    python bench/summarize.py --readme README.md FILES  # rewrite the table between markers
+"""
 
 from __future__ import annotations
 
@@ -16,23 +23,32 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+from p2pxfer.bench import format_size
 
 # Sweep sizes that make it into the main table (the rest go to the sweep table).
 TABLE_SIZES = {4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20}
+BEGIN, END = "<!-- bench:begin (bench/summarize.py --readme) -->", "<!-- bench:end -->"
+Doc = dict[str, Any] | list[dict[str, Any]]
 
 
-def fmt_size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return f"{n}B"
+def _gb(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} GB/s"
 
 
-def shape(r: dict) -> str:
+def _cpu(r: dict[str, Any]) -> str:
+    ours, ref = r.get("cpu_s_per_gb"), r.get("baseline_cpu_s_per_gb")
+    if ours is None and ref is None:
+        return "-"
+    return f"{'-' if ours is None else f'{ours:.2f}'} / {'-' if ref is None else f'{ref:.2f}'}"
+
+
+def shape(r: dict[str, Any]) -> str:
     if r["pattern"] == "contiguous":
-        text = fmt_size(r["bytes"])
+        text = format_size(r["bytes"])
     else:
-        text = f"{r['pages']}x{fmt_size(r['page_size'])}-{r['order']}"
+        text = f"{r['pages']}x{format_size(r['page_size'])}-{r['order']}"
     if r.get("concurrency", 1) > 1:
         text += f" x{r['concurrency']} in flight"
     if r.get("nrails", 1) > 1:
@@ -40,77 +56,92 @@ def shape(r: dict) -> str:
     return text
 
 
-def is_sweep(records: list[dict]) -> bool:
-    contiguous = {r["bytes"] for r in records if r["pattern"] == "contiguous"}
-    return len(contiguous) > 2
+def is_sweep(records: list[dict[str, Any]]) -> bool:
+    return len({r["bytes"] for r in records if r["pattern"] == "contiguous"}) > 2
 
 
-def bench_rows(records: list[dict], *, every_size: bool = False) -> list[str]:
-    """Rows for ``p2pxfer bench --json`` records."""
+def _row(provider: str, name: str, ours: str, ref: str, ratio: str, mooncake: str, cpu: str,
+         notes: str) -> str:
+    return f"| {provider} | {name} | {ours} | {ref} | {ratio} | {mooncake} | {cpu} | {notes} |"
+
+
+def bench_rows(records: list[dict[str, Any]]) -> list[str]:
+    """Rows for ``p2pxfer bench`` records."""
     out = []
     sweep = is_sweep(records)
     for r in records:
-        if sweep and not every_size and r["pattern"] == "contiguous" \
-                and r["bytes"] not in TABLE_SIZES:
+        if sweep and r["pattern"] == "contiguous" and r["bytes"] not in TABLE_SIZES:
             continue
-        name = f"bench {r['mode']}: {shape(r)}"
-        notes = (f"p50 {r['p50_us']:.0f} us per transfer; "
-                 f"{100 * r['gbps'] / r['memcpy_gbps']:.0f}% of memcpy")
-        if r["baseline_gbps"] is None:
-            out.append(f"| {r['provider']} | {name} | {r['gbps']:.2f} GB/s | - | - | {notes} |")
-        else:
-            out.append(f"| {r['provider']} | {name} | {r['gbps']:.2f} GB/s | "
-                       f"{r['baseline_gbps']:.2f} GB/s | **{r['ratio']:.2f}** | {notes} |")
+        ratio = "-" if r["ratio"] is None else f"**{r['ratio']:.2f}**"
+        ref = _gb(r["baseline_gbps"])
+        if r.get("reference") == "c-initiator":
+            ref += " (C into our target)"
+        notes = f"p50 {r['p50_us']:.0f} us per transfer"
+        if r["page_size"] < 1024 and r.get("baseline_seconds"):  # tiny pieces: posting rate
+            pieces = r["pages"] * r["transfers"]
+            notes += (f"; {pieces / r['seconds'] / 1e6:.2f} M pieces/s vs "
+                      f"{pieces / r['baseline_seconds'] / 1e6:.2f} M")
+        if r.get("mooncake_p50_us") is not None:
+            notes += f"; Mooncake p50 {r['mooncake_p50_us']:.0f} us per round"
+        out.append(_row(r["provider"], f"{r['mode']}: {shape(r)}", _gb(r["gbps"]), ref, ratio,
+                        _gb(r.get("mooncake_gbps")), _cpu(r), notes))
     return out
 
 
-def rows(doc: dict | list) -> list[str]:
-    if isinstance(doc, list):
-        return bench_rows(doc)
+def scenario_rows(doc: dict[str, Any]) -> list[str]:
     out = []
     for r in doc["results"]:
         name = f"{doc['benchmark']}: {r['pattern']}"
-        if "gbps" in r and "baseline_gbps" in r:
-            extra = ""
-            if "python_ms_per_call" in r:
-                extra = f"Python {r['python_ms_per_call']:.2f} ms/call"
-            elif "pages_per_s" in r and r["bytes"] < 1024 * r["pages"]:
-                extra = (f"{r['pages_per_s'] / 1e6:.2f} M pieces/s vs "
-                         f"{r['baseline_pages_per_s'] / 1e6:.2f} M")
-            out.append(f"| {r['provider']} | {name} | {r['gbps']:.2f} GB/s | "
-                       f"{r['baseline_gbps']:.2f} GB/s | **{r['ratio']:.2f}** | {extra} |")
+        p = r.get("provider", "")
+        if "gbps" in r:  # kv push
+            out.append(_row(p, name, _gb(r["gbps"]), _gb(r["baseline_gbps"]),
+                            f"**{r['gbps'] / r['baseline_gbps']:.2f}**", "-", _cpu(r),
+                            f"first layer after {r['time_to_first_layer_ms']:.1f} ms"))
+        elif "pingpong_rtt_p50_us" in r:  # latency
+            out.append(_row(p, name, f"{r['p50_us']:.0f} us p50",
+                            f"{r['baseline_p50_us']:.0f} us p50", f"{r['ratio']:.1f}x", "-", "-",
+                            f"C ping-pong RTT {r['pingpong_rtt_p50_us']:.0f} us "
+                            f"({r['ratio_to_pingpong']:.1f}x); p99 {r['p99_us']:.0f} us"))
         elif "ns_per_page" in r:
-            out.append(f"| {r['provider']} | {name} | {r['ns_per_page']:.0f} ns/page | - | - | "
-                       f"{r['pages_per_s'] / 1e6:.1f} M pages/s (no provider calls) |")
-        elif "p50_us" in r and "baseline_p50_us" not in r:
-            out.append(f"| {r['provider']} | {name} | {r['p50_us']:.0f} us p50 | - | - | "
-                       f"p99 {r['p99_us']:.0f} us |")
-        elif "p50_us" in r:
-            out.append(f"| {r['provider']} | {name} | {r['p50_us']:.0f} us p50 | "
-                       f"{r['baseline_p50_us']:.0f} us (C post-to-completion) | "
-                       f"{r['ratio']:.1f}x | C ping-pong RTT {r['pingpong_rtt_us']:.0f} us "
-                       f"({r['ratio_to_pingpong']:.1f}x) |")
+            out.append(_row(p, name, f"{r['ns_per_page']:.0f} ns/page", "-", "-", "-", "-",
+                            f"{r['pages_per_s'] / 1e6:.1f} M pages/s (no provider calls)"))
+        elif "cpu_ms" in r:
+            out.append(_row(p, name, f"{r['cpu_ms']:.1f} ms CPU", "-", "-", "-", "-",
+                            f"{r['wall_ms']:.1f} ms wall (no provider calls)"))
         elif "cpu_fraction_of_core" in r:
-            out.append(f"| {r['provider']} | {name} | {100 * r['cpu_fraction_of_core']:.2f}% "
-                       f"of a core over {r['seconds']:.0f} s | - | - | |")
+            out.append(_row(p, name, f"{100 * r['cpu_fraction_of_core']:.2f}% of a core", "-",
+                            "-", "-", "-", f"over {r['seconds']:.0f} s"))
+        elif "p50_us" in r:
+            out.append(_row(p, name, f"{r['p50_us']:.0f} us p50", "-", "-", "-", "-",
+                            f"p99 {r['p99_us']:.0f} us"))
     return out
 
 
+def rows(doc: Doc) -> list[str]:
+    return bench_rows(doc) if isinstance(doc, list) else scenario_rows(doc)
+
+
+def load(path: str) -> Doc:
+    with open(path) as f:
+        doc: Doc = json.load(f)
+    return doc
+
+
 def table(paths: list[str]) -> list[str]:
-    lines = ["| provider | benchmark | ours | raw C baseline (same run) | ratio | notes |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| provider | benchmark | p2pxfer | C reference (same run) | ratio | "
+             "Mooncake (same run) | CPU s/GB ours / C | notes |",
+             "|---|---|---|---|---|---|---|---|"]
     for path in paths:
-        with open(path) as f:
-            lines += rows(json.load(f))
+        lines += rows(load(path))
     return lines
 
 
-def sweep_table(records: list[dict]) -> list[str]:
+def sweep_table(records: list[dict[str, Any]]) -> list[str]:
     """Every point of a size sweep: one row per size, one column group per provider."""
     providers = sorted({r["provider"] for r in records})
     by = {(r["provider"], r["bytes"]): r for r in records if r["pattern"] == "contiguous"}
     sizes = sorted({b for _, b in by})
-    head = "| size | " + " | ".join(f"{p} ours | {p} C loop | {p} ratio | {p} p50 us"
+    head = "| size | " + " | ".join(f"{p} ours | {p} C ref | {p} ratio | {p} p50 us"
                                     for p in providers) + " |"
     lines = [head, "|---" * (1 + 4 * len(providers)) + "|"]
     for size in sizes:
@@ -123,8 +154,58 @@ def sweep_table(records: list[dict]) -> list[str]:
             base = "-" if r["baseline_gbps"] is None else f"{r['baseline_gbps']:.2f}"
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
             cells += [f"{r['gbps']:.2f}", base, ratio, f"{r['p50_us']:.0f}"]
-        lines.append(f"| {fmt_size(size)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {format_size(size)} | " + " | ".join(cells) + " |")
     return lines
+
+
+def sweeps(paths: list[str], heading: str) -> list[str]:
+    lines: list[str] = []
+    for path in paths:
+        doc = load(path)
+        if not (isinstance(doc, list) and doc and is_sweep(doc)):
+            continue
+        memcpy = max(r["memcpy_gbps"] for r in doc)
+        lines += ["", f"{heading} `p2pxfer bench` size sweep ({Path(path).name})", "",
+                  "GB/s per transfer size, one transfer in flight; single-thread memcpy on "
+                  f"this machine: {memcpy:.2f} GB/s.", "", *sweep_table(doc)]
+        png = Path(path).with_suffix(".png")
+        if png.exists():
+            lines += ["", f"![bandwidth vs size]({png.name})"]
+    return lines
+
+
+def check(paths: list[str], expect_mooncake: bool) -> list[str]:
+    """What is wrong with the results: missing or unreadable files, empty
+    results, records without their reference, a Mooncake row that should be there."""
+    problems = []
+    for path in paths:
+        try:
+            doc = load(path)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: {exc}")
+            continue
+        records = doc if isinstance(doc, list) else doc.get("results", [])
+        if not records:
+            problems.append(f"{path}: no results")
+        if isinstance(doc, list):
+            for r in doc:
+                what = f"{path}: {r.get('provider')} {shape(r)}"
+                if not (r.get("gbps") or 0) > 0:
+                    problems.append(f"{what}: no bandwidth")
+                if r.get("ratio") is None or not r["ratio"] > 0:
+                    problems.append(f"{what}: no ratio to the C reference")
+                if r.get("reference") not in ("c-to-c", "c-initiator"):
+                    problems.append(f"{what}: reference {r.get('reference')!r}")
+                if expect_mooncake and r.get("mode") == "loopback" \
+                        and r["provider"].startswith("tcp") and r["pattern"] == "paged" \
+                        and r.get("mooncake_gbps") is None:
+                    problems.append(f"{what}: no Mooncake row")
+        else:
+            for r in records:
+                if any(k in r for k in ("baseline_gbps", "baseline_p50_us")) \
+                        and not (r.get("ratio") or r.get("baseline_gbps")):
+                    problems.append(f"{path}: {r.get('pattern')}: no ratio to the C reference")
+    return problems
 
 
 def machine() -> str:
@@ -157,35 +238,52 @@ def machine() -> str:
     return "; ".join(parts)
 
 
+INTRO = ("Every number stands next to a C reference measured in the same run over the same "
+         "provider: a C initiator posting the same pieces into a C target that busy-polls its "
+         "CQ in its own process (`native/src/baseline.c`, like fabtests' `fi_rma_bw`), or, "
+         "where marked, the C initiator into our own target. Mooncake Transfer Engine (TCP "
+         "transport) writes the same pages in the same run where installed. CPU s/GB: CPU "
+         "seconds of both processes (initiator and target) per GB moved. These VMs are shared "
+         "and noisy, so compare ratios, not runs.")
+
+
 def summary(paths: list[str], command: str) -> list[str]:
-    lines = ["# p2pxfer benchmark summary", "",
-             f"Machine: {machine()}.", "",
-             f"Reproduce: `{command}` (every benchmark once, one after another). Every "
-             "number stands next to a raw C loop measured in the same run over the same "
-             "provider; these VMs are shared and noisy, so compare ratios, not runs.", "",
-             *table(paths)]
-    for path in paths:
-        with open(path) as f:
-            doc = json.load(f)
-        if not (isinstance(doc, list) and doc and is_sweep(doc)):
-            continue
-        memcpy = max(r["memcpy_gbps"] for r in doc)
-        lines += ["", f"## `p2pxfer bench` size sweep ({Path(path).name})", "",
-                  "GB/s per transfer size, one transfer in flight; single-thread memcpy on "
-                  f"this machine: {memcpy:.2f} GB/s.", "", *sweep_table(doc)]
-        png = Path(path).with_suffix(".png")
-        if png.exists():
-            lines += ["", f"![bandwidth vs size]({png.name})"]
-    return lines
+    return ["# p2pxfer benchmark summary", "", f"Machine: {machine()}.", "",
+            f"Reproduce: `{command}` (every benchmark once, one after another). {INTRO}", "",
+            *table(paths), *sweeps(paths, "##")]
+
+
+def rewrite_readme(readme: Path, paths: list[str], command: str) -> None:
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    body = [f"Measured with `{command}` on {machine()}. {INTRO}", "", *table(paths),
+            *sweeps(paths, "###")]
+    readme.write_text(head + BEGIN + "\n" + "\n".join(body) + "\n" + END + tail)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--summary", action="store_true",
                     help="a whole Markdown page (machine, command, table, sweeps)")
-    ap.add_argument("--command", default="bench/run_all", help="the command named in --summary")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 naming every missing or incomplete result")
+    ap.add_argument("--expect-mooncake", action="store_true",
+                    help="with --check: paged tcp loopback records must have a Mooncake row")
+    ap.add_argument("--readme", help="rewrite the table between the bench markers of this file")
+    ap.add_argument("--command", default="bench/run_all", help="the command named in the text")
     ap.add_argument("paths", nargs="*")
     args = ap.parse_args()
+    if args.check:
+        problems = check(args.paths, args.expect_mooncake)
+        for p in problems:
+            print(f"summarize: {p}", file=sys.stderr)
+        return 1 if problems else 0
+    if args.readme:
+        rewrite_readme(Path(args.readme), args.paths, args.command)
+        return 0
     lines = summary(args.paths, args.command) if args.summary else table(args.paths)
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

@@ -61,8 +61,9 @@ ffibuilder.set_source(
     #include <rdma/fi_cm.h>
     #include <string.h>
     #include "p2p.h"
+    #include "baseline.h"
     """,
-    sources=["native/src/p2p.c"],
+    sources=["native/src/p2p.c", "native/src/baseline.c"],
     include_dirs=["native/src", *SITE_INCLUDE],
     libraries=["fabric"],
     library_dirs=SITE_LIB,

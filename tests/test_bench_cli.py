@@ -232,6 +232,10 @@ def test_loopback_json_schema(sweep_run: tuple[Result, Path, Path]) -> None:
             "loopback", "contiguous", 1, 1)
         assert (rec["iterations"], rec["warmup"], rec["transfers"]) == (3, 1, 3)
         assert rec["nrails"] == len(rec["rails"]) == 1
+        # C at both ends; the CPU of both processes of each path is known here.
+        assert rec["reference"] == "c-to-c"
+        assert rec["cpu_s_per_gb"] > 0 and rec["baseline_cpu_s_per_gb"] > 0
+        assert rec["mooncake_gbps"] is None  # not asked for
     assert sorted((r["provider"], r["bytes"]) for r in records) == sorted(
         (p, s) for p in (TCP, "shm") for s in (4096, 8192, 16384))
     assert len({r["memcpy_gbps"] for r in records}) == 1
@@ -306,6 +310,10 @@ def test_client_against_server_process(server: int, tmp_path: Path) -> None:
         check_record(rec)
         assert rec["mode"] == "client" and rec["target"].endswith(f"127.0.0.1:{server}")
         assert rec["baseline_gbps"] > 0
+        # No C target runs at a remote server: the C initiator writes into ours,
+        # and the remote target's CPU is unknown.
+        assert rec["reference"] == "c-initiator"
+        assert rec["cpu_s_per_gb"] is None and rec["baseline_cpu_s_per_gb"] is None
 
 
 def test_server_refuses_bad_requests(server: int) -> None:
@@ -380,6 +388,7 @@ def test_via_daemon(tmp_path: Path) -> None:
         check_record(rec)
         assert (rec["mode"], rec["provider"], rec["target"]) == ("via-daemon", TCP, "b:kv")
         assert rec["baseline_gbps"] > 0  # the region's descriptor came from b's control port
+        assert rec["reference"] == "c-initiator"
         assert big.exit_code == 2 and "region 'kv' on b is 1MiB" in big.output
         assert unknown.exit_code == 2 and "knows no peer 'zz'" in unknown.output
     finally:
@@ -395,14 +404,17 @@ def test_via_daemon(tmp_path: Path) -> None:
 # -- two rails between two namespaces --------------------------------------------
 
 
-def test_open_transport_picks_interfaces_by_name() -> None:
+def test_open_rails_picks_interfaces_by_name() -> None:
     from p2pxfer.bench import BenchError
-    from p2pxfer.bench._run import open_transport
+    from p2pxfer.bench._reference import close_rails, open_rails
 
-    with open_transport(TCP, "127.0.0.1", ("lo",)) as t:
-        assert [r.name for r in t.rails] == ["lo"]
+    rails = open_rails(TCP, "127.0.0.1", ("lo",))
+    try:
+        assert [r.name for r in rails] == ["lo"]
+    finally:
+        close_rails(rails)
     with pytest.raises(BenchError, match="no interface nosuch0"):
-        open_transport(TCP, "127.0.0.1", ("nosuch0",))
+        open_rails(TCP, "127.0.0.1", ("nosuch0",))
 
 
 @pytest.mark.netns

@@ -11,11 +11,8 @@ the last ones run daemons (and an etcd) in network namespaces, one per "host"
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +37,7 @@ from p2pxfer.membership import (
 )
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.protocol import wire_error
+from p2pxfer.testing import NO_ETCD, etcd_in
 
 TOKEN = "s3cret-cluster-token"
 DEAD_WITHIN = 8.0  # SWIM: a probe period, suspicion 3 x 0.4 s; generous for CI
@@ -331,20 +329,6 @@ PEER_LOST_WITHIN = {"embedded": 3.0, "etcd": ETCD_TTL + 2.0}
 #: how long a SIGKILLed (or cut off) member may take to be seen dead: SWIM's
 #: suspicion, or etcd's lease
 DEAD_WITHIN_BY = {"embedded": DEAD_WITHIN, "etcd": 10.0}
-NO_ETCD = "no etcd binary on PATH (Debian: apt-get install etcd-server)"
-# Run inside etcd's namespace: waits (bounded) until etcd answers /health.
-ETCD_PROBE = """\
-import sys, time, httpx
-deadline = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < deadline:
-    try:
-        if httpx.get(sys.argv[1] + "/health", timeout=1).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.1)
-sys.exit(1)
-"""
 
 
 def start_in(host: Any, workdir: Path, name: str, membership: dict[str, Any]) -> DaemonProc:
@@ -359,43 +343,6 @@ def start_in(host: Any, workdir: Path, name: str, membership: dict[str, Any]) ->
         "control": f"{addr}:{CONTROL_PORT}", "provider": "tcp;ofi_rxm", "fabric_node": addr,
         "log_level": "INFO", **membership,
     }, host.exec_argv)
-
-
-@contextmanager
-def etcd_in(host: Any, workdir: Path, timeout: float = 20.0) -> Iterator[str]:
-    """A one-member etcd inside ``host``'s namespace, listening on its lan
-    address only (client port 2379, peer 2380), data in ``workdir/data``; its
-    client URL. Killed, and its data removed, on the way out whatever happens."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        pytest.skip(NO_ETCD)
-    addr = host.addresses[0]
-    url, peer = f"http://{addr}:2379", f"http://{addr}:2380"
-    data = workdir / "data"
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "etcd.log"
-    with open(log, "ab") as logf:
-        proc = subprocess.Popen(
-            host.exec_argv([binary, "--name", "lan", "--data-dir", str(data),
-                            "--listen-client-urls", url, "--advertise-client-urls", url,
-                            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                            "--initial-cluster", f"lan={peer}"]),
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    try:
-        probe = subprocess.run(host.exec_argv([sys.executable, "-c", ETCD_PROBE, url,
-                                               str(timeout)]),
-                               capture_output=True, text=True, timeout=timeout + 10,
-                               check=False)
-        if probe.returncode != 0 or proc.poll() is not None:
-            raise RuntimeError(f"etcd did not start in {host.ns}: {probe.stderr[-1000:]}"
-                               + log.read_text(errors="replace")[-2000:])
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        shutil.rmtree(data, ignore_errors=True)
 
 
 @contextmanager

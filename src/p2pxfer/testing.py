@@ -9,12 +9,14 @@ bounded. What must not live here: anything the daemon itself runs.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,13 @@ from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
 
 __all__ = [
     "LOOPBACK",
+    "NO_ETCD",
     "START_TIMEOUT",
     "STOP_TIMEOUT",
     "DaemonProc",
     "LaunchError",
     "RawConn",
+    "etcd_in",
     "free_port",
     "p2pxfer_cmd",
     "spawn_daemon",
@@ -262,3 +266,56 @@ class RawConn:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+NO_ETCD = "no etcd binary on PATH (Debian: apt-get install etcd-server)"
+# Run inside etcd's namespace: waits (bounded) until etcd answers /health.
+ETCD_PROBE = """\
+import sys, time, httpx
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(sys.argv[1] + "/health", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.1)
+sys.exit(1)
+"""
+
+
+@contextmanager
+def etcd_in(host: Any, workdir: Path, timeout: float = 20.0) -> Iterator[str]:
+    """A one-member etcd inside ``host``'s namespace, listening on its lan
+    address only (client port 2379, peer 2380), data in ``workdir/data``; its
+    client URL. Killed, and its data removed, on the way out whatever happens."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise LaunchError(NO_ETCD)
+    addr = host.addresses[0]
+    url, peer = f"http://{addr}:2379", f"http://{addr}:2380"
+    data = workdir / "data"
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "etcd.log"
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(
+            host.exec_argv([binary, "--name", "lan", "--data-dir", str(data),
+                            "--listen-client-urls", url, "--advertise-client-urls", url,
+                            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                            "--initial-cluster", f"lan={peer}"]),
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        probe = subprocess.run(host.exec_argv([sys.executable, "-c", ETCD_PROBE, url,
+                                               str(timeout)]),
+                               capture_output=True, text=True, timeout=timeout + 10,
+                               check=False)
+        if probe.returncode != 0 or proc.poll() is not None:
+            raise LaunchError(f"etcd did not start in {host.ns}: {probe.stderr[-1000:]}"
+                               + log.read_text(errors="replace")[-2000:])
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        shutil.rmtree(data, ignore_errors=True)

@@ -116,6 +116,8 @@ class BenchOptions:
     # client mode
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    #: loopback over tcp: measure Mooncake Transfer Engine on the same pages too
+    mooncake: bool = False
     # via-daemon mode
     socket: str = ""
     peer: str = ""
@@ -151,6 +153,8 @@ class BenchOptions:
                                        f"{len(self.interfaces)}")
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise BenchConfigError("timeouts must be > 0")
+        if self.mooncake and self.mode != "loopback":
+            raise BenchConfigError("the Mooncake row runs in loopback mode only")
         if self.mode == "via-daemon" and not (self.socket and self.peer and self.region):
             raise BenchConfigError("--via-daemon needs --socket, --peer and --region")
         if self.pattern == "paged":

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,11 +25,19 @@ from rich.table import Table
 from ._options import BenchError, format_size
 
 __all__ = ["RESULT_FIELDS", "BenchResult", "RailResult", "plot", "plot_series",
-           "read_json", "require_matplotlib", "summary_table", "write_json"]
+           "read_json", "require_matplotlib", "summary_table", "write_document", "write_json"]
 
 #: Fields every JSON record has, and their types. ``baseline_gbps``, ``ratio``
 #: and the baseline percentiles are ``null`` only where no baseline could be
 #: measured (``--via-daemon`` when the peer's control port could not be asked).
+#: ``reference`` says what the baseline was: ``"c-to-c"`` (a C initiator here
+#: into a busy-polling C target in its own process: the provider's limit) or
+#: ``"c-initiator"`` (the C initiator into our own target, where no C target
+#: can run at the other end). ``cpu_s_per_gb`` / ``baseline_cpu_s_per_gb``:
+#: CPU seconds of both ends (initiator and target processes) per GB moved,
+#: ``null`` where the target's CPU cannot be read (a remote target). The
+#: ``mooncake_*`` fields are Mooncake Transfer Engine's numbers on the same
+#: pages in the same run, ``null`` unless it was asked for and could run.
 RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mode": str,
     "provider": str,
@@ -55,6 +65,12 @@ RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "nrails": int,
     "rails": list,
     "target": str,
+    "reference": str,
+    "cpu_s_per_gb": (float, type(None)),
+    "baseline_cpu_s_per_gb": (float, type(None)),
+    "mooncake_gbps": (float, type(None)),
+    "mooncake_p50_us": (float, type(None)),
+    "mooncake_cpu_s_per_gb": (float, type(None)),
 }
 
 
@@ -72,8 +88,8 @@ class BenchResult:
     """One measured point. ``bytes`` is one transfer (``page_size * pages``);
     ``seconds`` is the timed time of all ``transfers`` through our path, so
     ``gbps = total_bytes / seconds / 1e9``; the ``baseline_*`` fields are the
-    raw C loop's, over the same provider, pattern and target, in the same run
-    (rounds alternate between the two). ``ratio = gbps / baseline_gbps``.
+    C reference's (see ``reference``), over the same provider and pattern, in
+    the same run (rounds alternate between them). ``ratio = gbps / baseline_gbps``.
     Latency percentiles are per transfer (ours) and per C call (baseline: one
     call posts a whole round of ``concurrency`` transfers)."""
 
@@ -103,6 +119,12 @@ class BenchResult:
     nrails: int
     target: str = ""
     rails: list[RailResult] = field(default_factory=list)
+    reference: str = ""
+    cpu_s_per_gb: float | None = None
+    baseline_cpu_s_per_gb: float | None = None
+    mooncake_gbps: float | None = None
+    mooncake_p50_us: float | None = None
+    mooncake_cpu_s_per_gb: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +144,19 @@ def write_json(results: Sequence[BenchResult], path: str | Path) -> None:
     Path(path).write_text(text + "\n")
 
 
+def write_document(benchmark: str, results: Sequence[dict[str, Any]],
+                   path: str | Path | None) -> str:
+    """The JSON document of a scenario (``{"benchmark", "machine", "cpus",
+    "results"}``, what ``bench/summarize.py`` reads), written to ``path`` if
+    given; returns its text."""
+    doc = {"benchmark": benchmark, "machine": platform.platform(), "cpus": os.cpu_count(),
+           "results": list(results)}
+    text = json.dumps(doc, indent=2) + "\n"
+    if path:
+        Path(path).write_text(text)
+    return text
+
+
 def read_json(path: str | Path) -> list[BenchResult]:
     return [BenchResult.from_json(r) for r in json.loads(Path(path).read_text())]
 
@@ -130,15 +165,21 @@ def _gbps(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _cpu(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = None,
                   title: str = "p2pxfer bench") -> Table:
     """One row per result; the rails and in-flight columns only when some run
-    used more than one."""
+    used more than one, the Mooncake column only when some run measured it."""
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     multi_rail = any(r.nrails > 1 for r in results)
     multi_flight = any(r.concurrency > 1 for r in results)
     cols = ["provider", "transfer"] + ["rails"] * multi_rail + ["in flight"] * multi_flight
-    cols += ["GB/s", "C GB/s", "ratio", "p50 us", "p99 us", "memcpy%"]
+    mooncake = any(r.mooncake_gbps is not None for r in results)
+    cols += ["GB/s", "C GB/s", "ratio"] + ["Mooncake GB/s"] * mooncake
+    cols += ["p50 us", "p99 us", "CPU s/GB", "C CPU s/GB", "memcpy%"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("provider", "transfer") else "right",
                          no_wrap=True)
@@ -151,13 +192,16 @@ def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = No
         ratio = "-" if r.ratio is None else f"[bold]{r.ratio:.2f}[/bold]"
         row = [r.provider, shape] + [str(r.nrails)] * multi_rail
         row += [str(r.concurrency)] * multi_flight
-        row += [_gbps(r.gbps), _gbps(r.baseline_gbps), ratio, f"{r.p50_us:.0f}",
-                f"{r.p99_us:.0f}", f"{100 * r.gbps / r.memcpy_gbps:.0f}%"]
+        row += [_gbps(r.gbps), _gbps(r.baseline_gbps), ratio]
+        row += [_gbps(r.mooncake_gbps)] * mooncake
+        row += [f"{r.p50_us:.0f}", f"{r.p99_us:.0f}", _cpu(r.cpu_s_per_gb),
+                _cpu(r.baseline_cpu_s_per_gb), f"{100 * r.gbps / r.memcpy_gbps:.0f}%"]
         table.add_row(*row)
     if memcpy_gbps is not None:
         table.caption = (f"memcpy, 1 thread: {memcpy_gbps:.2f} GB/s (the ceiling on one node). "
-                         f"ratio = ours / raw C loop, same provider, pattern, target and run; "
-                         f"rnd/seq = random/sequential pages")
+                         f"ratio = ours / C reference (C at both ends where the target runs "
+                         f"here), same provider, pattern and run; CPU s/GB = CPU seconds of "
+                         f"both ends per GB; rnd/seq = random/sequential pages")
     return table
 
 

@@ -31,3 +31,6 @@ from ._rail import Poller as Poller
 from ._rail import Rail as Rail
 from ._rail import StallWatch as StallWatch
 from ._rail import WriteBatch as WriteBatch
+from ._reference import reference_pingpong as reference_pingpong
+from ._reference import reference_target as reference_target
+from ._reference import reference_write as reference_write

@@ -1,0 +1,135 @@
+"""The scenarios of ``python -m p2pxfer.bench`` beyond the scatter write
+(dry run, latency and ping-pong, idle, KV push, control round trip) and
+``bench/summarize.py``'s checks. Tiny sizes over real providers on loopback:
+behaviour and the output's shape, not speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from p2pxfer.bench import BenchConfigError, run_scenario
+from p2pxfer.bench.__main__ import main
+
+TCP = "tcp;ofi_rxm"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_dry_run_costs_per_page() -> None:
+    (rec,) = run_scenario("dry-run", provider=TCP, pages=256, page_size=4096, repeat=3)
+    assert rec["pages"] == 256 and rec["ns_per_page"] > 0
+    assert rec["pages_per_s"] == pytest.approx(256 / rec["seconds"])
+
+
+@pytest.mark.parametrize("provider", [TCP, "shm"])
+def test_latency_against_the_c_write_and_ping_pong(provider: str) -> None:
+    recs = run_scenario("latency", provider=provider, sizes=(4096, 65536), iters=20)
+    assert [r["bytes"] for r in recs] == [4096, 65536]
+    for r in recs:
+        assert r["reference"] == "c-to-c"
+        assert 0 < r["p50_us"] <= r["p99_us"]
+        assert 0 < r["baseline_p50_us"] <= r["baseline_p99_us"]
+        assert r["pingpong_rtt_p50_us"] > 0
+        assert r["ratio"] == pytest.approx(r["p50_us"] / r["baseline_p50_us"])
+
+
+def test_idle_engine_cpu() -> None:
+    (rec,) = run_scenario("idle", provider=TCP, seconds=0.3)
+    assert 0 <= rec["cpu_fraction_of_core"] < 0.5
+
+
+def test_kv_push_against_the_reference() -> None:
+    push, describe = run_scenario("kv", provider=TCP, layers=2, blocks=16,
+                                  block_sizes=(4096,), repeat=2, describe_blocks=50)
+    assert push["pages"] > 0 and push["bytes"] == 2 * 16 * 4096
+    assert push["gbps"] > 0 and push["baseline_gbps"] > 0 and push["reference"] == "c-to-c"
+    assert push["ratio"] == pytest.approx(push["gbps"] / push["baseline_gbps"])
+    assert push["time_to_first_layer_ms"] > 0
+    assert push["cpu_s_per_gb"] > 0 and push["baseline_cpu_s_per_gb"] > 0
+    assert describe["pages"] == 2 * 2 * 50 and describe["cpu_ms"] > 0
+
+
+def test_unknown_scenario() -> None:
+    with pytest.raises(BenchConfigError, match="unknown scenario 'nosuch'"):
+        run_scenario("nosuch")
+
+
+def test_command_line_writes_the_document(tmp_path: Path) -> None:
+    js = tmp_path / "d.json"
+    r = CliRunner().invoke(main, ["dry-run", "--provider", f"{TCP},shm", "--pages", "64",
+                                  "--page-size", "4KiB", "--repeat", "2", "--json", str(js)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(js.read_text())
+    assert doc["benchmark"] == "dry-run" and doc["cpus"] >= 1
+    assert [x["provider"] for x in doc["results"]] == [TCP, "shm"]
+    bad = CliRunner().invoke(main, ["dry-run", "--page-size", "12XB"])
+    assert bad.exit_code == 2 and "'12XB' is not a size" in bad.output
+
+
+def test_command_line_write_with_its_reference(tmp_path: Path) -> None:
+    js = tmp_path / "w.json"
+    r = CliRunner().invoke(main, ["write", "--provider", TCP, "--pages", "32", "--page-size",
+                                  "4KiB", "--iterations", "2", "--warmup", "1",
+                                  "--memcpy-size", "4MiB", "--json", str(js)])
+    assert r.exit_code == 0, r.output
+    (rec,) = json.loads(js.read_text())
+    assert (rec["pattern"], rec["pages"], rec["reference"]) == ("paged", 32, "c-to-c")
+    assert rec["ratio"] > 0
+
+
+# -- bench/summarize.py --check: what run_all fails on ---------------------------
+
+
+def _summarize(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "summarize.py"), *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def _record(**over: Any) -> dict[str, Any]:
+    rec = {"mode": "loopback", "provider": TCP, "pattern": "paged", "order": "random",
+           "page_size": 4096, "pages": 8, "bytes": 32768, "gbps": 1.0, "baseline_gbps": 2.0,
+           "ratio": 0.5, "reference": "c-to-c", "p50_us": 10.0, "memcpy_gbps": 5.0,
+           "mooncake_gbps": 1.5}
+    return {**rec, **over}
+
+
+def test_summarize_check_fails_on_what_is_missing(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([_record()]))
+    assert _summarize("--check", "--expect-mooncake", str(good)).returncode == 0
+    table = _summarize(str(good))
+    assert table.returncode == 0 and "| 1.50 GB/s |" in table.stdout  # the Mooncake column
+    cases = {
+        "missing.json": None,
+        "broken.json": "[{",
+        "empty.json": json.dumps({"benchmark": "x", "results": []}),
+        "noratio.json": json.dumps([_record(ratio=None)]),
+        "noref.json": json.dumps([_record(reference="")]),
+        "nomooncake.json": json.dumps([_record(mooncake_gbps=None)]),
+    }
+    for name, text in cases.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        r = _summarize("--check", "--expect-mooncake", str(tmp_path / name))
+        assert r.returncode == 1, name
+        assert name in r.stderr
+    # Without Mooncake installed, its row is not expected.
+    assert _summarize("--check", str(tmp_path / "nomooncake.json")).returncode == 0
+
+
+def test_summarize_rewrites_only_between_the_readme_markers(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([_record()]))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\nbefore\n<!-- bench:begin (bench/summarize.py --readme) -->\nold\n"
+                      "<!-- bench:end -->\nafter\n")
+    assert _summarize("--readme", str(readme), str(good)).returncode == 0
+    text = readme.read_text()
+    assert text.startswith("# x\nbefore\n<!-- bench:begin") and text.endswith("end -->\nafter\n")
+    assert "old" not in text and "| tcp;ofi_rxm | loopback: 8x4KiB-random |" in text
