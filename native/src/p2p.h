@@ -76,14 +76,7 @@ int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fi
 int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
                             int64_t spin_ns, int64_t timeout_ns);
 
-int64_t p2p_baseline_write(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
-                           const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
-                           int64_t n, uint64_t src_base, void *src_desc,
-                           uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm);
 int64_t p2p_now_ns(void);
-int64_t p2p_baseline_pingpong(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
-                              uint64_t src_base, void *src_desc, uint64_t dst_base,
-                              uint64_t dst_key, int64_t len, int64_t iters, int initiator);
 int64_t p2p_post_once(struct p2p_cursor *cur, int ncur);
 int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
                           int64_t src_size, int64_t dst_size, int32_t *what, int64_t *out);

@@ -5,8 +5,6 @@ providers, registers memory, posts whole scatter lists through the C helper and
 drains completions in batches; it holds no per-transfer bookkeeping.
 """
 
-from ._baseline import baseline_pingpong as baseline_pingpong
-from ._baseline import baseline_write as baseline_write
 from ._check import INT64_MAX as INT64_MAX
 from ._check import ScatterCheck as ScatterCheck
 from ._check import address_of as address_of
