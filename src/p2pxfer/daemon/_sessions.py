@@ -45,6 +45,7 @@ from p2pxfer.scatter import ScatterList
 
 from ._follow import WATCH_TIMEOUT_MAX_S
 from ._io import UnixFdStream, peer_credentials
+from ._retire import retire
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -79,9 +80,9 @@ class _Mem:
         return memoryview(self.map)[offset:end]
 
     def close(self) -> None:
-        # A view still alive somewhere keeps the mapping; it goes with the view.
-        with contextlib.suppress(BufferError):
-            self.map.close()
+        # Not unmapped at once: a peer's write may still be streaming into
+        # these pages (see ``_retire``).
+        retire(self.map)
 
 
 class ClientSession:

@@ -1,0 +1,89 @@
+"""Retiring a client's shared memory without letting a late write hurt anyone.
+
+When a client unexports a region or goes away, its registrations are closed
+first (new writes through old keys are refused by the provider), but a write
+a peer started *before* that can still be streaming in: tcp copies a message
+into the target address as its bytes arrive, long after the key was checked.
+Unmapping the pages at once would turn those bytes into a SIGSEGV of the whole
+daemon, and letting the kernel hand the address range to the next mapping
+would let them land in another client's memory.
+
+So a retired mapping is first replaced, in place, by private anonymous pages
+(``MAP_FIXED``; untouched pages cost nothing): late bytes land there, visible
+to no one. The range stays reserved for ``HOLD_S``, then is unmapped. At most
+``MAX_HELD`` ranges are held; the oldest goes first when more are retired.
+
+What must not live here: registrations (the engine closes those before a
+mapping is retired) or anything about sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import time
+from collections import deque
+
+import structlog
+
+from p2pxfer.errors import P2PXferError
+from p2pxfer.memory import buffer_span
+
+__all__ = ["HOLD_S", "MAX_HELD", "held", "retire"]
+
+log = structlog.get_logger("p2pxfer.daemon")
+
+#: how long a retired range stays reserved (a stalled tcp message can resume
+#: once its connection recovers; minutes cover a flapping link)
+HOLD_S = 600.0
+#: at most this many retired ranges are held (each is one mapping of the process)
+MAX_HELD = 4096
+
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MAP_FIXED = 0x10  # Linux; mmap does not export it
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+
+_held: deque[tuple[float, mmap.mmap]] = deque()
+
+
+def _replace_with_anonymous(address: int, size: int) -> None:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+    r = _libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if r == _MAP_FAILED or r != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot retire {size} bytes at {address:#x}: {os.strerror(err)}")
+
+
+def _close(m: mmap.mmap) -> None:
+    # A view still alive somewhere keeps the mapping; it goes with the view.
+    with contextlib.suppress(BufferError):
+        m.close()
+
+
+def retire(m: mmap.mmap) -> None:
+    """Detach ``m``'s pages from the client's memfd now and unmap them later."""
+    now = time.monotonic()
+    try:
+        span = buffer_span(m)
+        _replace_with_anonymous(span.address, span.nbytes)
+    except (OSError, ValueError, BufferError, P2PXferError) as exc:
+        # Could not swap the pages (closed already, or the kernel said no):
+        # unmap now, as before; logged because it leaves the late-write hazard.
+        log.warning("memory.retire_failed", error=str(exc))
+        _close(m)
+        return
+    _held.append((now + HOLD_S, m))
+    while _held and (_held[0][0] <= now or len(_held) > MAX_HELD):
+        _close(_held.popleft()[1])
+
+
+def held() -> int:
+    """Retired ranges still reserved (for tests and ``status``)."""
+    return len(_held)
