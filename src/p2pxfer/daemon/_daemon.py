@@ -28,7 +28,7 @@ from p2pxfer.membership import ClusterAuth
 
 from ._config import DaemonConfig
 from ._control import serve_control
-from ._follow import Follower
+from ._follow import Follower, rail_hosts
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
@@ -127,9 +127,10 @@ class Daemon:
         if backend is None:
             return self.peers.listing()
         now = trio.current_time()
-        return [{"name": m.name, "address": m.address, "state": str(m.state),
+        return [{"name": m.name, "address": m.address, "state": m.shown_state,
                  "incarnation": m.incarnation,
-                 "last_heard_s": round(max(0.0, now - m.last_heard), 3)}
+                 "last_heard_s": round(max(0.0, now - m.last_heard), 3),
+                 "addresses": list(m.every_address), "unreachable": list(m.unreachable)}
                 for m in backend.members()]
 
 
@@ -190,8 +191,8 @@ async def _start(daemon: Daemon, nursery: trio.Nursery) -> trio.socket.SocketTyp
         daemon.metrics = DaemonMetrics(daemon)
         await nursery.start(serve_metrics, daemon.metrics, config.metrics)
     if config.membership != "none":
-        await daemon.follower.start(config, daemon.control_address,
-                                    daemon.incarnation, nursery)
+        await daemon.follower.start(config, daemon.control_address, daemon.incarnation,
+                                    nursery, rail_hosts([r["address"] for r in rails(engine)]))
     sock = await serve_clients(daemon, nursery)
     log.info("daemon.ready", node=daemon.node, socket=config.socket,
              control=daemon.control_address, provider=config.provider,
