@@ -229,16 +229,22 @@ def block_port(host: Host, dev: str, port: int) -> None:
     namespace, or with ``unblock``). Skips the test where ``nft`` is missing."""
     if shutil.which("nft") is None:
         pytest.skip("nftables (`nft`) is not installed")
-    rules = f"""
-table inet p2pblock {{
-  chain in {{ type filter hook input priority 0; policy accept;
-    iifname "{dev}" meta l4proto {{ tcp, udp }} th dport {port} drop
-    iifname "{dev}" meta l4proto {{ tcp, udp }} th sport {port} drop }}
-  chain out {{ type filter hook output priority 0; policy accept;
-    oifname "{dev}" meta l4proto {{ tcp, udp }} th dport {port} drop
-    oifname "{dev}" meta l4proto {{ tcp, udp }} th sport {port} drop }}
-}}
-"""
+    match = "meta l4proto { tcp, udp }"
+    rules = "\n".join([
+        "table inet p2pblock {",
+        "  chain blockin {",
+        "    type filter hook input priority 0; policy accept;",
+        f'    iifname "{dev}" {match} th dport {port} drop',
+        f'    iifname "{dev}" {match} th sport {port} drop',
+        "  }",
+        "  chain blockout {",
+        "    type filter hook output priority 0; policy accept;",
+        f'    oifname "{dev}" {match} th dport {port} drop',
+        f'    oifname "{dev}" {match} th sport {port} drop',
+        "  }",
+        "}",
+        "",
+    ])
     proc = subprocess.run(host.exec_argv(["nft", "-f", "-"]), input=rules, capture_output=True,
                           text=True, timeout=IP_TIMEOUT, check=False)
     if proc.returncode != 0:
