@@ -68,8 +68,8 @@ class Member:
 
     ``addresses``: every address the member answers on, one per rail,
     ``address`` first (empty: ``address`` only). ``unreachable``: those of
-    them that missed our last probes while another answered (embedded
-    backend; a view of the paths from this node, not gossiped)."""
+    them that missed our last probes (embedded backend; a view of the paths
+    from this node, not gossiped)."""
 
     name: str
     address: str
@@ -92,8 +92,11 @@ class Member:
 
     @property
     def degraded(self) -> bool:
-        """Alive, but some of its addresses (rails) do not answer us."""
-        return self.state is MemberState.ALIVE and bool(self.unreachable)
+        """Alive, but some of its addresses (rails) do not answer us while
+        others do. (None answering us directly while others' indirect
+        probes reach it is not a rail's fault: that member is just alive.)"""
+        return self.state is MemberState.ALIVE \
+            and 0 < len(self.unreachable) < len(self.every_address)
 
     @property
     def shown_state(self) -> str:

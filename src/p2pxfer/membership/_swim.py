@@ -558,7 +558,8 @@ class Swim:
 
     def _show_paths(self, e: _Entry) -> None:
         """Degraded (some addresses do not answer) or alive again (all do)."""
-        degraded = e.state is ALIVE and bool(e.unreachable(self.config.degrade_after))
+        degraded = e.state is ALIVE \
+            and 0 < len(e.unreachable(self.config.degrade_after)) < len(e.missed)
         if degraded != e.shown_degraded:
             e.shown_degraded = degraded
             snap = self._snap(e)
