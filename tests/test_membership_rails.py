@@ -303,3 +303,13 @@ def test_control_rail_cut_is_degraded_not_dead(tmp_path: Any) -> None:
                     p.kill()
                 else:
                     p.stop()
+
+
+def test_rail_hosts_from_endpoint_addresses() -> None:
+    from p2pxfer.daemon._follow import rail_hosts
+
+    assert rail_hosts(["fi_sockaddr_in://10.79.1.1:40000", "fi_sockaddr_in://10.79.2.1:40001",
+                       "fi_sockaddr_in://10.79.1.1:40002"]) == ["10.79.1.1", "10.79.2.1"]
+    # Never advertised: loopback, link-local, non-IP rails.
+    assert rail_hosts(["fi_sockaddr_in://127.0.0.1:5", "fi_sockaddr_in6://[fe80::1]:5",
+                       "fi_shm://1234", "fi_sockaddr_in6://[fd00::2]:7"]) == ["fd00::2"]

@@ -191,8 +191,11 @@ async def _start(daemon: Daemon, nursery: trio.Nursery) -> trio.socket.SocketTyp
         daemon.metrics = DaemonMetrics(daemon)
         await nursery.start(serve_metrics, daemon.metrics, config.metrics)
     if config.membership != "none":
+        # Membership on every rail the operator chose (``interfaces``), not on
+        # whatever NICs discovery found (docker bridges share addresses).
+        hosts = rail_hosts([r["address"] for r in rails(engine)]) if config.interfaces else []
         await daemon.follower.start(config, daemon.control_address, daemon.incarnation,
-                                    nursery, rail_hosts([r["address"] for r in rails(engine)]))
+                                    nursery, hosts)
     sock = await serve_clients(daemon, nursery)
     log.info("daemon.ready", node=daemon.node, socket=config.socket,
              control=daemon.control_address, provider=config.provider,

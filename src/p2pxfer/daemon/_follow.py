@@ -11,6 +11,7 @@ the write path's questions (``check_peer``, ``check_descriptor``,
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import re
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -55,11 +56,19 @@ _RAIL_HOST = re.compile(r"^fi_sockaddr_in6?://\[?([0-9A-Fa-f.:]+?)\]?:\d+$")
 
 def rail_hosts(straddrs: Sequence[str]) -> list[str]:
     """The IP hosts of the rails whose endpoint addresses (``fi_av_straddr``)
-    are ``straddrs``, in order, without repeats; non-IP rails give none."""
+    are ``straddrs``, in order, without repeats. Non-IP rails give none, nor
+    do loopback, link-local and unspecified addresses: another member
+    probing those would reach itself (or nothing)."""
     out: list[str] = []
     for text in straddrs:
         m = _RAIL_HOST.match(text)
-        if m is not None and m.group(1) not in out:
+        if m is None or m.group(1) in out:
+            continue
+        try:
+            ip = ipaddress.ip_address(m.group(1))
+        except ValueError:
+            continue
+        if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
             out.append(m.group(1))
     return out
 
