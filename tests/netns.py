@@ -223,24 +223,24 @@ def rails_lan(n: int, rails: int = 2) -> Iterator[list[Host]]:
         _delete(created)
 
 
-def block_port(host: Host, dev: str, port: int) -> None:
+def block_port(host: Host, dev: str, port: int | None) -> None:
     """Inside ``host``: drop every TCP and UDP packet to or from ``port`` that
-    enters or leaves ``dev`` (nftables table ``p2pblock``; it goes with the
-    namespace, or with ``unblock``). Skips the test where ``nft`` is missing."""
+    enters or leaves ``dev`` (``port`` None: every packet), with nftables
+    table ``p2pblock``; it goes with the namespace, or with ``unblock``.
+    Skips the test where ``nft`` is missing."""
     if shutil.which("nft") is None:
         pytest.skip("nftables (`nft`) is not installed")
-    match = "meta l4proto { tcp, udp }"
+    match = [f"meta l4proto {{ tcp, udp }} th {d} {port}" for d in ("dport", "sport")] \
+        if port is not None else [""]
     rules = "\n".join([
         "table inet p2pblock {",
         "  chain blockin {",
         "    type filter hook input priority 0; policy accept;",
-        f'    iifname "{dev}" {match} th dport {port} drop',
-        f'    iifname "{dev}" {match} th sport {port} drop',
+        *[f'    iifname "{dev}" {m} drop' for m in match],
         "  }",
         "  chain blockout {",
         "    type filter hook output priority 0; policy accept;",
-        f'    oifname "{dev}" {match} th dport {port} drop',
-        f'    oifname "{dev}" {match} th sport {port} drop',
+        *[f'    oifname "{dev}" {m} drop' for m in match],
         "  }",
         "}",
         "",

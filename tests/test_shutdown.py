@@ -1,7 +1,7 @@
 """Daemon shutdown is bounded, whatever is stuck.
 
-A write whose peer went silent (its link down: every packet dropped, no
-reset) never completes: the engine keeps waiting for the pieces it posted.
+A write whose peer went silent (its link down, or all its packets dropped
+with nftables: no reset) never completes: the engine keeps waiting for the pieces it posted.
 SIGTERM (or SIGINT) must still end the daemon within a few seconds: after a
 grace period the daemon closes its engine, which fails what is in flight with
 ``EngineClosed`` and closes the rails (nothing can land later).
@@ -39,9 +39,11 @@ def start_in(host: Any, workdir: Path, name: str, peer: str, peer_host: Any) -> 
     }, host.exec_argv)
 
 
+@pytest.mark.parametrize("silence", ["link_down", "nft_drop"])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_with_a_write_stuck_on_a_silent_peer(signum: int, tmp_path: Path) -> None:
-    from netns import ip, two_hosts
+def test_signal_with_a_write_stuck_on_a_silent_peer(signum: int, silence: str,
+                                                    tmp_path: Path) -> None:
+    from netns import block_port, ip, two_hosts
 
     procs: list[Any] = []
     with two_hosts(rails=1) as (a, b):
@@ -58,8 +60,12 @@ def test_signal_with_a_write_stuck_on_a_silent_peer(signum: int, tmp_path: Path)
             looper = Agent("trio", da.socket, "looper-ha")
             procs.append(looper)
             assert looper.call("loop", "hb", "r", plan, 1) == ("ok", "looping")
-            # hb goes silent: its end of the link down, so ha's packets vanish.
-            ip("-n", b.ns, "link", "set", b.interfaces[0], "down")
+            # hb goes silent: its end of the link down, or every packet through
+            # it dropped; either way ha's packets vanish, with no reset.
+            if silence == "link_down":
+                ip("-n", b.ns, "link", "set", b.interfaces[0], "down")
+            else:
+                block_port(b, b.interfaces[0], None)
             wait_for(lambda: da.status()["transfers_in_flight"] > 0,
                      "ha to have a write in flight", timeout=5)
             time.sleep(1.0)  # the write is stuck, not merely slow
