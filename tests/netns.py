@@ -1,5 +1,7 @@
 """Two "hosts" on one machine: network namespaces joined by veth pairs.
 
+``lan(n)`` puts ``n`` hosts on one switch; ``rails_lan(n, rails)`` gives each
+of ``n`` hosts ``rails`` NICs, rail ``r`` of every host on switch ``r``.
 ``two_hosts()`` creates namespaces ``A`` and ``B`` (names unique per process
 and call), ``rails`` veth pairs between them (each pair one "NIC" per host),
 addresses ``10.77.<rail+1>.1`` (A) and ``10.77.<rail+1>.2`` (B) on ``/24``s,
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import pytest
 
-__all__ = ["Host", "ip", "lan", "two_hosts"]
+__all__ = ["Host", "block_port", "ip", "lan", "rails_lan", "two_hosts", "unblock"]
 
 _counter = itertools.count()
 IP_TIMEOUT = 10.0
@@ -167,3 +169,89 @@ def lan(n: int) -> Iterator[list[Host]]:
         yield hosts
     finally:
         _delete(created)
+
+
+@contextmanager
+def rails_lan(n: int, rails: int = 2) -> Iterator[list[Host]]:
+    """``n`` hosts ``h0..h{n-1}``, each with ``rails`` veths: rail ``r`` of
+    every host sits on bridge ``br<r>`` of one switch namespace (its own
+    segment, ``10.79.<r+1>.0/24``; host ``i`` is ``.<i+1>``), so each host has
+    one NIC per rail. ``Host.interfaces[r]`` / ``addresses[r]``: rail ``r``.
+    Skips like ``two_hosts`` where namespaces cannot be made."""
+    if not 1 <= n <= 200 or not 1 <= rails <= 9:
+        raise ValueError(f"n must be 1..200 and rails 1..9, got {n}, {rails}")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = f"{os.getpid()}{next(_counter)}"
+    switch = f"p2p{tag}rs"
+    created: list[str] = []
+    try:
+        try:
+            ip("netns", "add", switch)
+            created.append(switch)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            pytest.skip(f"cannot create a network namespace: {exc}")
+        for r in range(rails):
+            ip("-n", switch, "link", "add", f"br{r}", "type", "bridge")
+            ip("-n", switch, "link", "set", f"br{r}", "up")
+        hosts = []
+        for i in range(n):
+            ns = f"p2p{tag}r{i}"
+            ip("netns", "add", ns)
+            created.append(ns)
+            devs, addrs = [], []
+            for r in range(rails):
+                dev, port = f"r{tag}h{i}e{r}"[-15:], f"r{tag}s{i}e{r}"[-15:]
+                ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port,
+                   "netns", switch)
+                ip("-n", switch, "link", "set", port, "master", f"br{r}")
+                ip("-n", switch, "link", "set", port, "up")
+                addr = f"10.79.{r + 1}.{i + 1}"
+                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                ip("-n", ns, "link", "set", dev, "up")
+                devs.append(dev)
+                addrs.append(addr)
+            ip("-n", ns, "link", "set", "lo", "up")
+            hosts.append(Host(ns, tuple(devs), tuple(addrs)))
+        for h in hosts:
+            for dev in h.interfaces:
+                _wait_up(h.ns, dev)
+        yield hosts
+    finally:
+        _delete(created)
+
+
+def block_port(host: Host, dev: str, port: int | None) -> None:
+    """Inside ``host``: drop every TCP and UDP packet to or from ``port`` that
+    enters or leaves ``dev`` (``port`` None: every packet), with nftables
+    table ``p2pblock``; it goes with the namespace, or with ``unblock``.
+    Skips the test where ``nft`` is missing."""
+    if shutil.which("nft") is None:
+        pytest.skip("nftables (`nft`) is not installed")
+    match = [f"meta l4proto {{ tcp, udp }} th {d} {port}" for d in ("dport", "sport")] \
+        if port is not None else [""]
+    rules = "\n".join([
+        "table inet p2pblock {",
+        "  chain blockin {",
+        "    type filter hook input priority 0; policy accept;",
+        *[f'    iifname "{dev}" {m} drop' for m in match],
+        "  }",
+        "  chain blockout {",
+        "    type filter hook output priority 0; policy accept;",
+        *[f'    oifname "{dev}" {m} drop' for m in match],
+        "  }",
+        "}",
+        "",
+    ])
+    proc = subprocess.run(host.exec_argv(["nft", "-f", "-"]), input=rules, capture_output=True,
+                          text=True, timeout=IP_TIMEOUT, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nft failed in {host.ns}: {proc.stderr.strip()}")
+
+
+def unblock(host: Host) -> None:
+    """Remove what ``block_port`` added in ``host``."""
+    subprocess.run(host.exec_argv(["nft", "delete", "table", "inet", "p2pblock"]),
+                   capture_output=True, text=True, timeout=IP_TIMEOUT, check=True)

@@ -29,6 +29,7 @@ from p2pxfer.errors import InvalidArgument, PeerLost, RemoteClosed
 from p2pxfer.membership import (
     Member,
     MemberDead,
+    MemberDegraded,
     MemberJoined,
     MemberRestarted,
     MembershipBackend,
@@ -150,6 +151,31 @@ def test_events_update_peers_and_fail_writes_in_flight() -> None:
         d.follower.on_event(MemberRestarted(b2, 100))
         assert d.peers.peers["node-b"].address == "127.0.0.1:2"
         assert d.regions.cached("node-b", "r") is None
+
+    trio.run(main)
+
+
+def test_a_degraded_member_stays_a_peer_and_its_writes_go_on() -> None:
+    addrs = ("10.0.0.2:7", "10.1.0.2:7")
+    b = Member("node-b", addrs[0], 100, addresses=addrs, unreachable=addrs[:1])
+    d, _ = fake_daemon([b])
+
+    async def main() -> None:
+        d.follower.on_event(MemberJoined(Member("node-b", addrs[0], 100, addresses=addrs)))
+        d.regions.remember("node-b", "r", desc("node-b", 100))
+        with trio.fail_after(5), d.follower.track_write("node-b"):
+            d.follower.on_event(MemberDegraded(b))
+            await trio.sleep(0.05)  # not cancelled: the write goes on
+        assert d.peers.peers["node-b"].address == addrs[0]
+        assert d.regions.cached("node-b", "r") is not None
+        d.follower.check_peer("node-b")
+        d.follower.check_descriptor(desc("node-b", 100))
+        [listed] = d.peer_list()
+        assert listed["state"] == "degraded" and listed["unreachable"] == [addrs[0]]
+        assert listed["addresses"] == list(addrs)
+        got = await d.follower.watch(0, 0.0, d.peer_list)
+        assert [(e["event"], e["state"]) for e in got["events"]] == [
+            ("joined", "alive"), ("degraded", "degraded")]
 
     trio.run(main)
 

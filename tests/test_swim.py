@@ -165,12 +165,12 @@ def test_restart_after_death_joins_again_and_stale_gossip_is_refused() -> None:
     new = c.start("m003", c.address_of(3), [c.address_of(1)], incarnation=old + 1)
     assert c.run_until(lambda: c.all_see("m003", [ALIVE], old + 1), 20) is not None
     # A straggling report of the old life, alive, changes nothing.
-    stale = ("m003", c.address_of(3), old, 5, ALIVE)
+    stale = ("m003", c.address_of(3), old, 5, ALIVE, ())
     node = c.nodes["m001"]
     auth = ClusterAuth(TOKEN)
     sender = c.nodes["m002"].me
     body = encode("swim_leave", (sender.name, sender.address, sender.incarnation,
-                                 sender.version, ALIVE), u=[stale])
+                                 sender.version, ALIVE, ()), u=[stale])
     node.receive(auth.seal(body), sender.address, c.now)
     assert node.member("m003").incarnation == new.me.incarnation  # type: ignore[union-attr]
     assert not node.is_current("m003", old) and node.is_current("m003", old + 1)
@@ -179,8 +179,8 @@ def test_restart_after_death_joins_again_and_stale_gossip_is_refused() -> None:
 
 def test_superseded_when_a_newer_life_of_our_name_appears() -> None:
     stale = Swim(Member("a", "10.0.0.1:1", 100), TOKEN)
-    newer = ("a", "10.0.0.3:1", 200, 0, ALIVE)
-    body = encode("swim_ping", ("b", "10.0.0.2:1", 1, 0, ALIVE), seq=1, to="a", d=0,
+    newer = ("a", "10.0.0.3:1", 200, 0, ALIVE, ())
+    body = encode("swim_ping", ("b", "10.0.0.2:1", 1, 0, ALIVE, ()), seq=1, to="a", d=0,
                   u=[newer])
     stale.receive(ClusterAuth(TOKEN).seal(body), "10.0.0.2:1", 0.0)
     [superseded] = [e for e in stale.take_events() if isinstance(e, Superseded)]
@@ -230,8 +230,8 @@ def test_a_member_refutes_at_once_when_told_it_is_suspect() -> None:
     a = Swim(Member("a", "10.0.0.1:1", 100), TOKEN, SwimConfig(period=1.0, ack_timeout=0.4))
     b = Swim(Member("b", "10.0.0.2:1", 200), TOKEN, SwimConfig(period=1.0, ack_timeout=0.4))
     auth = ClusterAuth(TOKEN)
-    body = encode("swim_ping", ("b", "10.0.0.2:1", 200, 0, ALIVE), seq=9, to="a", d=0,
-                  u=[("a", "10.0.0.1:1", 100, 0, SUSPECT)])
+    body = encode("swim_ping", ("b", "10.0.0.2:1", 200, 0, ALIVE, ()), seq=9, to="a", d=0,
+                  u=[("a", "10.0.0.1:1", 100, 0, SUSPECT, ())])
     out = a.receive(auth.seal(body), "10.0.0.2:1", 0.0)
     assert next(o.kind for o in out) == "swim_ack" and a.me.version == 1
     b.receive(out[0].data, "10.0.0.1:1", 0.0)
@@ -286,7 +286,7 @@ def test_join_needs_the_challenge_answered() -> None:
     seed = Swim(Member("seed", "10.0.0.1:1", 1), TOKEN)
     seed.join([], 0.0)
     auth = ClusterAuth(TOKEN)
-    me = ("j", "10.0.0.2:1", 5, 0, ALIVE)
+    me = ("j", "10.0.0.2:1", 5, 0, ALIVE, ())
     forged = encode("swim_join", me, nonce=b"n" * 16, challenge=b"c" * 16, proof=b"p" * 32)
     assert seed.receive(auth.seal(forged), "10.0.0.2:1", 0.0) == []
     out = seed.receive(auth.seal(encode("swim_join", me, nonce=b"n" * 16)), "10.0.0.2:1", 0.0)
@@ -304,7 +304,7 @@ def test_join_needs_the_challenge_answered() -> None:
 def test_tampered_datagrams_are_refused() -> None:
     a = Swim(Member("a", "10.0.0.1:1", 1), TOKEN)
     auth = ClusterAuth(TOKEN)
-    good = auth.seal(encode("swim_ping", ("b", "10.0.0.2:1", 2, 0, ALIVE), seq=1, to="a",
+    good = auth.seal(encode("swim_ping", ("b", "10.0.0.2:1", 2, 0, ALIVE, ()), seq=1, to="a",
                             d=0, u=[]))
     bad = bytearray(good)
     bad[-1] ^= 1
@@ -431,8 +431,8 @@ def test_config_is_checked() -> None:
 def test_public_exports() -> None:
     assert sorted(n for n in dir(membership) if not n.startswith("_") and n != "sim") == [
         "AuthFailed", "BadDatagram", "ClusterAuth", "EmbeddedBackend", "EtcdBackend", "Member",
-        "MemberAlive", "MemberDead", "MemberJoined", "MemberLeft", "MemberRestarted",
-        "MemberState", "MemberSuspect", "MembershipBackend", "MembershipError",
+        "MemberAlive", "MemberDead", "MemberDegraded", "MemberJoined", "MemberLeft",
+        "MemberRestarted", "MemberState", "MemberSuspect", "MembershipBackend", "MembershipError",
         "MembershipEvent", "Outgoing", "PeerLost", "StaleIncarnation", "Superseded", "Swim",
         "SwimConfig", "SwimStatistics", "new_incarnation",
     ]

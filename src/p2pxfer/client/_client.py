@@ -80,8 +80,11 @@ class MemberUpdate:
 
     ``event``: ``"present"`` (a member as it is when watching starts, or starts
     over after falling behind), ``"joined"``, ``"alive"`` (a suspect proved
-    alive), ``"suspect"``, ``"dead"``, ``"left"`` or ``"restarted"`` (a new
-    life: whatever ``previous_incarnation`` exported is void)."""
+    alive, or a degraded member answers on every rail again), ``"degraded"``
+    (alive, but some of its rails do not answer; still current),
+    ``"suspect"``, ``"dead"``, ``"left"`` or ``"restarted"`` (a new life:
+    whatever ``previous_incarnation`` exported is void). ``state``: one of
+    ``"alive"``, ``"degraded"``, ``"suspect"``, ``"dead"``, ``"left"``."""
 
     event: str
     name: str

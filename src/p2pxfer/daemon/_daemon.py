@@ -28,7 +28,7 @@ from p2pxfer.membership import ClusterAuth
 
 from ._config import DaemonConfig
 from ._control import serve_control
-from ._follow import Follower
+from ._follow import Follower, rail_hosts
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
@@ -43,7 +43,11 @@ __all__ = ["Daemon", "serve"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
-STOP_MEMBERSHIP_S = 3.0  # at most this long saying goodbye on the way out
+STOP_MEMBERSHIP_S = 2.0  # at most this long saying goodbye on the way out
+#: On the way out, tasks still running this long after stopping began (a write
+#: waiting, shielded, for pieces posted to a peer that went silent) are cut
+#: short: the engine is closed under them (see ``_close_engine_after``).
+SHUTDOWN_GRACE_S = 2.0
 
 
 class Daemon:
@@ -123,9 +127,10 @@ class Daemon:
         if backend is None:
             return self.peers.listing()
         now = trio.current_time()
-        return [{"name": m.name, "address": m.address, "state": str(m.state),
+        return [{"name": m.name, "address": m.address, "state": m.shown_state,
                  "incarnation": m.incarnation,
-                 "last_heard_s": round(max(0.0, now - m.last_heard), 3)}
+                 "last_heard_s": round(max(0.0, now - m.last_heard), 3),
+                 "addresses": list(m.every_address), "unreachable": list(m.unreachable)}
                 for m in backend.members()]
 
 
@@ -133,47 +138,90 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
                 task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a daemon until cancelled (or, with ``handle_signals``, until SIGINT
     or SIGTERM, then return normally). ``nursery.start(serve, config)``
-    returns the :class:`Daemon` once both listeners are up."""
+    returns the :class:`Daemon` once both listeners are up.
+
+    Stopping is bounded: it says goodbye to the cluster (at most
+    ``STOP_MEMBERSHIP_S``), cancels every task, and whatever still runs
+    ``SHUTDOWN_GRACE_S`` after stopping began (a write waiting for pieces
+    posted to a silent peer) is failed by closing the engine under it."""
     engine_cfg = EngineConfig(
         provider=config.provider, node=config.fabric_node or None,
         interfaces=config.interfaces or None, node_name=config.node,
         incarnation=time.time_ns(),
     )
     sock = None
+    # Shielded: the deadline holds also when serve() itself is cancelled.
+    # Cancelled (done with) once every task of the daemon has ended.
+    deadline = trio.CancelScope(shield=True)
     try:
-        async with open_engine(engine_cfg) as engine, trio.open_nursery() as nursery:
-            daemon = Daemon(config, engine)
-            daemon.nursery = nursery
-            daemon.notes = slow_paths(engine, config.provider)
-            await daemon.serve_peers(nursery)
-            nursery.start_soon(daemon.peers.close_idle_links)
-            if config.metrics:
-                daemon.metrics = DaemonMetrics(daemon)
-                await nursery.start(serve_metrics, daemon.metrics, config.metrics)
-            if config.membership != "none":
-                await daemon.follower.start(config, daemon.control_address,
-                                            daemon.incarnation, nursery)
-            sock = await serve_clients(daemon, nursery)
-            log.info("daemon.ready", node=daemon.node, socket=config.socket,
-                     control=daemon.control_address, provider=config.provider,
-                     membership=config.membership)
+        async with open_engine(engine_cfg) as engine, trio.open_nursery() as guard:
             try:
-                task_status.started(daemon)
-                if handle_signals:
-                    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                        async for signum in signals:
-                            log.info("daemon.stopping", signal=signal.Signals(signum).name)
-                            break
-                else:
-                    await trio.sleep_forever()
+                async with trio.open_nursery() as nursery:
+                    daemon = Daemon(config, engine)
+                    daemon.nursery = nursery
+                    sock = await _start(daemon, nursery)
+                    try:
+                        task_status.started(daemon)
+                        await _wait_for_stop(handle_signals)
+                    finally:
+                        guard.start_soon(_close_engine_after, engine, deadline,
+                                         SHUTDOWN_GRACE_S)
+                        # Say goodbye (members see "left" at once), even when cancelled.
+                        with trio.CancelScope(shield=True), \
+                                trio.move_on_after(STOP_MEMBERSHIP_S):
+                            await daemon.follower.stop()
+                        nursery.cancel_scope.cancel()
             finally:
-                # Say goodbye (members see "left" at once), even when cancelled.
-                with trio.CancelScope(shield=True), trio.move_on_after(STOP_MEMBERSHIP_S):
-                    await daemon.follower.stop()
-                nursery.cancel_scope.cancel()
+                deadline.cancel()
     finally:
         # Only now, with the accept loop gone, close and remove the socket.
         if sock is not None:
             sock.close()
         with contextlib.suppress(OSError):
             os.unlink(config.socket)
+
+
+async def _start(daemon: Daemon, nursery: trio.Nursery) -> trio.socket.SocketType:
+    """Start the daemon's parts in ``nursery``; the client socket."""
+    config, engine = daemon.config, daemon.engine
+    daemon.notes = slow_paths(engine, config.provider)
+    await daemon.serve_peers(nursery)
+    nursery.start_soon(daemon.peers.close_idle_links)
+    if config.metrics:
+        daemon.metrics = DaemonMetrics(daemon)
+        await nursery.start(serve_metrics, daemon.metrics, config.metrics)
+    if config.membership != "none":
+        # Membership on every rail the operator chose (``interfaces``), not on
+        # whatever NICs discovery found (docker bridges share addresses).
+        hosts = rail_hosts([r["address"] for r in rails(engine)]) if config.interfaces else []
+        await daemon.follower.start(config, daemon.control_address, daemon.incarnation,
+                                    nursery, hosts)
+    sock = await serve_clients(daemon, nursery)
+    log.info("daemon.ready", node=daemon.node, socket=config.socket,
+             control=daemon.control_address, provider=config.provider,
+             membership=config.membership)
+    return sock
+
+
+async def _wait_for_stop(handle_signals: bool) -> None:
+    if not handle_signals:
+        await trio.sleep_forever()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("daemon.stopping", signal=signal.Signals(signum).name)
+            return
+
+
+async def _close_engine_after(engine: Engine, deadline: trio.CancelScope,
+                              grace_s: float) -> None:
+    """Stopping began: if tasks still run after ``grace_s`` (``deadline`` not
+    cancelled by then), close the engine under them. That fails every write in
+    flight with ``EngineClosed`` (a cancelled write waiting, shielded, for the
+    pieces it posted wakes up) and closes the rails, so nothing posted can land
+    later. Only daemon shutdown cuts a write's wait short this way."""
+    with deadline:
+        await trio.sleep(grace_s)
+        stats = engine.statistics()
+        log.warning("daemon.shutdown_forced", grace_s=grace_s,
+                    queued=sum(stats.queue_depth))
+        await engine.aclose()

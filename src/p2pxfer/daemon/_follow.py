@@ -11,8 +11,10 @@ the write path's questions (``check_peer``, ``check_descriptor``,
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import re
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import structlog
@@ -24,6 +26,7 @@ from p2pxfer.membership import (
     EtcdBackend,
     MemberAlive,
     MemberDead,
+    MemberDegraded,
     MemberJoined,
     MemberLeft,
     MemberRestarted,
@@ -45,7 +48,29 @@ log = structlog.get_logger("p2pxfer.daemon")
 EVENT_LOG = 1024  # membership changes kept for watching clients
 WATCH_TIMEOUT_MAX_S = 300.0
 
-_CHANGES = (MemberJoined, MemberAlive, MemberSuspect, MemberDead, MemberLeft, MemberRestarted)
+_CHANGES = (MemberJoined, MemberAlive, MemberDegraded, MemberSuspect, MemberDead, MemberLeft,
+            MemberRestarted)
+# A tcp rail's endpoint address as libfabric prints it: fi_sockaddr_in://10.0.0.1:5000
+_RAIL_HOST = re.compile(r"^fi_sockaddr_in6?://\[?([0-9A-Fa-f.:]+?)\]?:\d+$")
+
+
+def rail_hosts(straddrs: Sequence[str]) -> list[str]:
+    """The IP hosts of the rails whose endpoint addresses (``fi_av_straddr``)
+    are ``straddrs``, in order, without repeats. Non-IP rails give none, nor
+    do loopback, link-local and unspecified addresses: another member
+    probing those would reach itself (or nothing)."""
+    out: list[str] = []
+    for text in straddrs:
+        m = _RAIL_HOST.match(text)
+        if m is None or m.group(1) in out:
+            continue
+        try:
+            ip = ipaddress.ip_address(m.group(1))
+        except ValueError:
+            continue
+        if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+            out.append(m.group(1))
+    return out
 
 
 class WatchLog:
@@ -57,12 +82,12 @@ class WatchLog:
         self._seq = 0
         self._wake = trio.Event()
 
-    def record(self, ev: MemberJoined | MemberAlive | MemberSuspect | MemberDead | MemberLeft
-               | MemberRestarted) -> None:
+    def record(self, ev: MemberJoined | MemberAlive | MemberDegraded | MemberSuspect
+               | MemberDead | MemberLeft | MemberRestarted) -> None:
         m = ev.member
         self._seq += 1
         entry: dict[str, Any] = {"seq": self._seq, "event": ev.kind, "name": m.name,
-                                 "address": m.address, "state": str(m.state),
+                                 "address": m.address, "state": m.shown_state,
                                  "incarnation": m.incarnation}
         if isinstance(ev, MemberRestarted):
             entry["previous_incarnation"] = ev.previous_incarnation
@@ -126,15 +151,19 @@ class Follower:
         return m is None or m.running
 
     async def start(self, config: DaemonConfig, control_address: str, incarnation: int,
-                    nursery: trio.Nursery) -> None:
+                    nursery: trio.Nursery, rails: Sequence[str] = ()) -> None:
         """Join the cluster, bound to the control address; then follow it in a
-        task of ``nursery``."""
+        task of ``nursery``. ``rails``: the IP hosts of the engine's rails;
+        the embedded backend also listens (same port) and is probed on each
+        of them, so a member is alive while any of its rails answers. etcd
+        keeps its lease over whatever route reaches etcd."""
         token = config.cluster_token.encode()
         backend: MembershipBackend
         if config.membership == "embedded":
             seeds = [s for s in config.seeds if s != control_address]
             backend = EmbeddedBackend(self.node, control_address, token, seeds,
-                                      incarnation=incarnation, join_timeout=2.0)
+                                      incarnation=incarnation, join_timeout=2.0,
+                                      rails=rails)
         else:
             backend = EtcdBackend(self.node, control_address, token, config.etcd_endpoint,
                                   incarnation=incarnation, ttl=config.etcd_ttl)
@@ -180,6 +209,8 @@ class Follower:
             return
         self.log.record(ev)
         m = ev.member
+        if isinstance(ev, MemberDegraded):
+            return  # still alive and current: its writes go on (on the rails that answer)
         if isinstance(ev, MemberJoined | MemberAlive):
             self.peers.up(m.name, m.address)
         elif isinstance(ev, MemberDead | MemberLeft):

@@ -19,6 +19,7 @@ from ._member import BadDatagram as BadDatagram
 from ._member import Member as Member
 from ._member import MemberAlive as MemberAlive
 from ._member import MemberDead as MemberDead
+from ._member import MemberDegraded as MemberDegraded
 from ._member import MemberJoined as MemberJoined
 from ._member import MemberLeft as MemberLeft
 from ._member import MemberRestarted as MemberRestarted

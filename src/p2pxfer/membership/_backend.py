@@ -33,6 +33,7 @@ from ._member import (
     BadDatagram,
     Member,
     MemberDead,
+    MemberDegraded,
     MemberRestarted,
     MembershipEvent,
     MemberSuspect,
@@ -225,9 +226,14 @@ class MembershipBackend(abc.ABC):
                            address=ev.member.address)
         else:
             m = ev.member
-            extra = ({"previous_incarnation": ev.previous_incarnation}
-                     if isinstance(ev, MemberRestarted) else {})
-            level = self.log.warning if isinstance(ev, MemberDead | MemberSuspect) \
-                else self.log.info
+            extra: dict[str, object] = (
+                {"previous_incarnation": ev.previous_incarnation}
+                if isinstance(ev, MemberRestarted) else {})
+            if m.addresses:
+                extra["addresses"] = list(m.addresses)
+            if isinstance(ev, MemberDegraded):
+                extra["unreachable"] = list(m.unreachable)
+            level = self.log.warning \
+                if isinstance(ev, MemberDead | MemberSuspect | MemberDegraded) else self.log.info
             level(f"member.{ev.kind}", member=m.name, address=m.address,
                   member_incarnation=m.incarnation, **extra)

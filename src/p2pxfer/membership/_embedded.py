@@ -1,8 +1,10 @@
 """The embedded backend: ``Swim`` over UDP, on trio. No extra service.
 
-One datagram socket per daemon, bound to its membership address (a
-loopback or namespace address in tests). Two tasks share it: one receives
-and answers, one runs the protocol's timers at ``Swim.next_deadline()``.
+One datagram socket per address of the member: its membership address (a
+loopback or namespace address in tests), and one per further rail
+(``rails``), all advertised, so the member is probed on every rail. One task
+per socket receives and answers; one runs the protocol's timers at
+``Swim.next_deadline()``.
 What must not live here: protocol rules (``_swim.py``).
 """
 
@@ -44,13 +46,15 @@ class EmbeddedBackend(MembershipBackend):
     ``join_timeout`` seconds for one of them to admit us and otherwise goes
     on alone, retrying (see ``joined``). ``leave_linger``: after a graceful
     leave, keep answering this long (default one protocol period) so pings in
-    flight hear the news.
+    flight hear the news. ``rails``: more local IP addresses (one per further
+    rail) to bind the same port on and advertise; one that cannot be bound is
+    left out (logged).
     """
 
     def __init__(self, name: str, bind: str, token: bytes, seeds: Sequence[str] = (), *,
                  incarnation: int | None = None, advertise: str | None = None,
                  config: SwimConfig | None = None, join_timeout: float = 5.0,
-                 leave_linger: float | None = None) -> None:
+                 leave_linger: float | None = None, rails: Sequence[str] = ()) -> None:
         super().__init__(name, new_incarnation() if incarnation is None else incarnation)
         self.config = config or SwimConfig()
         self._bind = split_hostport(bind)
@@ -59,7 +63,9 @@ class EmbeddedBackend(MembershipBackend):
         self._seeds = tuple(seeds)
         self._join_timeout = join_timeout
         self._linger = self.config.period if leave_linger is None else leave_linger
+        self._rails = tuple(rails)
         self._sock: trio.socket.SocketType | None = None
+        self._socks: list[trio.socket.SocketType] = []  # [0] is _sock
         self._swim: Swim | None = None
         self._wake = trio.Event()  # the receive side moved the next deadline earlier
         self._sleeping_until = 0.0
@@ -129,11 +135,15 @@ class EmbeddedBackend(MembershipBackend):
             raise MembershipError("binding a wildcard address needs advertise=host:port")
         else:
             self.address = join_hostport(bound[0], bound[1])
-        swim = self._swim = Swim(Member(self.name, self.address, self.incarnation),
+        self._socks = [sock]
+        addresses = [self.address] + await self._bind_rails(bound[1])
+        swim = self._swim = Swim(Member(self.name, self.address, self.incarnation,
+                                        addresses=tuple(addresses)),
                                  self._token, self.config)
         self.log = self.log.bind(address=self.address)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive_loop)
+            for via, s in enumerate(self._socks):
+                nursery.start_soon(self._receive_loop, s, via)
             await self._send(swim.join(list(self._seeds), trio.current_time()))
             nursery.start_soon(self._timer_loop)
             if swim.joined:
@@ -147,9 +157,28 @@ class EmbeddedBackend(MembershipBackend):
             self.log.info("membership.started", seeds=list(self._seeds), joined=swim.joined)
             task_status.started()
 
-    async def _receive_loop(self) -> None:
-        assert self._sock is not None and self._swim is not None
-        sock, swim = self._sock, self._swim
+    async def _bind_rails(self, port: int) -> list[str]:
+        """Bind a socket on each rail address (same port); their addresses."""
+        out: list[str] = []
+        for host in self._rails:
+            if host == self._bind[0] or join_hostport(host, port) in out:
+                continue
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            s = trio.socket.socket(family, socket.SOCK_DGRAM)
+            try:
+                await s.bind((host, port))
+            except OSError as exc:
+                s.close()
+                self.log.warning("membership.rail_unbound", rail=host, port=port,
+                                 error=str(exc))
+                continue
+            self._socks.append(s)
+            out.append(join_hostport(host, port))
+        return out
+
+    async def _receive_loop(self, sock: trio.socket.SocketType, via: int) -> None:
+        assert self._swim is not None
+        swim = self._swim
         while True:
             try:
                 data, addr = await sock.recvfrom(_MAX_DATAGRAM)
@@ -157,7 +186,7 @@ class EmbeddedBackend(MembershipBackend):
                 self.log.debug("membership.receive_failed", error=str(exc))
                 await trio.sleep(0.01)  # never a hot loop, whatever the error
                 continue
-            out = swim.receive(data, join_hostport(addr[0], addr[1]), trio.current_time())
+            out = swim.receive(data, join_hostport(addr[0], addr[1]), trio.current_time(), via)
             await self._send(out)
             if swim.joined and not self._joined.is_set():
                 self._joined.set()
@@ -175,10 +204,11 @@ class EmbeddedBackend(MembershipBackend):
             await self._send(swim.tick(trio.current_time()))
 
     async def _send(self, out: list[Outgoing]) -> None:
-        assert self._sock is not None and self._swim is not None
+        assert self._swim is not None and self._socks
         for o in out:
+            sock = self._socks[o.via] if o.via < len(self._socks) else self._socks[0]
             try:
-                await self._sock.sendto(o.data, split_hostport(o.address))
+                await sock.sendto(o.data, split_hostport(o.address))
             except (OSError, MembershipError) as exc:
                 self.log.debug("membership.send_failed", to=o.address, kind=o.kind,
                                error=str(exc))
@@ -191,5 +221,7 @@ class EmbeddedBackend(MembershipBackend):
         await trio.sleep(self._linger)
 
     async def _close(self) -> None:
+        for s in self._socks:
+            s.close()
         if self._sock is not None:
             self._sock.close()

@@ -27,6 +27,7 @@ __all__ = [
     "Member",
     "MemberAlive",
     "MemberDead",
+    "MemberDegraded",
     "MemberJoined",
     "MemberLeft",
     "MemberRestarted",
@@ -63,7 +64,12 @@ class Member:
     view that made the snapshot (``trio.current_time()`` in the backends): the
     last time the member itself was heard from (a datagram or an ack relayed
     for it; with etcd, its last put), or when it was first heard of by
-    gossip. For this node itself: the last timer run (keepalive with etcd)."""
+    gossip. For this node itself: the last timer run (keepalive with etcd).
+
+    ``addresses``: every address the member answers on, one per rail,
+    ``address`` first (empty: ``address`` only). ``unreachable``: those of
+    them that missed our last probes (embedded backend; a view of the paths
+    from this node, not gossiped)."""
 
     name: str
     address: str
@@ -71,11 +77,33 @@ class Member:
     state: MemberState = MemberState.ALIVE
     last_heard: float = 0.0
     version: int = 0
+    addresses: tuple[str, ...] = ()
+    unreachable: tuple[str, ...] = ()
 
     @property
     def running(self) -> bool:
         """Alive or suspect: its life is not over as far as we know."""
         return self.state in (MemberState.ALIVE, MemberState.SUSPECT)
+
+    @property
+    def every_address(self) -> tuple[str, ...]:
+        """``addresses``, or just ``address`` if it has no others."""
+        return self.addresses or (self.address,)
+
+    @property
+    def degraded(self) -> bool:
+        """Alive, but some of its addresses (rails) do not answer us while
+        others do. (None answering us directly while others' indirect
+        probes reach it is not a rail's fault: that member is just alive.)"""
+        return self.state is MemberState.ALIVE \
+            and 0 < len(self.unreachable) < len(self.every_address)
+
+    @property
+    def shown_state(self) -> str:
+        """The state as ``peers``, ``status`` and ``watch`` show it: the
+        member's state, or ``"degraded"`` for an alive member some of whose
+        addresses do not answer."""
+        return "degraded" if self.degraded else str(self.state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +119,22 @@ class MemberJoined:
 @dataclass(frozen=True, slots=True)
 class MemberAlive:
     """A suspect (or falsely declared dead) member proved it is alive, same
-    incarnation: its descriptors are valid again."""
+    incarnation: its descriptors are valid again. Also: a degraded member
+    answers on every address again."""
 
     kind: ClassVar[str] = "alive"  # its name in logs and on the wire
+
+    member: Member
+
+
+@dataclass(frozen=True, slots=True)
+class MemberDegraded:
+    """An alive member stopped answering on some of its addresses (rails)
+    while others still answer: still alive and current (never declared dead
+    while any address answers). It is ``MemberAlive`` again once every
+    address answers."""
+
+    kind: ClassVar[str] = "degraded"  # its name in logs and on the wire
 
     member: Member
 
@@ -168,5 +209,5 @@ class Superseded:
     member: Member
 
 
-MembershipEvent = (MemberJoined | MemberAlive | MemberSuspect | MemberDead | MemberLeft
-                   | MemberRestarted | AuthFailed | BadDatagram | Superseded)
+MembershipEvent = (MemberJoined | MemberAlive | MemberDegraded | MemberSuspect | MemberDead
+                   | MemberLeft | MemberRestarted | AuthFailed | BadDatagram | Superseded)

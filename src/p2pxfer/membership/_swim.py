@@ -59,6 +59,7 @@ from ._member import (
     Member,
     MemberAlive,
     MemberDead,
+    MemberDegraded,
     MemberJoined,
     MemberLeft,
     MemberRestarted,
@@ -108,11 +109,15 @@ class SwimConfig:
     sync_interval: float = 5.0
     #: ... and only once our own view has been still this long (gossip had its chance)
     sync_quiet: float = 1.0
+    #: an address (rail) of an alive member that missed this many of our probes
+    #: in a row, while another answered, makes the member *degraded*
+    degrade_after: int = 2
 
     def __post_init__(self) -> None:
         if not 0 < self.ack_timeout < self.period:
             raise InvalidArgument("SwimConfig needs 0 < ack_timeout < period")
-        if self.indirect_probes < 0 or self.retransmit_mult < 1 or self.leave_fanout < 1:
+        if self.indirect_probes < 0 or self.retransmit_mult < 1 or self.leave_fanout < 1 \
+                or self.degrade_after < 1:
             raise InvalidArgument("SwimConfig counts must be positive")
         if self.suspicion_mult <= 0 or self.tombstone <= 0 or self.reconnect_interval <= 0 \
                 or self.join_retry <= 0 or self.sync_interval <= 0 or self.sync_quiet < 0:
@@ -123,11 +128,15 @@ class SwimConfig:
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """One datagram to send: ``data`` to ``address`` (``host:port``)."""
+    """One datagram to send: ``data`` to ``address`` (``host:port``), from our
+    address number ``via`` (0: the primary; pings to a member's address ``i``
+    go from our ``i``-th, so each rail's probe travels on that rail, and an
+    answer goes back from the address its question came to)."""
 
     address: str
     data: bytes
     kind: str
+    via: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,13 +172,16 @@ class _Counters:
 
 
 class _Entry:
-    """Our mutable record of one member (snapshots are ``Member``)."""
+    """Our mutable record of one member (snapshots are ``Member``). ``missed``:
+    per address, how many of our probes in a row it left unanswered."""
 
-    __slots__ = ("_hash", "address", "incarnation", "last_heard", "name", "since", "state",
-                 "version")
+    __slots__ = ("_hash", "address", "extra", "incarnation", "last_heard", "missed", "name",
+                 "shown_degraded", "since", "state", "version")
 
     def __init__(self, rec: Record, now: float) -> None:
-        self.name, self.address, self.incarnation, self.version, self.state = rec
+        self.name, self.address, self.incarnation, self.version, self.state, self.extra = rec
+        self.missed = [0] * (1 + len(self.extra))
+        self.shown_degraded = False  # a MemberDegraded is the last word on its paths
         self.last_heard = now
         self.since = now  # when the state (or life) last changed
         self._hash = (-1, 0)
@@ -181,22 +193,45 @@ class _Entry:
             self._hash = (self.incarnation, int.from_bytes(h.digest(), "little"))
         return self._hash[1]
 
-    def record(self) -> Record:
-        return (self.name, self.address, self.incarnation, self.version, self.state)
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return (self.address, *self.extra)
 
-    def snapshot(self) -> Member:
+    def set_addresses(self, address: str, extra: tuple[str, ...]) -> None:
+        if (address, extra) != (self.address, self.extra):
+            self.address, self.extra = address, extra
+            self.missed = [0] * (1 + len(extra))
+
+    def unreachable(self, limit: int) -> tuple[str, ...]:
+        return tuple(a for a, m in zip(self.addresses, self.missed, strict=True) if m >= limit)
+
+    def route(self, limit: int) -> int:
+        """The index of the first address that answers (0 if none does)."""
+        return next((i for i, m in enumerate(self.missed) if m < limit), 0)
+
+    def record(self) -> Record:
+        return (self.name, self.address, self.incarnation, self.version, self.state,
+                self.extra)
+
+    def snapshot(self, limit: int) -> Member:
         return Member(self.name, self.address, self.incarnation, self.state, self.last_heard,
-                      self.version)
+                      self.version, self.addresses if self.extra else (),
+                      self.unreachable(limit))
 
 
 class _Probe:
-    __slots__ = ("acked", "deadline", "incarnation", "indirect_at", "indirect_sent", "seq",
-                 "target")
+    """One probe of ``target``: a ping to each of its addresses, address ``i``
+    with sequence number ``seq + i``; ``answered``: the addresses that acked."""
+
+    __slots__ = ("acked", "answered", "deadline", "incarnation", "indirect_at",
+                 "indirect_sent", "naddr", "seq", "target")
 
     def __init__(self, target: _Entry, seq: int, now: float, config: SwimConfig) -> None:
         self.target = target.name
         self.incarnation = target.incarnation
         self.seq = seq
+        self.naddr = len(target.missed)
+        self.answered: set[int] = set()
         self.indirect_at = now + config.ack_timeout
         self.deadline = now + config.period
         self.acked = False
@@ -214,7 +249,7 @@ def _newer(inc: int, ver: int, state: MemberState, e: _Entry) -> bool:
 def _rec_size(rec: Record) -> int:
     """Bytes a record may take on the wire: 5 array elements, two strings
     (with their headers) and three small ints, rounded up."""
-    return len(rec[0]) + len(rec[1]) + 24
+    return len(rec[0]) + len(rec[1]) + 24 + sum(len(a) + 3 for a in rec[5]) + 2 * bool(rec[5])
 
 
 class Swim:
@@ -231,8 +266,10 @@ class Swim:
         self.config = config or SwimConfig()
         self._auth = ClusterAuth(token)
         self._rng = rng or random.Random()
-        self._self = _Entry((me.name, me.address, me.incarnation, me.version, ALIVE),
+        extra = tuple(a for a in dict.fromkeys(me.addresses) if a != me.address)
+        self._self = _Entry((me.name, me.address, me.incarnation, me.version, ALIVE, extra),
                             me.last_heard)
+        self._nlocal = 1 + len(extra)  # our own addresses: Outgoing.via < this
         self._members: dict[str, _Entry] = {}
         self._running: set[str] = set()  # names of others that are alive or suspect
         # Forgotten tombstones: (incarnation, version, rank) per name, to refuse stale gossip.
@@ -248,7 +285,8 @@ class Swim:
         self._order_pos = 0
         self._suspects: dict[str, float] = {}  # name -> suspicion deadline
         # our ping seq -> (requester address, requester name, its seq, target, expiry)
-        self._relays: dict[int, tuple[str, str, int, str, float]] = {}
+        # (address and via the request came through, ...)
+        self._relays: dict[int, tuple[str, int, str, int, str, float]] = {}
         self._challenges: dict[bytes, tuple[str, float]] = {}  # nonce -> (joiner, expiry)
         self._seeds: list[str] = []
         self._join_nonce: bytes | None = None
@@ -273,7 +311,7 @@ class Swim:
 
     @property
     def me(self) -> Member:
-        return self._self.snapshot()
+        return self._snap(self._self)
 
     @property
     def joined(self) -> bool:
@@ -287,16 +325,16 @@ class Swim:
     def members(self, *, include_self: bool = True) -> list[Member]:
         """Every member we know, dead and left ones until their tombstones
         expire, sorted by name."""
-        out = [e.snapshot() for e in self._members.values()]
+        out = [self._snap(e) for e in self._members.values()]
         if include_self:
-            out.append(self._self.snapshot())
+            out.append(self._snap(self._self))
         return sorted(out, key=lambda m: m.name)
 
     def member(self, name: str) -> Member | None:
         if name == self._self.name:
-            return self._self.snapshot()
+            return self._snap(self._self)
         e = self._members.get(name)
-        return None if e is None else e.snapshot()
+        return None if e is None else self._snap(e)
 
     def is_current(self, name: str, incarnation: int) -> bool:
         """True if ``incarnation`` is the running life of ``name``: the only
@@ -353,7 +391,7 @@ class Swim:
         no seed other than ourselves we are a cluster of one, joined at once;
         otherwise the join is resent every ``join_retry`` until a seed admits us."""
         self._start(now)
-        self._seeds = [s for s in dict.fromkeys(seeds) if s != self._self.address]
+        self._seeds = [s for s in dict.fromkeys(seeds) if s not in self._self.addresses]
         if not self._seeds:
             self._joined = True
             return []
@@ -375,7 +413,7 @@ class Swim:
         self._self.since = now
         alive = [self._members[n] for n in sorted(self._running)]
         fanout = self._rng.sample(alive, min(self.config.leave_fanout, len(alive)))
-        return [self._send("swim_leave", e.address, e.name) for e in fanout]
+        return [self._send_to(e, "swim_leave") for e in fanout]
 
     def tick(self, now: float) -> list[Outgoing]:
         """Run the timers due by ``now``: probes, indirect probes, suspicion
@@ -392,27 +430,32 @@ class Swim:
             if p is not None and now >= p.deadline:
                 self._probe = None
                 e = self._members.get(p.target)
-                if not p.acked and e is not None and e.incarnation == p.incarnation \
-                        and e.state is ALIVE:
-                    self._suspect(e, now)
+                if e is not None and e.incarnation == p.incarnation and e.state is ALIVE:
+                    if p.acked:
+                        self._count_misses(e, p)
+                    else:
+                        self._suspect(e, now)
             if now >= self._next_probe:
                 self._next_probe += cfg.period
                 if self._next_probe <= now:  # we were held up: no burst of probes
                     self._next_probe = now + cfg.period
                 target = self._next_target()
                 if target is not None:
-                    self._seq += 1
-                    self._probe = _Probe(target, self._seq, now, cfg)
+                    p = self._probe = _Probe(target, self._seq + 1, now, cfg)
+                    self._seq += p.naddr
                     self._stats.probes += 1
-                    out.append(self._send("swim_ping", target.address, target.name,
-                                          seq=self._seq, to=target.name))
+                    # Every address at once: a member is alive while any of its
+                    # rails answers, and which do not makes it degraded.
+                    out += [self._send("swim_ping", a, target.name, seq=p.seq + i,
+                                       to=target.name, via=self._via(i))
+                            for i, a in enumerate(target.addresses)]
         if self._suspects:
             for name, deadline in list(self._suspects.items()):
                 if deadline <= now:
                     e = self._members[name]
                     self._set_state(e, DEAD, e.version, now)
                     self._gossip(e)
-                    self._events.append(MemberDead(e.snapshot()))
+                    self._events.append(MemberDead(self._snap(e)))
         if now >= self._next_join and not self._joined and self._join_nonce is not None:
             self._next_join = now + cfg.join_retry
             out += [self._send("swim_join", s, None, nonce=self._join_nonce)
@@ -430,8 +473,9 @@ class Swim:
             self._purge(now)
         return out
 
-    def receive(self, data: bytes, source: str, now: float) -> list[Outgoing]:
-        """Handle one datagram from ``source`` (``host:port``, for the log)."""
+    def receive(self, data: bytes, source: str, now: float, via: int = 0) -> list[Outgoing]:
+        """Handle one datagram from ``source`` (``host:port``) that came to our
+        address number ``via``. Answers go back to ``source`` from there."""
         self._start(now)
         self._stats.received += 1
         self._stats.bytes_received += len(data)
@@ -450,12 +494,12 @@ class Swim:
         if self._leaving:
             # Only answer pings, so whoever still probes us hears we left.
             if kind == "swim_ping" and msg.to == self._self.name:
-                return [self._send("swim_ack", sender[1], sender[0], seq=msg.seq)]
+                return [self._send("swim_ack", source, sender[0], seq=msg.seq, via=via)]
             return []
         if kind == "swim_join":
-            return self._on_join(msg, source, now)
+            return self._on_join(msg, source, via, now)
         if kind == "swim_challenge":
-            return self._on_challenge(msg, source)
+            return self._on_challenge(msg, source, via)
         # Everything else: the sender speaks for itself first, then its gossip.
         self._apply(sender, now, direct=True)
         for rec in msg.updates:
@@ -463,17 +507,17 @@ class Swim:
         if kind == "swim_ping":
             if msg.to != self._self.name:
                 return []  # meant for whoever had this address before us
-            out = [self._send("swim_ack", sender[1], sender[0], seq=msg.seq)]
-            return out + self._maybe_sync(msg, now)
+            out = [self._send("swim_ack", source, sender[0], seq=msg.seq, via=via)]
+            return out + self._maybe_sync(msg, source, via, now)
         if kind == "swim_ack":
-            return self._on_ack(msg, now) + self._maybe_sync(msg, now)
+            return self._on_ack(msg, now) + self._maybe_sync(msg, source, via, now)
         if kind == "swim_ping_req":
-            return self._on_ping_req(msg, now)
+            return self._on_ping_req(msg, source, via, now)
         if kind in ("swim_welcome", "swim_sync"):
             for rec in msg.members:
                 self._apply(rec, now, direct=False)
             if kind == "swim_sync":
-                return self._full_state("swim_sync", sender) if msg.reply else []
+                return self._full_state("swim_sync", sender, source, via) if msg.reply else []
             if self._join_nonce is not None:
                 self._joined = True
                 self._join_nonce = None
@@ -485,32 +529,60 @@ class Swim:
     def _on_ack(self, msg: SwimMessage, now: float) -> list[Outgoing]:
         p = self._probe
         responder = msg.on_behalf or msg.sender[0]
-        if p is not None and msg.seq == p.seq and responder == p.target:
+        if p is not None and responder == p.target and (
+                p.seq <= msg.seq < p.seq + p.naddr if msg.on_behalf is None
+                else msg.seq == p.seq):
             p.acked = True
             if (e := self._members.get(p.target)) is not None:
                 e.last_heard = now
+                if msg.on_behalf is None and e.incarnation == p.incarnation:
+                    i = msg.seq - p.seq
+                    p.answered.add(i)
+                    if i < len(e.missed):
+                        e.missed[i] = 0
+                    self._show_paths(e)
             return []
         relay = self._relays.get(msg.seq) if msg.on_behalf is None else None
-        if relay is not None and relay[3] == msg.sender[0]:
+        if relay is not None and relay[4] == msg.sender[0]:
             del self._relays[msg.seq]
-            address, name, seq, target, _ = relay
-            return [self._send("swim_ack", address, name, seq=seq, on_behalf=target)]
+            address, via, name, seq, target, _ = relay
+            return [self._send("swim_ack", address, name, seq=seq, on_behalf=target, via=via)]
         return []
 
-    def _on_ping_req(self, msg: SwimMessage, now: float) -> list[Outgoing]:
+    def _count_misses(self, e: _Entry, p: _Probe) -> None:
+        """A probe of ``e`` ended with an ack: count its unanswered addresses."""
+        for i in range(min(p.naddr, len(e.missed))):
+            if i not in p.answered:
+                e.missed[i] += 1
+        self._show_paths(e)
+
+    def _show_paths(self, e: _Entry) -> None:
+        """Degraded (some addresses do not answer) or alive again (all do)."""
+        degraded = e.state is ALIVE \
+            and 0 < len(e.unreachable(self.config.degrade_after)) < len(e.missed)
+        if degraded != e.shown_degraded:
+            e.shown_degraded = degraded
+            snap = self._snap(e)
+            self._events.append(MemberDegraded(snap) if degraded else MemberAlive(snap))
+
+    def _on_ping_req(self, msg: SwimMessage, source: str, via: int,
+                     now: float) -> list[Outgoing]:
         assert msg.target is not None
         target = msg.target[0]
         if target == self._self.name:
-            return [self._send("swim_ack", msg.sender[1], msg.sender[0], seq=msg.seq,
-                               on_behalf=target)]
+            return [self._send("swim_ack", source, msg.sender[0], seq=msg.seq,
+                               on_behalf=target, via=via)]
         known = self._members.get(target)
-        address = known.address if known is not None else msg.target[1]
+        addresses = known.addresses if known is not None else (msg.target[1], *msg.target[5])
         self._seq += 1
-        self._relays[self._seq] = (msg.sender[1], msg.sender[0], msg.seq, target,
+        self._relays[self._seq] = (source, via, msg.sender[0], msg.seq, target,
                                    now + self.config.period)
-        return [self._send("swim_ping", address, target, seq=self._seq, to=target)]
+        # Every address, one seq: the first ack is forwarded.
+        return [self._send("swim_ping", a, target, seq=self._seq, to=target, via=self._via(i))
+                for i, a in enumerate(addresses)]
 
-    def _on_join(self, msg: SwimMessage, source: str, now: float) -> list[Outgoing]:
+    def _on_join(self, msg: SwimMessage, source: str, via: int,
+                 now: float) -> list[Outgoing]:
         sender = msg.sender
         if msg.challenge is None or msg.proof is None:
             # Step 1: prove we hold the token on their nonce, and challenge them.
@@ -521,9 +593,9 @@ class Swim:
             challenge = secrets.token_bytes(16)
             lifetime = 4 * max(self.config.join_retry, self.config.period)
             self._challenges[challenge] = (sender[0], now + lifetime)
-            return [self._send("swim_challenge", sender[1], None, nonce=msg.nonce,
+            return [self._send("swim_challenge", source, None, nonce=msg.nonce,
                                proof=self._auth.prove(msg.nonce, self._self.name),
-                               challenge=challenge)]
+                               challenge=challenge, via=via)]
         # Step 2: they answered our challenge.
         pending = self._challenges.pop(msg.challenge, None)
         if pending is None or pending[0] != sender[0] or pending[1] < now:
@@ -533,20 +605,21 @@ class Swim:
             self._auth_failed(source, f"join from {sender[0]!r} failed the challenge")
             return []
         self._apply(sender, now, direct=True)
-        return self._full_state("swim_welcome", sender)
+        return self._full_state("swim_welcome", sender, source, via)
 
-    def _on_challenge(self, msg: SwimMessage, source: str) -> list[Outgoing]:
+    def _on_challenge(self, msg: SwimMessage, source: str, via: int) -> list[Outgoing]:
         if self._join_nonce is None or msg.nonce != self._join_nonce:
             return []  # an answer to a join we no longer wait for
         assert msg.proof is not None and msg.challenge is not None
         if not self._auth.check(msg.nonce, msg.sender[0], msg.proof):
             self._auth_failed(source, f"seed {msg.sender[0]!r} failed the challenge")
             return []
-        return [self._send("swim_join", msg.sender[1], None, nonce=self._join_nonce,
+        return [self._send("swim_join", source, None, nonce=self._join_nonce,
                            challenge=msg.challenge,
-                           proof=self._auth.prove(msg.challenge, self._self.name))]
+                           proof=self._auth.prove(msg.challenge, self._self.name), via=via)]
 
-    def _maybe_sync(self, msg: SwimMessage, now: float) -> list[Outgoing]:
+    def _maybe_sync(self, msg: SwimMessage, source: str, via: int,
+                    now: float) -> list[Outgoing]:
         """Views disagree and gossip had its chance: exchange full states with
         the sender (push-pull), at most once per ``sync_interval``. This
         ends the long tail of a dissemination that died out before reaching
@@ -556,11 +629,13 @@ class Swim:
             return []
         self._next_sync = now + self.config.sync_interval
         self._stats.syncs += 1
-        return self._full_state("swim_sync", msg.sender, reply=True)
+        return self._full_state("swim_sync", msg.sender, source, via, reply=True)
 
-    def _full_state(self, kind: str, to: Record, **first: Any) -> list[Outgoing]:
-        """Every member we know (tombstones too), in as many datagrams as it
-        takes; ``first``'s fields go on the first datagram only."""
+    def _full_state(self, kind: str, to: Record, address: str, via: int,
+                    **first: Any) -> list[Outgoing]:
+        """Every member we know (tombstones too), to ``address`` from our
+        ``via``, in as many datagrams as it takes; ``first``'s fields go on
+        the first datagram only."""
         budget = self.config.max_datagram - TAG_SIZE - 1 - _HEADER_SLACK \
             - _rec_size(self._self.record())
         out: list[Outgoing] = []
@@ -572,11 +647,11 @@ class Swim:
             rec = e.record()
             size = _rec_size(rec)
             if size > room and chunk:
-                out.append(self._send(kind, to[1], None, members=chunk, **first))
+                out.append(self._send(kind, address, None, members=chunk, via=via, **first))
                 chunk, room, first = [], budget, {}
             chunk.append(rec)
             room -= size
-        out.append(self._send(kind, to[1], None, members=chunk, **first))
+        out.append(self._send(kind, address, None, members=chunk, via=via, **first))
         return out
 
     def _indirect(self, p: _Probe) -> list[Outgoing]:
@@ -590,14 +665,13 @@ class Swim:
         for name in self._rng.sample(helpers, k):
             h = self._members[name]
             self._stats.indirect_probes += 1
-            out.append(self._send("swim_ping_req", h.address, h.name, seq=p.seq,
-                                  target=target.record()))
+            out.append(self._send_to(h, "swim_ping_req", seq=p.seq, target=target.record()))
         return out
 
     # -- the membership rules -------------------------------------------------
 
     def _apply(self, rec: Record, now: float, *, direct: bool) -> None:
-        name, address, inc, ver, state = rec
+        name, address, inc, ver, state, extra = rec
         if name == self._self.name:
             self._about_me(rec)
             return
@@ -611,16 +685,16 @@ class Swim:
             self._track(e, now)
             self._gossip(e)
             if state in _RUNNING:
-                self._events.append(MemberJoined(e.snapshot()))
+                self._events.append(MemberJoined(self._snap(e)))
                 if state is SUSPECT:
-                    self._events.append(MemberSuspect(e.snapshot()))
+                    self._events.append(MemberSuspect(self._snap(e)))
             return
         if not _newer(inc, ver, state, e):
             if direct and e.state is ALIVE:
                 e.last_heard = now
             return
         old_inc, old_state = e.incarnation, e.state
-        e.address = address
+        e.set_addresses(address, extra)
         if direct:
             e.last_heard = now
         if inc > old_inc:
@@ -629,32 +703,32 @@ class Swim:
             self._gossip(e)
             if state in _RUNNING:
                 if old_state in _RUNNING:
-                    self._events.append(MemberRestarted(e.snapshot(), old_inc))
+                    self._events.append(MemberRestarted(self._snap(e), old_inc))
                 else:
-                    self._events.append(MemberJoined(e.snapshot()))
+                    self._events.append(MemberJoined(self._snap(e)))
                 if state is SUSPECT:
-                    self._events.append(MemberSuspect(e.snapshot()))
+                    self._events.append(MemberSuspect(self._snap(e)))
             elif old_state in _RUNNING:
-                self._events.append(MemberDead(e.snapshot()) if state is DEAD
-                                    else MemberLeft(e.snapshot()))
+                self._events.append(MemberDead(self._snap(e)) if state is DEAD
+                                    else MemberLeft(self._snap(e)))
             return
         self._set_state(e, state, ver, now)
         self._gossip(e)
         if state is old_state:
             return  # a newer version of the same state (a refutation already seen)
         if state is ALIVE:
-            self._events.append(MemberAlive(e.snapshot()))
+            self._events.append(MemberAlive(self._snap(e)))
         elif state is SUSPECT:
             if old_state is not ALIVE:
-                self._events.append(MemberAlive(e.snapshot()))
+                self._events.append(MemberAlive(self._snap(e)))
             self._stats.suspicions += 1
-            self._events.append(MemberSuspect(e.snapshot()))
+            self._events.append(MemberSuspect(self._snap(e)))
         elif old_state in _RUNNING:
-            self._events.append(MemberDead(e.snapshot()) if state is DEAD
-                                else MemberLeft(e.snapshot()))
+            self._events.append(MemberDead(self._snap(e)) if state is DEAD
+                                else MemberLeft(self._snap(e)))
 
     def _about_me(self, rec: Record) -> None:
-        _, _, inc, ver, state = rec
+        _, _, inc, ver, state, _ = rec
         me = self._self
         if inc < me.incarnation:
             return  # about an earlier life of ours
@@ -686,11 +760,15 @@ class Swim:
         self._set_state(e, SUSPECT, e.version, now)
         self._stats.suspicions += 1
         self._gossip(e)
-        self._events.append(MemberSuspect(e.snapshot()))
+        self._events.append(MemberSuspect(self._snap(e)))
+
+    def _snap(self, e: _Entry) -> Member:
+        return e.snapshot(self.config.degrade_after)
 
     def _set_state(self, e: _Entry, state: MemberState, version: int, now: float) -> None:
         if state is not e.state:
             e.since = now
+            e.shown_degraded = False  # shown again by the next probe if it still is
         e.state, e.version = state, version
         self._track(e, now)
 
@@ -745,7 +823,18 @@ class Swim:
 
     # -- sending --------------------------------------------------------------
 
-    def _send(self, kind: str, address: str, recipient: str | None, **fields: Any) -> Outgoing:
+    def _via(self, i: int) -> int:
+        """Our address to send from to a member's address ``i`` (rails pair up
+        by their order)."""
+        return i if i < self._nlocal else 0
+
+    def _send_to(self, e: _Entry, kind: str, **fields: Any) -> Outgoing:
+        """To member ``e``, on its first address that answers our probes."""
+        i = e.route(self.config.degrade_after)
+        return self._send(kind, e.addresses[i], e.name, via=self._via(i), **fields)
+
+    def _send(self, kind: str, address: str, recipient: str | None, *, via: int = 0,
+              **fields: Any) -> Outgoing:
         me = self._self.record()
         if kind in ("swim_ping", "swim_ack"):
             fields["d"] = self.digest()
@@ -758,7 +847,7 @@ class Swim:
         s.sent += 1
         s.bytes_sent += len(data)
         s.sent_by_kind[kind] = s.sent_by_kind.get(kind, 0) + 1
-        return Outgoing(address, data, kind)
+        return Outgoing(address, data, kind, via)
 
     def _piggyback(self, to: str | None, budget: int) -> list[Record]:
         out: list[Record] = []
@@ -818,7 +907,7 @@ class Swim:
             e = self._members.pop(name)
             self._gone[name] = (e.incarnation, e.version, STATE_RANK[e.state])
             self._unqueue(name)
-        for seq in [s for s, r in self._relays.items() if r[4] <= now]:
+        for seq in [s for s, r in self._relays.items() if r[5] <= now]:
             del self._relays[seq]
         self._expire_challenges(now)
 

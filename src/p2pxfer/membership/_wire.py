@@ -2,7 +2,7 @@
 
 ```
 +---------+------------------------------+----------------------------------+
-| v: u8=1 | tag: 32 bytes HMAC-SHA256    | body: one msgpack map            |
+| v: u8=2 | tag: 32 bytes HMAC-SHA256    | body: one msgpack map            |
 +---------+------------------------------+----------------------------------+
 tag     = HMAC-SHA256(mac_key, v || body)
 mac_key = HMAC-SHA256(token, "p2pxfer/membership/datagram/v1")
@@ -13,8 +13,9 @@ ever decoded. Join proofs use a second key derived from the same token
 (``join_key``), so a proof can never double as a datagram tag, and bind the
 prover's name: ``proof = HMAC-SHA256(join_key, nonce || 0x00 || name)``.
 
-Member records travel as 5-element arrays ``[name, address, incarnation,
-version, state]`` (state 0 alive, 1 suspect, 2 dead, 3 left). The kinds and
+Member records travel as arrays ``[name, address, incarnation, version,
+state]`` (state 0 alive, 1 suspect, 2 dead, 3 left), with a sixth element, the
+member's other addresses (one per further rail), when it has any. The kinds and
 their fields are in ``proto/MEMBERSHIP.md``; ``decode`` refuses anything else
 (a missing, unknown or mistyped field, an unknown kind).
 
@@ -45,7 +46,8 @@ __all__ = [
     "encode",
 ]
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: records carry a member's other addresses (rails)
+MAX_EXTRA_ADDRESSES = 8
 TAG_SIZE = 32
 MAX_NAME = 255
 MAX_ADDRESS = 300
@@ -59,8 +61,8 @@ KINDS = frozenset({"swim_ping", "swim_ack", "swim_ping_req", "swim_join", "swim_
 _STATES = (MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT)
 _STATE_CODE = {s: i for i, s in enumerate(_STATES)}
 
-#: (name, address, incarnation, version, state)
-Record = tuple[str, str, int, int, MemberState]
+#: (name, address, incarnation, version, state, other addresses)
+Record = tuple[str, str, int, int, MemberState, tuple[str, ...]]
 
 # Required and optional fields per kind (besides "t" and "from").
 _FIELDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
@@ -163,7 +165,10 @@ class SwimMessage:
 
 
 def record_to_wire(rec: Record) -> list[Any]:
-    return [rec[0], rec[1], rec[2], rec[3], _STATE_CODE[rec[4]]]
+    out = [rec[0], rec[1], rec[2], rec[3], _STATE_CODE[rec[4]]]
+    if rec[5]:
+        out.append(list(rec[5]))
+    return out
 
 
 def encode(kind: str, sender: Record, **fields: Any) -> bytes:
@@ -255,15 +260,24 @@ def _bin(value: Any, what: str) -> bytes:
 
 def _record(value: Any, what: str) -> Record:
     # One expression on the good path: members decode hundreds of these a period.
-    if type(value) is list and len(value) == 5:
-        name, address, inc, ver, state = value
-        if type(name) is str and 0 < len(name) <= MAX_NAME and type(address) is str \
-                and 0 < len(address) <= MAX_ADDRESS and ":" in address \
+    if type(value) is list and 5 <= len(value) <= 6:
+        name, address, inc, ver, state = value[:5]
+        if type(name) is str and 0 < len(name) <= MAX_NAME and _is_address(address) \
                 and type(inc) is int and inc >= 0 and type(ver) is int and ver >= 0 \
                 and type(state) is int and 0 <= state < 4:
-            return (name, address, inc, ver, _STATES[state])
+            if len(value) == 5:
+                return (name, address, inc, ver, _STATES[state], ())
+            extra = value[5]
+            if type(extra) is list and 0 < len(extra) <= MAX_EXTRA_ADDRESSES \
+                    and all(_is_address(a) for a in extra):
+                return (name, address, inc, ver, _STATES[state], tuple(extra))
     raise _bad(f"{what} must be [name, address (host:port), incarnation >= 0, "
-               f"version >= 0, state 0..3], got {value!r:.200}")
+               f"version >= 0, state 0..3, optionally [1..{MAX_EXTRA_ADDRESSES} more "
+               f"addresses]], got {value!r:.200}")
+
+
+def _is_address(value: Any) -> bool:
+    return type(value) is str and 0 < len(value) <= MAX_ADDRESS and ":" in value
 
 
 def _records(value: Any, what: str, limit: int) -> list[Record]:
