@@ -141,3 +141,10 @@ class AuthenticationFailed(DaemonError):
     token, a token on one side only, or another node at that address)."""
 
     code = "auth_failed"
+
+
+class Forbidden(DaemonError, PermissionError):
+    """The caller may not do this: a node-wide change (``add_peer``) asked by
+    a uid that is neither root nor the daemon's own."""
+
+    code = "forbidden"
