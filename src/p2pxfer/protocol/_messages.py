@@ -28,7 +28,7 @@ __all__ = [
     "validate",
 ]
 
-SCHEMA_VERSION = 2  # 2: control connections authenticate (nonce/proof/auth); watch, locate
+SCHEMA_VERSION = 3  # 3: frames MACed after auth, 4 KiB handshake frames, forbidden
 
 _INT = (int,)
 _STR = (str,)
