@@ -280,3 +280,37 @@ def test_a_stale_socket_is_replaced(tmp_path: Path, daemons: list[DaemonProc]) -
     daemons.append(d)
     assert d.status()["node"] == "stale"
     _ = encode_frame  # the raw frames above are this module's own
+
+
+@pytest.mark.parametrize("capped", [True, False], ids=["default-caps", "no-caps"])
+def test_half_open_connections_under_a_low_fd_limit(tmp_path: Path, capped: bool) -> None:
+    """300 control connections that never speak, under a 256-descriptor limit.
+    With the default caps the daemon closes all but 64 at once; without them
+    it runs out of descriptors, waits that out, and serves again once they go."""
+    from p2pxfer.testing import spawn_daemon
+    keys: dict[str, Any] = {"node": "lowfd", "socket": str(tmp_path / "lowfd.sock"),
+                            "control": f"{LOOPBACK}:{free_port()}", "fabric_node": LOOPBACK}
+    if not capped:
+        keys.update(max_connections=1000, max_connections_per_host=1000)
+    d = spawn_daemon(tmp_path, keys, wrap=lambda cmd: ["prlimit", "--nofile=256:256", *cmd])
+    held: list[socket.socket] = []
+    try:
+        base = _fds(d)
+        host, port = d.control.rsplit(":", 1)
+        held.extend(socket.create_connection((host, int(port)), timeout=5) for _ in range(300))
+        if capped:
+            time.sleep(1.0)
+            assert _fds(d) <= base + 64 + 2, (base, _fds(d))
+        else:
+            wait_for(lambda: _fds(d) >= 250, "the daemon to run out of descriptors")
+            time.sleep(0.5)
+        assert d.alive(), d.log_tail()
+        for s in held:
+            s.close()
+        held.clear()
+        wait_for(lambda: d.status(timeout=5)["node"] == "lowfd", "the daemon to serve again",
+                 timeout=20)
+    finally:
+        for s in held:
+            s.close()
+        d.stop()
