@@ -5,7 +5,10 @@ the engine) and its exports, and serves its requests through ``HANDLERS``, a
 table checked against the client protocol's requests when this module loads.
 Requests that wait (``write``, ``wait_imm``, ``watch``, ``locate``) run as
 tasks, so one client can have many in flight. A client that goes away loses
-its regions and memory; nobody else notices. What must not live here: the
+its regions and memory; nobody else notices. Shared memory must be a memfd
+sealed against shrinking (no SIGBUS); a local write into another uid's region
+and ``add_peer`` from an unprivileged uid are refused; the socket path is
+never taken from a live daemon nor from anything that is not a socket. What must not live here: the
 region directory's rules (``_regions``) or the write path (``_writes``).
 """
 
