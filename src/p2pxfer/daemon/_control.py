@@ -130,8 +130,10 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
     cfg = d.config
     if sum(counts.values()) >= cfg.max_connections \
             or counts[remote_host] >= cfg.max_connections_per_host:
-        log.warning("peer.refused", remote=remote, connections=sum(counts.values()),
-                    from_host=counts[remote_host])
+        skipped = d.refusals.due(trio.current_time())
+        if skipped is not None:
+            log.warning("peer.refused", remote=remote, connections=sum(counts.values()),
+                        from_host=counts[remote_host], not_logged=skipped)
         with trio.CancelScope(shield=True):
             await stream.aclose()
         return

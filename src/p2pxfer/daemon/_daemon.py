@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
+from p2pxfer._pump import LogThrottle
 from p2pxfer.address import parse_hostport
 from p2pxfer.engine import Engine, EngineConfig, open_engine
 from p2pxfer.errors import InvalidArgument
@@ -120,6 +121,8 @@ class Daemon:
         self.open = config.cluster_token == ""
         #: control connections being served, per source address
         self.control_connections: Counter[str] = Counter()
+        #: connections refused for a cap: logged once a second at most
+        self.refusals = LogThrottle()
         self._nursery: trio.Nursery | None = None
 
     @property

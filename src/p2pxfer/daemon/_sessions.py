@@ -445,8 +445,10 @@ async def _client(d: Daemon, sock: trio.socket.SocketType) -> None:
         sock.close()
         return
     if len(d.sessions) >= d.config.max_clients:
-        log.warning("client.refused", pid=pid, uid=uid,
-                    reason=f"{d.config.max_clients} clients already connected")
+        skipped = d.refusals.due(trio.current_time())
+        if skipped is not None:
+            log.warning("client.refused", pid=pid, uid=uid, not_logged=skipped,
+                        reason=f"{d.config.max_clients} clients already connected")
         sock.close()
         return
     session = ClientSession(d, sock, pid, uid)
