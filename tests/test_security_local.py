@@ -317,3 +317,30 @@ def test_half_open_connections_under_a_low_fd_limit(tmp_path: Path, capped: bool
         for s in held:
             s.close()
         d.stop()
+
+
+def test_a_client_that_never_says_hello_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It would hold a descriptor and one of max_clients slots for ever."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from p2pxfer.daemon import Daemon, DaemonConfig
+    from p2pxfer.daemon import _sessions as sessions_mod
+
+    monkeypatch.setattr(sessions_mod, "HELLO_TIMEOUT_S", 0.3)
+    engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
+    d = Daemon(DaemonConfig(node="node-a"), engine)
+
+    async def main() -> None:
+        ours, theirs = trio.socket.socketpair()
+        t0 = trio.current_time()
+        session = sessions_mod.ClientSession(d, ours, pid=1, uid=os.getuid())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            with trio.fail_after(5):
+                assert await theirs.recv(1 << 16) == b""
+        assert 0.3 <= trio.current_time() - t0 < 5
+        theirs.close()
+
+    trio.run(main)

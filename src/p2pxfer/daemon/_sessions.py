@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import math
 import mmap
 import os
 import stat
@@ -62,6 +63,7 @@ log = structlog.get_logger("p2pxfer.daemon")
 
 #: requests served as tasks of the session (they wait); the rest in turn
 CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate"})
+HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed
 
 
 def _seal(fd: int) -> None:
@@ -127,13 +129,21 @@ class ClientSession:
         self.mems: dict[int, _Mem] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
         self._next_mem = 1
+        self._greeting = trio.CancelScope()  # until hello (deadline set in run)
 
     async def run(self) -> None:
         log.info("client.connected", client=self.label)
+        # A connection that never says hello holds a descriptor and a slot of
+        # max_clients: not for long.
+        self._greeting.deadline = trio.current_time() + HELLO_TIMEOUT_S
         try:
             async with trio.open_nursery() as nursery:
                 try:
-                    await self._serve(nursery)
+                    with self._greeting:
+                        await self._serve(nursery)
+                    if self._greeting.cancelled_caught:
+                        log.warning("client.hello_timeout", client=self.label,
+                                    seconds=HELLO_TIMEOUT_S)
                 finally:
                     nursery.cancel_scope.cancel()  # pending writes finish, shielded
         finally:
@@ -165,6 +175,7 @@ class ClientSession:
                                                 max_frame=d.config.max_frame))
                 # Its credentials passed at accept: full-size frames from now on.
                 self.pump.conn.lift_frame_limit()
+                self._greeting.deadline = math.inf
             elif msg.kind in CONCURRENT:
                 nursery.start_soon(self._answer, msg)
             else:
