@@ -117,7 +117,7 @@ def test_a_frame_of_empty_maps_is_refused_cheaply(tmp_path: Path,
         reply = c.frame()
         took = time.monotonic() - t0
     assert reply is not None and reply["code"] == "bad_frame", reply
-    assert took < 3, took
+    assert took < 10, took  # before: 7 s and 1.6 GB; the RSS check is the sharp one
     assert _rss_kib(d) - before < 200 << 10, (before, _rss_kib(d))
     assert d.alive()
 
