@@ -23,6 +23,7 @@ from daemon_helpers import LOOPBACK, Agent, DaemonProc, Plan, free_port, start_d
 from p2pxfer.client import MemberUpdate, connect
 from p2pxfer.membership import ClusterAuth
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
+from p2pxfer.protocol._frames import FrameMac
 
 TOKEN = "the-right-token"
 
@@ -45,10 +46,19 @@ class RawPeer:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=5)
         self.decoder = FrameDecoder(1 << 24)
+        self.send_mac: FrameMac | None = None
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.sendall(encode_frame(obj, 1 << 24, self.send_mac))
 
     def request(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        self.sock.sendall(encode_frame(obj, 1 << 24))
+        self.send(obj)
         return self.frame()
+
+    def secure(self, send_key: bytes, receive_key: bytes) -> None:
+        """MAC every frame from now on, as a daemon does after ``auth``."""
+        self.send_mac = FrameMac(send_key)
+        self.decoder.mac = FrameMac(receive_key)
 
     def frame(self) -> dict[str, Any] | None:
         while (obj := self.decoder.next_frame()) is None:
@@ -145,7 +155,10 @@ def test_raw_caller_without_the_token_gets_nothing(tmp_path: Path, procs: list[A
     raw = RawPeer(a.control)
     welcome = raw.hello(nonce=mine)
     proof = auth.connection_proof("initiator", mine, welcome["nonce"], "intruder")
-    reply = raw.request({"t": "auth", "id": 1, "proof": proof})
+    raw.send({"t": "auth", "id": 1, "proof": proof})
+    # From the answer to auth on, every frame both ways carries a MAC.
+    raw.secure(*auth.session_keys(mine, welcome["nonce"], "intruder", "node-a"))
+    reply = raw.frame()
     assert reply is not None and reply["t"] == "ok", reply
     reply = raw.request({"t": "resolve", "id": 2, "region": "nope"})
     assert reply is not None and reply["code"] == "unknown_region", reply

@@ -608,7 +608,7 @@ def test_bad_requests_keep_the_connection(live: tuple[DaemonProc, DaemonProc],
         assert reply["result"]["node"] == "node-a"
 
         # Memory shared by hand: a memfd smaller than claimed, then a good one.
-        fd = os.memfd_create("raw-small")
+        fd = os.memfd_create("raw-small", os.MFD_ALLOW_SEALING)  # share takes sealable memfds
         try:
             os.ftruncate(fd, 4096)
             reply = c.request({"t": "share", "id": 101, "size": 8192}, fds=[fd])
@@ -803,9 +803,9 @@ def _hello(control: str) -> dict[str, Any]:
             "control": control}
 
 
-@pytest.mark.parametrize("control", [f"{LOOPBACK}:\u00b2", f"{LOOPBACK}:" + "7" * 5000,
-                                     "bad..host:7000", f"{LOOPBACK}:0"],
-                         ids=["superscript-port", "5000-digit-port", "bad-host", "port-0"])
+@pytest.mark.parametrize("control", [f"{LOOPBACK}:\u00b2", f"{LOOPBACK}:" + "7" * 4000,
+                                     "bad..host:7000", f"{LOOPBACK}:0"],  # hellos fit 4 KiB
+                         ids=["superscript-port", "4000-digit-port", "bad-host", "port-0"])
 def test_peer_hello_with_a_bad_address_is_refused(tmp_path: Path, control: str) -> None:
     """A peer's hello names where it can be reached back; one that is not
     host:port gets a clear fatal ``bad_request`` and a close, is not taken as
@@ -984,7 +984,7 @@ def test_cli_status(live: tuple[DaemonProc, DaemonProc]) -> None:
     peer_b = {"name": "node-b", "address": a.keys["peers"][0]["address"]}
     with RawConn(a.socket) as c:  # a client holding a region while the CLI looks
         c.hello()
-        fd = os.memfd_create("cli-kv")
+        fd = os.memfd_create("cli-kv", os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, 1 << 16)
             mem = c.request({"t": "share", "id": 1, "size": 1 << 16}, fds=[fd])["result"]["mem"]

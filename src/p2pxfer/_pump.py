@@ -33,7 +33,7 @@ from p2pxfer.protocol import (
     wire_error,
 )
 
-__all__ = ["ByteStream", "Pump", "TrioStream", "bounded"]
+__all__ = ["ByteStream", "LogThrottle", "Pump", "TrioStream", "bounded"]
 
 RECEIVE_BYTES = 1 << 16
 MAX_TEXT = 500  # longest exception text put into a log line or an error frame
@@ -43,6 +43,24 @@ def bounded(text: str, limit: int = MAX_TEXT) -> str:
     """``text`` cut to ``limit`` characters: what we log or send about a
     failure may quote hostile input."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class LogThrottle:
+    """At most one log line per ``interval_s`` about one kind of hostile
+    event (a connection flood must not become a disk flood): ``due()`` says
+    whether to log now, and how many were left unlogged since the last line."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._last = -float("inf")
+        self._skipped = 0
+
+    def due(self, now: float) -> int | None:
+        if now - self._last < self.interval_s:
+            self._skipped += 1
+            return None
+        self._last, skipped, self._skipped = now, self._skipped, 0
+        return skipped
 
 
 class ByteStream(Protocol):

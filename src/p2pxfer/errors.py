@@ -143,6 +143,13 @@ class AuthenticationFailed(DaemonError):
     code = "auth_failed"
 
 
+class Forbidden(DaemonError, PermissionError):
+    """The caller may not do this: a node-wide change (``add_peer``) asked by
+    a uid that is neither root nor the daemon's own."""
+
+    code = "forbidden"
+
+
 class ConfigError(InvalidArgument):
     """The daemon's configuration is wrong: the message names the key (and the
     file) and what it must be. Raised before anything is opened."""

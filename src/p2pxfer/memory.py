@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import mmap
 import os
@@ -85,9 +86,12 @@ class SharedBuffer:
     def __init__(self, nbytes: int, name: str = "p2pxfer") -> None:
         if nbytes <= 0:
             raise InvalidArgument(f"cannot allocate {nbytes} bytes: size must be > 0")
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, nbytes)
+            # Never shorter than now: a daemon maps it, and a write into pages
+            # past the end would be SIGBUS there (the daemon checks the seal).
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             self.mmap = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, prot)
         except BaseException:

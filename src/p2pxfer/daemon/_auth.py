@@ -27,7 +27,7 @@ __all__ = ["AUTH_TIMEOUT_S", "Caller"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
-AUTH_TIMEOUT_S = 10.0  # a peer connection must have proved the token by then
+AUTH_TIMEOUT_S = 10.0  # a control connection must have said hello (and proved the token) by then
 
 
 class Caller:
@@ -35,6 +35,7 @@ class Caller:
 
     def __init__(self, remote: str, auth: ClusterAuth | None, node: str) -> None:
         self.remote = remote
+        self.remote_host = ""  # the address it calls from
         self.auth = auth
         self.node = node  # ours
         self.authenticated = auth is None
@@ -42,6 +43,8 @@ class Caller:
         self.control = ""  # where it can be reached back (checked host:port), or ""
         self.nonce = b""  # the caller's challenge to us
         self.our_nonce = b""  # ours to it
+        #: it proved the cluster token (never true on an open daemon)
+        self.proved = False
 
     def hello(self, msg: Message) -> dict[str, Any]:
         """Take in a ``hello``; the extra fields of our ``welcome``. A control
@@ -68,11 +71,19 @@ class Caller:
             return  # nothing to prove here
         if self.our_nonce and nonce_ok(self.nonce) and self.auth.check_connection(
                 "initiator", self.nonce, self.our_nonce, self.name, proof):
-            self.authenticated = True
+            self.authenticated = self.proved = True
             return
         log.warning("peer.auth_failed", caller=bounded(self.name, 100), remote=self.remote,
                     reason="wrong proof of the cluster token")
         raise AuthenticationFailed(f"{self.node}: wrong cluster token")
+
+    def session_keys(self) -> tuple[bytes, bytes]:
+        """(send, receive) MAC keys of this connection, as ``Connection.secure``
+        takes them, once the caller proved the token."""
+        assert self.auth is not None and self.proved
+        to_us, to_them = self.auth.session_keys(self.nonce, self.our_nonce, self.name,
+                                                self.node)
+        return to_them, to_us
 
     def require(self, kind: str) -> None:
         """Refuse (logged) a request before the caller proved the token."""

@@ -82,6 +82,14 @@ class DaemonConfig:
     #: etcd lease, seconds: a member that stops renewing it (killed, cut off)
     #: is seen dead about this long after (membership = "etcd")
     etcd_ttl: int = 5
+    #: control connections served at once, in all and from one source address
+    #: (more are closed at once, unread)
+    max_connections: int = 256
+    max_connections_per_host: int = 64
+    #: clients connected to the unix socket at once
+    max_clients: int = 256
+    #: peers the table may hold (configured, added, learnt from callers)
+    max_peers: int = 4096
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:

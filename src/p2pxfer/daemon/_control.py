@@ -3,14 +3,20 @@
 One task per connection: a ``Pump`` over the socket, the hello (strictly
 checked) and the token handshake (``_auth``), then each request dispatched
 through ``HANDLERS``, a table checked against the peer protocol's requests
-when this module loads. Whatever goes wrong inside one connection ends that
-connection alone, logged once: never the daemon. What must not live here:
+when this module loads. Connections are capped, in all and per source
+address; one must say hello (and prove the token) within
+``AUTH_TIMEOUT_S``, in frames of at most 4 KiB until then; once it proved
+the token every frame both ways is MACed (``Connection.secure``). A caller
+becomes a peer only if it proved the token and calls from the address it
+gives. Whatever goes wrong inside one connection ends that connection alone,
+logged once: never the daemon. What must not live here:
 the region directory (``_regions``) or dialling out (``_peers``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import math
 from collections.abc import Callable
 from functools import partial
@@ -21,7 +27,7 @@ import trio
 
 from p2pxfer._pump import Pump, TrioStream, bounded
 from p2pxfer.address import format_hostport, parse_hostport
-from p2pxfer.errors import ConnectionLost, P2PXferError
+from p2pxfer.errors import ConnectionLost, InvalidArgument, P2PXferError
 from p2pxfer.protocol import (
     PEER_REQUESTS,
     RESPONDER,
@@ -48,8 +54,7 @@ Handler = Callable[["Daemon", Caller, Message], dict[str, Any]]
 
 
 def _auth_request(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
-    caller.prove(msg["proof"])
-    _known(d, caller)
+    caller.prove(msg["proof"])  # the conversation is secured before the answer goes
     return {}
 
 
@@ -67,19 +72,45 @@ HANDLERS: dict[str, Handler] = {
     "auth": _auth_request,
     "resolve": _resolve,
     "invalidate": _invalidate,
-    "status": lambda d, caller, msg: d.status(),
+    "status": lambda d, caller, msg: d.status(remote=True),
     "peers": lambda d, caller, msg: {"peers": d.peer_list()},
 }
 check_handlers(HANDLERS, PEER_REQUESTS, "the control port")
 
 
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None  # a host name proves nothing about where a caller is
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _same_host(a: str, b: str) -> bool:
+    ia = _ip(a)
+    return ia is not None and ia == _ip(b)
+
+
 def _known(d: Daemon, caller: Caller) -> None:
-    """A daemon that reached us (and proved the token, if one is set) can be
-    reached back: no static world. With membership on, the members are the
-    peers: a caller must not add itself this way."""
-    if caller.authenticated and caller.name and caller.control \
-            and caller.name not in d.peers and not d.follower.enabled:
+    """A daemon that proved the cluster token can be reached back: no static
+    world. Nobody else is learnt (an open daemon learns no peer this way), and
+    only at the address it called from, while the table has room. With
+    membership on, the members are the peers: a caller must not add itself."""
+    if not (caller.proved and caller.name and caller.control) or caller.name in d.peers \
+            or d.follower.enabled:
+        return
+    host = parse_hostport(caller.control)[0]
+    if not _same_host(host, caller.remote_host):
+        log.warning("peer.not_learnt", caller=bounded(caller.name, 100), remote=caller.remote,
+                    control=caller.control, reason="not the address it called from")
+        return
+    try:
         d.peers.add(caller.name, caller.control)
+    except InvalidArgument as exc:  # the table is full
+        log.warning("peer.not_learnt", caller=bounded(caller.name, 100), remote=caller.remote,
+                    reason=str(exc))
 
 
 async def serve_control(d: Daemon, nursery: trio.Nursery) -> str:
@@ -94,14 +125,26 @@ async def serve_control(d: Daemon, nursery: trio.Nursery) -> str:
 async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
     """Serve one control connection until it ends; nothing it does can stop
     the daemon."""
-    remote = _remote(stream)
-    pump = Pump(Connection("peer", RESPONDER, max_frame=d.config.max_frame),
+    remote_host, remote = _remote(stream)
+    counts = d.control_connections
+    cfg = d.config
+    if sum(counts.values()) >= cfg.max_connections \
+            or counts[remote_host] >= cfg.max_connections_per_host:
+        skipped = d.refusals.due(trio.current_time())
+        if skipped is not None:
+            log.warning("peer.refused", remote=remote, connections=sum(counts.values()),
+                        from_host=counts[remote_host], not_logged=skipped)
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        return
+    counts[remote_host] += 1
+    pump = Pump(Connection("peer", RESPONDER, max_frame=cfg.max_frame),
                 TrioStream(stream, f"caller {remote}"), f"caller {remote}")
     caller = Caller(remote, d.auth, d.node)
-    # A caller that has not proved the token soon gets no more of our time
-    # (nor a file descriptor to hold).
-    proving = trio.CancelScope(deadline=math.inf if caller.authenticated
-                               else trio.current_time() + _auth.AUTH_TIMEOUT_S)
+    caller.remote_host = remote_host
+    # A caller that has not said hello (and proved the token, if one is set)
+    # soon gets no more of our time, nor a file descriptor to hold.
+    proving = trio.CancelScope(deadline=trio.current_time() + _auth.AUTH_TIMEOUT_S)
     try:
         with proving:
             await _converse(d, pump, caller, proving)
@@ -114,6 +157,9 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
         log.warning("peer.connection_failed", remote=remote, caller=bounded(caller.name, 100),
                     error=bounded(f"{type(exc).__name__}: {exc}"))
     finally:
+        counts[remote_host] -= 1
+        if counts[remote_host] <= 0:
+            del counts[remote_host]
         await pump.aclose()
 
 
@@ -131,13 +177,18 @@ async def _converse(d: Daemon, pump: Pump, caller: Caller, proving: trio.CancelS
         if msg is None or msg.kind == "bye":
             return
         if msg.kind == "hello":
-            if not await _welcome(d, pump, caller, msg):
+            if not await _welcome(d, pump, caller, msg, proving):
                 return
             continue
         try:
             if msg.kind != "auth":
                 caller.require(msg.kind)
             outcome: dict[str, Any] | BaseException = HANDLERS[msg.kind](d, caller, msg)
+            if msg.kind == "auth" and caller.proved and not pump.conn.secured:
+                # From the answer on, every frame both ways carries a MAC.
+                pump.conn.secure(*caller.session_keys())
+                pump.conn.lift_frame_limit()
+                _known(d, caller)
         except P2PXferError as exc:
             outcome = exc
         except Exception as exc:  # a bug: answer "internal", keep serving
@@ -147,11 +198,12 @@ async def _converse(d: Daemon, pump: Pump, caller: Caller, proving: trio.CancelS
         await pump.answer(msg.id, outcome)
         if isinstance(outcome, BaseException) and is_fatal(wire_error(outcome)[0]):
             return  # auth_failed: said so, now hang up
-        if caller.authenticated:
+        if caller.proved:
             proving.deadline = math.inf
 
 
-async def _welcome(d: Daemon, pump: Pump, caller: Caller, msg: Message) -> bool:
+async def _welcome(d: Daemon, pump: Pump, caller: Caller, msg: Message,
+                   proving: trio.CancelScope) -> bool:
     try:
         extra = caller.hello(msg)
     except P2PXferError as exc:
@@ -162,13 +214,18 @@ async def _welcome(d: Daemon, pump: Pump, caller: Caller, msg: Message) -> bool:
         return False
     await pump.send("welcome", extra, v=SCHEMA_VERSION, node=d.node,
                     incarnation=d.incarnation, max_frame=d.config.max_frame)
-    _known(d, caller)
+    if caller.authenticated:  # an open daemon: nothing more to prove
+        pump.conn.lift_frame_limit()
+        proving.deadline = math.inf
     return True
 
 
-def _remote(stream: trio.SocketStream) -> str:
+def _remote(stream: trio.SocketStream) -> tuple[str, str]:
+    """(source host, "host:port") of a caller."""
     try:
         peer = stream.socket.getpeername()
     except OSError:
-        return "?"
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "?")
+        return "?", "?"
+    if isinstance(peer, tuple):
+        return str(peer[0]), f"{peer[0]}:{peer[1]}"
+    return str(peer or "?"), str(peer or "?")

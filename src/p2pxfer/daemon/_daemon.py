@@ -13,17 +13,21 @@ part's state.
 
 from __future__ import annotations
 
-import contextlib
-import os
+import ipaddress
+import resource
 import signal
 import time
+from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
 
+from p2pxfer._pump import LogThrottle
+from p2pxfer.address import parse_hostport
 from p2pxfer.engine import Engine, EngineConfig, open_engine
+from p2pxfer.errors import InvalidArgument
 from p2pxfer.membership import ClusterAuth
 
 from ._config import DaemonConfig
@@ -33,13 +37,13 @@ from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
 from ._regions import Regions
-from ._sessions import serve_clients
+from ._sessions import remove_socket, serve_clients
 from ._writes import Writes
 
 if TYPE_CHECKING:
     from ._sessions import ClientSession
 
-__all__ = ["Daemon", "serve"]
+__all__ = ["Daemon", "check_exposure", "raise_fd_limit", "serve"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
@@ -48,6 +52,55 @@ STOP_MEMBERSHIP_S = 2.0  # at most this long saying goodbye on the way out
 #: waiting, shielded, for pieces posted to a peer that went silent) are cut
 #: short: the engine is closed under them (see ``_close_engine_after``).
 SHUTDOWN_GRACE_S = 2.0
+FD_LIMIT_CAP = 1 << 20  # what we raise RLIMIT_NOFILE to when the hard limit is unlimited
+
+OPEN_WARNING = ("no cluster_token: the control port is OPEN: any process that reaches "
+                "it can resolve regions and write into clients' memory (allowed only "
+                "because every address is loopback)")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(config: DaemonConfig) -> bool:
+    """Whether the daemon runs open (no cluster token). Open is allowed only
+    when every address it listens on is loopback: the control host, and the
+    fabric's (``fabric_node``; empty means every interface), unless the
+    provider is ``shm`` (no network). Otherwise ``InvalidArgument``."""
+    if config.cluster_token:
+        return False
+    exposed = []
+    if not _loopback(parse_hostport(config.control)[0]):
+        exposed.append(f"control {config.control}")
+    if not config.provider.startswith("shm") and not _loopback(config.fabric_node):
+        exposed.append(f"fabric_node {config.fabric_node or '(every interface)'}")
+    if exposed:
+        raise InvalidArgument(f"refusing to start without a cluster_token on a non-loopback "
+                              f"address ({', '.join(exposed)}): anyone who reaches it could "
+                              "write into clients' memory; set cluster_token (the same "
+                              "secret on every daemon), or bind to 127.0.0.1")
+    return True
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one (capped): a daemon holds
+    one descriptor per client, peer link, control connection and memfd
+    mapping. Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT_CAP if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT_CAP)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (OSError, ValueError) as exc:
+            log.warning("daemon.fd_limit", error=str(exc), soft=soft, hard=hard)
+    return soft
 
 
 class Daemon:
@@ -62,13 +115,20 @@ class Daemon:
         #: no token configured, connections are not authenticated)
         self.auth = ClusterAuth(config.cluster_token.encode()) if config.cluster_token else None
         self.peers = PeerTable(self.node, config.peers, auth=self.auth,
-                               max_frame=config.max_frame)
+                               max_frame=config.max_frame, max_peers=config.max_peers)
         self.regions = Regions(self.node, self.peers)
         self.follower = Follower(self.node, self.peers)
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded
         self.writes = Writes(self)
         self.sessions: set[ClientSession] = set()
+        #: (st_dev, st_ino) of our unix socket, so we remove only our own
+        self.socket_identity: tuple[int, int] | None = None
+        self.open = config.cluster_token == ""
+        #: control connections being served, per source address
+        self.control_connections: Counter[str] = Counter()
+        #: connections refused for a cap: logged once a second at most
+        self.refusals = LogThrottle()
         self._nursery: trio.Nursery | None = None
         #: Prometheus metrics (None: ``metrics`` is not configured)
         self.metrics: DaemonMetrics | None = None
@@ -97,9 +157,15 @@ class Daemon:
         """Listen on the control port (in ``nursery``)."""
         self.peers.control_address = await serve_control(self, nursery)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, *, remote: bool = False) -> dict[str, Any]:
+        """The ``status`` reply. ``remote`` (asked over the control port):
+        no client pids; and while the port is open, no regions at all."""
         stats = self.engine.statistics()
         backend = self.follower.backend
+        regions = self.regions.listing()
+        if remote:
+            regions = [] if self.open else [
+                {k: v for k, v in r.items() if k != "client"} for r in regions]
         return {
             "node": self.node,
             "incarnation": self.incarnation,
@@ -107,7 +173,8 @@ class Daemon:
             "socket": self.config.socket,
             "provider": self.engine.config.provider,
             "clients": len(self.sessions),
-            "regions": self.regions.listing(),
+            "regions": regions,
+            "security": f"open: {OPEN_WARNING}" if self.open else "cluster token",
             "peers": self.peer_list(),
             "membership": self.config.membership,
             "membership_stats": {} if backend is None else backend.statistics(),
@@ -143,7 +210,11 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     Stopping is bounded: it says goodbye to the cluster (at most
     ``STOP_MEMBERSHIP_S``), cancels every task, and whatever still runs
     ``SHUTDOWN_GRACE_S`` after stopping began (a write waiting for pieces
-    posted to a silent peer) is failed by closing the engine under it."""
+    posted to a silent peer) is failed by closing the engine under it.
+    Refuses (``InvalidArgument``) to run open on a non-loopback address."""
+    if check_exposure(config):
+        log.warning("daemon.open", node=config.node, warning=OPEN_WARNING)
+    fd_limit = raise_fd_limit()
     engine_cfg = EngineConfig(
         provider=config.provider, node=config.fabric_node or None,
         interfaces=config.interfaces or None, node_name=config.node,
@@ -153,13 +224,14 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     # Shielded: the deadline holds also when serve() itself is cancelled.
     # Cancelled (done with) once every task of the daemon has ended.
     deadline = trio.CancelScope(shield=True)
+    daemon: Daemon | None = None
     try:
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as guard:
             try:
                 async with trio.open_nursery() as nursery:
                     daemon = Daemon(config, engine)
                     daemon.nursery = nursery
-                    sock = await _start(daemon, nursery)
+                    sock = await _start(daemon, nursery, fd_limit)
                     try:
                         task_status.started(daemon)
                         await _wait_for_stop(handle_signals)
@@ -177,11 +249,12 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
         # Only now, with the accept loop gone, close and remove the socket.
         if sock is not None:
             sock.close()
-        with contextlib.suppress(OSError):
-            os.unlink(config.socket)
+        if daemon is not None:
+            remove_socket(config.socket, daemon.socket_identity)
 
 
-async def _start(daemon: Daemon, nursery: trio.Nursery) -> trio.socket.SocketType:
+async def _start(daemon: Daemon, nursery: trio.Nursery,
+                 fd_limit: int) -> trio.socket.SocketType:
     """Start the daemon's parts in ``nursery``; the client socket."""
     config, engine = daemon.config, daemon.engine
     daemon.notes = slow_paths(engine, config.provider)
@@ -199,7 +272,8 @@ async def _start(daemon: Daemon, nursery: trio.Nursery) -> trio.socket.SocketTyp
     sock = await serve_clients(daemon, nursery)
     log.info("daemon.ready", node=daemon.node, socket=config.socket,
              control=daemon.control_address, provider=config.provider,
-             membership=config.membership)
+             membership=config.membership, fd_limit=fd_limit,
+             security="open" if daemon.open else "cluster token")
     return sock
 
 

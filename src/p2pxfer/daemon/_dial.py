@@ -5,8 +5,10 @@ asks a peer for a region's descriptor the way daemons ask each other).
 With a cluster token the handshake is mutual (``proto/PROTOCOL.md``): our
 ``hello`` carries a nonce, the ``welcome`` the daemon's nonce and its proof,
 we check that proof and that the daemon is the node we meant, then prove
-ourselves with ``auth``. The connection is handed over only once all of that
-passed. What must not live here: what a caller then asks.
+ourselves with ``auth``; every frame after that ``auth``, both ways, carries a
+MAC under this connection's keys (``ClusterAuth.session_keys``). The
+connection is handed over only once all of that passed. What must not live
+here: what a caller then asks.
 """
 
 from __future__ import annotations
@@ -67,7 +69,11 @@ async def dial_peer(address: str, *, name: str, expect: str | None = None,
             raise AuthenticationFailed(f"peer {where} at {address} did not prove the "
                                        "cluster token")
         proof = auth.connection_proof("initiator", nonce, theirs, name)
-        await pump.request("auth", proof=proof)
+        rid = pump.conn.next_id()
+        await pump.send("auth", id=rid, proof=proof)
+        # The answer, and everything after it, comes MACed.
+        pump.conn.secure(*auth.session_keys(nonce, theirs, name, node))
+        pump.result(await pump.reply(rid))
     except BaseException:
         await pump.aclose()
         raise

@@ -17,16 +17,21 @@ import trio
 
 from p2pxfer.errors import ConnectionLost
 
-__all__ = ["MAX_FDS", "UnixFdStream", "close_fds", "peer_credentials", "recv_with_fds"]
+__all__ = ["MAX_FDS", "MAX_QUEUED_FDS", "UnixFdStream", "close_fds", "peer_credentials",
+           "recv_with_fds"]
 
-MAX_FDS = 8
+MAX_FDS = 8  # taken per recvmsg (the kernel closes any beyond)
+#: descriptors a client may have sent ahead of its ``share`` requests; one
+#: that sends more is flooding us and is cut off
+MAX_QUEUED_FDS = 8
 _CREDS = struct.Struct("3i")
 
 
 async def recv_with_fds(sock: trio.socket.SocketType, bufsize: int = 1 << 16
                         ) -> tuple[bytes, list[int]]:
     """Bytes and any file descriptors that came with them (b"" at EOF)."""
-    data, ancdata, _flags, _addr = await sock.recvmsg(bufsize, socket.CMSG_SPACE(MAX_FDS * 4))
+    data, ancdata, _flags, _addr = await sock.recvmsg(bufsize, socket.CMSG_SPACE(MAX_FDS * 4),
+                                                      socket.MSG_CMSG_CLOEXEC)
     fds: list[int] = []
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -52,17 +57,29 @@ def close_fds(fds: list[int]) -> None:
 
 class UnixFdStream:
     """A client's unix socket: bytes in with the descriptors that came with
-    them (queued in ``fds``, oldest first), bytes out."""
+    them (queued in ``fds``, oldest first, at most ``MAX_QUEUED_FDS``), bytes
+    out. A client that queues more is cut off: its descriptors are closed
+    and the stream reads as ended (``flooded`` says why)."""
 
     def __init__(self, sock: trio.socket.SocketType, label: str) -> None:
         self.sock = sock
         self.label = label
         self.fds: deque[int] = deque()
+        self.flooded = False
 
     async def receive_some(self) -> bytes:
+        if self.flooded:
+            return b""
         try:
             data, fds = await recv_with_fds(self.sock)
         except OSError:
+            return b""
+        if len(self.fds) + len(fds) > MAX_QUEUED_FDS:
+            close_fds(fds)
+            close_fds(list(self.fds))
+            self.fds.clear()
+            self.flooded = True
+            self.shutdown()
             return b""
         self.fds.extend(fds)
         return data

@@ -20,7 +20,7 @@ import trio
 
 from p2pxfer._pump import Pump, bounded
 from p2pxfer.address import format_hostport, parse_hostport
-from p2pxfer.errors import AuthenticationFailed, RemoteClosed, UnknownPeer
+from p2pxfer.errors import AuthenticationFailed, InvalidArgument, RemoteClosed, UnknownPeer
 from p2pxfer.membership import ClusterAuth
 from p2pxfer.protocol import error_from_wire, is_fatal
 
@@ -121,8 +121,9 @@ class PeerTable:
     """Peers by name, and the links to them."""
 
     def __init__(self, node: str, peers: tuple[PeerAddress, ...], *,
-                 auth: ClusterAuth | None, max_frame: int) -> None:
+                 auth: ClusterAuth | None, max_frame: int, max_peers: int = 4096) -> None:
         self.node = node
+        self.max_peers = max_peers
         self.auth = auth
         self.max_frame = max_frame
         self.control_address = ""  # ours, once listening: said in every hello
@@ -155,8 +156,12 @@ class PeerTable:
 
     def add(self, name: str, address: str) -> None:
         """A peer at ``address`` (``host:port``, checked: ``InvalidArgument``
-        naming what is wrong); a known one's descriptors are forgotten."""
+        naming what is wrong, or when the table already holds ``max_peers``);
+        a known one's descriptors are forgotten."""
         host, port = parse_hostport(address, port_zero=False)
+        if name not in self.peers and len(self.peers) >= self.max_peers:
+            raise InvalidArgument(f"the peer table is full ({self.max_peers} peers); "
+                                  f"not adding {bounded(name, 100)!r}")
         self.peers[name] = PeerAddress(name, format_hostport(host, port))
         self.on_forget(name)
 

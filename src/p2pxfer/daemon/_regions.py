@@ -74,7 +74,7 @@ class Regions:
         hit = self._exports.get(region)
         if hit is None:
             raise UnknownRegion(f"no region named {region!r} on {self.node}")
-        if for_peer:
+        if for_peer and for_peer in self.peers:  # only known peers are told (bounded)
             self._resolved_by.setdefault(region, set()).add(for_peer)
         return hit[1]
 

@@ -5,7 +5,10 @@ the engine) and its exports, and serves its requests through ``HANDLERS``, a
 table checked against the client protocol's requests when this module loads.
 Requests that wait (``write``, ``wait_imm``, ``watch``, ``locate``) run as
 tasks, so one client can have many in flight. A client that goes away loses
-its regions and memory; nobody else notices. What must not live here: the
+its regions and memory; nobody else notices. Shared memory must be a memfd
+sealed against shrinking (no SIGBUS); a local write into another uid's region
+and ``add_peer`` from an unprivileged uid are refused; the socket path is
+never taken from a live daemon nor from anything that is not a socket. What must not live here: the
 region directory's rules (``_regions``) or the write path (``_writes``).
 """
 
@@ -13,8 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import math
 import mmap
 import os
+import stat
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +29,8 @@ import trio
 
 from p2pxfer._pump import Pump, bounded
 from p2pxfer.errors import (
+    DaemonError,
+    Forbidden,
     InvalidArgument,
     P2PXferError,
     ScatterError,
@@ -50,18 +58,41 @@ from ._retire import retire
 if TYPE_CHECKING:
     from ._daemon import Daemon
 
-__all__ = ["HANDLERS", "ClientSession", "serve_clients"]
+__all__ = ["HANDLERS", "ClientSession", "remove_socket", "serve_clients"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
 #: requests served as tasks of the session (they wait); the rest in turn
 CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate"})
+HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed
+
+
+def _seal(fd: int) -> None:
+    """Make sure the client can never shrink the file under our mapping (a
+    write into pages past its end would kill the daemon with SIGBUS): the
+    memfd must carry ``F_SEAL_SHRINK``, or take it now. Anything that cannot
+    carry seals (not a memfd) is refused."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise InvalidArgument("share takes a memfd (memfd_create with MFD_ALLOW_SEALING); "
+                              f"this descriptor cannot carry seals ({exc.strerror})") from exc
+    if seals & fcntl.F_SEAL_SHRINK:
+        return
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except OSError as exc:
+        raise InvalidArgument("the shared memfd is not sealed against shrinking "
+                              "(F_SEAL_SHRINK) and cannot be: create it with "
+                              f"MFD_ALLOW_SEALING ({exc.strerror})") from exc
 
 
 class _Mem:
-    """A client's memfd, mapped here and registered with the engine."""
+    """A client's memfd, sealed against shrinking, mapped here and registered
+    with the engine."""
 
     def __init__(self, mem_id: int, fd: int, size: int) -> None:
+        _seal(fd)  # before the size check: the size cannot go down after it
         st = os.fstat(fd)
         if st.st_size < size:
             raise InvalidArgument(f"memfd holds {st.st_size} bytes, not {size}")
@@ -88,26 +119,39 @@ class _Mem:
 class ClientSession:
     """One connected client: its memory, its exports, its requests in flight."""
 
-    def __init__(self, daemon: Daemon, sock: trio.socket.SocketType, pid: int) -> None:
+    def __init__(self, daemon: Daemon, sock: trio.socket.SocketType, pid: int,
+                 uid: int = -1) -> None:
         self.daemon = daemon
         self.label = f"pid:{pid}"
+        self.uid = uid
         self.stream = UnixFdStream(sock, self.label)
         self.pump = Pump(Connection("client", RESPONDER, max_frame=daemon.config.max_frame),
                          self.stream, f"client {self.label}")
         self.mems: dict[int, _Mem] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
         self._next_mem = 1
+        self._greeting = trio.CancelScope()  # until hello (deadline set in run)
 
     async def run(self) -> None:
         log.info("client.connected", client=self.label)
+        # A connection that never says hello holds a descriptor and a slot of
+        # max_clients: not for long.
+        self._greeting.deadline = trio.current_time() + HELLO_TIMEOUT_S
         try:
             async with trio.open_nursery() as nursery:
                 try:
-                    await self._serve(nursery)
+                    with self._greeting:
+                        await self._serve(nursery)
+                    if self._greeting.cancelled_caught:
+                        log.warning("client.hello_timeout", client=self.label,
+                                    seconds=HELLO_TIMEOUT_S)
                 finally:
                     nursery.cancel_scope.cancel()  # pending writes finish, shielded
         finally:
             with trio.CancelScope(shield=True):
+                if self.stream.flooded:
+                    log.warning("client.fd_flood", client=self.label,
+                                error="sent more file descriptors than share requests allow")
                 self._release()
                 await self.stream.aclose()
             log.info("client.gone", client=self.label)
@@ -130,6 +174,9 @@ class ClientSession:
                 await self._send(self.pump.send("welcome", v=SCHEMA_VERSION, node=d.node,
                                                 incarnation=d.incarnation,
                                                 max_frame=d.config.max_frame))
+                # Its credentials passed at accept: full-size frames from now on.
+                self.pump.conn.lift_frame_limit()
+                self._greeting.deadline = math.inf
             elif msg.kind in CONCURRENT:
                 nursery.start_soon(self._answer, msg)
             else:
@@ -164,6 +211,23 @@ class ClientSession:
         await self._send(self.pump.answer(msg.id, outcome))
 
     # -- memory and exports -----------------------------------------------------
+
+    @property
+    def privileged(self) -> bool:
+        """Root or the daemon's own uid: may change node-wide state."""
+        return self.uid in (0, os.getuid())
+
+    def may_write_into(self, region: str) -> None:
+        """A local region takes writes only from its owner's uid (or a
+        privileged one): ``UnknownRegion`` otherwise, as if it did not exist,
+        so another uid learns nothing of what is exported here."""
+        for other in self.daemon.sessions:
+            if region in other.exports and other.uid != self.uid and not self.privileged:
+                log.warning("client.write_refused", client=self.label, uid=self.uid,
+                            region=bounded(region, 100), owner=other.label)
+                raise UnknownRegion(f"no region named {bounded(region, 100)!r} on "
+                                    f"{self.daemon.node} that uid {self.uid} may write into")
+        # Not exported at all: the write path says so, after checking the rest.
 
     def mem(self, mem_id: int) -> _Mem:
         mem = self.mems.get(mem_id)
@@ -250,6 +314,8 @@ async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
+    if msg["peer"] == s.daemon.node:
+        s.may_write_into(msg["region"])
     src = s.mem(msg["mem"]).view(msg["offset"])
     scatter = ScatterList(*unpack_scatter(msg["scatter"]))
     pieces = await s.daemon.writes.write(s.label, src, scatter, msg["peer"], msg["region"],
@@ -271,6 +337,9 @@ async def _peers(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _add_peer(s: ClientSession, msg: Message) -> dict[str, Any]:
+    if not s.privileged:
+        raise Forbidden(f"add_peer changes the whole node: only root or the daemon's uid "
+                        f"({os.getuid()}) may, not uid {s.uid}")
     s.daemon.peers.add(msg["name"], msg["address"])
     return {}
 
@@ -298,22 +367,62 @@ check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")
 
 # -- the listener -----------------------------------------------------------------------
 
+async def _claim_path(path: str) -> None:
+    """Make room for our socket at ``path``: nothing there, or a stale socket
+    (removed). A daemon that answers there is live: ``DaemonError``, we do
+    not take its socket away. Anything that is not a socket is never
+    removed: ``InvalidArgument``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InvalidArgument(f"socket path {path} exists and is not a socket; refusing to "
+                              "remove it (choose another path, or remove it yourself)")
+    probe = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    live = True  # a listener too busy to answer in time is alive too
+    try:
+        with trio.move_on_after(2.0):
+            await probe.connect(path)
+    except OSError:
+        live = False  # nobody listens: a stale socket from an earlier run
+    finally:
+        probe.close()
+    if live:
+        raise DaemonError(f"a daemon is already listening on {path}; refusing to take its "
+                          "socket (stop it first, or choose another path)")
+    os.unlink(path)
+
+
 async def serve_clients(d: Daemon, nursery: trio.Nursery) -> trio.socket.SocketType:
-    """Listen on the unix socket (created 0600); returns the listening socket."""
+    """Listen on the unix socket, created 0600 (0666 with ``allowed_uids``:
+    those uids must be able to connect; ``SO_PEERCRED`` still refuses every
+    other); returns the listening socket. ``DaemonError`` / ``InvalidArgument``
+    when the path holds a live daemon's socket or something else."""
     path = d.config.socket
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    if os.path.exists(path):
-        os.unlink(path)  # a stale socket from an earlier run
+    await _claim_path(path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     old = os.umask(0o177)  # the socket is created 0600, never briefly wider
     try:
         await sock.bind(path)
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(path, 0o666 if d.config.allowed_uids else 0o600)
+    st = os.lstat(path)
+    d.socket_identity = (st.st_dev, st.st_ino)
     sock.listen(64)
     nursery.start_soon(_accept, d, sock)
     return sock
+
+
+def remove_socket(path: str, identity: tuple[int, int] | None) -> None:
+    """Remove our socket file, only if it still is ours (a daemon started
+    after us on the same path must keep its own)."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if identity is not None and (st.st_dev, st.st_ino) == identity:
+            os.unlink(path)
 
 
 # accept() failures that say "not now" (out of descriptors or memory): wait a
@@ -349,7 +458,14 @@ async def _client(d: Daemon, sock: trio.socket.SocketType) -> None:
         log.warning("client.refused", pid=pid, uid=uid)
         sock.close()
         return
-    session = ClientSession(d, sock, pid)
+    if len(d.sessions) >= d.config.max_clients:
+        skipped = d.refusals.due(trio.current_time())
+        if skipped is not None:
+            log.warning("client.refused", pid=pid, uid=uid, not_logged=skipped,
+                        reason=f"{d.config.max_clients} clients already connected")
+        sock.close()
+        return
+    session = ClientSession(d, sock, pid, uid)
     d.sessions.add(session)
     try:
         await session.run()

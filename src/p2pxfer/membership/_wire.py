@@ -137,6 +137,20 @@ class ClusterAuth:
         return hmac.compare_digest(
             self.connection_proof(side, initiator_nonce, responder_nonce, name), proof)
 
+    def session_keys(self, initiator_nonce: bytes, responder_nonce: bytes, initiator: str,
+                     responder: str) -> tuple[bytes, bytes]:
+        """The MAC keys of one authenticated control connection, (initiator to
+        responder, responder to initiator): derived from the token, both
+        nonces and both names, so every connection and direction has its own
+        and no proof sent in the clear (its first part is a side, not
+        "session") gives them away."""
+        parts = (b"session", initiator_nonce, responder_nonce, initiator.encode(),
+                 responder.encode())
+        data = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+        master = hmac.digest(self._control_key, data, "sha256")
+        return (hmac.digest(master, b"initiator->responder", "sha256"),
+                hmac.digest(master, b"responder->initiator", "sha256"))
+
     def sign(self, data: bytes) -> bytes:
         """A MAC for a value stored outside the wire (the etcd backend's keys)."""
         return hmac.digest(self._value_key, data, "sha256")

@@ -11,7 +11,13 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from ._errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from ._frames import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
+from ._frames import (
+    DEFAULT_MAX_FRAME,
+    HANDSHAKE_MAX_FRAME,
+    FrameDecoder,
+    FrameMac,
+    encode_frame,
+)
 from ._messages import CLIENT_REQUESTS, PEER_REQUESTS, SCHEMA_VERSION, Message, validate
 from ._state import INITIATOR, RESPONDER, State, is_reply, transition
 
@@ -31,14 +37,26 @@ CLOSED: Final = _Sentinel("CLOSED")
 
 PROTOCOLS = {"client": CLIENT_REQUESTS, "peer": PEER_REQUESTS}
 
+#: maps and arrays one frame a responder receives may hold: requests are flat
+#: maps, so this is generous, and it keeps a 16 MiB frame of empty maps from
+#: becoming gigabytes of dicts
+RESPONDER_MAX_CONTAINERS = 64
+
 
 class Connection:
     """One end of a client<->daemon ("client") or daemon<->daemon ("peer")
     conversation. ``our_role`` is INITIATOR (says hello, sends requests) or
-    RESPONDER (welcomes, replies)."""
+    RESPONDER (welcomes, replies).
+
+    Until the other end is known, frames may be at most ``handshake_max_frame``
+    bytes: an initiator lifts that limit when the ``welcome`` arrives, a
+    responder when its I/O layer calls ``lift_frame_limit`` (a client whose
+    credentials passed, a peer that proved the cluster token). After
+    ``secure`` every frame both ways carries a MAC with a sequence number."""
 
     def __init__(self, protocol: str, our_role: str, *,
-                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME,
+                 handshake_max_frame: int = HANDSHAKE_MAX_FRAME) -> None:
         if protocol not in PROTOCOLS or our_role not in (INITIATOR, RESPONDER):
             raise ValueError(f"bad protocol {protocol!r} or role {our_role!r}")
         self.protocol = protocol
@@ -48,10 +66,36 @@ class Connection:
         self.state = State.IDLE
         self.max_frame = max_frame  # what we accept
         self.send_max_frame = max_frame  # what the peer accepts (welcome may lower it)
-        self._decoder = FrameDecoder(max_frame)
+        self._decoder = FrameDecoder(
+            min(max_frame, handshake_max_frame),
+            max_containers=RESPONDER_MAX_CONTAINERS if our_role == RESPONDER else None)
+        self._send_mac: FrameMac | None = None
         self._eof = False
         self._outstanding: set[int] = set()
         self._next_id = 1
+
+    # -- limits and keys ------------------------------------------------------
+
+    def lift_frame_limit(self) -> None:
+        """Accept frames up to ``max_frame`` from now on (the other end is known)."""
+        self._decoder.max_frame = self.max_frame
+
+    @property
+    def frame_limit(self) -> int:
+        """The largest frame body accepted right now."""
+        return self._decoder.max_frame
+
+    def secure(self, send_key: bytes, receive_key: bytes) -> None:
+        """From now on every frame we send carries a MAC under ``send_key`` and
+        every frame we receive must carry one under ``receive_key`` (each with
+        its own sequence number): a changed, injected, dropped or replayed
+        frame is a fatal ``auth_failed``."""
+        self._send_mac = FrameMac(send_key)
+        self._decoder.mac = FrameMac(receive_key)
+
+    @property
+    def secured(self) -> bool:
+        return self._send_mac is not None
 
     # -- outgoing -------------------------------------------------------------
 
@@ -70,7 +114,7 @@ class Connection:
         state, outstanding = self.state, set(self._outstanding)
         self._advance(self.our_role, msg, LocalProtocolError)
         try:
-            return encode_frame(msg.to_wire(), self.send_max_frame)
+            return encode_frame(msg.to_wire(), self.send_max_frame, self._send_mac)
         except LocalProtocolError:
             self.state, self._outstanding = state, outstanding
             raise
@@ -85,9 +129,10 @@ class Connection:
         self.state = State.CLOSED
         frame = {"t": "error", "id": None, "code": err.code, "message": err.message}
         try:
-            return encode_frame(frame, self.send_max_frame)
+            return encode_frame(frame, self.send_max_frame, self._send_mac)
         except LocalProtocolError:
-            return encode_frame({**frame, "message": err.message[:200]}, self.send_max_frame)
+            return encode_frame({**frame, "message": err.message[:200]}, self.send_max_frame,
+                                self._send_mac)
 
     # -- incoming -------------------------------------------------------------
 
@@ -169,6 +214,7 @@ class Connection:
                                  f"{msg['v']}, not {SCHEMA_VERSION}")
             if sender == self.their_role:
                 self.send_max_frame = min(self.send_max_frame, msg["max_frame"])
+                self.lift_frame_limit()  # we know whom we called
         if msg.kind in self.requests:
             rid = msg.id
             if rid is None or rid in self._outstanding:

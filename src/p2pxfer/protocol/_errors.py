@@ -18,6 +18,7 @@ from p2pxfer.errors import (
     AuthenticationFailed,
     DaemonError,
     EngineClosed,
+    Forbidden,
     InvalidArgument,
     NameTaken,
     P2PXferError,
@@ -70,6 +71,7 @@ _ANSWERS: tuple[tuple[type[P2PXferError], bool], ...] = (
     # The peer protocol's conversation ends with it (the daemon hangs up after
     # saying so); a client hears it relayed, as a plain answer.
     (AuthenticationFailed, True),
+    (Forbidden, False),
     (PeerLost, False),
     (TransferError, False),
     (EngineClosed, False),

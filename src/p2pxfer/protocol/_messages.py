@@ -28,7 +28,7 @@ __all__ = [
     "validate",
 ]
 
-SCHEMA_VERSION = 2  # 2: control connections authenticate (nonce/proof/auth); watch, locate
+SCHEMA_VERSION = 3  # 3: frames MACed after auth, 4 KiB handshake frames, forbidden
 
 _INT = (int,)
 _STR = (str,)
@@ -96,6 +96,13 @@ class Message:
         return {"t": self.kind, **self.fields}
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error texts quote hostile
+    input, and a 16 MiB field name must not become a 16 MiB log line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def usable_id(value: Any) -> int | None:
     """A request id: an int (never a bool) in msgpack's unsigned range."""
     return value if type(value) is int and 0 <= value < 1 << 64 else None
@@ -108,13 +115,14 @@ def validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
     err = RemoteProtocolError if remote else LocalProtocolError
     kind = obj.get("t")
     if not isinstance(kind, str) or kind not in SCHEMA:
-        raise err("unknown_type", f"unknown message type {kind!r}")
+        raise err("unknown_type", f"unknown message type {_short(kind)}")
     schema = SCHEMA[kind]
     rid = usable_id(obj.get("id"))
     fatal = True
     fields = {k: v for k, v in obj.items() if k != "t"}
     if extra := sorted(set(fields) - set(schema), key=str):
-        raise err("bad_request", f"{kind}: unknown fields {extra}", fatal=fatal, request_id=rid)
+        raise err("bad_request", f"{kind}: unknown fields {_short(extra[:8], 200)}",
+                  fatal=fatal, request_id=rid)
     for name, (types, required) in schema.items():
         if name not in fields:
             if required:
@@ -128,8 +136,8 @@ def validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
             raise err("bad_request", f"{kind}: field {name!r} must be {want}, got "
                       f"{type(value).__name__}", fatal=fatal, request_id=rid)
         if isinstance(value, int) and not -(1 << 63) <= value < 1 << 64:
-            raise err("bad_request", f"{kind}: field {name!r} = {value} does not fit 64 bits",
-                      fatal=fatal, request_id=rid)
+            raise err("bad_request", f"{kind}: field {name!r} = {_short(value)} does not "
+                      "fit 64 bits", fatal=fatal, request_id=rid)
         if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
             raise err("bad_request", f"{kind}: map field {name!r} must have string keys",
                       fatal=fatal, request_id=rid)

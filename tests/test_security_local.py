@@ -1,0 +1,346 @@
+"""Issue 14, the unix socket and the machine the daemon runs on: descriptors
+and memory a client can make the daemon hold, shared memory that shrinks
+under a mapping (SIGBUS), clients of other uids, and the socket path. Each
+test failed before the fix it names."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from p2pxfer.memory import SharedBuffer
+from p2pxfer.protocol import SCHEMA_VERSION, encode_frame, pack_scatter
+from p2pxfer.testing import (
+    LOOPBACK,
+    DaemonProc,
+    RawConn,
+    free_port,
+    p2pxfer_cmd,
+    start_daemon,
+    wait_for,
+    write_config,
+)
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def daemons() -> Iterator[list[DaemonProc]]:
+    started: list[DaemonProc] = []
+    yield started
+    for d in started:
+        d.stop()
+
+
+def _fds(d: DaemonProc) -> int:
+    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+
+
+def _rss_kib(d: DaemonProc) -> int:
+    for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _sealable(size: int) -> int:
+    fd = os.memfd_create("sec", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def _share(c: RawConn, rid: int, fd: int, size: int) -> dict[str, Any]:
+    return c.request({"t": "share", "id": rid, "size": size}, fds=[fd])
+
+
+# -- descriptors and memory a client makes the daemon hold -----------------------------
+
+def test_descriptors_sent_without_share_are_capped(tmp_path: Path,
+                                                   daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "fds")
+    daemons.append(d)
+    base = _fds(d)
+    mine = [_sealable(4096) for _ in range(8)]
+    try:
+        with RawConn(d.socket) as c:
+            c.hello()
+            for i in range(40):  # 320 descriptors, no share
+                try:
+                    c.send({"t": "status", "id": 10 + i}, fds=mine)
+                except OSError:
+                    break  # the daemon already hung up
+            while c.frame() is not None:
+                pass  # answers, then the end
+        wait_for(lambda: "client.fd_flood" in d.log.read_text(), "the flood to be logged")
+        deadline = time.monotonic() + 5
+        while _fds(d) > base + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _fds(d) <= base + 2, (base, _fds(d))
+    finally:
+        for fd in mine:
+            os.close(fd)
+    with RawConn(d.socket) as c:  # eight at a time ahead of their shares are fine
+        c.hello()
+        ahead = [_sealable(4096) for _ in range(8)]
+        c.send({"t": "status", "id": 1}, fds=ahead)
+        for fd in ahead:
+            os.close(fd)
+        assert c.frame() is not None
+        for i in range(8):
+            assert c.request({"t": "share", "id": 2 + i, "size": 4096})["t"] == "ok"
+
+
+def test_a_frame_of_empty_maps_is_refused_cheaply(tmp_path: Path,
+                                                  daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "maps")
+    daemons.append(d)
+    n = (16 << 20) - 64
+    head = b"\x83\xa1t\xa6status\xa2id\x01\xa3pad\xdd" + struct.pack(">I", n)
+    body = head + b"\x80" * n  # {"t": "status", "id": 1, "pad": [{}, {}, ...]}
+    before = _rss_kib(d)
+    with RawConn(d.socket, timeout=20) as c:
+        c.hello()
+        t0 = time.monotonic()
+        c.send_raw(struct.pack(">I", len(body)) + body)
+        reply = c.frame()
+        took = time.monotonic() - t0
+    assert reply is not None and reply["code"] == "bad_frame", reply
+    assert took < 10, took  # before: 7 s and 1.6 GB; the RSS check is the sharp one
+    assert _rss_kib(d) - before < 200 << 10, (before, _rss_kib(d))
+    assert d.alive()
+
+
+def test_bad_frames_log_bounded_lines(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "loglines")
+    daemons.append(d)
+    size = d.log.stat().st_size
+    with RawConn(d.socket) as c:
+        c.hello()
+        reply = c.request({"t": "x" * (1 << 20), "id": 1})
+        assert reply["code"] == "unknown_type" and len(reply["message"]) < 1000
+    with RawConn(d.socket) as c:
+        c.hello()
+        reply = c.request({"t": "status", "id": 1, **{f"k{i}" * 500: 1 for i in range(200)}})
+        assert reply["code"] == "bad_request" and len(reply["message"]) < 1000
+    time.sleep(0.2)
+    assert d.log.stat().st_size - size < 64 << 10
+
+
+# -- shared memory: only sealed memfds (no SIGBUS) ----------------------------------------
+
+def test_shared_memory_cannot_shrink_under_the_daemon(tmp_path: Path,
+                                                      daemons: list[DaemonProc]) -> None:
+    d = start_daemon(tmp_path, "seals")
+    daemons.append(d)
+    buf = SharedBuffer(1 << 16)  # what clients allocate: sealed at birth
+    with pytest.raises(PermissionError):
+        os.ftruncate(buf.fd, 0)
+    buf.close()
+    with RawConn(d.socket) as c:
+        c.hello()
+        fd = _sealable(1 << 16)  # sealable, not sealed: the daemon seals it
+        assert _share(c, 1, fd, 1 << 16)["t"] == "ok"
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # the attack: shrink, then have a peer write into it
+        os.close(fd)
+        # A memfd that cannot be sealed, a plain file, a pipe: refused.
+        unsealable = os.memfd_create("nosealing")
+        os.ftruncate(unsealable, 4096)
+        with tempfile.TemporaryFile() as f:
+            f.truncate(4096)
+            r, w = os.pipe()
+            for rid, bad in enumerate((unsealable, f.fileno(), r), start=2):
+                reply = _share(c, rid, bad, 4096)
+                assert reply["t"] == "error" and reply["code"] == "bad_request", reply
+                assert "memfd" in reply["message"] or "seal" in reply["message"]
+            os.close(r)
+            os.close(w)
+        os.close(unsealable)
+    assert d.alive()
+
+
+# -- local isolation between uids ----------------------------------------------------------
+
+def _as_uid(uid: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` run in a forked child under ``uid``; its result (or what it raised)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out: Any = fn()
+        except BaseException as exc:
+            out = ("raised", f"{type(exc).__name__}: {exc}")
+        os.write(w, pickle.dumps(out))
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return pickle.loads(data)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory other uids can reach (pytest's tmp_path is root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="p2pxfer-sec-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> None:
+    d = start_daemon(open_dir, "iso", allowed_uids=[NOBODY])
+    daemons.append(d)
+    with RawConn(d.socket) as owner:
+        owner.hello()
+        fd = _sealable(1 << 16)
+        mem = _share(owner, 1, fd, 1 << 16)["result"]["mem"]
+        os.close(fd)
+        assert owner.request({"t": "export", "id": 2, "name": "roots", "mem": mem,
+                              "offset": 0, "length": 1 << 16})["t"] == "ok"
+
+        def intruder() -> dict[str, Any]:
+            with RawConn(d.socket) as c:
+                c.hello()
+                out = {"add_peer": c.request({"t": "add_peer", "id": 1, "name": "evil",
+                                              "address": f"{LOOPBACK}:9"})["code"]}
+                fd = _sealable(1 << 16)
+                mem = _share(c, 2, fd, 1 << 16)["result"]["mem"]
+                scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
+                out["write"] = c.request({"t": "write", "id": 3, "peer": "iso",
+                                          "region": "roots", "mem": mem, "offset": 0,
+                                          "scatter": scatter})["code"]
+                return out
+
+        assert _as_uid(NOBODY, intruder) == {"add_peer": "forbidden",
+                                             "write": "unknown_region"}
+
+        def stranger() -> Any:
+            with RawConn(d.socket) as c:
+                try:
+                    c.send({"t": "hello", "v": SCHEMA_VERSION, "role": "client"})
+                except OSError:
+                    return None  # closed before the hello went out
+                return c.frame()
+
+        assert _as_uid(NOBODY - 1, stranger) is None  # not allowed: closed unanswered
+    assert d.alive()
+
+
+# -- the socket path -------------------------------------------------------------------------
+
+def _run_daemon(tmp_path: Path, name: str, sock: Path) -> subprocess.CompletedProcess[str]:
+    cfg = write_config(tmp_path / f"{name}.toml", {
+        "node": name, "socket": str(sock), "control": f"{LOOPBACK}:{free_port()}",
+        "fabric_node": LOOPBACK})
+    return subprocess.run([*p2pxfer_cmd(), "daemon", "--config", str(cfg)],
+                          check=False, capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_daemon_does_not_take_a_live_socket(tmp_path: Path,
+                                                     daemons: list[DaemonProc]) -> None:
+    a = start_daemon(tmp_path, "first")
+    daemons.append(a)
+    run = _run_daemon(tmp_path, "second", Path(a.socket))
+    assert run.returncode != 0 and "already listening" in run.stdout + run.stderr
+    assert os.path.exists(a.socket)  # not removed on the way out either
+    assert a.status()["node"] == "first"
+
+
+def test_a_socket_path_on_a_regular_file_leaves_it_alone(tmp_path: Path) -> None:
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    run = _run_daemon(tmp_path, "careless", victim)
+    assert run.returncode != 0 and "not a socket" in run.stdout + run.stderr
+    assert victim.read_text() == "keep me"
+
+
+def test_a_stale_socket_is_replaced(tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    path = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()  # nobody listens there any more
+    d = start_daemon(tmp_path, "stale")
+    daemons.append(d)
+    assert d.status()["node"] == "stale"
+    _ = encode_frame  # the raw frames above are this module's own
+
+
+@pytest.mark.parametrize("capped", [True, False], ids=["default-caps", "no-caps"])
+def test_half_open_connections_under_a_low_fd_limit(tmp_path: Path, capped: bool) -> None:
+    """300 control connections that never speak, under a 256-descriptor limit.
+    With the default caps the daemon closes all but 64 at once; without them
+    it runs out of descriptors, waits that out, and serves again once they go."""
+    from p2pxfer.testing import spawn_daemon
+    keys: dict[str, Any] = {"node": "lowfd", "socket": str(tmp_path / "lowfd.sock"),
+                            "control": f"{LOOPBACK}:{free_port()}", "fabric_node": LOOPBACK}
+    if not capped:
+        keys.update(max_connections=1000, max_connections_per_host=1000)
+    d = spawn_daemon(tmp_path, keys, wrap=lambda cmd: ["prlimit", "--nofile=256:256", *cmd])
+    held: list[socket.socket] = []
+    try:
+        base = _fds(d)
+        host, port = d.control.rsplit(":", 1)
+        held.extend(socket.create_connection((host, int(port)), timeout=5) for _ in range(300))
+        if capped:
+            time.sleep(1.0)
+            assert _fds(d) <= base + 64 + 2, (base, _fds(d))
+        else:
+            wait_for(lambda: _fds(d) >= 250, "the daemon to run out of descriptors")
+            time.sleep(0.5)
+        assert d.alive(), d.log_tail()
+        for s in held:
+            s.close()
+        held.clear()
+        wait_for(lambda: d.status(timeout=5)["node"] == "lowfd", "the daemon to serve again",
+                 timeout=20)
+    finally:
+        for s in held:
+            s.close()
+        d.stop()
+
+
+def test_a_client_that_never_says_hello_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It would hold a descriptor and one of max_clients slots for ever."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from p2pxfer.daemon import Daemon, DaemonConfig
+    from p2pxfer.daemon import _sessions as sessions_mod
+
+    monkeypatch.setattr(sessions_mod, "HELLO_TIMEOUT_S", 0.3)
+    engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
+    d = Daemon(DaemonConfig(node="node-a"), engine)
+
+    async def main() -> None:
+        ours, theirs = trio.socket.socketpair()
+        t0 = trio.current_time()
+        session = sessions_mod.ClientSession(d, ours, pid=1, uid=os.getuid())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            with trio.fail_after(5):
+                assert await theirs.recv(1 << 16) == b""
+        assert 0.3 <= trio.current_time() - t0 < 5
+        theirs.close()
+
+    trio.run(main)
