@@ -12,14 +12,16 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
 import pytest
+import trio
 
 from daemon_helpers import free_port
-from p2pxfer.engine import BlockingEngine, EngineConfig
+from p2pxfer.engine import BlockingEngine, Engine, EngineConfig, open_engine
 from p2pxfer.fabric import Rail
 from p2pxfer.loopback import loopback_node
 
@@ -118,3 +120,26 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def engine_config(provider: str, **kw: Any) -> EngineConfig:
     """An engine config that keeps ``provider``'s traffic on this machine."""
     return EngineConfig(provider=provider, node=loopback_node(provider), **kw)
+
+
+@asynccontextmanager
+async def engine_pair(provider: str, receiver: dict[str, Any] | None = None,
+                      **kw: Any) -> AsyncIterator[tuple[Engine, Engine]]:
+    """Two engines in this process, ``(a, b)``, both on ``provider`` (loopback
+    for IP providers). ``kw`` configures both, unless ``receiver`` gives ``b``
+    options of its own."""
+    async with open_engine(engine_config(provider, **kw)) as a, \
+            open_engine(engine_config(provider, **(kw if receiver is None else receiver))) as b:
+        yield a, b
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float, what: str, *,
+                     interval: float = 0.001) -> float:
+    """Poll ``cond`` every ``interval`` until it holds; the seconds it took.
+    Fails (``AssertionError`` naming ``what``) after ``timeout``."""
+    t0 = trio.current_time()
+    with trio.move_on_after(timeout):
+        while not cond():
+            await trio.sleep(interval)
+        return trio.current_time() - t0
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -274,5 +274,9 @@ _CHECKS: dict[str, Any] = {
     "seeds": _seeds,
     "etcd_endpoint": _url,
     "etcd_ttl": lambda k, v: _int(k, v, 1),
+    "max_connections": lambda k, v: _int(k, v, 1),
+    "max_connections_per_host": lambda k, v: _int(k, v, 1),
+    "max_clients": lambda k, v: _int(k, v, 1),
+    "max_peers": lambda k, v: _int(k, v, 1),
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"

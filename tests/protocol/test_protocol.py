@@ -1007,7 +1007,7 @@ def test_every_documented_error_code_is_in_the_table() -> None:
     """``proto/PROTOCOL.md`` lists the codes; ``ERRORS`` has exactly those."""
     from pathlib import Path
 
-    spec = (Path(__file__).resolve().parent.parent / "proto" / "PROTOCOL.md").read_text()
+    spec = (Path(__file__).resolve().parents[2] / "proto" / "PROTOCOL.md").read_text()
     section = spec.split("### Error codes", 1)[1].split("\n## ", 1)[0]
     documented = {line.split("`")[1] for line in section.splitlines()
                   if line.startswith("| `")}

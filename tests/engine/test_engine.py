@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -28,7 +26,8 @@ import pytest
 import trio
 
 import p2pxfer
-from conftest import engine_config
+from conftest import engine_config, wait_until
+from conftest import engine_pair as pair
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.errors import (
     DescriptorError,
@@ -52,13 +51,6 @@ STEP = 20.0
 @pytest.fixture(params=PROVIDERS)
 def provider(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-@asynccontextmanager
-async def pair(provider: str, **kw: Any) -> AsyncIterator[tuple[Engine, Engine]]:
-    async with open_engine(engine_config(provider, **kw)) as a, \
-            open_engine(engine_config(provider, **kw)) as b:
-        yield a, b
 
 
 def random_bytes(seed: int, n: int) -> U8:
@@ -125,14 +117,6 @@ def pinned(engine: Engine) -> int:
     """Registrations pinned now (exports, sources of writes in flight). On an
     initiator that exports nothing: 0 once its writes have returned."""
     return sum(st.pinned for st in engine.statistics().registrations)
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    with trio.move_on_after(timeout):
-        while not cond():
-            await trio.sleep(0.001)
-        return
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 # -- many writers ---------------------------------------------------------------

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-BUILD = Path(__file__).resolve().parent.parent / "native" / "build_fabric.py"
+BUILD = Path(__file__).resolve().parents[2] / "native" / "build_fabric.py"
 
 
 def build_module() -> ModuleType:

@@ -28,7 +28,7 @@ from daemon_helpers import (
 )
 from p2pxfer.daemon import DaemonConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "p2pxfer.service"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))

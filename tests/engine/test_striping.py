@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from test_rails_netns import child
 
 from netns import two_hosts
 from p2pxfer.engine import EngineConfig
@@ -40,7 +41,6 @@ from p2pxfer.memory import RailDescriptor, RegionDescriptor, numa_node_of
 from p2pxfer.scatter import ScatterList
 from p2pxfer.topology import Nic, Topology
 from p2pxfer.topology import Shard as TopologyShard
-from test_rails_netns import child
 
 LOOPBACK = "127.0.0.1"
 STEP = 20.0

@@ -70,7 +70,7 @@ def test_config_membership_keys() -> None:
 
 
 def test_deploy_config_parses() -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     DaemonConfig.from_toml(root / "deploy" / "p2pxfer.toml")
 
 

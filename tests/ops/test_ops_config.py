@@ -104,6 +104,6 @@ def test_peer_flag_rejected(text: str) -> None:
 
 
 def test_deploy_example_parses() -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for path in sorted((root / "deploy").glob("*.toml")):
         DaemonConfig.from_toml(path)

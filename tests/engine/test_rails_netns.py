@@ -37,7 +37,7 @@ from p2pxfer.scatter import ScatterList
 
 pytestmark = pytest.mark.netns
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]  # netns.py and the support modules
 PROVIDER = "tcp;ofi_rxm"
 REGION = 64 << 20
 SOURCE = 16 << 20

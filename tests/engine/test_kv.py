@@ -32,8 +32,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -45,7 +45,7 @@ import numpy.typing as npt
 import pytest
 import trio
 
-from conftest import engine_config
+from conftest import engine_config, engine_pair, wait_until
 from p2pxfer.client import SharedMemory
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.errors import (
@@ -75,7 +75,7 @@ TCP = "tcp;ofi_rxm"
 PROVIDERS = [TCP, "shm"]
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 STEP = 20.0  # bound of any single wait that should succeed
 CHILD_STEP = 30.0  # bound of a child's waits (its start-up included)
@@ -86,12 +86,9 @@ def provider(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@asynccontextmanager
-async def pair(provider: str, **kw: Any) -> AsyncIterator[tuple[Engine, Engine]]:
-    """(sender, receiver) engines in this process."""
-    async with open_engine(engine_config(provider, **kw)) as a, \
-            open_engine(engine_config(provider)) as b:
-        yield a, b
+def pair(provider: str, **kw: Any) -> AbstractAsyncContextManager[tuple[Engine, Engine]]:
+    """(sender, receiver) engines in this process; ``kw`` configures the sender."""
+    return engine_pair(provider, receiver={}, **kw)
 
 
 # -- the reference: pools as [layer][plane][block][byte] arrays ------------------
@@ -141,14 +138,6 @@ def assert_pool(got: U8, want: U8, lay: KVLayout) -> None:
 def nic_totals(engine: Engine) -> tuple[int, int]:
     st = engine.statistics()
     return sum(n.bytes for n in st.nics), sum(n.pieces for n in st.nics)
-
-
-async def wait_until(cond: Callable[[], bool], what: str, timeout: float = STEP) -> None:
-    with trio.move_on_after(timeout):
-        while not cond():
-            await trio.sleep(0.001)
-        return
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def block_table(rng: np.random.Generator, num_blocks: int, n: int, runs: bool) -> I64:
@@ -354,7 +343,7 @@ async def test_fail_request_forget_and_cancel(provider: str) -> None:
             await push_pages(a, src, desc, [1], [2], request_id=11)
         # The sender's completion can precede the receiver counting the
         # arrivals; forget() must come after, or late arrivals revive the id.
-        await wait_until(lambda: dst.layers_done(11) == [0, 1], "both layers counted")
+        await wait_until(lambda: dst.layers_done(11) == [0, 1], STEP, "both layers counted")
         with pytest.raises(TransferError):
             await dst.wait_layers(11, 1, timeout=1)
         # forget(): the id is fresh again.
@@ -1040,7 +1029,7 @@ async def test_cancelled_push_stops_posting_later_layers() -> None:
                                          request_id=1, coalesce=False)
 
                 cs = await nursery.start(pusher)
-                await wait_until(lambda: sum(a.shards[0].pieces_done) > 0, "a completion")
+                await wait_until(lambda: sum(a.shards[0].pieces_done) > 0, STEP, "a completion")
                 cs.cancel()
         posted = nic_totals(a)[1]
         # Only the layer being waited on (layer 0) may be cut short today.

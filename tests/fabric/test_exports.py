@@ -22,16 +22,14 @@ docs/architecture.md). So shm is checked here with 4 KiB writes only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
 
-from conftest import engine_config
-from p2pxfer.engine import Engine, RailGroup, open_engine
+from conftest import engine_pair as pair
+from p2pxfer.engine import Engine, RailGroup
 from p2pxfer.errors import P2PXferError, TransferError
 from p2pxfer.fabric import ACCESS_REMOTE_WRITE, Rail
 from p2pxfer.loopback import loopback_node
@@ -55,13 +53,6 @@ REFUSED = pytest.mark.parametrize(
     ("provider", "size"),
     [("tcp;ofi_rxm", 4 * KIB), ("tcp;ofi_rxm", 1 << 20), ("shm", 4 * KIB)],
     ids=["tcp-4KiB", "tcp-1MiB", "shm-4KiB"])
-
-
-@asynccontextmanager
-async def pair(provider: str, **kw: Any) -> AsyncIterator[tuple[Engine, Engine]]:
-    async with open_engine(engine_config(provider, **kw)) as a, \
-            open_engine(engine_config(provider, **kw)) as b:
-        yield a, b
 
 
 async def attempt(a: Engine, src: Any, dst: RegionDescriptor, sl: ScatterList,

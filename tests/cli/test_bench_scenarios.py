@@ -18,7 +18,7 @@ from p2pxfer.bench import BenchConfigError, run_scenario
 from p2pxfer.bench.__main__ import main
 
 TCP = "tcp;ofi_rxm"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dry_run_costs_per_page() -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import httpx
 import pytest
 import structlog
 import trio
 
+from conftest import wait_until
 from daemon_helpers import free_port
 from p2pxfer.membership import (
     AuthFailed,
@@ -45,15 +46,6 @@ LOOPBACK = "127.0.0.1"
 # Fast timings for tests: a 0.25 s period, suspicion of 4 periods at this size.
 FAST = SwimConfig(period=0.25, ack_timeout=0.1, suspicion_mult=4.0, reconnect_interval=1.0,
                   join_retry=0.3, sync_interval=1.0, sync_quiet=0.25)
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``condition`` every 20 ms; the seconds it took (fails after ``timeout``)."""
-    t0 = trio.current_time()
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.02)
-    return trio.current_time() - t0
 
 
 def sees(backend: MembershipBackend, name: str, state: MemberState,
