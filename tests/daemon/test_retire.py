@@ -23,6 +23,9 @@ def test_a_late_write_after_retire_misses_the_memfd() -> None:
         before = held()
         retire(m)
         assert held() == before + 1
+        assert m.closed  # and with it the mmap's own dup of the memfd
+        with open("/proc/self/maps") as maps:
+            assert not [line for line in maps if "retire-test" in line]
         # What a provider still copying a message would do: write the old address.
         ctypes.memmove(address, b"late" * 1024, 4096)
         assert os.pread(fd, 4, 0) == b"live"

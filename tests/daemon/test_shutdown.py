@@ -34,7 +34,7 @@ def start_in(host: Any, workdir: Path, name: str, peer: str, peer_host: Any) -> 
     return spawn_daemon(workdir, {
         "node": name, "socket": str(workdir / f"{name}.sock"),
         "control": f"{addr}:{CONTROL_PORT}", "provider": "tcp;ofi_rxm", "fabric_node": addr,
-        "log_level": "INFO",
+        "log_level": "INFO", "cluster_token": "shutdown-test-token",
         "peers": [{"name": peer, "address": f"{peer_host.addresses[0]}:{CONTROL_PORT}"}],
     }, host.exec_argv)
 

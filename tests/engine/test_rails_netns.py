@@ -37,7 +37,7 @@ from p2pxfer.scatter import ScatterList
 
 pytestmark = pytest.mark.netns
 
-TESTS_DIR = Path(__file__).resolve().parents[1]  # netns.py and the support modules
+TESTS_DIR = Path(__file__).resolve().parent  # this module: the children import its helpers
 PROVIDER = "tcp;ofi_rxm"
 REGION = 64 << 20
 SOURCE = 16 << 20
@@ -83,7 +83,7 @@ def expected_image(seed: int) -> npt.NDArray[np.uint8]:
 
 _PRELUDE = f"""\
 import json, sys
-sys.path.insert(0, {str(TESTS_DIR)!r})
+sys.path[:0] = [{str(TESTS_DIR)!r}, {str(TESTS_DIR.parent)!r}]
 import numpy as np
 import trio
 from p2pxfer.engine import EngineConfig, open_engine

@@ -212,8 +212,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     ``SHUTDOWN_GRACE_S`` after stopping began (a write waiting for pieces
     posted to a silent peer) is failed by closing the engine under it.
     Refuses (``InvalidArgument``) to run open on a non-loopback address."""
-    if check_exposure(config):
-        log.warning("daemon.open", node=config.node, warning=OPEN_WARNING)
+    is_open = check_exposure(config)
     fd_limit = raise_fd_limit()
     engine_cfg = EngineConfig(
         provider=config.provider, node=config.fabric_node or None,
@@ -232,6 +231,8 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
                     daemon = Daemon(config, engine)
                     daemon.nursery = nursery
                     sock = await _start(daemon, nursery, fd_limit)
+                    if is_open:  # said once it runs, so a failed start says one line
+                        log.warning("daemon.open", node=config.node, warning=OPEN_WARNING)
                     try:
                         task_status.started(daemon)
                         await _wait_for_stop(handle_signals)

@@ -10,8 +10,12 @@ would let them land in another client's memory.
 
 So a retired mapping is first replaced, in place, by private anonymous pages
 (``MAP_FIXED``; untouched pages cost nothing): late bytes land there, visible
-to no one. The range stays reserved for ``HOLD_S``, then is unmapped. At most
+to no one. Then the Python ``mmap`` is closed (it holds a dup of the memfd,
+which must go so the client's memory is freed) and the range is taken again
+at once (``MAP_FIXED_NOREPLACE``), held for ``HOLD_S``, then unmapped. At most
 ``MAX_HELD`` ranges are held; the oldest goes first when more are retired.
+(Between the close and the new reservation a late byte would still fault:
+microseconds, where unmapping at once left the whole rest of the message.)
 
 What must not live here: registrations (the engine closes those before a
 mapping is retired) or anything about sessions.
@@ -42,46 +46,58 @@ HOLD_S = 600.0
 MAX_HELD = 4096
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_MAP_FIXED = 0x10  # Linux; mmap does not export it
+_MAP_FIXED = 0x10  # Linux; mmap does not export these two
+_MAP_FIXED_NOREPLACE = 0x100000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-_held: deque[tuple[float, mmap.mmap]] = deque()
+#: (unmap after, address, size) of the ranges held
+_held: deque[tuple[float, int, int]] = deque()
 
 
-def _replace_with_anonymous(address: int, size: int) -> None:
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+def _anonymous(address: int, size: int, fixed: int) -> None:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | fixed
     r = _libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if r == _MAP_FAILED or r != address:
         err = ctypes.get_errno()
-        raise OSError(err, f"cannot retire {size} bytes at {address:#x}: {os.strerror(err)}")
-
-
-def _close(m: mmap.mmap) -> None:
-    # A view still alive somewhere keeps the mapping; it goes with the view.
-    with contextlib.suppress(BufferError):
-        m.close()
+        raise OSError(err, f"cannot hold {size} bytes at {address:#x}: {os.strerror(err)}")
 
 
 def retire(m: mmap.mmap) -> None:
-    """Detach ``m``'s pages from the client's memfd now and unmap them later."""
+    """Detach ``m``'s pages from the client's memfd now, close ``m`` (and its
+    fd), and keep its address range reserved for a while."""
     now = time.monotonic()
     try:
         span = buffer_span(m)
-        _replace_with_anonymous(span.address, span.nbytes)
+        _anonymous(span.address, span.nbytes, _MAP_FIXED)
     except (OSError, ValueError, BufferError, P2PXferError) as exc:
         # Could not swap the pages (closed already, or the kernel said no):
         # unmap now, as before; logged because it leaves the late-write hazard.
         log.warning("memory.retire_failed", error=str(exc))
-        _close(m)
+        with contextlib.suppress(BufferError):
+            m.close()
         return
-    _held.append((now + HOLD_S, m))
+    try:
+        m.close()
+    except BufferError:
+        # A view still alive keeps the (now anonymous) mapping and the fd;
+        # both go with the view.
+        return
+    try:
+        _anonymous(span.address, span.nbytes, _MAP_FIXED_NOREPLACE)
+    except OSError as exc:  # something else took the range in between
+        log.warning("memory.retire_unheld", error=str(exc))
+        return
+    _held.append((now + HOLD_S, span.address, span.nbytes))
     while _held and (_held[0][0] <= now or len(_held) > MAX_HELD):
-        _close(_held.popleft()[1])
+        _, address, size = _held.popleft()
+        _libc.munmap(address, size)
 
 
 def held() -> int:
