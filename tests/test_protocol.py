@@ -383,7 +383,7 @@ def test_connection_level_error_from_the_daemon_closes_both() -> None:
 
 def test_error_answering_hello_closes_both() -> None:
     ini, rsp = Connection("peer", INITIATOR), Connection("peer", RESPONDER)
-    one(rsp, ini.send("hello", v=2, role="daemon", nonce=b"n" * 16))
+    one(rsp, ini.send("hello", v=SCHEMA_VERSION, role="daemon", nonce=b"n" * 16))
     msg = one(ini, rsp.send("error", code="bad_request", message="bad token"))
     assert msg["code"] == "bad_request"
     assert states(ini, rsp) == {State.CLOSED}
@@ -408,6 +408,7 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("write", {"peer": "node-b", "region": "kv", "mem": 1, "offset": 0,
                "scatter": bytes(24), "imm": None}, {"pieces": 1}),
     ("wait_imm", {"imm": 9, "count": 3}, {}),
+    ("cancel", {"target": 4}, {}),
     ("status", {}, {"node": "node-a", "incarnation": 7, "regions": [], "peers": [],
                     "transfers_in_flight": 0, "nics": []}),
     ("peers", {}, {"peers": [{"name": "node-b", "address": "10.0.0.2:7000"}]}),
@@ -670,7 +671,7 @@ def test_requests_need_ready_on_both_sides() -> None:
 
 
 @pytest.mark.parametrize(("sender", "kind", "fields"), [
-    (INITIATOR, "hello", {"v": 2, "role": "client"}),  # twice
+    (INITIATOR, "hello", {"v": SCHEMA_VERSION, "role": "client"}),  # twice
     (RESPONDER, "welcome", welcome()),  # twice
     (RESPONDER, "status", {"id": 1}),  # the daemon does not ask
     (INITIATOR, "ok", {"id": 1}),  # the client does not answer
@@ -785,11 +786,12 @@ def test_malformed_request_without_usable_id_is_fatal(obj: dict[str, Any]) -> No
 
 
 @pytest.mark.parametrize(("role", "obj"), [
-    (RESPONDER, {"t": "hello", "v": 2}),  # no role
+    (RESPONDER, {"t": "hello", "v": SCHEMA_VERSION}),  # no role
     (RESPONDER, {"t": "hello", "v": "1", "role": "client"}),
     (RESPONDER, {"t": "hello", "v": True, "role": "client"}),
-    (RESPONDER, {"t": "hello", "v": 2, "role": "client", "nonce": "s3cret"}),
-    (INITIATOR, {"t": "welcome", "v": 2, "node": "b", "incarnation": 1}),  # no max_frame
+    (RESPONDER, {"t": "hello", "v": SCHEMA_VERSION, "role": "client", "nonce": "s3cret"}),
+    # no max_frame
+    (INITIATOR, {"t": "welcome", "v": SCHEMA_VERSION, "node": "b", "incarnation": 1}),
     (INITIATOR, {"t": "ok", "id": 1, "result": [1]}),
     (INITIATOR, {"t": "ok", "id": 1, "result": None}),
     (INITIATOR, {"t": "error", "id": 1, "code": "internal"}),  # no message
@@ -798,7 +800,7 @@ def test_malformed_request_without_usable_id_is_fatal(obj: dict[str, Any]) -> No
 def test_malformed_non_request_is_fatal(role: str, obj: dict[str, Any]) -> None:
     ini = Connection("client", INITIATOR)
     if role == INITIATOR:
-        ini.send("hello", v=2, role="client")
+        ini.send("hello", v=SCHEMA_VERSION, role="client")
         if obj["t"] != "welcome":
             one(ini, encode_frame({"t": "welcome", **welcome()}))
     conn = ini if role == INITIATOR else Connection("client", RESPONDER)
@@ -882,7 +884,7 @@ def test_errors_carry_code_and_fatality() -> None:
 def test_too_big_send_changes_nothing() -> None:
     ini = Connection("client", INITIATOR, max_frame=4096)
     rsp = Connection("client", RESPONDER, max_frame=4096)
-    one(rsp, ini.send("hello", v=2, role="client"))
+    one(rsp, ini.send("hello", v=SCHEMA_VERSION, role="client"))
     one(ini, rsp.send("welcome", welcome(4096)))
     with pytest.raises(LocalProtocolError, match="too_big"):
         ini.send("write", id=1, peer="b", region="r", mem=1, offset=0, scatter=bytes(4800))
@@ -973,13 +975,13 @@ def test_fatal_error_frame_is_connection_level() -> None:
 
 def test_unexpected_message_names_the_real_state() -> None:
     _, rsp = connected()
-    err = refused(rsp, raw({"t": "hello", "v": 2, "role": "client"}))
+    err = refused(rsp, raw({"t": "hello", "v": SCHEMA_VERSION, "role": "client"}))
     assert "state ready" in err.message
 
 
 def test_welcome_with_another_version_is_refused() -> None:
     ini = Connection("client", INITIATOR)
-    ini.send("hello", v=2, role="client")
+    ini.send("hello", v=SCHEMA_VERSION, role="client")
     err = refused(ini, raw({"t": "welcome", **welcome(), "v": SCHEMA_VERSION + 1}))
     assert err.code == "bad_version" and ini.state is State.CLOSED
 
@@ -987,7 +989,7 @@ def test_welcome_with_another_version_is_refused() -> None:
 def test_welcome_max_frame_is_adopted() -> None:
     ini = Connection("client", INITIATOR)
     rsp = Connection("client", RESPONDER, max_frame=4096)
-    one(rsp, ini.send("hello", v=2, role="client"))
+    one(rsp, ini.send("hello", v=SCHEMA_VERSION, role="client"))
     one(ini, rsp.send("welcome", welcome(4096)))
     assert ini.send_max_frame == 4096  # what we may send; what we accept stays
     with pytest.raises(LocalProtocolError, match="too_big"):

@@ -27,6 +27,7 @@ from p2pxfer.errors import (
     DaemonError,
     InvalidArgument,
     P2PXferError,
+    WaitTimeout,
 )
 from p2pxfer.memory import RegionDescriptor, SharedBuffer
 from p2pxfer.protocol import (
@@ -158,23 +159,58 @@ class Client:
         for event, _ in self._pending.values():
             event.set()
 
-    async def _request(self, kind: str, fds: list[int] | None = None, **fields: Any
-                       ) -> dict[str, Any]:
+    async def _request(self, kind: str, fds: list[int] | None = None, *,
+                       timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send one request and await its reply. Cancelled (or interrupted)
+        while waiting: the daemon is told (``cancel``) and this returns only
+        once the daemon has answered the request, i.e. stopped serving it:
+        a write's buffer is no longer read, a wait no longer counts. After
+        ``timeout`` seconds the same, then ``WaitTimeout`` (unless the reply
+        came meanwhile: then it is returned)."""
         if self._closed is not None:
             raise ConnectionLost(f"connection to the daemon is closed ({self._closed})")
         event, box = anyio.Event(), list[Message]()
         rid = self._pump.conn.next_id()
         self._pending[rid] = (event, box)
         try:
-            await self._pump.send(kind, id=rid, fds=fds or (), **fields)
+            # Shielded: a frame cut in half would end the whole conversation.
+            with anyio.CancelScope(shield=True):
+                await self._pump.send(kind, id=rid, fds=fds or (), **fields)
         except BaseException:
             self._pending.pop(rid, None)
             raise
-        await event.wait()
+        try:
+            with anyio.move_on_after(float("inf") if timeout is None else timeout):
+                await event.wait()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._cancel(rid, event)
+            raise
+        if not event.is_set():
+            with anyio.CancelScope(shield=True):
+                await self._cancel(rid, event)
+            if box and box[0].kind == "ok" and (box[0].get("result") or {}).get("cancelled"):
+                raise WaitTimeout(f"{kind}: no answer within {timeout} s")
         if not box:
             assert self._closed is not None
             raise ConnectionLost(f"connection to the daemon closed: {self._closed}")
         return self._pump.result(box[0])
+
+    async def _cancel(self, rid: int, answered: anyio.Event) -> None:
+        """Tell the daemon to stop request ``rid``; return once it has been
+        answered (the daemon answers it before it answers the ``cancel``),
+        or the connection is gone (then the daemon dropped it anyway)."""
+        if answered.is_set() or self._closed is not None:
+            return
+        event, box = anyio.Event(), list[Message]()
+        cid = self._pump.conn.next_id()
+        self._pending[cid] = (event, box)
+        try:
+            await self._pump.send("cancel", id=cid, target=rid)
+        except P2PXferError:
+            self._pending.pop(cid, None)
+            return
+        await event.wait()
 
     # -- API ------------------------------------------------------------------
 
@@ -213,7 +249,12 @@ class Client:
                     src_offset: int = 0, imm: int | None = None) -> int:
         """Write ``scatter`` from ``src`` (offsets relative to ``src_offset``)
         into ``region`` on node ``peer``; returns the pieces written, each with
-        ``imm``. Returns once every piece has completed."""
+        ``imm``. Returns once every piece has completed.
+
+        Cancellation (like the engine's ``write``): the daemon is told, stops
+        posting, waits for the pieces already posted, then answers; only then
+        does this raise, so ``src`` may be refilled at once. What landed of a
+        cancelled write is a prefix of its pieces, whole pieces only."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
         packed = pack_scatter(scatter.src, scatter.dst, scatter.length)
@@ -221,9 +262,12 @@ class Client:
                                      offset=src_offset, scatter=packed, imm=imm)
         return int(result["pieces"])
 
-    async def wait_imm(self, imm: int, count: int) -> None:
-        """Return once ``count`` pieces carrying ``imm`` have landed on this node."""
-        await self._request("wait_imm", imm=imm, count=count)
+    async def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
+        """Return once ``count`` pieces carrying ``imm`` have landed on this node.
+        ``WaitTimeout`` after ``timeout`` seconds. A wait that times out or is
+        cancelled leaves nothing behind in the daemon: the pieces it had not
+        consumed count for the next wait."""
+        await self._request("wait_imm", imm=imm, count=count, timeout=timeout)
 
     async def status(self) -> dict[str, Any]:
         return await self._request("status")

@@ -51,8 +51,8 @@ class SyncClient:
         return int(self._call(self._client.write, peer, region, scatter, src=src,
                               src_offset=src_offset, imm=imm))
 
-    def wait_imm(self, imm: int, count: int) -> None:
-        self._call(self._client.wait_imm, imm, count)
+    def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
+        self._call(self._client.wait_imm, imm, count, timeout=timeout)
 
     def status(self) -> dict[str, Any]:
         return dict(self._call(self._client.status))

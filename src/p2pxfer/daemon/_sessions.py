@@ -54,7 +54,9 @@ __all__ = ["HANDLERS", "ClientSession", "serve_clients"]
 log = structlog.get_logger("p2pxfer.daemon")
 
 #: requests served as tasks of the session (they wait); the rest in turn
-CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate"})
+CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel"})
+#: what a request stopped by the client's ``cancel`` is answered
+CANCELLED: dict[str, Any] = {"cancelled": True}
 
 
 class _Mem:
@@ -96,6 +98,9 @@ class ClientSession:
         self.mems: dict[int, _Mem] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
         self._next_mem = 1
+        # Requests running as tasks, by id: ``cancel`` stops one (its scope)
+        # and waits until it has been answered (its event).
+        self.running: dict[int, tuple[trio.CancelScope, trio.Event]] = {}
 
     async def run(self) -> None:
         log.info("client.connected", client=self.label)
@@ -130,7 +135,11 @@ class ClientSession:
                                                 incarnation=d.incarnation,
                                                 max_frame=d.config.max_frame))
             elif msg.kind in CONCURRENT:
-                nursery.start_soon(self._answer, msg)
+                # Registered before the task starts: a ``cancel`` right behind
+                # this request must find it.
+                if msg.id is not None:
+                    self.running[msg.id] = (trio.CancelScope(), trio.Event())
+                nursery.start_soon(self._answer_task, msg)
             else:
                 await self._answer(msg)
 
@@ -146,19 +155,49 @@ class ClientSession:
         except P2PXferError:
             pass  # the client is gone; the receive side notices
 
-    async def _answer(self, msg: Message) -> None:
+    async def _answer_task(self, msg: Message) -> None:
+        """A concurrent request: ``cancel`` may stop it. A stopped request is
+        answered ``CANCELLED`` once its handler has returned (a write only
+        after its posted pieces have finished: the client's buffer is then
+        no longer read)."""
+        rid = msg.id
+        scope, answered = self.running.get(rid, (trio.CancelScope(), trio.Event())) \
+            if rid is not None else (trio.CancelScope(), trio.Event())
         try:
-            outcome: dict[str, Any] | BaseException = await HANDLERS[msg.kind](self, msg)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:  # every failure becomes an answer, never a crash
-            if not isinstance(exc, P2PXferError):
-                log.error("request.crashed", client=self.label, kind=msg.kind,
-                          error=bounded(f"{type(exc).__name__}: {exc}"))
-            log.info("request.failed", client=self.label, kind=msg.kind,
-                     code=wire_error(exc)[0], error=bounded(str(exc)))
-            outcome = exc
+            await self._answer(msg, scope)
+        finally:
+            if rid is not None and self.running.get(rid, (None,))[0] is scope:
+                del self.running[rid]
+            answered.set()
+
+    async def _answer(self, msg: Message, scope: trio.CancelScope | None = None) -> None:
+        outcome: dict[str, Any] | BaseException = CANCELLED
+        with scope or trio.CancelScope():
+            try:
+                outcome = await HANDLERS[msg.kind](self, msg)
+            except trio.Cancelled:
+                if scope is None or not scope.cancel_called:
+                    raise  # the session is ending, not this request
+                log.info("request.cancelled", client=self.label, kind=msg.kind, id=msg.id)
+                raise
+            except Exception as exc:  # every failure becomes an answer, never a crash
+                if not isinstance(exc, P2PXferError):
+                    log.error("request.crashed", client=self.label, kind=msg.kind,
+                              error=bounded(f"{type(exc).__name__}: {exc}"))
+                log.info("request.failed", client=self.label, kind=msg.kind,
+                         code=wire_error(exc)[0], error=bounded(str(exc)))
+                outcome = exc
         await self._send(self.pump.answer(msg.id, outcome))
+
+    async def cancel(self, target: int) -> None:
+        """Stop request ``target`` (if it still runs) and return once it has
+        been answered."""
+        running = self.running.get(target)
+        if running is None:
+            return  # answered already (or never a request that waits)
+        scope, answered = running
+        scope.cancel()
+        await answered.wait()
 
     # -- memory and exports -----------------------------------------------------
 
@@ -285,10 +324,15 @@ async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
                                   d.peer_list)
 
 
+async def _cancel(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.cancel(msg["target"])
+    return {}
+
+
 HANDLERS: dict[str, Handler] = {
     "share": _share, "unshare": _unshare, "export": _export, "unexport": _unexport,
     "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
-    "add_peer": _add_peer, "locate": _locate, "watch": _watch,
+    "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
 }
 check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")
 

@@ -28,7 +28,8 @@ __all__ = [
     "validate",
 ]
 
-SCHEMA_VERSION = 2  # 2: control connections authenticate (nonce/proof/auth); watch, locate
+SCHEMA_VERSION = 3  # 2: control connections authenticate (nonce/proof/auth); watch, locate
+# 3: cancel; wait_imm scoped to a region or the session; resolve returns a slot
 
 _INT = (int,)
 _STR = (str,)
@@ -66,11 +67,14 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "auth": {"id": (_INT, True), "proof": (_BIN, True)},
     "resolve": {"id": (_INT, True), "region": (_STR, True)},
     "invalidate": {"id": (_INT, True), "region": (_STR, True)},
+    # -- schema 3: cancellation crosses the socket; scoped immediates --------------
+    # client -> daemon
+    "cancel": {"id": (_INT, True), "target": (_INT, True)},
 }
 
 CLIENT_REQUESTS = frozenset(
     {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
-     "add_peer", "watch", "locate"}
+     "add_peer", "watch", "locate", "cancel"}
 )
 PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers"})
 
