@@ -65,29 +65,40 @@ class Writes:
         self.in_flight += 1
         t0 = time.perf_counter()
         try:
-            pieces = await d.engine.write(src, desc, scatter, imm=imm)
-        except TransferError:
-            await self._why_failed(peer, region)
-            raise
+            try:
+                pieces = await d.engine.write(src, desc, scatter, imm=imm)
+            except TransferError:
+                fresh = await self._why_failed(peer, region)
+                if fresh is None or fresh.incarnation == desc.incarnation:
+                    raise
+                # The peer restarted since we resolved the region: nothing of
+                # this write can have landed in its new life's memory, so it
+                # is written once more, there.
+                d.follower.check_descriptor(fresh)
+                log.info("transfer.retry_new_life", client=client, peer=peer, region=region,
+                         incarnation=fresh.incarnation)
+                pieces = await d.engine.write(src, fresh, scatter, imm=imm)
         finally:
             self.in_flight -= 1
         log.debug("transfer.complete", client=client, peer=peer, region=region,
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return pieces
 
-    async def _why_failed(self, peer: str, region: str) -> None:
+    async def _why_failed(self, peer: str, region: str) -> RegionDescriptor | None:
         """A transfer failed: the region (or its owner) may be gone. Look it
-        up afresh (raising ``unknown_region`` if it went); with membership,
-        a peer whose daemon is unreachable too probably died: wait for the
-        verdict (inside ``track_write`` it turns this into ``PeerLost``)."""
+        up afresh (raising ``unknown_region`` if it went) and return what the
+        peer says now; with membership, a peer whose daemon is unreachable
+        too probably died: wait for the verdict (inside ``track_write`` it
+        turns this into ``PeerLost``) and return None."""
         d = self.d
         backend = d.follower.backend
         d.regions.forget(peer, region)
         d.follower.check_peer(peer)
         unreachable = False
+        fresh = None
         with trio.move_on_after(PEER_TIMEOUT_S) as asking:
             try:
-                await d.regions.resolve(peer, region)
+                fresh = await d.regions.resolve(peer, region)
             except RemoteClosed:
                 if backend is None:
                     raise
@@ -100,3 +111,4 @@ class Writes:
             # transport's error stands.
             backend.suspect(peer)
             await trio.sleep(backend.detection_bound())
+        return fresh
