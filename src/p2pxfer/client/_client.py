@@ -10,7 +10,7 @@ ends while a request waits raises ``ConnectionLost``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,7 @@ from p2pxfer.errors import (
     P2PXferError,
     WaitTimeout,
 )
+from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor, SharedBuffer
 from p2pxfer.protocol import (
     INITIATOR,
@@ -40,7 +41,10 @@ from p2pxfer.protocol import (
 )
 from p2pxfer.scatter import ScatterList
 
-__all__ = ["Client", "DaemonError", "MemberUpdate", "SharedMemory", "connect"]
+from ._kv import KVPool, KVPush, open_pool, start_push
+
+__all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedMemory",
+           "connect"]
 
 log = structlog.get_logger("p2pxfer.client")
 
@@ -116,6 +120,16 @@ class SharedMemory:
         self.buffer.close()
 
 
+@dataclass
+class _Pending:
+    """A request sent, its reply not yet awaited."""
+
+    kind: str
+    rid: int
+    event: anyio.Event
+    box: list[Message]
+
+
 class Client:
     """A connection to the node daemon. Use :func:`connect`."""
 
@@ -167,6 +181,12 @@ class Client:
         a write's buffer is no longer read, a wait no longer counts. After
         ``timeout`` seconds the same, then ``WaitTimeout`` (unless the reply
         came meanwhile: then it is returned)."""
+        pending = await self._start(kind, fds, **fields)
+        return await self._finish(pending, timeout)
+
+    async def _start(self, kind: str, fds: list[int] | None = None, **fields: Any
+                     ) -> _Pending:
+        """Send a request; its reply is awaited with ``_finish``."""
         if self._closed is not None:
             raise ConnectionLost(f"connection to the daemon is closed ({self._closed})")
         event, box = anyio.Event(), list[Message]()
@@ -179,18 +199,22 @@ class Client:
         except BaseException:
             self._pending.pop(rid, None)
             raise
+        return _Pending(kind, rid, event, box)
+
+    async def _finish(self, p: _Pending, timeout: float | None = None) -> dict[str, Any]:
+        event, box = p.event, p.box
         try:
             with anyio.move_on_after(float("inf") if timeout is None else timeout):
                 await event.wait()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self._cancel(rid, event)
+                await self._cancel(p.rid, event)
             raise
         if not event.is_set():
             with anyio.CancelScope(shield=True):
-                await self._cancel(rid, event)
+                await self._cancel(p.rid, event)
             if box and box[0].kind == "ok" and (box[0].get("result") or {}).get("cancelled"):
-                raise WaitTimeout(f"{kind}: no answer within {timeout} s")
+                raise WaitTimeout(f"{p.kind}: no answer within {timeout} s")
         if not box:
             assert self._closed is not None
             raise ConnectionLost(f"connection to the daemon closed: {self._closed}")
@@ -262,12 +286,40 @@ class Client:
                                      offset=src_offset, scatter=packed, imm=imm)
         return int(result["pieces"])
 
-    async def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
-        """Return once ``count`` pieces carrying ``imm`` have landed on this node.
+    async def wait_imm(self, imm: int, count: int, *, region: str | None = None,
+                       timeout: float | None = None) -> None:
+        """Return once ``count`` pieces carrying ``imm`` have landed in
+        ``region`` (one of this client's exports), or, without ``region``, in
+        any region this client exported; they are consumed (the two views
+        count apart). Pieces for other clients' regions never count here,
+        nor do counts left by clients gone. ``imm`` is at most 20 bits wide
+        where the fabric carries 4 bytes of immediate data (EFA, verbs, or
+        ``imm_bytes = 4``), 52 bits otherwise (``bad_request`` beyond).
         ``WaitTimeout`` after ``timeout`` seconds. A wait that times out or is
         cancelled leaves nothing behind in the daemon: the pieces it had not
         consumed count for the next wait."""
-        await self._request("wait_imm", imm=imm, count=count, timeout=timeout)
+        fields: dict[str, Any] = {"region": region} if region is not None else {}
+        await self._request("wait_imm", imm=imm, count=count, timeout=timeout, **fields)
+
+    async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True) -> KVPool:
+        """A paged KV pool of ``layout`` in memory shared with the daemon.
+        ``receive``: exported as ``name`` so peers can push into it (the
+        decode side); otherwise only a source to push from (prefill)."""
+        return await open_pool(self, name, layout, receive)
+
+    async def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any,
+                      dst_blocks: Any, *, request: int, layers: Iterable[int] | None = None,
+                      deadline: float = 30.0) -> KVPush:
+        """Push blocks ``src_blocks`` of ``src`` into blocks ``dst_blocks``
+        of pool ``pool`` on node ``peer``, one transfer per layer (all
+        layers, or ``layers``), in layer order; returns once the push is
+        sent to the daemon, with a handle to ``await push.wait()``. The
+        receiver may wait on ``request`` (an int >= 0 both sides agree on,
+        e.g. the decode side's) as layers land. Everything is checked before
+        anything is posted; the receiver gives up on the request after
+        ``deadline`` seconds (``WaitTimeout`` there)."""
+        return await start_push(self, peer, pool, src, src_blocks, dst_blocks, request,
+                                layers, deadline)
 
     async def status(self) -> dict[str, Any]:
         return await self._request("status")

@@ -57,6 +57,10 @@ class DaemonConfig:
     #: etcd lease, seconds: a member that stops renewing it (killed, cut off)
     #: is seen dead about this long after (membership = "etcd")
     etcd_ttl: int = 5
+    #: immediates at most this many bytes wide: 4 runs tcp and shm as EFA and
+    #: verbs run (4 bytes of CQ data: 20-bit values, KV counted per request);
+    #: 0: as wide as the provider carries
+    imm_bytes: int = 0
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -91,6 +95,8 @@ class DaemonConfig:
         if cfg.max_frame < 4096:
             raise InvalidArgument(f"max_frame {cfg.max_frame} is too small (>= 4096)")
         cfg._check_membership()
+        if cfg.imm_bytes not in (0, 4, 8):
+            raise InvalidArgument(f"config imm_bytes must be 0, 4 or 8, got {cfg.imm_bytes}")
         return cfg
 
     def _check_membership(self) -> None:

@@ -29,6 +29,8 @@ from p2pxfer.membership import ClusterAuth
 from ._config import DaemonConfig
 from ._control import serve_control
 from ._follow import Follower
+from ._imms import ImmTable
+from ._kv import KV
 from ._peers import PeerTable
 from ._regions import Regions
 from ._sessions import serve_clients
@@ -62,8 +64,19 @@ class Daemon:
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded
         self.writes = Writes(self)
+        self._imms: ImmTable | None = None
+        self.kv: KV = KV(self)
+        self.follower.on_peer_lost = self.kv.peer_lost
         self.sessions: set[ClientSession] = set()
         self._nursery: trio.Nursery | None = None
+
+    @property
+    def imms(self) -> ImmTable:
+        """Immediate slots: every arrival counts for its slot's owner only
+        (made on first use: ``serve`` makes it before anything can arrive)."""
+        if self._imms is None:
+            self._imms = ImmTable(self.engine)
+        return self._imms
 
     @property
     def control_address(self) -> str:
@@ -102,6 +115,8 @@ class Daemon:
             "membership": self.config.membership,
             "membership_stats": {} if backend is None else backend.statistics(),
             "transfers_in_flight": self.writes.in_flight,
+            "imm_bits": self.imms.bits,
+            "imms_dropped": self.imms.dropped,
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],
@@ -128,15 +143,17 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     engine_cfg = EngineConfig(
         provider=config.provider, node=config.fabric_node or None,
         interfaces=config.interfaces or None, node_name=config.node,
-        incarnation=time.time_ns(),
+        incarnation=time.time_ns(), imm_bytes=config.imm_bytes,
     )
     sock = None
     try:
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as nursery:
             daemon = Daemon(config, engine)
+            daemon.imms  # noqa: B018  (the immediate route, before any export)
             daemon.nursery = nursery
             await daemon.serve_peers(nursery)
             nursery.start_soon(daemon.peers.close_idle_links)
+            nursery.start_soon(daemon.kv.reap)
             if config.membership != "none":
                 await daemon.follower.start(config, daemon.control_address,
                                             daemon.incarnation, nursery)

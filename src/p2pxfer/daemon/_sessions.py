@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import mmap
 import os
 from collections.abc import Awaitable, Callable
@@ -44,7 +45,9 @@ from p2pxfer.protocol import (
 from p2pxfer.scatter import ScatterList
 
 from ._follow import WATCH_TIMEOUT_MAX_S
+from ._imms import ImmCounts
 from ._io import UnixFdStream, peer_credentials
+from ._kv import Pool
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -54,7 +57,8 @@ __all__ = ["HANDLERS", "ClientSession", "serve_clients"]
 log = structlog.get_logger("p2pxfer.daemon")
 
 #: requests served as tasks of the session (they wait); the rest in turn
-CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel"})
+CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel", "kv_push",
+                        "kv_wait"})
 #: what a request stopped by the client's ``cancel`` is answered
 CANCELLED: dict[str, Any] = {"cancelled": True}
 
@@ -97,6 +101,10 @@ class ClientSession:
                          self.stream, f"client {self.label}")
         self.mems: dict[int, _Mem] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
+        self.slots: dict[str, int] = {}  # region name -> its immediate slot
+        #: immediates landed in this session's regions (they die with it)
+        self.counts = ImmCounts(self.label)
+        self.kv_pools: dict[str, Pool] = {}  # this client's KV pools, by name
         self._next_mem = 1
         # Requests running as tasks, by id: ``cancel`` stops one (its scope)
         # and waits until it has been answered (its event).
@@ -225,8 +233,9 @@ class ClientSession:
 
     def unshare(self, mem_id: int) -> None:
         mem = self.mem(mem_id)
-        if mem.id in self.exports.values():
-            raise InvalidArgument(f"memory {mem.id} still backs an export")
+        if mem.id in self.exports.values() or any(p.mem_id == mem.id
+                                                    for p in self.kv_pools.values()):
+            raise InvalidArgument(f"memory {mem.id} still backs an export or a KV pool")
         self.daemon.engine.deregister(mem.map)
         del self.mems[mem.id]
         mem.close()
@@ -235,9 +244,15 @@ class ClientSession:
         d = self.daemon
         d.regions.check_free(name)
         mem = self.mem(mem_id)
-        desc = d.engine.export(mem.view(offset, length), name)
-        d.regions.add_export(name, self.label, desc)
+        slot = d.imms.allocate(self.counts.sink(name))
+        try:
+            desc = d.engine.export(mem.view(offset, length), name)
+        except BaseException:
+            d.imms.free(slot)
+            raise
+        d.regions.add_export(name, self.label, desc, slot)
         self.exports[name] = mem.id
+        self.slots[name] = slot
         log.info("region.exported", client=self.label, region=name, nbytes=desc.length)
         return desc.to_wire()
 
@@ -245,6 +260,10 @@ class ClientSession:
         if name not in self.exports:
             raise UnknownRegion(f"this client exported no {name!r}")
         del self.exports[name]
+        if self.kv_pools.get(name) is not None and self.kv_pools[name].receive:
+            del self.kv_pools[name]
+            self.daemon.kv.drop_pool(name)
+        self.daemon.imms.free(self.slots.pop(name))
         self.daemon.regions.remove_export(name)
         self.daemon.engine.unexport(name)
 
@@ -255,6 +274,7 @@ class ClientSession:
                 self.unexport(name)
             except P2PXferError as exc:
                 log.warning("region.unexport_failed", region=name, error=bounded(str(exc)))
+        self.kv_pools.clear()
         for mem in self.mems.values():
             with contextlib.suppress(P2PXferError):
                 self.daemon.engine.deregister(mem.map)
@@ -294,7 +314,11 @@ async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _wait_imm(s: ClientSession, msg: Message) -> dict[str, Any]:
-    await s.daemon.engine.wait_imm(msg["imm"], msg["count"])
+    region = msg.get("region")
+    if region is not None and region not in s.exports:
+        raise UnknownRegion(f"this client exported no {region!r}: only a region's owner "
+                            "waits for its immediates")
+    await s.counts.wait(region, s.daemon.imms.check_value(msg["imm"]), msg["count"])
     return {}
 
 
@@ -324,6 +348,26 @@ async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
                                   d.peer_list)
 
 
+async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
+                                msg.get("receive", True))
+
+
+async def _kv_push(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return await s.daemon.kv.push(s, msg)
+
+
+async def _kv_wait(s: ClientSession, msg: Message) -> dict[str, Any]:
+    timeout_ms = msg.get("timeout_ms", -1)
+    return await s.daemon.kv.wait(s, msg["pool"], msg["request"], msg.get("first", 0),
+                                  msg["upto"], math.inf if timeout_ms < 0 else timeout_ms / 1000)
+
+
+async def _kv_forget(s: ClientSession, msg: Message) -> dict[str, Any]:
+    s.daemon.kv.forget(s, msg["pool"], msg["request"])
+    return {}
+
+
 async def _cancel(s: ClientSession, msg: Message) -> dict[str, Any]:
     await s.cancel(msg["target"])
     return {}
@@ -333,6 +377,7 @@ HANDLERS: dict[str, Handler] = {
     "share": _share, "unshare": _unshare, "export": _export, "unexport": _unexport,
     "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
     "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
+    "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
 }
 check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")
 

@@ -42,8 +42,12 @@ class Writes:
     async def write(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
                     region: str, imm: int | None) -> int:
         """Write ``scatter`` from ``src`` into ``region`` on ``peer``; the
-        pieces written, once all have landed."""
+        pieces written, once all have landed. ``imm`` is the client's value:
+        each piece carries it with the region's slot (``_imms``), so only
+        the region's owner counts it."""
         d = self.d
+        if imm is not None:
+            d.imms.check_value(imm)
         follower = d.follower
         if not follower.enabled:
             desc = await d.regions.resolve(peer, region)
@@ -66,7 +70,8 @@ class Writes:
         t0 = time.perf_counter()
         try:
             try:
-                pieces = await d.engine.write(src, desc, scatter, imm=imm)
+                pieces = await d.engine.write(src, desc, scatter,
+                                              imm=self._imm(peer, region, imm))
             except TransferError:
                 fresh = await self._why_failed(peer, region)
                 if fresh is None or fresh.incarnation == desc.incarnation:
@@ -77,12 +82,18 @@ class Writes:
                 d.follower.check_descriptor(fresh)
                 log.info("transfer.retry_new_life", client=client, peer=peer, region=region,
                          incarnation=fresh.incarnation)
-                pieces = await d.engine.write(src, fresh, scatter, imm=imm)
+                pieces = await d.engine.write(src, fresh, scatter,
+                                              imm=self._imm(peer, region, imm))
         finally:
             self.in_flight -= 1
         log.debug("transfer.complete", client=client, peer=peer, region=region,
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return pieces
+
+    def _imm(self, peer: str, region: str, value: int | None) -> int | None:
+        if value is None:
+            return None
+        return self.d.imms.compose(self.d.regions.slot(peer, region), value)
 
     async def _why_failed(self, peer: str, region: str) -> RegionDescriptor | None:
         """A transfer failed: the region (or its owner) may be gone. Look it
