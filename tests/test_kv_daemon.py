@@ -292,3 +292,42 @@ def test_decode_daemon_in_another_namespace(tmp_path: Path) -> None:
         finally:
             for d in daemons:
                 d.stop()
+
+
+async def test_dead_sender_ends_the_wait_with_peer_lost(tmp_path: Path) -> None:
+    """With membership: the prefill node's daemon is SIGKILLed mid-push; the
+    decode side's wait ends with ``PeerLost`` once membership rules it dead
+    (long before the push's deadline), and the decode daemon serves on."""
+    from p2pxfer.errors import ConnectionLost, PeerLost
+
+    token = "kv-cluster-token"
+    pa, pb = free_port(), free_port()
+    keys = {"membership": "embedded", "cluster_token": token}
+    b = start_daemon(tmp_path, "node-b", control_port=pb, **keys)
+    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **keys)
+    lay = KVLayout(256, 256, 16 << 10)  # 1 GiB: the push takes a while
+    try:
+        with trio.fail_after(TIMEOUT):
+            while {p["name"]: p["state"] for p in (await _status(b))["peers"]} != {
+                    "node-a": "alive", "node-b": "alive"}:
+                await trio.sleep(0.1)
+            async with p2pxfer.connect(b.socket) as decode, \
+                    p2pxfer.connect(a.socket) as prefill:
+                dst = await decode.kv_pool("kv-lost", lay)
+                src = await prefill.kv_pool("kv-lost-src", lay, receive=False)
+                blocks = np.arange(256)
+                push = await prefill.kv_push("node-b", "kv-lost", src, blocks, blocks[::-1],
+                                             request=1, deadline=600)
+                await dst.wait_layers(1, 0, timeout=30)
+                a.proc.kill()
+                a.proc.wait(10)
+                t0 = trio.current_time()
+                with pytest.raises(PeerLost, match="node-a"):
+                    await dst.wait_layers(1, 255, timeout=30)
+                assert trio.current_time() - t0 < 15
+                with pytest.raises(ConnectionLost):
+                    await push.wait()
+            assert (await _status(b))["transfers_in_flight"] == 0
+    finally:
+        a.stop()
+        b.stop()
