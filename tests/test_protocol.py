@@ -443,6 +443,7 @@ PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("kv_begin", {"pool": "kv", "request": 7, "layers": bytes(16), "deadline_ms": 30_000},
      {"slot": 9}),
     ("kv_expect", {"slot": 9, "pieces": bytes(16)}, {}),
+    ("kv_expect", {"slot": 9, "pieces": bytes(8), "first": 1}, {}),
     ("invalidate", {"region": "kv"}, {}),
     ("status", {}, {"node": "node-b", "incarnation": 7, "regions": ["kv"], "peers": [],
                     "transfers_in_flight": 2, "nics": ["eth0"]}),

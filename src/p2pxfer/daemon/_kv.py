@@ -194,16 +194,18 @@ class KV:
                   layers=len(lays))
         return {"slot": slot}
 
-    def expect(self, sender: str, slot: int, pieces: bytes) -> dict[str, Any]:
+    def expect(self, sender: str, slot: int, pieces: bytes, first: int = 0
+               ) -> dict[str, Any]:
         entry = self._slots.get(slot)
         if entry is None or sender not in entry[0].senders:
             raise InvalidArgument(f"kv_expect: slot {slot} is not a request of {sender!r}")
         recv, lays = entry
         counts = unpack_i64(pieces, "kv_expect pieces")
-        if len(counts) != len(lays) or (len(counts) and int(counts.min()) <= 0):
-            raise InvalidArgument(f"kv_expect: want {len(lays)} piece counts > 0, got "
-                                  f"{len(counts)}")
-        recv.expected[lays] = counts
+        if not 0 <= first <= len(lays) - len(counts) or len(counts) == 0 \
+                or int(counts.min()) <= 0:
+            raise InvalidArgument(f"kv_expect: want piece counts > 0 for layers {first}.. of "
+                                  f"the push's {len(lays)}, got {len(counts)}")
+        recv.expected[lays[first:first + len(counts)]] = counts
         self._settle(slot)
         recv.wake()
         return {}
@@ -314,7 +316,7 @@ class KV:
             if kind == "kv_begin":
                 return self.begin(peer, fields["pool"], fields["request"], fields["layers"],
                                   fields["deadline_ms"])
-            return self.expect(peer, fields["slot"], fields["pieces"])
+            return self.expect(peer, fields["slot"], fields["pieces"], fields["first"])
         return await self.d.peers.request(peer, kind, **fields)
 
     async def push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
@@ -361,7 +363,10 @@ class KV:
     async def _post(self, src: Pool, desc: Any, peer: str, slot: int, lays: list[int],
                     so: I64, do: I64, ln: I64, counts: I64) -> tuple[list[int], float]:
         """One transfer per layer, in layer order, submitted before any is
-        awaited; then the piece counts to the receiver; then the waits."""
+        awaited; the receiver hears the first layer's piece count as soon as
+        it is known (so layer 0 can complete there while later layers are
+        still being submitted), the others' once all are submitted; then the
+        waits."""
         d = self.d
         bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
         transfers: list[Transfer] = []
@@ -372,8 +377,12 @@ class KV:
                 transfers.append(await d.engine.submit(
                     src.view, desc, ScatterList(so[a:b], do[a:b], ln[a:b]),
                     imm=d.imms.compose(slot, layer)))
-            await self._ask(peer, "kv_expect", slot=slot,
-                            pieces=pack_i64([t.pieces for t in transfers]))
+                if k == 0:
+                    await self._ask(peer, "kv_expect", slot=slot, first=0,
+                                    pieces=pack_i64([transfers[0].pieces]))
+            if len(transfers) > 1:
+                await self._ask(peer, "kv_expect", slot=slot, first=1,
+                                pieces=pack_i64([t.pieces for t in transfers[1:]]))
             for k, t in enumerate(transfers):
                 await t.wait()
                 if k == 0:

@@ -83,7 +83,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # daemon -> daemon
     "kv_begin": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                  "layers": (_BIN, True), "deadline_ms": (_INT, True)},
-    "kv_expect": {"id": (_INT, True), "slot": (_INT, True), "pieces": (_BIN, True)},
+    "kv_expect": {"id": (_INT, True), "slot": (_INT, True), "pieces": (_BIN, True),
+                  "first": (_INT, False)},
 }
 
 CLIENT_REQUESTS = frozenset(
