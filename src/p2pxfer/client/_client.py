@@ -10,6 +10,7 @@ ends while a request waits raises ``ConnectionLost``.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import anyio
 import anyio.abc
 import numpy as np
 import numpy.typing as npt
+import sniffio
 import structlog
 
 from p2pxfer._pump import Pump
@@ -136,6 +138,14 @@ class Client:
     def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
         self._pump = Pump(Connection("client", INITIATOR, max_frame=max_frame),
                           _AnyioStream(stream, path), "")
+        # Requests are sent here, not by ``Pump.send``: under trio a frame
+        # usually goes out in one non-blocking send on the socket itself,
+        # without the scheduler rounds of a lock and a stream (a no-op round
+        # trip is mostly those). Under asyncio the transport owns the socket.
+        self._send_lock = anyio.Lock()
+        self._raw: socket.socket | None = None
+        if sniffio.current_async_library() == "trio":
+            self._raw = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
         self._path = path
         self._pending: dict[int, tuple[anyio.Event, list[Message]]] = {}
         self._closed: P2PXferError | None = None
@@ -195,7 +205,7 @@ class Client:
         try:
             # Shielded: a frame cut in half would end the whole conversation.
             with anyio.CancelScope(shield=True):
-                await self._pump.send(kind, id=rid, fds=fds or (), **fields)
+                await self._send(kind, fds or (), id=rid, **fields)
         except BaseException:
             self._pending.pop(rid, None)
             raise
@@ -220,6 +230,27 @@ class Client:
             raise ConnectionLost(f"connection to the daemon closed: {self._closed}")
         return self._pump.result(box[0])
 
+    async def _send(self, kind: str, fds: Sequence[int], **fields: Any) -> None:
+        """Encode and send one message (the conversation's state moves as it
+        encodes, so encoding and sending happen under one lock)."""
+        try:
+            self._send_lock.acquire_nowait()
+        except anyio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
+            data = self._pump.conn.send(kind, None, **fields)
+            if data and not fds and self._raw is not None:
+                try:
+                    data = data[self._raw.send(data):]
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    raise ConnectionLost(f"the daemon at {self._path} is gone: {exc}") from exc
+            if data:
+                await self._pump.stream.send_all(data, fds)
+        finally:
+            self._send_lock.release()
+
     async def _cancel(self, rid: int, answered: anyio.Event) -> None:
         """Tell the daemon to stop request ``rid``; return once it has been
         answered (the daemon answers it before it answers the ``cancel``),
@@ -230,7 +261,7 @@ class Client:
         cid = self._pump.conn.next_id()
         self._pending[cid] = (event, box)
         try:
-            await self._pump.send("cancel", id=cid, target=rid)
+            await self._send("cancel", (), id=cid, target=rid)
         except P2PXferError:
             self._pending.pop(cid, None)
             return
@@ -361,7 +392,7 @@ class Client:
     async def aclose(self) -> None:
         if self._closed is None:
             with suppress(ConnectionLost, ProtocolError):
-                await self._pump.send("bye")
+                await self._send("bye", ())
             self._closed = ConnectionLost("client closed")
         await self._pump.aclose()
         for mem in self._mems:

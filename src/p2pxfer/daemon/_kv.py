@@ -97,6 +97,7 @@ class _Recv:
     expired: bool = False
     error: P2PXferError | None = None
     changed: trio.Event = field(default_factory=trio.Event)
+    waiters: int = 0
 
     def wake(self) -> None:
         self.changed.set()
@@ -271,17 +272,25 @@ class KV:
         if not 0 <= first <= upto < n:
             raise InvalidArgument(f"kv_wait: want 0 <= first <= upto < {n}, got {first}, {upto}")
         recv = self._request(pool, request, n)
-        with trio.move_on_after(timeout_s):
-            while True:
-                if recv.error is not None:
-                    raise recv.error
-                done = recv.prefix(first)
-                if done > upto:
-                    return {"done": done}
-                if recv.expired:
-                    break
-                await recv.changed.wait()
-        return {"done": recv.prefix(first), "expired": True}
+        recv.waiters += 1
+        try:
+            with trio.move_on_after(timeout_s):
+                while True:
+                    if recv.error is not None:
+                        raise recv.error
+                    done = recv.prefix(first)
+                    if done > upto:
+                        return {"done": done}
+                    if recv.expired:
+                        break
+                    await recv.changed.wait()
+            return {"done": recv.prefix(first), "expired": True}
+        finally:
+            recv.waiters -= 1
+            # A request nobody pushed and nobody waits for leaves nothing behind.
+            if not recv.waiters and not recv.claimed.any() \
+                    and self._recv.get((pool, request)) is recv:
+                del self._recv[(pool, request)]
 
     def forget(self, s: ClientSession, pool: str, request: int) -> None:
         self._owned(s, pool)
