@@ -413,6 +413,11 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
     """
     if not isinstance(dst_pool, KVPoolDescriptor):
         raise DescriptorError(f"dst_pool must be a KVPoolDescriptor, got {type(dst_pool)}")
+    if engine.imm_bits < 64:
+        raise InvalidArgument(
+            f"in-process KV pushes carry each layer's piece count in a 64-bit immediate; "
+            f"this engine's are {engine.imm_bits} bits (EFA, verbs, or imm_bytes = 4): "
+            "push through the daemon (Client.kv_push), which fits 32 bits")
     encode_imm(request_id, 0, 1)  # validates request_id
     lays, so, do, ln, counts = plan_push(
         src_pool.layout, dst_pool.layout, src_blocks, dst_blocks, layers,
