@@ -111,3 +111,29 @@ async def test_departed_session_counts_are_dropped(pair: tuple[DaemonProc, Daemo
                     await second.wait_imm(11, 1, timeout=0.5)
                 await writer.write("node-b", "scope-again", pieces(4), src=src, imm=11)
                 await second.wait_imm(11, 4, timeout=10, region="scope-again")
+
+
+async def test_unclaimed_counts_are_bounded() -> None:
+    """In-process: a session keeps at most ``limit`` distinct unclaimed
+    counts, dropping the oldest (never one a waiter waits on), and a
+    cancelled wait leaves the counts for the next one."""
+    from p2pxfer.daemon._imms import ImmCounts
+
+    counts = ImmCounts("test", limit=8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(counts.wait, None, 1000, 5)
+        await trio.sleep(0.01)
+        counts.arrive("r", 1000, 2)  # waited for: kept however many come after
+        for value in range(20):
+            counts.arrive("r", value, 1)
+        assert counts.count(None, 1000) == 2
+        assert counts.count("r", 19) == 1 and counts.count("r", 0) == 0
+        assert counts.dropped > 0
+        counts.arrive("r", 1000, 3)  # the waiter takes its 5
+        await trio.sleep(0.01)
+        assert counts.count(None, 1000) == 0
+    with trio.move_on_after(0.05):
+        await counts.wait("r", 19, 2)
+    assert counts.count("r", 19) == 1  # the cancelled wait took nothing
+    await counts.wait("r", 19, 1)
+    assert counts.count("r", 19) == 0
