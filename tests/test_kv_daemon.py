@@ -29,7 +29,7 @@ import trio
 import p2pxfer
 from daemon_helpers import LOOPBACK, DaemonProc, free_port, spawn_daemon, start_daemon
 from p2pxfer.client import KVPool
-from p2pxfer.errors import InvalidArgument, UnknownRegion, WaitTimeout
+from p2pxfer.errors import InvalidArgument, TransferError, UnknownRegion, WaitTimeout
 from p2pxfer.kv import KVLayout
 
 TIMEOUT = 120.0
@@ -262,12 +262,17 @@ async def test_deadline_ends_the_wait(pair: tuple[DaemonProc, DaemonProc]) -> No
             src = await prefill.kv_pool("kv-deadline-src", lay, receive=False)
             blocks = np.arange(512)
             push = await prefill.kv_push("node-b", "kv-deadline", src, blocks, blocks[::-1],
-                                         request=4, deadline=1.0)
-            with trio.move_on_after(0.01) as scope:
+                                         request=4, deadline=3.0)
+            await dst.wait_layers(4, 0, timeout=20)  # begun: the receiver knows the deadline
+            with trio.move_on_after(0.001) as scope:
                 await push.wait()
             assert scope.cancelled_caught, "the push finished before it could be cancelled"
+            with pytest.raises(TransferError, match="cancelled"):
+                await push.wait()
+            t0 = trio.current_time()
             with pytest.raises(WaitTimeout):
-                await dst.wait_layers(4, 63, timeout=20)
+                await dst.wait_layers(4, 63, timeout=60)
+            assert trio.current_time() - t0 < 30, "the deadline did not end the wait"
 
 
 def test_decode_daemon_in_another_namespace(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from p2pxfer.errors import InvalidArgument, WaitTimeout
+from p2pxfer.errors import InvalidArgument, TransferError, WaitTimeout
 from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor
 
@@ -58,8 +58,10 @@ class KVPushResult:
 
 class KVPush:
     """A push under way: ``await wait()`` for its result. Cancelling the wait
-    cancels the push: the sending daemon stops posting and waits for what it
-    posted before the wait returns (the source blocks are then yours)."""
+    (or its ``timeout`` passing: ``WaitTimeout``) cancels the push: the
+    sending daemon stops posting and waits for what it posted before the wait
+    returns (the source blocks are then yours); a later ``wait`` raises
+    ``TransferError``."""
 
     def __init__(self, client: Client, pending: _Pending, request: int) -> None:
         self._client = client
@@ -70,6 +72,9 @@ class KVPush:
     async def wait(self, *, timeout: float | None = None) -> KVPushResult:
         if self._result is None:
             r = await self._client._finish(self._pending, timeout)
+            if r.get("cancelled"):
+                raise TransferError(f"push of request {self.request} was cancelled (an "
+                                    "earlier wait on it was cancelled or timed out)")
             self._result = KVPushResult(self.request, _i64(r["layers"]), _i64(r["pieces"]),
                                         int(r["nbytes"]), float(r["seconds"]),
                                         float(r["first_layer_s"]))
