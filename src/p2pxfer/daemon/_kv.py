@@ -124,7 +124,8 @@ class KV:
         self.d = daemon
         self.pools: dict[str, Pool] = {}  # receiving pools, by region name
         self._recv: dict[tuple[str, int], _Recv] = {}
-        self._slots: dict[int, tuple[_Recv, I64]] = {}  # request slot -> (request, layers)
+        # request slot -> (request, its layers, [how many are not complete yet])
+        self._slots: dict[int, tuple[_Recv, I64, list[int]]] = {}
 
     # -- pools (client side) ---------------------------------------------------------
 
@@ -184,13 +185,16 @@ class KV:
         if recv.claimed[lays].any():
             raise InvalidArgument(f"request {request}: layers "
                                   f"{lays[recv.claimed[lays]].tolist()[:8]} are pushed already")
-        slot = self.d.imms.allocate(lambda layer, count: self._arrival(recv, layer, count))
+        holder: list[int] = []
+        slot = self.d.imms.allocate(
+            lambda layer, count: self._arrival(recv, holder[0], layer, count))
+        holder.append(slot)
         recv.claimed[lays] = True
         recv.senders.add(sender)
         recv.slots.add(slot)
         recv.deadline = max(recv.deadline if recv.deadline < math.inf else 0.0,
                             trio.current_time() + deadline_ms / 1000)
-        self._slots[slot] = (recv, lays)
+        self._slots[slot] = (recv, lays, [len(lays)])
         log.debug("kv.begin", pool=pool, request=request, sender=sender, slot=slot,
                   layers=len(lays))
         return {"slot": slot}
@@ -200,31 +204,42 @@ class KV:
         entry = self._slots.get(slot)
         if entry is None or sender not in entry[0].senders:
             raise InvalidArgument(f"kv_expect: slot {slot} is not a request of {sender!r}")
-        recv, lays = entry
+        recv, lays, left = entry
         counts = unpack_i64(pieces, "kv_expect pieces")
         if not 0 <= first <= len(lays) - len(counts) or len(counts) == 0 \
                 or int(counts.min()) <= 0:
             raise InvalidArgument(f"kv_expect: want piece counts > 0 for layers {first}.. of "
                                   f"the push's {len(lays)}, got {len(counts)}")
-        recv.expected[lays[first:first + len(counts)]] = counts
-        self._settle(slot)
-        recv.wake()
+        told = lays[first:first + len(counts)]
+        if (recv.expected[told] >= 0).any():
+            raise InvalidArgument("kv_expect: piece counts of these layers were sent already")
+        recv.expected[told] = counts
+        # Layers whose pieces had all landed before their count was known.
+        self._completed(recv, slot, left, int((recv.arrived[told] >= counts).sum()))
         return {}
 
-    def _arrival(self, recv: _Recv, layer: int, count: int) -> None:
+    def _arrival(self, recv: _Recv, slot: int, layer: int, count: int) -> None:
+        """Pieces of ``layer`` landed (the engine's route, per batch of
+        completions: a few scalar operations, no numpy over layers)."""
         if layer >= len(recv.arrived):
             return  # not a layer of this pool: nothing to count it for
-        recv.arrived[layer] += count
-        recv.wake()
-        for slot in list(recv.slots):
-            self._settle(slot)
+        before = int(recv.arrived[layer])
+        recv.arrived[layer] = before + count
+        expected = int(recv.expected[layer])
+        if 0 <= expected <= before + count and before < expected:
+            entry = self._slots.get(slot)
+            if entry is not None:
+                self._completed(recv, slot, entry[2], 1)
 
-    def _settle(self, slot: int) -> None:
-        """A request slot whose layers have all landed is given back."""
-        recv, lays = self._slots[slot]
-        if bool((recv.expected[lays] >= 0).all()
-                and (recv.arrived[lays] >= recv.expected[lays]).all()):
+    def _completed(self, recv: _Recv, slot: int, left: list[int], layers: int) -> None:
+        """``layers`` more layers of the push that holds ``slot`` are
+        complete: wake the waiters; once all are, the slot goes back."""
+        if not layers:
+            return
+        left[0] -= layers
+        if left[0] <= 0:
             self._free(recv, slot)
+        recv.wake()
 
     def _free(self, recv: _Recv, slot: int) -> None:
         self._slots.pop(slot, None)
