@@ -4,14 +4,16 @@ Two daemons (a: prefill, b: decode) run as separate processes on loopback.
 A decode client's pool (``--layers`` x ``--blocks`` x ``--block-kib`` KiB) is
 on daemon b; a prefill client's source pool on daemon a pushes every block
 into it (random block tables) with ``Client.kv_push``; then an in-process
-engine here pushes the same pages into the same pool's region with
-``kv.push_pages``. Reported: seconds per push (client-observed, median) and
-the ratio; time to first layer (``kv_push`` call -> decode's
-``wait_layers(request, 0)`` returning); CPU of describing and posting a
-112,000-piece request (32 layers x 3,500 blocks): the client's, plus the
-sending daemon's cost before the provider (``plan_push`` and the engine's
-``submit`` with ``dry_run``), plus the sending daemon's whole CPU for a real
-push of 64-byte blocks; and the control round trip of a no-op request.
+engine here pushes the same pages (the source pool's shared memory, mapped
+here too) into the same pool's region with ``kv.push_pages``.
+
+Reported: seconds per push (client-observed, median) and the ratio; time to
+first layer (``kv_push`` call -> decode's ``wait_layers(request, 0)``
+returning); CPU of describing and posting a 112,000-piece request (32 layers
+x 3,500 blocks): the client's, plus the sending daemon's cost before the
+provider (``plan_push`` and the engine's ``submit`` with ``dry_run``), plus
+the sending daemon's whole CPU for a real push of 64-byte blocks; and the
+control round trip of a no-op request.
 
     python bench/kv_daemon.py --json bench/results/kv_daemon.json
 """
@@ -61,8 +63,10 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
             dst = await decode.kv_pool("bench-kv", lay)
             src = await prefill.kv_pool("bench-src", lay, receive=False)
             src.array[:] = 1
-            local = KVPool(eng, "bench-local", lay)
-            local.array[:] = 2
+            # The very same source pages (the prefill pool's memfd, mapped here
+            # too): anonymous numpy memory would get transparent huge pages,
+            # which shared memory does not, and the copy would not compare.
+            local = KVPool(eng, "bench-local", lay, buffer=src.mem)
             target = KVPoolDescriptor(dst.descriptor, lay)  # type: ignore[arg-type]
             daemon_s, engine_s, ttfl = [], [], []
             for i in range(args.repeat + 1):  # the first of each warms up
