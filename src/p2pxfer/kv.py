@@ -46,6 +46,7 @@ __all__ = [
     "decode_imm",
     "encode_imm",
     "expand_pages",
+    "plan_push",
     "push_pages",
 ]
 
@@ -357,6 +358,37 @@ def expand_pages(src: KVLayout, dst: KVLayout, src_blocks: I64, dst_blocks: I64,
     return so[starts], do[starts], lengths.astype(np.int64), counts
 
 
+def plan_push(s_lay: KVLayout, d_lay: KVLayout, src_blocks: Any, dst_blocks: Any,
+              layers: Iterable[int] | None, *, src_size: int, dst_size: int,
+              coalesce: bool = True) -> tuple[list[int], I64, I64, I64, I64]:
+    """Check a push (layouts, block indices, layers, pool sizes) and expand
+    it: (layers in order, src offsets, dst offsets, lengths, pieces per
+    layer). Shared by the in-process ``push_pages`` and the daemon's KV
+    push; raises ``InvalidArgument`` naming what is wrong, before anything
+    is posted."""
+    if (why := s_lay.compatible(d_lay)) is not None:
+        raise InvalidArgument(f"pool layouts do not match: {why}")
+    sb = _blocks("src_blocks", src_blocks, s_lay.num_blocks)
+    db = _blocks("dst_blocks", dst_blocks, d_lay.num_blocks)
+    if len(sb) != len(db) or len(sb) == 0:
+        raise InvalidArgument(f"src_blocks and dst_blocks must be equally long and non-empty "
+                              f"({len(sb)} vs {len(db)})")
+    if len(np.unique(db)) != len(db):
+        raise InvalidArgument("dst_blocks names a block twice")
+    req_layers = list(range(s_lay.num_layers) if layers is None else layers)
+    if not req_layers or any(not _is_int(n) or not 0 <= n < s_lay.num_layers
+                             for n in req_layers):
+        raise InvalidArgument(f"layers must be integers within 0..{s_lay.num_layers - 1}, "
+                              f"got {req_layers}")
+    lays = sorted({int(n) for n in req_layers})
+    for what, lay, size in (("source", s_lay, src_size), ("destination", d_lay, dst_size)):
+        if lay.nbytes > size:
+            raise InvalidArgument(f"the {what} pool's layout spans {lay.nbytes} bytes but "
+                                  f"its memory holds {size}")
+    so, do, ln, counts = expand_pages(s_lay, d_lay, sb, db, lays, coalesce=coalesce)
+    return lays, so, do, ln, counts
+
+
 @dataclass(frozen=True)
 class PushResult:
     request_id: int
@@ -381,29 +413,15 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
     """
     if not isinstance(dst_pool, KVPoolDescriptor):
         raise DescriptorError(f"dst_pool must be a KVPoolDescriptor, got {type(dst_pool)}")
-    s_lay, d_lay = src_pool.layout, dst_pool.layout
-    if (why := s_lay.compatible(d_lay)) is not None:
-        raise InvalidArgument(f"pool layouts do not match: {why}")
-    sb = _blocks("src_blocks", src_blocks, s_lay.num_blocks)
-    db = _blocks("dst_blocks", dst_blocks, d_lay.num_blocks)
-    if len(sb) != len(db) or len(sb) == 0:
-        raise InvalidArgument(f"src_blocks and dst_blocks must be equally long and non-empty "
-                              f"({len(sb)} vs {len(db)})")
-    if len(np.unique(db)) != len(db):
-        raise InvalidArgument("dst_blocks names a block twice")
-    req_layers = list(range(s_lay.num_layers) if layers is None else layers)
-    if not req_layers or any(not _is_int(n) or not 0 <= n < s_lay.num_layers
-                             for n in req_layers):
-        raise InvalidArgument(f"layers must be integers within 0..{s_lay.num_layers - 1}, "
-                              f"got {req_layers}")
-    lays = sorted({int(n) for n in req_layers})
+    if engine.imm_bits < 64:
+        raise InvalidArgument(
+            f"in-process KV pushes carry each layer's piece count in a 64-bit immediate; "
+            f"this engine's are {engine.imm_bits} bits (EFA, verbs, or imm_bytes = 4): "
+            "push through the daemon (Client.kv_push), which fits 32 bits")
     encode_imm(request_id, 0, 1)  # validates request_id
-    for what, lay, size in (("source", s_lay, src_pool.array.nbytes),
-                            ("destination", d_lay, dst_pool.region.length)):
-        if lay.nbytes > size:
-            raise InvalidArgument(f"the {what} pool's layout spans {lay.nbytes} bytes but "
-                                  f"its memory holds {size}")
-    so, do, ln, counts = expand_pages(s_lay, d_lay, sb, db, lays, coalesce=coalesce)
+    lays, so, do, ln, counts = plan_push(
+        src_pool.layout, dst_pool.layout, src_blocks, dst_blocks, layers,
+        src_size=src_pool.array.nbytes, dst_size=dst_pool.region.length, coalesce=coalesce)
     bounds = np.concatenate([[0], np.cumsum(counts)])
     t0 = time.perf_counter()
     transfers: list[Transfer] = []

@@ -299,6 +299,54 @@ def test_restart_and_sigint_shutdown(tmp_path: Path) -> None:
     assert not os.path.exists(d.socket), "the socket file outlived the daemon"
 
 
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_first_write_after_peer_restart(tmp_path: Path, how: str) -> None:
+    """node-b restarts (stopped, or SIGKILLed) on the same control port; a new
+    client there exports the region again. node-a's first write to it
+    succeeds: its cached control link to the old life (closed) is dialled
+    again, and its cached descriptor of the old life gives way to the new
+    one (issue 13, item 5: it failed with ``peer_unreachable: ... closed the
+    control connection``)."""
+    port_a, port_b = free_port(), free_port()
+    peer_a = [{"name": "node-a", "address": f"{LOOPBACK}:{port_a}"}]
+    a = start_daemon(tmp_path, "node-a", control_port=port_a,
+                     peers=[{"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}])
+    daemons = [a, start_daemon(tmp_path, "node-b", control_port=port_b, peers=peer_a)]
+    size = 1 << 20
+    one = ScatterList(np.array([0]), np.array([0]), np.array([size]))
+
+    def body() -> None:
+        with SyncClient(a.socket) as writer:
+            src = writer.alloc(size, "restart-src")
+            src.array[:] = 5
+            with SyncClient(daemons[1].socket) as target:
+                dst = target.alloc(size, "restart-dst")
+                target.export("restart", dst)
+                assert writer.write("node-b", "restart", one, src=src, imm=1) == 1
+                target.wait_imm(1, 1, timeout=10)
+                assert np.all(dst.array == 5)
+                if how == "sigkill":
+                    daemons[1].proc.kill()
+                    daemons[1].proc.wait(STOP_TIMEOUT)
+                else:
+                    assert daemons[1].stop() == 0
+            daemons.append(start_daemon(tmp_path, "node-b", control_port=port_b, peers=peer_a))
+            with SyncClient(daemons[2].socket) as target:
+                dst = target.alloc(size, "restart-dst2")
+                target.export("restart", dst)
+                src.array[:] = 6
+                assert writer.write("node-b", "restart", one, src=src, imm=2) == 1
+                target.wait_imm(2, 1, timeout=10)
+                assert np.all(dst.array == 6)
+
+    try:
+        bounded(body, 60)
+    finally:
+        for d in daemons:
+            d.stop()
+    assert "request.crashed" not in a.log.read_text(), a.log_tail()
+
+
 # -- 2. clients that go away -------------------------------------------------------
 
 async def test_killed_initiator_is_released(live: tuple[DaemonProc, DaemonProc],

@@ -1063,3 +1063,24 @@ async def test_push_to_dead_receiver_ends() -> None:
             finally:
                 nursery.cancel_scope.cancel()
         assert not watchdog_fired, "the push ignored its cancel scope"
+
+
+async def test_four_byte_immediates_cap_the_engine_and_refuse_in_process_kv() -> None:
+    """``imm_bytes = 4`` makes tcp carry what EFA and verbs carry: wider
+    immediates are refused (never cut), and the in-process KV push, which
+    needs 64 bits, says to push through the daemon instead."""
+    from p2pxfer.scatter import ScatterList
+
+    lay = KVLayout(2, 4, 256)
+    async with pair(TCP, imm_bytes=4) as (a, b):
+        assert a.imm_bits == 32
+        src, dst = KVPool(a, "src", lay), KVPool(b, "dst", lay)
+        with trio.fail_after(5), pytest.raises(InvalidArgument, match="daemon"):
+            await push_pages(a, src, dst.describe(), [0], [1], request_id=1)
+        one = ScatterList(np.array([0]), np.array([0]), np.array([256]))
+        with pytest.raises(InvalidArgument, match="32 bits"):
+            await a.write(src.array, dst.region, one, imm=1 << 32)
+        with pytest.raises(InvalidArgument, match="32 bits"):
+            await a.wait_imm(1 << 32, 1)
+        assert await a.write(src.array, dst.region, one, imm=(1 << 32) - 1) == 1
+        assert nic_totals(a) == (256, 1)

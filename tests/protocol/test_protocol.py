@@ -157,7 +157,7 @@ results = st.dictionaries(st.text(max_size=8), values, max_size=4)  # str keys o
 
 TYPE_VALUES: dict[type, st.SearchStrategy[Any]] = {
     int: ints, str: st.text(max_size=8), bytes: st.binary(max_size=48), dict: results,
-    type(None): st.none(),
+    type(None): st.none(), bool: st.booleans(),
 }
 
 
@@ -408,6 +408,25 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("write", {"peer": "node-b", "region": "kv", "mem": 1, "offset": 0,
                "scatter": bytes(24), "imm": None}, {"pieces": 1}),
     ("wait_imm", {"imm": 9, "count": 3}, {}),
+    ("cancel", {"target": 4}, {}),
+    ("wait_imm", {"imm": 9, "count": 3, "region": "kv"}, {}),
+    ("kv_pool", {"name": "kv", "mem": 1, "layout": {"layers": 2, "blocks": 4,
+                                                     "block_bytes": 4096, "planes": 1,
+                                                     "order": "layer_major",
+                                                     "strides": [16384, 4096, 16384]}},
+     {"descriptor": DESCRIPTOR}),
+    ("kv_pool", {"name": "src", "mem": 2, "layout": {}, "receive": False}, {}),
+    ("kv_push", {"peer": "node-b", "pool": "kv", "src": "src", "src_blocks": bytes(16),
+                 "dst_blocks": bytes(16), "request": 7},
+     {"layers": bytes(16), "pieces": bytes(16), "nbytes": 8192, "seconds": 0.5,
+      "first_layer_s": 0.25}),
+    ("kv_push", {"peer": "node-b", "pool": "kv", "src": "src", "src_blocks": bytes(8),
+                 "dst_blocks": bytes(8), "request": 7, "layers": bytes(8),
+                 "deadline_ms": 5000}, {}),
+    ("kv_wait", {"pool": "kv", "request": 7, "upto": 1}, {"done": 2}),
+    ("kv_wait", {"pool": "kv", "request": 7, "upto": 1, "first": 1, "timeout_ms": 100},
+     {"done": 1, "expired": True}),
+    ("kv_forget", {"pool": "kv", "request": 7}, {}),
     ("status", {}, {"node": "node-a", "incarnation": 7, "regions": [], "peers": [],
                     "transfers_in_flight": 0, "nics": []}),
     ("peers", {}, {"peers": [{"name": "node-b", "address": "10.0.0.2:7000"}]}),
@@ -420,7 +439,11 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 ]
 PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("auth", {"proof": bytes(32)}, {}),
-    ("resolve", {"region": "kv"}, {"descriptor": DESCRIPTOR}),
+    ("resolve", {"region": "kv"}, {"descriptor": DESCRIPTOR, "slot": 3}),
+    ("kv_begin", {"pool": "kv", "request": 7, "layers": bytes(16), "deadline_ms": 30_000},
+     {"slot": 9}),
+    ("kv_expect", {"slot": 9, "pieces": bytes(16)}, {}),
+    ("kv_expect", {"slot": 9, "pieces": bytes(8), "first": 1}, {}),
     ("invalidate", {"region": "kv"}, {}),
     ("status", {}, {"node": "node-b", "incarnation": 7, "regions": ["kv"], "peers": [],
                     "transfers_in_flight": 2, "nics": ["eth0"]}),
@@ -1047,9 +1070,10 @@ def test_specific_errors_and_unknown_codes() -> None:
 
 
 def test_handler_tables_are_checked() -> None:
-    check_handlers({"status": 0, "peers": 0, "auth": 0, "resolve": 0, "invalidate": 0},
-                   PEER_REQUESTS, "test")
+    check_handlers({"status": 0, "peers": 0, "auth": 0, "resolve": 0, "invalidate": 0,
+                    "kv_begin": 0, "kv_expect": 0}, PEER_REQUESTS, "test")
     with pytest.raises(LocalProtocolError, match=r"missing \['invalidate'\]"):
-        check_handlers({"status", "peers", "auth", "resolve"}, PEER_REQUESTS, "test")
+        check_handlers({"status", "peers", "auth", "resolve", "kv_begin", "kv_expect"},
+                       PEER_REQUESTS, "test")
     with pytest.raises(LocalProtocolError, match=r"extra \['frobnicate'\]"):
         check_handlers({*PEER_REQUESTS, "frobnicate"}, PEER_REQUESTS, "test")

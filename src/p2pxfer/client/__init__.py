@@ -9,4 +9,7 @@ from ._client import DaemonError as DaemonError
 from ._client import MemberUpdate as MemberUpdate
 from ._client import SharedMemory as SharedMemory
 from ._client import connect as connect
+from ._kv import KVPool as KVPool
+from ._kv import KVPush as KVPush
+from ._kv import KVPushResult as KVPushResult
 from ._sync import SyncClient as SyncClient

@@ -10,7 +10,8 @@ ends while a request waits raises ``ConnectionLost``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import socket
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import anyio
 import anyio.abc
 import numpy as np
 import numpy.typing as npt
+import sniffio
 import structlog
 
 from p2pxfer._pump import Pump
@@ -27,7 +29,9 @@ from p2pxfer.errors import (
     DaemonError,
     InvalidArgument,
     P2PXferError,
+    WaitTimeout,
 )
+from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor, SharedBuffer
 from p2pxfer.protocol import (
     INITIATOR,
@@ -39,7 +43,10 @@ from p2pxfer.protocol import (
 )
 from p2pxfer.scatter import ScatterList
 
-__all__ = ["Client", "DaemonError", "MemberUpdate", "SharedMemory", "connect"]
+from ._kv import KVPool, KVPush, open_pool, start_push
+
+__all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedMemory",
+           "connect"]
 
 log = structlog.get_logger("p2pxfer.client")
 
@@ -118,12 +125,30 @@ class SharedMemory:
         self.buffer.close()
 
 
+@dataclass
+class _Pending:
+    """A request sent, its reply not yet awaited."""
+
+    kind: str
+    rid: int
+    event: anyio.Event
+    box: list[Message]
+
+
 class Client:
     """A connection to the node daemon. Use :func:`connect`."""
 
     def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
         self._pump = Pump(Connection("client", INITIATOR, max_frame=max_frame),
                           _AnyioStream(stream, path), "")
+        # Requests are sent here, not by ``Pump.send``: under trio a frame
+        # usually goes out in one non-blocking send on the socket itself,
+        # without the scheduler rounds of a lock and a stream (a no-op round
+        # trip is mostly those). Under asyncio the transport owns the socket.
+        self._send_lock = anyio.Lock()
+        self._raw: socket.socket | None = None
+        if sniffio.current_async_library() == "trio":
+            self._raw = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
         self._path = path
         self._pending: dict[int, tuple[anyio.Event, list[Message]]] = {}
         self._closed: P2PXferError | None = None
@@ -161,23 +186,89 @@ class Client:
         for event, _ in self._pending.values():
             event.set()
 
-    async def _request(self, kind: str, fds: list[int] | None = None, **fields: Any
-                       ) -> dict[str, Any]:
+    async def _request(self, kind: str, fds: list[int] | None = None, *,
+                       timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send one request and await its reply. Cancelled (or interrupted)
+        while waiting: the daemon is told (``cancel``) and this returns only
+        once the daemon has answered the request, i.e. stopped serving it:
+        a write's buffer is no longer read, a wait no longer counts. After
+        ``timeout`` seconds the same, then ``WaitTimeout`` (unless the reply
+        came meanwhile: then it is returned)."""
+        pending = await self._start(kind, fds, **fields)
+        return await self._finish(pending, timeout)
+
+    async def _start(self, kind: str, fds: list[int] | None = None, **fields: Any
+                     ) -> _Pending:
+        """Send a request; its reply is awaited with ``_finish``."""
         if self._closed is not None:
             raise ConnectionLost(f"connection to the daemon is closed ({self._closed})")
         event, box = anyio.Event(), list[Message]()
         rid = self._pump.conn.next_id()
         self._pending[rid] = (event, box)
         try:
-            await self._pump.send(kind, id=rid, fds=fds or (), **fields)
+            # Shielded: a frame cut in half would end the whole conversation.
+            with anyio.CancelScope(shield=True):
+                await self._send(kind, fds or (), id=rid, **fields)
         except BaseException:
             self._pending.pop(rid, None)
             raise
-        await event.wait()
+        return _Pending(kind, rid, event, box)
+
+    async def _finish(self, p: _Pending, timeout: float | None = None) -> dict[str, Any]:
+        event, box = p.event, p.box
+        try:
+            with anyio.move_on_after(float("inf") if timeout is None else timeout):
+                await event.wait()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._cancel(p.rid, event)
+            raise
+        if not event.is_set():
+            with anyio.CancelScope(shield=True):
+                await self._cancel(p.rid, event)
+            if box and box[0].kind == "ok" and (box[0].get("result") or {}).get("cancelled"):
+                raise WaitTimeout(f"{p.kind}: no answer within {timeout} s")
         if not box:
             assert self._closed is not None
             raise ConnectionLost(f"connection to the daemon closed: {self._closed}")
         return self._pump.result(box[0])
+
+    async def _send(self, kind: str, fds: Sequence[int], **fields: Any) -> None:
+        """Encode and send one message (the conversation's state moves as it
+        encodes, so encoding and sending happen under one lock)."""
+        try:
+            self._send_lock.acquire_nowait()
+        except anyio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
+            data = self._pump.conn.send(kind, None, **fields)
+            if data and not fds and self._raw is not None:
+                try:
+                    data = data[self._raw.send(data):]
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    raise ConnectionLost(f"the daemon at {self._path} is gone: {exc}") from exc
+            if data:
+                await self._pump.stream.send_all(data, fds)
+        finally:
+            self._send_lock.release()
+
+    async def _cancel(self, rid: int, answered: anyio.Event) -> None:
+        """Tell the daemon to stop request ``rid``; return once it has been
+        answered (the daemon answers it before it answers the ``cancel``),
+        or the connection is gone (then the daemon dropped it anyway)."""
+        if answered.is_set() or self._closed is not None:
+            return
+        event, box = anyio.Event(), list[Message]()
+        cid = self._pump.conn.next_id()
+        self._pending[cid] = (event, box)
+        try:
+            await self._send("cancel", (), id=cid, target=rid)
+        except P2PXferError:
+            self._pending.pop(cid, None)
+            return
+        await event.wait()
 
     # -- API ------------------------------------------------------------------
 
@@ -216,7 +307,12 @@ class Client:
                     src_offset: int = 0, imm: int | None = None) -> int:
         """Write ``scatter`` from ``src`` (offsets relative to ``src_offset``)
         into ``region`` on node ``peer``; returns the pieces written, each with
-        ``imm``. Returns once every piece has completed."""
+        ``imm``. Returns once every piece has completed.
+
+        Cancellation (like the engine's ``write``): the daemon is told, stops
+        posting, waits for the pieces already posted, then answers; only then
+        does this raise, so ``src`` may be refilled at once. What landed of a
+        cancelled write is a prefix of its pieces, whole pieces only."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
         packed = pack_scatter(scatter.src, scatter.dst, scatter.length)
@@ -224,9 +320,40 @@ class Client:
                                      offset=src_offset, scatter=packed, imm=imm)
         return int(result["pieces"])
 
-    async def wait_imm(self, imm: int, count: int) -> None:
-        """Return once ``count`` pieces carrying ``imm`` have landed on this node."""
-        await self._request("wait_imm", imm=imm, count=count)
+    async def wait_imm(self, imm: int, count: int, *, region: str | None = None,
+                       timeout: float | None = None) -> None:
+        """Return once ``count`` pieces carrying ``imm`` have landed in
+        ``region`` (one of this client's exports), or, without ``region``, in
+        any region this client exported; they are consumed (the two views
+        count apart). Pieces for other clients' regions never count here,
+        nor do counts left by clients gone. ``imm`` is at most 20 bits wide
+        where the fabric carries 4 bytes of immediate data (EFA, verbs, or
+        ``imm_bytes = 4``), 52 bits otherwise (``bad_request`` beyond).
+        ``WaitTimeout`` after ``timeout`` seconds. A wait that times out or is
+        cancelled leaves nothing behind in the daemon: the pieces it had not
+        consumed count for the next wait."""
+        fields: dict[str, Any] = {"region": region} if region is not None else {}
+        await self._request("wait_imm", imm=imm, count=count, timeout=timeout, **fields)
+
+    async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True) -> KVPool:
+        """A paged KV pool of ``layout`` in memory shared with the daemon.
+        ``receive``: exported as ``name`` so peers can push into it (the
+        decode side); otherwise only a source to push from (prefill)."""
+        return await open_pool(self, name, layout, receive)
+
+    async def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any,
+                      dst_blocks: Any, *, request: int, layers: Iterable[int] | None = None,
+                      deadline: float = 30.0) -> KVPush:
+        """Push blocks ``src_blocks`` of ``src`` into blocks ``dst_blocks``
+        of pool ``pool`` on node ``peer``, one transfer per layer (all
+        layers, or ``layers``), in layer order; returns once the push is
+        sent to the daemon, with a handle to ``await push.wait()``. The
+        receiver may wait on ``request`` (an int >= 0 both sides agree on,
+        e.g. the decode side's) as layers land. Everything is checked before
+        anything is posted; the receiver gives up on the request after
+        ``deadline`` seconds (``WaitTimeout`` there)."""
+        return await start_push(self, peer, pool, src, src_blocks, dst_blocks, request,
+                                layers, deadline)
 
     async def status(self) -> dict[str, Any]:
         return await self._request("status")
@@ -268,7 +395,7 @@ class Client:
     async def aclose(self) -> None:
         if self._closed is None:
             with suppress(ConnectionLost, ProtocolError):
-                await self._pump.send("bye")
+                await self._send("bye", ())
             self._closed = ConnectionLost("client closed")
         await self._pump.aclose()
         for mem in self._mems:

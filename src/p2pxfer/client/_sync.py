@@ -3,16 +3,19 @@ own in a background thread (anyio's blocking portal)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 from types import TracebackType
 from typing import Any, Self
 
 from anyio.from_thread import start_blocking_portal
 
+from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
 from ._client import Client, SharedMemory, connect
+from ._kv import KVPool, KVPushResult
 
 __all__ = ["SyncClient"]
 
@@ -51,8 +54,28 @@ class SyncClient:
         return int(self._call(self._client.write, peer, region, scatter, src=src,
                               src_offset=src_offset, imm=imm))
 
-    def wait_imm(self, imm: int, count: int) -> None:
-        self._call(self._client.wait_imm, imm, count)
+    def wait_imm(self, imm: int, count: int, *, region: str | None = None,
+                 timeout: float | None = None) -> None:
+        self._call(self._client.wait_imm, imm, count, region=region, timeout=timeout)
+
+    def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True) -> KVPool:
+        return self._call(self._client.kv_pool, name, layout,  # type: ignore[no-any-return]
+                          receive=receive)
+
+    def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any, dst_blocks: Any, *,
+                request: int, layers: Iterable[int] | None = None,
+                deadline: float = 30.0) -> KVPushResult:
+        """Push and wait for it (the async ``kv_push`` + ``wait``)."""
+        async def run() -> KVPushResult:
+            push = await self._client.kv_push(peer, pool, src, src_blocks, dst_blocks,
+                                              request=request, layers=layers,
+                                              deadline=deadline)
+            return await push.wait()
+        return self._call(run)  # type: ignore[no-any-return]
+
+    def wait_layers(self, pool: KVPool, request: int, upto_layer: int, *, first: int = 0,
+                    timeout: float | None = None) -> None:
+        self._call(pool.wait_layers, request, upto_layer, first=first, timeout=timeout)
 
     def status(self) -> dict[str, Any]:
         return dict(self._call(self._client.status))

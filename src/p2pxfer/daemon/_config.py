@@ -90,6 +90,10 @@ class DaemonConfig:
     max_clients: int = 256
     #: peers the table may hold (configured, added, learnt from callers)
     max_peers: int = 4096
+    #: immediates at most this many bytes wide: 4 runs tcp and shm as EFA and
+    #: verbs run (4 bytes of CQ data: 20-bit values, KV counted per request);
+    #: 0: as wide as the provider carries
+    imm_bytes: int = 0
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -177,6 +181,12 @@ def _int(key: str, v: Any, low: int) -> int:
         raise ConfigError(f"{key} must be an integer, got {v!r}")
     if v < low:
         raise ConfigError(f"{key} must be >= {low}, got {v}")
+    return v
+
+
+def _one_of(key: str, v: int, allowed: tuple[int, ...]) -> int:
+    if v not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, allowed))}, got {v}")
     return v
 
 
@@ -278,5 +288,6 @@ _CHECKS: dict[str, Any] = {
     "max_connections_per_host": lambda k, v: _int(k, v, 1),
     "max_clients": lambda k, v: _int(k, v, 1),
     "max_peers": lambda k, v: _int(k, v, 1),
+    "imm_bytes": lambda k, v: _one_of(k, _int(k, v, 0), (0, 4, 8)),
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"

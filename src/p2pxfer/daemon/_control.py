@@ -60,7 +60,10 @@ def _auth_request(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
 
 def _resolve(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
     desc = d.regions.local_descriptor(msg["region"], for_peer=caller.name)
-    return {"descriptor": desc.to_wire()}
+    result = {"descriptor": desc.to_wire(), "slot": d.regions.slot(d.node, msg["region"])}
+    if (layout := d.kv.layout_of(msg["region"])) is not None:
+        result["kv"] = layout  # a KV pool: pushers need its layout
+    return result
 
 
 def _invalidate(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
@@ -69,6 +72,10 @@ def _invalidate(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
 
 
 HANDLERS: dict[str, Handler] = {
+    "kv_begin": lambda d, caller, msg: d.kv.begin(caller.name, msg["pool"], msg["request"],
+                                                  msg["layers"], msg["deadline_ms"]),
+    "kv_expect": lambda d, caller, msg: d.kv.expect(caller.name, msg["slot"], msg["pieces"],
+                                                    msg.get("first", 0)),
     "auth": _auth_request,
     "resolve": _resolve,
     "invalidate": _invalidate,

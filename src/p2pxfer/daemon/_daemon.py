@@ -33,6 +33,8 @@ from p2pxfer.membership import ClusterAuth
 from ._config import DaemonConfig
 from ._control import serve_control
 from ._follow import Follower, rail_hosts
+from ._imms import ImmTable
+from ._kv import KV
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
@@ -121,6 +123,9 @@ class Daemon:
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded
         self.writes = Writes(self)
+        self._imms: ImmTable | None = None
+        self.kv: KV = KV(self)
+        self.follower.on_peer_lost = self.kv.peer_lost
         self.sessions: set[ClientSession] = set()
         #: (st_dev, st_ino) of our unix socket, so we remove only our own
         self.socket_identity: tuple[int, int] | None = None
@@ -134,6 +139,14 @@ class Daemon:
         self.metrics: DaemonMetrics | None = None
         #: slow paths found at startup (``status`` shows them)
         self.notes: list[str] = []
+
+    @property
+    def imms(self) -> ImmTable:
+        """Immediate slots: every arrival counts for its slot's owner only
+        (made on first use: ``serve`` makes it before anything can arrive)."""
+        if self._imms is None:
+            self._imms = ImmTable(self.engine)
+        return self._imms
 
     @property
     def control_address(self) -> str:
@@ -179,6 +192,8 @@ class Daemon:
             "membership": self.config.membership,
             "membership_stats": {} if backend is None else backend.statistics(),
             "transfers_in_flight": self.writes.in_flight,
+            "imm_bits": self.imms.bits,
+            "imms_dropped": self.imms.dropped,
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],
@@ -217,7 +232,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     engine_cfg = EngineConfig(
         provider=config.provider, node=config.fabric_node or None,
         interfaces=config.interfaces or None, node_name=config.node,
-        incarnation=time.time_ns(),
+        incarnation=time.time_ns(), imm_bytes=config.imm_bytes,
     )
     sock = None
     # Shielded: the deadline holds also when serve() itself is cancelled.
@@ -259,8 +274,10 @@ async def _start(daemon: Daemon, nursery: trio.Nursery,
     """Start the daemon's parts in ``nursery``; the client socket."""
     config, engine = daemon.config, daemon.engine
     daemon.notes = slow_paths(engine, config.provider)
+    daemon.imms  # noqa: B018  (the immediate route, before any export)
     await daemon.serve_peers(nursery)
     nursery.start_soon(daemon.peers.close_idle_links)
+    nursery.start_soon(daemon.kv.reap)
     if config.metrics:
         daemon.metrics = DaemonMetrics(daemon)
         await nursery.start(serve_metrics, daemon.metrics, config.metrics)

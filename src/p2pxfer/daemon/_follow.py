@@ -136,6 +136,9 @@ class Follower:
         self._lost_reason: dict[str, str] = {}
         #: called when a newer life of this node appeared: the daemon stops
         self.on_superseded: Callable[[], None] = lambda: None
+        #: called with (name, reason) when a peer's life ended (KV requests it
+        #: was sending fail with ``PeerLost``)
+        self.on_peer_lost: Callable[[str, str], None] = lambda name, reason: None
 
     @property
     def enabled(self) -> bool:
@@ -225,6 +228,7 @@ class Follower:
         """``name``'s life ended: forget its descriptors and connection, and
         fail its writes in flight with ``peer_lost``."""
         self.peers.drop(name)
+        self.on_peer_lost(name, reason)
         scopes = self._writes_to.get(name, set())
         if scopes:
             self._lost_reason[name] = reason

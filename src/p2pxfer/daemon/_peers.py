@@ -20,9 +20,15 @@ import trio
 
 from p2pxfer._pump import Pump, bounded
 from p2pxfer.address import format_hostport, parse_hostport
-from p2pxfer.errors import AuthenticationFailed, InvalidArgument, RemoteClosed, UnknownPeer
+from p2pxfer.errors import (
+    AuthenticationFailed,
+    ConnectionLost,
+    InvalidArgument,
+    RemoteClosed,
+    UnknownPeer,
+)
 from p2pxfer.membership import ClusterAuth
-from p2pxfer.protocol import error_from_wire, is_fatal
+from p2pxfer.protocol import Message, error_from_wire, is_fatal
 
 from ._config import PeerAddress
 from ._dial import dial_peer
@@ -67,9 +73,7 @@ class PeerLink:
         async with self._lock:
             try:
                 with trio.fail_after(PEER_TIMEOUT_S):
-                    if self._pump is None:
-                        self._pump = await self._dial()
-                    msg = await self._pump.exchange(kind, **fields)
+                    msg = await self._exchange(kind, fields)
             except AuthenticationFailed as exc:
                 self.last_heard = trio.current_time()  # an answer, if a refusal
                 self.last_error, self._failure = str(exc), "auth failed"
@@ -101,6 +105,23 @@ class PeerLink:
                  else round(trio.current_time() - self.last_heard, 3))
         return {"name": self.peer.name, "address": self.address, "state": state,
                 "last_heard_s": heard, "error": self.last_error}
+
+    async def _exchange(self, kind: str, fields: dict[str, Any]) -> Message:
+        fresh = self._pump is None
+        if self._pump is None:
+            self._pump = await self._dial()
+        try:
+            return await self._pump.exchange(kind, **fields)
+        except ConnectionLost:
+            if fresh:
+                raise
+        # A link from before may have been closed by the peer meanwhile (it
+        # restarted, or hung up): that says nothing about the peer now. Dial
+        # again, once; a fresh link that fails is the answer.
+        log.info("peer.redial", peer=self.peer.name, address=bounded(self.address, 100))
+        await self._drop()
+        self._pump = await self._dial()
+        return await self._pump.exchange(kind, **fields)
 
     async def _dial(self) -> Pump:
         t = self.table

@@ -38,6 +38,10 @@ class Regions:
         self.peers = peers
         self._exports: dict[str, tuple[str, RegionDescriptor]] = {}  # name -> (owner, desc)
         self._resolved: dict[tuple[str, str], RegionDescriptor] = {}
+        # The immediate slot of each region (ours and resolved): a write's
+        # immediate names it, so the owner counts it for that region only.
+        self._slots: dict[tuple[str, str], int] = {}
+        self._kv: dict[tuple[str, str], dict[str, Any]] = {}  # KV pools' layouts
         self._resolved_by: dict[str, set[str]] = {}
         #: whether a peer may be asked now (membership: it is running)
         self.reachable: Callable[[str], bool] = lambda peer: True
@@ -46,8 +50,9 @@ class Regions:
 
     # -- ours -------------------------------------------------------------------
 
-    def add_export(self, name: str, owner: str, desc: RegionDescriptor) -> None:
+    def add_export(self, name: str, owner: str, desc: RegionDescriptor, slot: int) -> None:
         self._exports[name] = (owner, desc)
+        self._slots[(self.node, name)] = slot
 
     def check_free(self, name: str) -> None:
         if not name:
@@ -58,6 +63,7 @@ class Regions:
     def remove_export(self, name: str) -> None:
         """``name`` is gone: tell every peer that resolved it (in the background)."""
         self._exports.pop(name, None)
+        self._slots.pop((self.node, name), None)
         for peer in self._resolved_by.pop(name, set()):
             if peer in self.peers and self.nursery is not None:
                 self.nursery.start_soon(self._invalidate, peer, name)
@@ -95,8 +101,25 @@ class Regions:
             desc = RegionDescriptor.from_wire(result.get("descriptor"))
         except P2PXferError as exc:
             raise RemoteClosed(f"{peer} sent a bad descriptor: {exc}") from exc
+        slot = result.get("slot")
+        if type(slot) is not int or slot <= 0:
+            raise RemoteClosed(f"{peer} sent no immediate slot for {region!r}")
         self._resolved[key] = desc
+        self._slots[key] = slot
+        if isinstance(layout := result.get("kv"), dict):
+            self._kv[key] = layout
         return desc
+
+    def kv_layout(self, peer: str, region: str) -> dict[str, Any] | None:
+        """The layout a peer gave with a region it resolved as a KV pool."""
+        return self._kv.get((peer, region))
+
+    def slot(self, peer: str, region: str) -> int:
+        """The immediate slot of a region resolved (or exported) just now."""
+        slot = self._slots.get((peer, region))
+        if slot is None:
+            raise UnknownRegion(f"no region named {region!r} on {peer}")
+        return slot
 
     def cached(self, peer: str, region: str) -> RegionDescriptor | None:
         return self._resolved.get((peer, region))
@@ -106,12 +129,17 @@ class Regions:
 
     def forget(self, peer: str, region: str) -> None:
         self._resolved.pop((peer, region), None)
+        if peer != self.node:
+            self._slots.pop((peer, region), None)
+            self._kv.pop((peer, region), None)
 
     def forget_peer(self, peer: str) -> None:
         """``peer``'s life (or address) changed: its descriptors are void, and
         it holds none of ours."""
         for key in [k for k in self._resolved if k[0] == peer]:
             del self._resolved[key]
+            self._slots.pop(key, None)
+            self._kv.pop(key, None)
         for holders in self._resolved_by.values():
             holders.discard(peer)
 

@@ -52,7 +52,9 @@ from p2pxfer.protocol import (
 from p2pxfer.scatter import ScatterList
 
 from ._follow import WATCH_TIMEOUT_MAX_S
+from ._imms import ImmCounts
 from ._io import UnixFdStream, peer_credentials
+from ._kv import Pool
 from ._retire import retire
 
 if TYPE_CHECKING:
@@ -63,7 +65,10 @@ __all__ = ["HANDLERS", "ClientSession", "remove_socket", "serve_clients"]
 log = structlog.get_logger("p2pxfer.daemon")
 
 #: requests served as tasks of the session (they wait); the rest in turn
-CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate"})
+CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel", "kv_push",
+                        "kv_wait"})
+#: what a request stopped by the client's ``cancel`` is answered
+CANCELLED: dict[str, Any] = {"cancelled": True}
 HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed
 
 
@@ -129,8 +134,15 @@ class ClientSession:
                          self.stream, f"client {self.label}")
         self.mems: dict[int, _Mem] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
+        self.slots: dict[str, int] = {}  # region name -> its immediate slot
+        #: immediates landed in this session's regions (they die with it)
+        self.counts = ImmCounts(self.label)
+        self.kv_pools: dict[str, Pool] = {}  # this client's KV pools, by name
         self._next_mem = 1
         self._greeting = trio.CancelScope()  # until hello (deadline set in run)
+        # Requests running as tasks, by id: ``cancel`` stops one (its scope)
+        # and waits until it has been answered (its event).
+        self.running: dict[int, tuple[trio.CancelScope, trio.Event]] = {}
 
     async def run(self) -> None:
         log.info("client.connected", client=self.label)
@@ -178,7 +190,11 @@ class ClientSession:
                 self.pump.conn.lift_frame_limit()
                 self._greeting.deadline = math.inf
             elif msg.kind in CONCURRENT:
-                nursery.start_soon(self._answer, msg)
+                # Registered before the task starts: a ``cancel`` right behind
+                # this request must find it.
+                if msg.id is not None:
+                    self.running[msg.id] = (trio.CancelScope(), trio.Event())
+                nursery.start_soon(self._answer_task, msg)
             else:
                 await self._answer(msg)
 
@@ -194,21 +210,51 @@ class ClientSession:
         except P2PXferError:
             pass  # the client is gone; the receive side notices
 
-    async def _answer(self, msg: Message) -> None:
+    async def _answer_task(self, msg: Message) -> None:
+        """A concurrent request: ``cancel`` may stop it. A stopped request is
+        answered ``CANCELLED`` once its handler has returned (a write only
+        after its posted pieces have finished: the client's buffer is then
+        no longer read)."""
+        rid = msg.id
+        scope, answered = self.running.get(rid, (trio.CancelScope(), trio.Event())) \
+            if rid is not None else (trio.CancelScope(), trio.Event())
         try:
-            outcome: dict[str, Any] | BaseException = await HANDLERS[msg.kind](self, msg)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:  # every failure becomes an answer, never a crash
-            if not isinstance(exc, P2PXferError):
-                log.error("request.crashed", client=self.label, kind=msg.kind,
-                          error=bounded(f"{type(exc).__name__}: {exc}"))
-            where = {k: msg.get(k) for k in ("peer", "region", "name")
-                     if msg.get(k) is not None}
-            log.info("request.failed", client=self.label, kind=msg.kind, **where,
-                     code=wire_error(exc)[0], error=bounded(str(exc)))
-            outcome = exc
+            await self._answer(msg, scope)
+        finally:
+            if rid is not None and self.running.get(rid, (None,))[0] is scope:
+                del self.running[rid]
+            answered.set()
+
+    async def _answer(self, msg: Message, scope: trio.CancelScope | None = None) -> None:
+        outcome: dict[str, Any] | BaseException = CANCELLED
+        with scope or trio.CancelScope():
+            try:
+                outcome = await HANDLERS[msg.kind](self, msg)
+            except trio.Cancelled:
+                if scope is None or not scope.cancel_called:
+                    raise  # the session is ending, not this request
+                log.info("request.cancelled", client=self.label, kind=msg.kind, id=msg.id)
+                raise
+            except Exception as exc:  # every failure becomes an answer, never a crash
+                if not isinstance(exc, P2PXferError):
+                    log.error("request.crashed", client=self.label, kind=msg.kind,
+                              error=bounded(f"{type(exc).__name__}: {exc}"))
+                where = {k: msg.get(k) for k in ("peer", "region", "name")
+                         if msg.get(k) is not None}
+                log.info("request.failed", client=self.label, kind=msg.kind, **where,
+                         code=wire_error(exc)[0], error=bounded(str(exc)))
+                outcome = exc
         await self._send(self.pump.answer(msg.id, outcome))
+
+    async def cancel(self, target: int) -> None:
+        """Stop request ``target`` (if it still runs) and return once it has
+        been answered."""
+        running = self.running.get(target)
+        if running is None:
+            return  # answered already (or never a request that waits)
+        scope, answered = running
+        scope.cancel()
+        await answered.wait()
 
     # -- memory and exports -----------------------------------------------------
 
@@ -253,8 +299,9 @@ class ClientSession:
 
     def unshare(self, mem_id: int) -> None:
         mem = self.mem(mem_id)
-        if mem.id in self.exports.values():
-            raise InvalidArgument(f"memory {mem.id} still backs an export")
+        if mem.id in self.exports.values() or any(p.mem_id == mem.id
+                                                    for p in self.kv_pools.values()):
+            raise InvalidArgument(f"memory {mem.id} still backs an export or a KV pool")
         self.daemon.engine.deregister(mem.map)
         del self.mems[mem.id]
         mem.close()
@@ -263,9 +310,15 @@ class ClientSession:
         d = self.daemon
         d.regions.check_free(name)
         mem = self.mem(mem_id)
-        desc = d.engine.export(mem.view(offset, length), name)
-        d.regions.add_export(name, self.label, desc)
+        slot = d.imms.allocate(self.counts.sink(name))
+        try:
+            desc = d.engine.export(mem.view(offset, length), name)
+        except BaseException:
+            d.imms.free(slot)
+            raise
+        d.regions.add_export(name, self.label, desc, slot)
         self.exports[name] = mem.id
+        self.slots[name] = slot
         log.info("region.exported", client=self.label, region=name, nbytes=desc.length)
         return desc.to_wire()
 
@@ -273,6 +326,10 @@ class ClientSession:
         if name not in self.exports:
             raise UnknownRegion(f"this client exported no {name!r}")
         del self.exports[name]
+        if self.kv_pools.get(name) is not None and self.kv_pools[name].receive:
+            del self.kv_pools[name]
+            self.daemon.kv.drop_pool(name)
+        self.daemon.imms.free(self.slots.pop(name))
         self.daemon.regions.remove_export(name)
         self.daemon.engine.unexport(name)
 
@@ -283,6 +340,7 @@ class ClientSession:
                 self.unexport(name)
             except P2PXferError as exc:
                 log.warning("region.unexport_failed", region=name, error=bounded(str(exc)))
+        self.kv_pools.clear()
         for mem in self.mems.values():
             with contextlib.suppress(P2PXferError):
                 self.daemon.engine.deregister(mem.map)
@@ -324,7 +382,11 @@ async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _wait_imm(s: ClientSession, msg: Message) -> dict[str, Any]:
-    await s.daemon.engine.wait_imm(msg["imm"], msg["count"])
+    region = msg.get("region")
+    if region is not None and region not in s.exports:
+        raise UnknownRegion(f"this client exported no {region!r}: only a region's owner "
+                            "waits for its immediates")
+    await s.counts.wait(region, s.daemon.imms.check_value(msg["imm"]), msg["count"])
     return {}
 
 
@@ -357,10 +419,36 @@ async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
                                   d.peer_list)
 
 
+async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
+                                msg.get("receive", True))
+
+
+async def _kv_push(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return await s.daemon.kv.push(s, msg)
+
+
+async def _kv_wait(s: ClientSession, msg: Message) -> dict[str, Any]:
+    timeout_ms = msg.get("timeout_ms", -1)
+    return await s.daemon.kv.wait(s, msg["pool"], msg["request"], msg.get("first", 0),
+                                  msg["upto"], math.inf if timeout_ms < 0 else timeout_ms / 1000)
+
+
+async def _kv_forget(s: ClientSession, msg: Message) -> dict[str, Any]:
+    s.daemon.kv.forget(s, msg["pool"], msg["request"])
+    return {}
+
+
+async def _cancel(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.cancel(msg["target"])
+    return {}
+
+
 HANDLERS: dict[str, Handler] = {
     "share": _share, "unshare": _unshare, "export": _export, "unexport": _unexport,
     "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
-    "add_peer": _add_peer, "locate": _locate, "watch": _watch,
+    "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
+    "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
 }
 check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")
 

@@ -42,8 +42,12 @@ class Writes:
     async def write(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
                     region: str, imm: int | None) -> int:
         """Write ``scatter`` from ``src`` into ``region`` on ``peer``; the
-        pieces written, once all have landed."""
+        pieces written, once all have landed. ``imm`` is the client's value:
+        each piece carries it with the region's slot (``_imms``), so only
+        the region's owner counts it."""
         d = self.d
+        if imm is not None:
+            d.imms.check_value(imm)
         follower = d.follower
         if not follower.enabled:
             desc = await d.regions.resolve(peer, region)
@@ -66,13 +70,24 @@ class Writes:
         t0 = time.perf_counter()
         ok = False
         try:
-            pieces = await d.engine.write(src, desc, scatter, imm=imm)
+            try:
+                pieces = await d.engine.write(src, desc, scatter,
+                                              imm=self._imm(peer, region, imm))
+            except TransferError as exc:
+                log.warning("transfer.failed", client=client, peer=peer, region=region,
+                            nbytes=scatter.nbytes, error=str(exc))
+                fresh = await self._why_failed(peer, region)
+                if fresh is None or fresh.incarnation == desc.incarnation:
+                    raise
+                # The peer restarted since we resolved the region: nothing of
+                # this write can have landed in its new life's memory, so it
+                # is written once more, there.
+                d.follower.check_descriptor(fresh)
+                log.info("transfer.retry_new_life", client=client, peer=peer, region=region,
+                         incarnation=fresh.incarnation)
+                pieces = await d.engine.write(src, fresh, scatter,
+                                              imm=self._imm(peer, region, imm))
             ok = True
-        except TransferError as exc:
-            log.warning("transfer.failed", client=client, peer=peer, region=region,
-                        nbytes=scatter.nbytes, error=str(exc))
-            await self._why_failed(peer, region)
-            raise
         finally:
             self.in_flight -= 1
             if d.metrics is not None:
@@ -81,19 +96,26 @@ class Writes:
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return pieces
 
-    async def _why_failed(self, peer: str, region: str) -> None:
+    def _imm(self, peer: str, region: str, value: int | None) -> int | None:
+        if value is None:
+            return None
+        return self.d.imms.compose(self.d.regions.slot(peer, region), value)
+
+    async def _why_failed(self, peer: str, region: str) -> RegionDescriptor | None:
         """A transfer failed: the region (or its owner) may be gone. Look it
-        up afresh (raising ``unknown_region`` if it went); with membership,
-        a peer whose daemon is unreachable too probably died: wait for the
-        verdict (inside ``track_write`` it turns this into ``PeerLost``)."""
+        up afresh (raising ``unknown_region`` if it went) and return what the
+        peer says now; with membership, a peer whose daemon is unreachable
+        too probably died: wait for the verdict (inside ``track_write`` it
+        turns this into ``PeerLost``) and return None."""
         d = self.d
         backend = d.follower.backend
         d.regions.forget(peer, region)
         d.follower.check_peer(peer)
         unreachable = False
+        fresh = None
         with trio.move_on_after(PEER_TIMEOUT_S) as asking:
             try:
-                await d.regions.resolve(peer, region)
+                fresh = await d.regions.resolve(peer, region)
             except RemoteClosed:
                 if backend is None:
                     raise
@@ -106,3 +128,4 @@ class Writes:
             # transport's error stands.
             backend.suspect(peer)
             await trio.sleep(backend.detection_bound())
+        return fresh

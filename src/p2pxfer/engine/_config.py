@@ -49,6 +49,10 @@ class EngineConfig:
     cache_entries: int = 1024
     node_name: str = ""
     incarnation: int = 0
+    #: cap immediates at this many bytes (4: as EFA and verbs carry, also on
+    #: tcp and shm, which carry 8, so 32-bit code paths run everywhere); 0:
+    #: as wide as every rail carries
+    imm_bytes: int = 0
 
 
 @dataclass(frozen=True)

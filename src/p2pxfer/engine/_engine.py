@@ -235,8 +235,31 @@ class Engine:
     @property
     def imm_bits(self) -> int:
         """How wide an immediate may be: the narrowest any rail carries (EFA and
-        verbs carry 32 bits, tcp and shm 64)."""
-        return min(s.imm_bits for s in self.shards)
+        verbs carry 32 bits, tcp and shm 64), or ``EngineConfig.imm_bytes``."""
+        bits = min(s.imm_bits for s in self.shards)
+        return min(bits, 8 * self.config.imm_bytes) if self.config.imm_bytes else bits
+
+    def _check_imm_cap(self, imm: object) -> None:
+        if self.config.imm_bytes and isinstance(imm, int) and imm >> self.imm_bits:
+            raise InvalidArgument(f"immediate {imm!r} does not fit in {self.imm_bits} bits "
+                                  f"(imm_bytes = {self.config.imm_bytes})")
+
+    def _capped(self, imm: int | Callable[[int], int] | None
+                ) -> int | Callable[[int], int] | None:
+        """``imm`` checked against ``EngineConfig.imm_bytes`` (a callable once
+        it is called: its value depends on the final piece count)."""
+        if not self.config.imm_bytes or imm is None:
+            return imm
+        if not callable(imm):
+            self._check_imm_cap(imm)
+            return imm
+        fn = imm
+
+        def capped(pieces: int) -> int:
+            value = fn(pieces)
+            self._check_imm_cap(value)
+            return value
+        return capped
 
     def _pick_shard(self, src: Any) -> tuple[Shard, Any]:
         """The shard a write from ``src`` goes through, and the source to hand
@@ -274,6 +297,7 @@ class Engine:
                       imm: int | Callable[[int], int] | None, dry_run: bool, *,
                       inline: bool) -> tuple[Shard, TransferState]:
         self._check_open()
+        imm = self._capped(imm)
         # Already cancelled: raise before posting anything (costs nothing otherwise).
         await trio.lowlevel.checkpoint_if_cancelled()
         shard, src = self._pick_shard(src)
@@ -325,6 +349,7 @@ class Engine:
         self._check_open()
         for shard in self.shards:
             shard.check_imm(imm)
+        self._check_imm_cap(imm)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
         if self._imm[imm] >= count and not self._imm_waiters.get(imm):

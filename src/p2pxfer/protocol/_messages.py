@@ -28,13 +28,16 @@ __all__ = [
     "validate",
 ]
 
-SCHEMA_VERSION = 3  # 3: frames MACed after auth, 4 KiB handshake frames, forbidden
+SCHEMA_VERSION = 3  # 2: control connections authenticate (nonce/proof/auth); watch, locate
+# 3: frames MACed after auth, 4 KiB handshake frames, forbidden; cancel; wait_imm
+# scoped to a region or the session; resolve returns a slot
 
 _INT = (int,)
 _STR = (str,)
 _BIN = (bytes,)
 _MAP = (dict,)
 _OPT_INT = (int, type(None))
+_BOOL = (bool,)
 
 # kind -> {field: (accepted types, required)}
 SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -56,7 +59,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "write": {"id": (_INT, True), "peer": (_STR, True), "region": (_STR, True),
               "mem": (_INT, True), "offset": (_INT, True), "scatter": (_BIN, True),
               "imm": (_OPT_INT, False)},
-    "wait_imm": {"id": (_INT, True), "imm": (_INT, True), "count": (_INT, True)},
+    "wait_imm": {"id": (_INT, True), "imm": (_INT, True), "count": (_INT, True),
+                 "region": (_STR, False)},
     "status": {"id": (_INT, True)},
     "peers": {"id": (_INT, True)},
     "add_peer": {"id": (_INT, True), "name": (_STR, True), "address": (_STR, True)},
@@ -66,13 +70,30 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "auth": {"id": (_INT, True), "proof": (_BIN, True)},
     "resolve": {"id": (_INT, True), "region": (_STR, True)},
     "invalidate": {"id": (_INT, True), "region": (_STR, True)},
+    # -- schema 3: cancellation crosses the socket; scoped immediates --------------
+    # client -> daemon
+    "cancel": {"id": (_INT, True), "target": (_INT, True)},
+    "kv_pool": {"id": (_INT, True), "name": (_STR, True), "mem": (_INT, True),
+                "layout": (_MAP, True), "receive": (_BOOL, False)},
+    "kv_push": {"id": (_INT, True), "peer": (_STR, True), "pool": (_STR, True),
+                "src": (_STR, True), "src_blocks": (_BIN, True), "dst_blocks": (_BIN, True),
+                "request": (_INT, True), "layers": (_BIN, False), "deadline_ms": (_INT, False)},
+    "kv_wait": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
+                "upto": (_INT, True), "first": (_INT, False), "timeout_ms": (_INT, False)},
+    "kv_forget": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True)},
+    # daemon -> daemon
+    "kv_begin": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
+                 "layers": (_BIN, True), "deadline_ms": (_INT, True)},
+    "kv_expect": {"id": (_INT, True), "slot": (_INT, True), "pieces": (_BIN, True),
+                  "first": (_INT, False)},
 }
 
 CLIENT_REQUESTS = frozenset(
     {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
-     "add_peer", "watch", "locate"}
+     "add_peer", "watch", "locate", "cancel", "kv_pool", "kv_push", "kv_wait", "kv_forget"}
 )
-PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers"})
+PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers", "kv_begin",
+                           "kv_expect"})
 
 
 @dataclass(frozen=True)

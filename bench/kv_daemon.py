@@ -1,0 +1,163 @@
+"""KV push through the daemons, against an in-process engine on the same pages.
+
+Two daemons (a: prefill, b: decode) run as separate processes on loopback.
+A decode client's pool (``--layers`` x ``--blocks`` x ``--block-kib`` KiB) is
+on daemon b; a prefill client's source pool on daemon a pushes every block
+into it (random block tables) with ``Client.kv_push``; then an in-process
+engine here pushes the same pages (the source pool's shared memory, mapped
+here too) into the same pool's region with ``kv.push_pages``.
+
+Reported: seconds per push (client-observed, median) and the ratio; time to
+first layer (``kv_push`` call -> decode's ``wait_layers(request, 0)``
+returning); CPU of describing and posting a 112,000-piece request (32 layers
+x 3,500 blocks): the client's, plus the sending daemon's cost before the
+provider (``plan_push`` and the engine's ``submit`` with ``dry_run``), plus
+the sending daemon's whole CPU for a real push of 64-byte blocks; and the
+control round trip of a no-op request.
+
+    python bench/kv_daemon.py --json bench/results/kv_daemon.json
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+from _common import emit, parser
+
+
+def cpu_of(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
+    from p2pxfer import connect
+    from p2pxfer.engine import EngineConfig, open_engine
+    from p2pxfer.kv import KVLayout, KVPool, KVPoolDescriptor, plan_push, push_pages
+    from p2pxfer.loopback import loopback_node
+    from p2pxfer.scatter import ScatterList
+    from p2pxfer.testing import free_port, start_daemon
+
+    pa, pb = free_port(), free_port()
+    a = start_daemon(tmp, "a", provider=provider, control_port=pa, log_level="WARNING",
+                     peers=[{"name": "b", "address": f"127.0.0.1:{pb}"}])
+    b = start_daemon(tmp, "b", provider=provider, control_port=pb, log_level="WARNING",
+                     peers=[{"name": "a", "address": f"127.0.0.1:{pa}"}])
+    out: list[dict[str, Any]] = []
+    lay = KVLayout(args.layers, args.blocks, args.block_kib << 10)
+    rng = np.random.default_rng(3)
+    try:
+        async with connect(b.socket) as decode, connect(a.socket) as prefill, \
+                open_engine(EngineConfig(provider=provider,
+                                         node=loopback_node(provider))) as eng:
+            dst = await decode.kv_pool("bench-kv", lay)
+            src = await prefill.kv_pool("bench-src", lay, receive=False)
+            src.array[:] = 1
+            # The very same source pages (the prefill pool's memfd, mapped here
+            # too): anonymous numpy memory would get transparent huge pages,
+            # which shared memory does not, and the copy would not compare.
+            local = KVPool(eng, "bench-local", lay, buffer=src.mem)
+            target = KVPoolDescriptor(dst.descriptor, lay)  # type: ignore[arg-type]
+            daemon_s, engine_s, ttfl = [], [], []
+            for i in range(args.repeat + 1):  # the first of each warms up
+                sb = rng.permutation(lay.num_blocks)
+                db = rng.permutation(lay.num_blocks)
+                t0 = time.perf_counter()
+                first: list[float] = []
+
+                async def first_layer(req: int = i, t: float = t0, box: list[float] = first
+                                      ) -> None:
+                    await dst.wait_layers(req, 0, timeout=60)
+                    box.append(time.perf_counter() - t)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(first_layer)
+                    push = await prefill.kv_push("b", "bench-kv", src, sb, db, request=i)
+                    await push.wait()
+                    daemon_s.append(time.perf_counter() - t0)
+                await dst.wait_layers(i, lay.num_layers - 1, timeout=60)
+                ttfl.append(first[0])
+                await dst.forget(i)
+                t0 = time.perf_counter()
+                await push_pages(eng, local, target, sb, db, request_id=i)
+                engine_s.append(time.perf_counter() - t0)
+            nbytes = lay.num_layers * lay.num_blocks * lay.block_bytes
+            d, e = statistics.median(daemon_s[1:]), statistics.median(engine_s[1:])
+            out.append({"provider": provider, "pattern": f"KV push {lay.num_layers} layers x "
+                        f"{lay.num_blocks} blocks x {args.block_kib} KiB",
+                        "daemon_s": d, "engine_s": e, "daemon_GBps": nbytes / d / 1e9,
+                        "engine_GBps": nbytes / e / 1e9, "ratio_daemon_over_engine": e / d,
+                        "ttfl_ms_median": statistics.median(ttfl[1:]) * 1e3})
+
+            # Describe + post of 112,000 pieces (32 layers x 3,500 blocks).
+            small = KVLayout(32, 3500, 64)
+            s_small = await prefill.kv_pool("bench-small-src", small, receive=False)
+            await decode.kv_pool("bench-small", small)
+            sb, db = rng.permutation(3500), rng.permutation(3500)
+            lay_list = list(range(32))
+            t_cpu = time.process_time()
+            lays, so, do, ln, counts = plan_push(small, small, sb, db, lay_list,
+                                                 src_size=small.nbytes, dst_size=small.nbytes)
+            bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+            buf = np.zeros(small.nbytes, np.uint8)
+            eng.register(buf)
+            transfers = []
+            for k in range(len(lays)):
+                x, y = bounds[k], bounds[k + 1]
+                transfers.append(await eng.submit(buf, dst.descriptor,  # type: ignore[arg-type]
+                                                  ScatterList(so[x:y], do[x:y], ln[x:y]),
+                                                  imm=k, dry_run=True))
+            for t in transfers:
+                await t.wait()
+            describe_cpu = time.process_time() - t_cpu
+            cpu_a0, t_cpu = cpu_of(a.proc.pid), time.process_time()
+            push = await prefill.kv_push("b", "bench-small", s_small, sb, db, request=1)
+            await push.wait()
+            client_cpu = time.process_time() - t_cpu
+            daemon_cpu = cpu_of(a.proc.pid) - cpu_a0
+            out.append({"provider": provider, "pattern": "describe + post 112,000 pieces "
+                        "(32 layers x 3,500 blocks of 64 B)",
+                        "daemon_before_provider_cpu_ms": describe_cpu * 1e3,
+                        "client_cpu_ms": client_cpu * 1e3,
+                        "sending_daemon_cpu_ms_whole_push": daemon_cpu * 1e3,
+                        "pieces": int(sum(counts))})
+
+            rtt = []
+            for _ in range(args.rtt):
+                t0 = time.perf_counter()
+                await prefill.peers()
+                rtt.append(time.perf_counter() - t0)
+            out.append({"provider": provider, "pattern": "control round trip (peers)",
+                        "p50_us": statistics.median(rtt) * 1e6,
+                        "p99_us": float(np.percentile(rtt, 99) * 1e6)})
+    finally:
+        a.stop()
+        b.stop()
+    return out
+
+
+def main() -> int:
+    ap = parser(__doc__, repeat=3)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=1024)
+    ap.add_argument("--block-kib", type=int, default=16)
+    ap.add_argument("--rtt", type=int, default=2000)
+    args = ap.parse_args()
+    results: list[dict[str, Any]] = []
+    for provider in args.providers.split(","):
+        with tempfile.TemporaryDirectory(prefix="p2pxfer-kvbench-") as tmp:
+            results += trio.run(measure, Path(tmp), provider, args)
+    return emit("kv_daemon", results, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

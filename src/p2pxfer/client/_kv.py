@@ -1,0 +1,176 @@
+"""KV pages through the node daemon, for inference servers (trio or asyncio).
+
+``Client.kv_pool`` puts a paged KV pool (``p2pxfer.kv.KVLayout``) in memory
+shared with the daemon; a receiving (decode) pool is exported under its name.
+``Client.kv_push`` pushes blocks of a local pool into a peer's pool, layer by
+layer, and returns a ``KVPush`` handle; the decode side awaits layers with
+``KVPool.wait_layers`` or iterates them with ``KVPool.layers``. Block tables
+travel as int64 ``bin``; the daemons expand and coalesce them (numpy) and
+count each layer's pieces (``proto/PROTOCOL.md``, "KV pages"). What must not
+live here: any per-block work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from p2pxfer.errors import InvalidArgument, TransferError, WaitTimeout
+from p2pxfer.kv import KVLayout
+from p2pxfer.memory import RegionDescriptor
+
+if TYPE_CHECKING:
+    from ._client import Client, SharedMemory, _Pending
+
+__all__ = ["KVPool", "KVPush", "KVPushResult"]
+
+
+def blocks_bin(name: str, blocks: Any) -> bytes:
+    """A block table as little-endian int64 bytes (checked: 1-D integers)."""
+    arr = np.asarray(blocks)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name} must be a 1-D integer array, got {arr.dtype} "
+                              f"shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype="<i8").tobytes()
+
+
+def _i64(data: bytes) -> tuple[int, ...]:
+    return tuple(np.frombuffer(data, dtype="<i8").tolist())
+
+
+@dataclass(frozen=True)
+class KVPushResult:
+    """What a push did: its layers, each layer's pieces (after coalescing
+    and striping), bytes, seconds in the sending daemon, and seconds until
+    its first layer had completed there."""
+
+    request: int
+    layers: tuple[int, ...]
+    pieces: tuple[int, ...]
+    nbytes: int
+    seconds: float
+    first_layer_seconds: float
+
+
+class KVPush:
+    """A push under way: ``await wait()`` for its result. Cancelling the wait
+    (or its ``timeout`` passing: ``WaitTimeout``) cancels the push: the
+    sending daemon stops posting and waits for what it posted before the wait
+    returns (the source blocks are then yours); a later ``wait`` raises
+    ``TransferError``."""
+
+    def __init__(self, client: Client, pending: _Pending, request: int) -> None:
+        self._client = client
+        self._pending = pending
+        self.request = request
+        self._result: KVPushResult | None = None
+
+    async def wait(self, *, timeout: float | None = None) -> KVPushResult:
+        if self._result is None:
+            r = await self._client._finish(self._pending, timeout)
+            if r.get("cancelled"):
+                raise TransferError(f"push of request {self.request} was cancelled (an "
+                                    "earlier wait on it was cancelled or timed out)")
+            self._result = KVPushResult(self.request, _i64(r["layers"]), _i64(r["pieces"]),
+                                        int(r["nbytes"]), float(r["seconds"]),
+                                        float(r["first_layer_s"]))
+        return self._result
+
+
+class KVPool:
+    """A paged KV pool in memory shared with the daemon (``Client.kv_pool``).
+    ``array`` is the whole pool; :meth:`block` a view of one block."""
+
+    def __init__(self, client: Client, name: str, layout: KVLayout, mem: SharedMemory,
+                 descriptor: RegionDescriptor | None) -> None:
+        self._client = client
+        self.name = name
+        self.layout = layout
+        self.mem = mem
+        #: set for a receiving pool (peers push into it under ``name``)
+        self.descriptor = descriptor
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        return self.mem.array[: self.layout.nbytes]
+
+    def block(self, layer: int, block: int, plane: int = 0) -> npt.NDArray[np.uint8]:
+        lay = self.layout
+        off = layer * lay.layer_stride + block * lay.block_stride + plane * lay.plane_stride
+        return self.mem.array[off:off + lay.block_bytes]
+
+    async def wait_layers(self, request: int, upto_layer: int, *, first: int = 0,
+                          timeout: float | None = None) -> None:
+        """Return once layers ``first..upto_layer`` of ``request`` have all
+        landed in this pool. ``PeerLost`` when membership says a node pushing
+        them died or left; ``WaitTimeout`` when the push's deadline or
+        ``timeout`` passes first. A wait that ends early leaves nothing
+        behind in the daemon."""
+        await self._wait(request, first, upto_layer, timeout)
+
+    async def _wait(self, request: int, first: int, upto: int, timeout: float | None) -> int:
+        fields: dict[str, Any] = {}
+        if timeout is not None:
+            fields["timeout_ms"] = max(0, int(timeout * 1000))
+        r = await self._client._request("kv_wait", pool=self.name, request=request,
+                                        first=first, upto=upto, **fields)
+        done = int(r["done"])
+        if done <= upto:
+            raise WaitTimeout(f"request {request}: layer {done} of {self.name!r} had not "
+                              f"landed in time ({'deadline' if timeout is None else timeout})")
+        return done
+
+    async def layers(self, request: int, *, first: int = 0, upto: int | None = None,
+                     timeout: float | None = None) -> AsyncIterator[int]:
+        """Layers ``first..upto`` (default: the last) of ``request``, in
+        order, each as soon as it (and every layer before it) has landed;
+        several at once when they landed together. ``timeout`` bounds each
+        wait."""
+        last = self.layout.num_layers - 1 if upto is None else upto
+        nxt = first
+        while nxt <= last:
+            done = await self._wait(request, nxt, nxt, timeout)
+            for layer in range(nxt, min(done, last + 1)):
+                yield layer
+            nxt = done
+
+    async def forget(self, request: int) -> None:
+        """Drop the daemon's bookkeeping of ``request`` (its id may then be
+        pushed again); waits on it end with ``UnknownRegion``."""
+        await self._client._request("kv_forget", pool=self.name, request=request)
+
+
+async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool) -> KVPool:
+    if not isinstance(layout, KVLayout):
+        raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+    mem = await client.alloc(layout.nbytes, name)
+    try:
+        r = await client._request("kv_pool", name=name, mem=mem.mem_id,
+                                  layout=layout.to_wire(), receive=receive)
+    except BaseException:
+        await client.free(mem)
+        raise
+    desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None
+    return KVPool(client, name, layout, mem, desc)
+
+
+async def start_push(client: Client, peer: str, pool: str, src: KVPool, src_blocks: Any,
+                     dst_blocks: Any, request: int, layers: Iterable[int] | None,
+                     deadline: float) -> KVPush:
+    if not isinstance(src, KVPool):
+        raise InvalidArgument(f"src must be a KVPool, got {type(src).__name__}")
+    if deadline <= 0:
+        raise InvalidArgument(f"deadline must be > 0 seconds, got {deadline}")
+    fields: dict[str, Any] = {}
+    if layers is not None:
+        fields["layers"] = blocks_bin("layers", list(layers))
+    pending = await client._start(
+        "kv_push", peer=peer, pool=pool, src=src.name,
+        src_blocks=blocks_bin("src_blocks", src_blocks),
+        dst_blocks=blocks_bin("dst_blocks", dst_blocks), request=request,
+        deadline_ms=max(1, int(deadline * 1000)), **fields)
+    return KVPush(client, pending, request)

@@ -1,0 +1,164 @@
+"""Immediates, as the daemon routes and counts them: scoped, and 32 bits wide
+where the fabric carries no more.
+
+Every immediate that lands on this node is ``slot | value``: the top
+``SLOT_BITS`` name a *slot* this daemon handed out, the rest (20 bits with
+4-byte CQ data, as EFA and verbs carry; 52 with 8) are the sender's value. A
+slot belongs to one export (given out with its descriptor in ``resolve``) or
+to one KV request (``kv_begin``); ``ImmTable`` routes each arrival to its
+slot's sink, so a count never reaches anyone but the slot's owner. A
+client's exports count into its session's ``ImmCounts``, which die with the
+session; arrivals for a slot nobody holds are dropped (counted). Slots are
+handed out round-robin, so a slot just freed is not soon reused (a late
+piece of an old writer must not count for a new owner).
+
+What must not live here: the engine's own counting (``p2pxfer.engine``), or
+what a KV request does with its layers (``_kv``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+import trio
+
+from p2pxfer.engine import Engine
+from p2pxfer.errors import DaemonError, InvalidArgument
+
+__all__ = ["MAX_UNCLAIMED", "SLOT_BITS", "ImmCounts", "ImmTable", "SlotsExhausted"]
+
+log = structlog.get_logger("p2pxfer.daemon")
+
+SLOT_BITS = 12
+#: distinct (region, value) counts a session keeps that nobody has waited for
+#: yet; beyond it the oldest are dropped (and logged)
+MAX_UNCLAIMED = 4096
+
+Sink = Callable[[int, int], None]  # (value, count)
+
+
+class SlotsExhausted(DaemonError):
+    """Every slot is in use (too many exports and KV requests at once)."""
+
+
+class ImmTable:
+    """Slots -> sinks, installed as the engine's immediate route."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.bits = engine.imm_bits
+        self.value_bits = self.bits - SLOT_BITS
+        self._sinks: dict[int, Sink] = {}
+        self._next = 1
+        self.dropped = 0  # pieces that arrived for a slot nobody holds
+        # Every immediate < 2**bits: ``imm >> bits == 0`` routes them all here.
+        engine.route_imms(self.bits, 0, self._arrival)
+
+    def allocate(self, sink: Sink) -> int:
+        """A free slot (never 0), round-robin from the last one given out."""
+        limit = 1 << SLOT_BITS
+        for _ in range(limit - 1):
+            slot = self._next
+            self._next = self._next % (limit - 1) + 1
+            if slot not in self._sinks:
+                self._sinks[slot] = sink
+                return slot
+        raise SlotsExhausted(f"all {limit - 1} immediate slots are in use (exports and KV "
+                             "requests on this node)")
+
+    def free(self, slot: int) -> None:
+        self._sinks.pop(slot, None)
+
+    def check_value(self, value: object) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) \
+                or not 0 <= value < 1 << self.value_bits:
+            raise InvalidArgument(f"immediate {value!r} does not fit: values are 0.."
+                                  f"{(1 << self.value_bits) - 1} ({self.bits}-bit immediates, "
+                                  f"{SLOT_BITS} bits of which name the target)")
+        return value
+
+    def compose(self, slot: int, value: int) -> int:
+        """The immediate that reaches ``slot`` on its owner's node with ``value``."""
+        return slot << self.value_bits | self.check_value(value)
+
+    def _arrival(self, imm: int, count: int) -> None:
+        sink = self._sinks.get(imm >> self.value_bits)
+        if sink is None:
+            self.dropped += count
+            return
+        sink(imm & ((1 << self.value_bits) - 1), count)
+
+
+class ImmCounts:
+    """One session's immediate counts: per (region, value), and per value
+    over all of its regions (``region`` None). Each view is consumed by its
+    own waits. Cancellation-safe: a withdrawn waiter leaves the counts."""
+
+    def __init__(self, owner: str, limit: int = MAX_UNCLAIMED) -> None:
+        self.owner = owner
+        self.limit = limit
+        self._counts: dict[tuple[str | None, int], int] = {}
+        self._waiters: dict[tuple[str | None, int], list[tuple[int, trio.Event]]] = {}
+        self.dropped = 0
+
+    def sink(self, region: str) -> Sink:
+        """Where ``region``'s arrivals go (``ImmTable.allocate``)."""
+        return lambda value, count: self.arrive(region, value, count)
+
+    def arrive(self, region: str, value: int, count: int) -> None:
+        for key in ((region, value), (None, value)):
+            self._counts[key] = self._counts.get(key, 0) + count
+            waiters = self._waiters.get(key)
+            while waiters and self._counts.get(key, 0) >= waiters[0][0]:
+                want, ev = waiters.pop(0)
+                self._take(key, want)
+                ev.set()
+            if waiters == []:
+                del self._waiters[key]
+        if len(self._counts) > self.limit:
+            self._trim()
+
+    def _trim(self) -> None:
+        for key in list(self._counts):
+            if len(self._counts) <= self.limit:
+                return
+            if key not in self._waiters:
+                self.dropped += self._counts.pop(key)
+                log.warning("imm.unclaimed_dropped", client=self.owner, region=key[0],
+                            imm=key[1])
+
+    def _take(self, key: tuple[str | None, int], count: int) -> None:
+        left = self._counts.get(key, 0) - count
+        if left:
+            self._counts[key] = left
+        else:
+            self._counts.pop(key, None)
+
+    def count(self, region: str | None, value: int) -> int:
+        return self._counts.get((region, value), 0)
+
+    async def wait(self, region: str | None, value: int, count: int) -> None:
+        """Return once ``count`` pieces with ``value`` have landed in
+        ``region`` (None: in any of the session's regions), consuming them."""
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
+        key = (region, value)
+        if self._counts.get(key, 0) >= count and not self._waiters.get(key):
+            self._take(key, count)
+            await trio.lowlevel.checkpoint()
+            return
+        ev = trio.Event()
+        entry = (count, ev)
+        self._waiters.setdefault(key, []).append(entry)
+        try:
+            await ev.wait()
+        except BaseException:
+            waiters = self._waiters.get(key, [])
+            if entry in waiters:
+                waiters.remove(entry)
+                if not waiters:
+                    self._waiters.pop(key, None)
+            elif ev.is_set():
+                # Satisfied as we were cancelled: give the pieces back.
+                self._counts[key] = self._counts.get(key, 0) + count
+            raise

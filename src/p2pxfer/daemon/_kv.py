@@ -1,0 +1,433 @@
+"""KV pages through the daemon: named pools in clients' shared memory, pushes
+from a prefill node's pool into a decode node's, and the decode side's
+per-layer waits.
+
+A client names a pool (``kv_pool``: its shared memory and a ``KVLayout``);
+a receiving pool is exported under its name, and ``resolve`` hands its
+layout out with its descriptor. A push (``kv_push``) is checked and expanded
+here with ``p2pxfer.kv.plan_push`` (numpy: no Python per block), then:
+
+1. ``kv_begin`` asks the receiver's daemon for a *request slot* (an
+   immediate slot, ``_imms``) for these layers of this request, with a
+   deadline; the receiver notes who sends (membership's verdict on that node
+   fails the request's waits with ``PeerLost``);
+2. one engine transfer per layer, in layer order, each piece carrying
+   ``slot << V | layer``: 32 bits are enough however many pieces a layer has;
+3. ``kv_expect`` tells the receiver each layer's final piece count (known
+   once the engine has striped the layer), so it knows when a layer is
+   complete; arrivals before that are counted, not lost.
+
+What must not live here: the block expansion (``p2pxfer.kv``), posting
+(``p2pxfer.engine``), or the region directory (``_regions``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+import trio
+
+from p2pxfer.engine import Transfer
+from p2pxfer.errors import (
+    DescriptorError,
+    InvalidArgument,
+    P2PXferError,
+    PeerLost,
+    UnknownRegion,
+)
+from p2pxfer.kv import KVLayout, plan_push
+from p2pxfer.scatter import ScatterList
+
+if TYPE_CHECKING:
+    from ._daemon import Daemon
+    from ._sessions import ClientSession
+
+__all__ = ["KV", "MAX_REQUESTS", "Pool", "pack_i64", "unpack_i64"]
+
+log = structlog.get_logger("p2pxfer.daemon")
+
+I64 = npt.NDArray[np.int64]
+MAX_REQUESTS = 16384  # requests remembered per daemon; the oldest finished go first
+REAP_EVERY_S = 0.25  # how often deadlines are checked
+DEFAULT_DEADLINE_MS = 30_000
+
+
+def pack_i64(values: Any) -> bytes:
+    return np.ascontiguousarray(values, dtype="<i8").tobytes()
+
+
+def unpack_i64(data: bytes, what: str) -> I64:
+    if len(data) % 8:
+        raise InvalidArgument(f"{what}: {len(data)} bytes is not a whole number of int64")
+    return np.frombuffer(data, dtype="<i8").astype(np.int64)
+
+
+@dataclass
+class Pool:
+    """A client's named KV pool: its memory and its layout."""
+
+    name: str
+    session: ClientSession
+    mem_id: int
+    layout: KVLayout
+    view: memoryview
+    receive: bool
+
+
+@dataclass(eq=False)
+class _Recv:
+    """One request's arrivals into one of our pools, per layer."""
+
+    pool: str
+    request: int
+    arrived: I64
+    expected: I64  # -1: not announced yet
+    claimed: npt.NDArray[np.bool_]
+    senders: set[str] = field(default_factory=set)
+    slots: set[int] = field(default_factory=set)
+    deadline: float = math.inf
+    expired: bool = False
+    error: P2PXferError | None = None
+    changed: trio.Event = field(default_factory=trio.Event)
+    waiters: int = 0
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def complete(self) -> npt.NDArray[np.bool_]:
+        return (self.expected >= 0) & (self.arrived >= self.expected)
+
+    def prefix(self, first: int) -> int:
+        """The first layer from ``first`` on that is not complete."""
+        missing = np.flatnonzero(~self.complete()[first:])
+        return first + int(missing[0]) if len(missing) else len(self.arrived)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.expired or bool(
+            self.complete()[self.claimed].all() and self.claimed.any())
+
+
+class KV:
+    """The daemon's KV pools and requests (both sides)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.pools: dict[str, Pool] = {}  # receiving pools, by region name
+        self._recv: dict[tuple[str, int], _Recv] = {}
+        # request slot -> (request, its layers, [how many are not complete yet])
+        self._slots: dict[int, tuple[_Recv, I64, list[int]]] = {}
+
+    # -- pools (client side) ---------------------------------------------------------
+
+    def add_pool(self, s: ClientSession, name: str, mem_id: int, layout_wire: Any,
+                 receive: bool) -> dict[str, Any]:
+        try:
+            layout = KVLayout.from_wire(layout_wire)
+        except DescriptorError as exc:
+            raise InvalidArgument(f"kv_pool {name!r}: {exc}") from exc
+        if not name:
+            raise InvalidArgument("a KV pool needs a name")
+        if name in s.kv_pools:
+            raise InvalidArgument(f"this client has a KV pool named {name!r} already")
+        mem = s.mem(mem_id)
+        view = mem.view(0, layout.nbytes)  # out_of_range if the memory is too small
+        result: dict[str, Any] = {}
+        if receive:
+            result["descriptor"] = s.export(name, mem_id, 0, layout.nbytes)
+        pool = Pool(name, s, mem_id, layout, view, receive)
+        s.kv_pools[name] = pool
+        if receive:
+            self.pools[name] = pool
+        log.info("kv.pool", client=s.label, pool=name, receive=receive, nbytes=layout.nbytes)
+        return result
+
+    def layout_of(self, region: str) -> dict[str, Any] | None:
+        """The layout ``resolve`` hands out with a receiving pool's descriptor."""
+        pool = self.pools.get(region)
+        return None if pool is None else pool.layout.to_wire()
+
+    def drop_pool(self, name: str) -> None:
+        """A receiving pool went (unexported, its client gone): its requests end."""
+        if self.pools.pop(name, None) is None:
+            return
+        for key in [k for k in self._recv if k[0] == name]:
+            recv = self._recv.pop(key)
+            self._end(recv, UnknownRegion(f"KV pool {name!r} was closed"))
+
+    # -- receiving (peer requests, and the owner's waits) -------------------------------
+
+    def begin(self, sender: str, pool: str, request: int, layers: bytes,
+              deadline_ms: int) -> dict[str, Any]:
+        p = self.pools.get(pool)
+        if p is None:
+            raise UnknownRegion(f"no KV pool named {pool!r} on {self.d.node}")
+        n = p.layout.num_layers
+        lays = unpack_i64(layers, "kv_begin layers")
+        if len(lays) == 0 or int(lays.min()) < 0 or int(lays.max()) >= n \
+                or len(np.unique(lays)) != len(lays):
+            raise InvalidArgument(f"kv_begin: layers must be distinct, within 0..{n - 1}")
+        if deadline_ms <= 0:
+            raise InvalidArgument(f"kv_begin: deadline_ms must be > 0, got {deadline_ms}")
+        recv = self._request(pool, request, n)
+        if recv.error is not None or recv.expired:
+            raise InvalidArgument(f"request {request} into {pool!r} is over (forget it before "
+                                  "using its id again)")
+        if recv.claimed[lays].any():
+            raise InvalidArgument(f"request {request}: layers "
+                                  f"{lays[recv.claimed[lays]].tolist()[:8]} are pushed already")
+        holder: list[int] = []
+        slot = self.d.imms.allocate(
+            lambda layer, count: self._arrival(recv, holder[0], layer, count))
+        holder.append(slot)
+        recv.claimed[lays] = True
+        recv.senders.add(sender)
+        recv.slots.add(slot)
+        recv.deadline = max(recv.deadline if recv.deadline < math.inf else 0.0,
+                            trio.current_time() + deadline_ms / 1000)
+        self._slots[slot] = (recv, lays, [len(lays)])
+        log.debug("kv.begin", pool=pool, request=request, sender=sender, slot=slot,
+                  layers=len(lays))
+        return {"slot": slot}
+
+    def expect(self, sender: str, slot: int, pieces: bytes, first: int = 0
+               ) -> dict[str, Any]:
+        entry = self._slots.get(slot)
+        if entry is None or sender not in entry[0].senders:
+            raise InvalidArgument(f"kv_expect: slot {slot} is not a request of {sender!r}")
+        recv, lays, left = entry
+        counts = unpack_i64(pieces, "kv_expect pieces")
+        if not 0 <= first <= len(lays) - len(counts) or len(counts) == 0 \
+                or int(counts.min()) <= 0:
+            raise InvalidArgument(f"kv_expect: want piece counts > 0 for layers {first}.. of "
+                                  f"the push's {len(lays)}, got {len(counts)}")
+        told = lays[first:first + len(counts)]
+        if (recv.expected[told] >= 0).any():
+            raise InvalidArgument("kv_expect: piece counts of these layers were sent already")
+        recv.expected[told] = counts
+        # Layers whose pieces had all landed before their count was known.
+        self._completed(recv, slot, left, int((recv.arrived[told] >= counts).sum()))
+        return {}
+
+    def _arrival(self, recv: _Recv, slot: int, layer: int, count: int) -> None:
+        """Pieces of ``layer`` landed (the engine's route, per batch of
+        completions: a few scalar operations, no numpy over layers)."""
+        if layer >= len(recv.arrived):
+            return  # not a layer of this pool: nothing to count it for
+        before = int(recv.arrived[layer])
+        recv.arrived[layer] = before + count
+        expected = int(recv.expected[layer])
+        if 0 <= expected <= before + count and before < expected:
+            entry = self._slots.get(slot)
+            if entry is not None:
+                self._completed(recv, slot, entry[2], 1)
+
+    def _completed(self, recv: _Recv, slot: int, left: list[int], layers: int) -> None:
+        """``layers`` more layers of the push that holds ``slot`` are
+        complete: wake the waiters; once all are, the slot goes back."""
+        if not layers:
+            return
+        left[0] -= layers
+        if left[0] <= 0:
+            self._free(recv, slot)
+        recv.wake()
+
+    def _free(self, recv: _Recv, slot: int) -> None:
+        self._slots.pop(slot, None)
+        recv.slots.discard(slot)
+        self.d.imms.free(slot)
+
+    def _end(self, recv: _Recv, error: P2PXferError | None) -> None:
+        if error is not None and recv.error is None:
+            recv.error = error
+        for slot in list(recv.slots):
+            self._free(recv, slot)
+        recv.wake()
+
+    def _request(self, pool: str, request: int, layers: int) -> _Recv:
+        key = (pool, request)
+        recv = self._recv.get(key)
+        if recv is None:
+            if len(self._recv) >= MAX_REQUESTS:
+                self._trim()
+            recv = self._recv[key] = _Recv(
+                pool, request, np.zeros(layers, np.int64), np.full(layers, -1, np.int64),
+                np.zeros(layers, bool))
+        return recv
+
+    def _trim(self) -> None:
+        for key, recv in list(self._recv.items()):
+            if recv.finished:
+                del self._recv[key]
+                if len(self._recv) < MAX_REQUESTS // 2:
+                    return
+
+    def _owned(self, s: ClientSession, pool: str) -> Pool:
+        p = self.pools.get(pool)
+        if p is None or p.session is not s:
+            raise UnknownRegion(f"this client has no receiving KV pool {pool!r}: only a "
+                                "pool's owner waits for its layers")
+        return p
+
+    async def wait(self, s: ClientSession, pool: str, request: int, first: int, upto: int,
+                   timeout_s: float) -> dict[str, Any]:
+        """Until layers ``first..upto`` of ``request`` have all landed: then
+        ``{done: k}`` (layers ``first..k-1`` are complete). ``expired`` too
+        when the request's deadline or ``timeout_s`` passed first."""
+        n = self._owned(s, pool).layout.num_layers
+        if not 0 <= first <= upto < n:
+            raise InvalidArgument(f"kv_wait: want 0 <= first <= upto < {n}, got {first}, {upto}")
+        recv = self._request(pool, request, n)
+        recv.waiters += 1
+        try:
+            with trio.move_on_after(timeout_s):
+                while True:
+                    if recv.error is not None:
+                        raise recv.error
+                    done = recv.prefix(first)
+                    if done > upto:
+                        return {"done": done}
+                    if recv.expired:
+                        break
+                    await recv.changed.wait()
+            return {"done": recv.prefix(first), "expired": True}
+        finally:
+            recv.waiters -= 1
+            # A request nobody pushed and nobody waits for leaves nothing behind.
+            if not recv.waiters and not recv.claimed.any() \
+                    and self._recv.get((pool, request)) is recv:
+                del self._recv[(pool, request)]
+
+    def forget(self, s: ClientSession, pool: str, request: int) -> None:
+        self._owned(s, pool)
+        recv = self._recv.pop((pool, request), None)
+        if recv is not None:
+            self._end(recv, UnknownRegion(f"request {request} into {pool!r} was forgotten"))
+
+    def peer_lost(self, name: str, reason: str) -> None:
+        """Membership says ``name`` died, left or restarted: what it was
+        sending us will not come."""
+        for recv in self._recv.values():
+            if name in recv.senders and not recv.finished:
+                log.warning("kv.sender_lost", pool=recv.pool, request=recv.request, peer=name)
+                self._end(recv, PeerLost(f"request {recv.request} into {recv.pool!r}: its "
+                                         f"sender {reason}"))
+
+    async def reap(self) -> None:
+        """Expire requests past their deadline (their slots go back)."""
+        while True:
+            await trio.sleep(REAP_EVERY_S)
+            now = trio.current_time()
+            for recv in list(self._recv.values()):
+                if not recv.finished and recv.deadline < now:
+                    log.warning("kv.deadline", pool=recv.pool, request=recv.request)
+                    recv.expired = True
+                    self._end(recv, None)
+
+    # -- pushing -------------------------------------------------------------------------
+
+    async def _ask(self, peer: str, kind: str, **fields: Any) -> dict[str, Any]:
+        if peer == self.d.node:  # into a pool of this node: no control link needed
+            if kind == "kv_begin":
+                return self.begin(peer, fields["pool"], fields["request"], fields["layers"],
+                                  fields["deadline_ms"])
+            return self.expect(peer, fields["slot"], fields["pieces"], fields["first"])
+        return await self.d.peers.request(peer, kind, **fields)
+
+    async def push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
+        d = self.d
+        src = s.kv_pools.get(msg["src"])
+        if src is None:
+            raise UnknownRegion(f"this client has no KV pool {msg['src']!r}")
+        peer, pool, request = msg["peer"], msg["pool"], msg["request"]
+        if request < 0:
+            raise InvalidArgument(f"request must be >= 0, got {request}")
+        d.follower.check_peer(peer)
+        with self._tracked(peer):
+            desc = await d.regions.resolve(peer, pool)
+            layout_wire = d.regions.kv_layout(peer, pool) if peer != d.node \
+                else self.layout_of(pool)
+            if layout_wire is None:
+                raise InvalidArgument(f"{pool!r} on {peer} is a region, not a KV pool")
+            d.follower.check_descriptor(desc)
+            try:
+                dst_layout = KVLayout.from_wire(layout_wire)
+            except DescriptorError as exc:
+                raise InvalidArgument(f"{peer} sent a bad KV layout: {exc}") from exc
+            layers = msg.get("layers")
+            lays, so, do, ln, counts = plan_push(
+                src.layout, dst_layout, unpack_i64(msg["src_blocks"], "src_blocks"),
+                unpack_i64(msg["dst_blocks"], "dst_blocks"),
+                None if layers is None else unpack_i64(layers, "layers").tolist(),
+                src_size=len(src.view), dst_size=desc.length)
+            t0 = time.perf_counter()
+            begun = await self._ask(peer, "kv_begin", pool=pool, request=request,
+                                    layers=pack_i64(lays),
+                                    deadline_ms=msg.get("deadline_ms", DEFAULT_DEADLINE_MS))
+            slot = begun.get("slot")
+            if type(slot) is not int or slot <= 0:
+                raise InvalidArgument(f"{peer} answered kv_begin without a slot")
+            pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln, counts)
+        seconds = time.perf_counter() - t0
+        nbytes = int(ln.sum())
+        log.debug("kv.push_complete", client=s.label, peer=peer, pool=pool, request=request,
+                  layers=len(lays), nbytes=nbytes, seconds=seconds)
+        return {"layers": pack_i64(lays), "pieces": pack_i64(pieces), "nbytes": nbytes,
+                "seconds": seconds, "first_layer_s": first - t0}
+
+    async def _post(self, src: Pool, desc: Any, peer: str, slot: int, lays: list[int],
+                    so: I64, do: I64, ln: I64, counts: I64) -> tuple[list[int], float]:
+        """One transfer per layer, in layer order, submitted before any is
+        awaited; the receiver hears the first layer's piece count as soon as
+        it is known (so layer 0 can complete there while later layers are
+        still being submitted), the others' once all are submitted; then the
+        waits."""
+        d = self.d
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        transfers: list[Transfer] = []
+        first = 0.0
+        try:
+            for k, layer in enumerate(lays):
+                a, b = bounds[k], bounds[k + 1]
+                transfers.append(await d.engine.submit(
+                    src.view, desc, ScatterList(so[a:b], do[a:b], ln[a:b]),
+                    imm=d.imms.compose(slot, layer)))
+                if k == 0:
+                    await self._ask(peer, "kv_expect", slot=slot, first=0,
+                                    pieces=pack_i64([transfers[0].pieces]))
+            if len(transfers) > 1:
+                await self._ask(peer, "kv_expect", slot=slot, first=1,
+                                pieces=pack_i64([t.pieces for t in transfers[1:]]))
+            for k, t in enumerate(transfers):
+                await t.wait()
+                if k == 0:
+                    first = time.perf_counter()
+        except BaseException:
+            # Stop what has not gone out; what was posted must finish before
+            # the source pool is the client's again.
+            for t in transfers:
+                t.cancel()
+            with trio.CancelScope(shield=True):
+                for t in transfers:
+                    with contextlib.suppress(P2PXferError):
+                        await t.wait()
+            raise
+        return [t.pieces for t in transfers], first
+
+    @contextlib.contextmanager
+    def _tracked(self, peer: str) -> Iterator[None]:
+        """With membership, a push dies with its peer (``PeerLost``)."""
+        if not self.d.follower.enabled or peer == self.d.node:
+            yield
+            return
+        with self.d.follower.track_write(peer):
+            yield

@@ -1,0 +1,338 @@
+"""KV pages through the daemons (issue 13, items 1 and 2).
+
+Two daemons in separate processes (tcp on loopback; once forced to 4-byte
+immediates, as EFA and verbs carry; once with the decode daemon in another
+network namespace). An **asyncio** prefill client, in a process of its own,
+pushes 32 layers x 1024 blocks of 16 KiB from its pool (random source blocks)
+into a **trio** decode client's pool (random destination blocks) through
+its daemon; decode awaits every layer in order as it lands and checks every
+byte of it. Then smaller cases: K/V planes in block-major order, a subset of
+layers, a blocking ``SyncClient``, bad input, deadlines, cancellation, and a
+sender whose node dies (``PeerLost``, with membership).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import traceback
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import trio
+
+import p2pxfer
+from daemon_helpers import LOOPBACK, DaemonProc, free_port, spawn_daemon, start_daemon
+from p2pxfer.client import KVPool
+from p2pxfer.errors import InvalidArgument, TransferError, UnknownRegion, WaitTimeout
+from p2pxfer.kv import KVLayout
+
+TIMEOUT = 120.0
+U8 = npt.NDArray[np.uint8]
+
+
+# -- data both sides agree on ------------------------------------------------------
+
+def pool_view(array: U8, lay: KVLayout) -> U8:
+    """A pool as ``[layer][plane][block][byte]`` (a view)."""
+    nl, nb, npl, bb = lay.num_layers, lay.num_blocks, lay.planes, lay.block_bytes
+    flat = array[: nl * nb * npl * bb]
+    if lay.order == "layer_major":
+        return flat.reshape(nl, npl, nb, bb)
+    if lay.order == "block_major":
+        return flat.reshape(nb, nl, npl, bb).transpose(1, 2, 0, 3)
+    return flat.reshape(npl, nl, nb, bb).transpose(1, 0, 2, 3)
+
+
+def request_kv(seed: int, lay: KVLayout, n: int) -> U8:
+    """``[layer][plane][i][byte]`` of a request's ``i``-th block."""
+    size = lay.num_layers * lay.planes * n * lay.block_bytes
+    data = np.frombuffer(np.random.default_rng(seed).bytes(size), np.uint8)
+    return data.reshape(lay.num_layers, lay.planes, n, lay.block_bytes)
+
+
+def tables(seed: int, lay: KVLayout, n: int) -> tuple[npt.NDArray[np.int64],
+                                                       npt.NDArray[np.int64]]:
+    rng = np.random.default_rng([seed, 7])
+    return (rng.choice(lay.num_blocks, n, replace=False).astype(np.int64),
+            rng.choice(lay.num_blocks, n, replace=False).astype(np.int64))
+
+
+# -- the prefill side: an asyncio client in its own process ---------------------------
+
+def prefill_main(conn: Connection, socket: str, job: dict[str, Any]) -> None:
+    try:
+        conn.send(("ok", asyncio.run(_prefill(socket, job))))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+async def _prefill(socket: str, job: dict[str, Any]) -> dict[str, Any]:
+    lay = KVLayout.from_wire(job["layout"])
+    src_blocks, dst_blocks = tables(job["seed"], lay, job["n"])
+    async with p2pxfer.connect(socket) as client:
+        assert asyncio.get_running_loop() is not None
+        src = await client.kv_pool("kv-prefill", lay, receive=False)
+        pool_view(src.array, lay)[:, :, src_blocks] = request_kv(job["seed"], lay, job["n"])
+        push = await client.kv_push(job["peer"], job["pool"], src, src_blocks, dst_blocks,
+                                    request=job["request"], layers=job.get("layers"))
+        result = await push.wait()
+        return {"pieces": result.pieces, "nbytes": result.nbytes, "seconds": result.seconds,
+                "first": result.first_layer_seconds, "layers": result.layers}
+
+
+class Prefill:
+    def __init__(self, socket: str, job: dict[str, Any]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=prefill_main, args=(child, socket, job), daemon=True)
+        self.proc.start()
+        child.close()
+
+    async def result(self, timeout: float = TIMEOUT) -> dict[str, Any]:
+        ready = await trio.to_thread.run_sync(self.conn.poll, timeout)
+        assert ready, f"prefill gave no answer within {timeout} s"
+        kind, value = self.conn.recv()
+        assert kind == "ok", value
+        return dict(value)
+
+    def close(self) -> None:
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+# -- the decode side: trio, here -----------------------------------------------------
+
+async def decode_round(decode_socket: str, prefill_socket: str, lay: KVLayout, n: int,
+                       seed: int, request: int, peer: str = "node-b",
+                       layers: list[int] | None = None) -> dict[str, Any]:
+    """Decode's pool, prefill's push into it, every layer awaited in order
+    and checked as it lands."""
+    _, dst_blocks = tables(seed, lay, n)
+    want = request_kv(seed, lay, n)
+    expect = list(range(lay.num_layers)) if layers is None else sorted(layers)
+    with trio.fail_after(TIMEOUT):
+        async with p2pxfer.connect(decode_socket) as decode:
+            pool = await decode.kv_pool(f"kv-decode-{request}", lay)
+            prefill = Prefill(prefill_socket, {
+                "layout": lay.to_wire(), "seed": seed, "n": n, "peer": peer,
+                "pool": pool.name, "request": request, "layers": layers})
+            try:
+                seen = []
+                view = pool_view(pool.array, lay)
+                async for layer in pool.layers(request, first=expect[0], upto=expect[-1],
+                                               timeout=60):
+                    seen.append(layer)
+                    got = view[layer][:, dst_blocks]
+                    assert np.array_equal(got, want[layer]), f"layer {layer} differs"
+                assert seen == expect
+                untouched = np.setdiff1d(np.arange(lay.num_layers), expect)
+                assert not view[untouched].any(), "a layer not pushed was written"
+                result = await prefill.result()
+            finally:
+                prefill.close()
+            assert tuple(result["layers"]) == tuple(expect)
+            assert result["nbytes"] == len(expect) * lay.planes * n * lay.block_bytes
+            await pool.forget(request)
+            return result
+
+
+@pytest.fixture(scope="module", params=[0, 4], ids=["native-imm", "imm32"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    workdir = tmp_path_factory.mktemp("kvd")
+    port_a, port_b = free_port(), free_port()
+    extra = {"imm_bytes": request.param} if request.param else {}
+    daemons: list[DaemonProc] = []
+    try:
+        daemons.append(start_daemon(workdir, "node-a", control_port=port_a, peers=[
+            {"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}], **extra))
+        daemons.append(start_daemon(workdir, "node-b", control_port=port_b, peers=[
+            {"name": "node-a", "address": f"{LOOPBACK}:{port_a}"}], **extra))
+        yield daemons[0], daemons[1]
+    finally:
+        for d in daemons:
+            d.stop()
+    for d in daemons:
+        assert "request.crashed" not in d.log.read_text(), d.log_tail()
+
+
+FULL = KVLayout(32, 1024, 16 << 10)  # 32 layers x 1024 blocks of 16 KiB: 512 MiB
+
+
+async def test_push_32_layers_through_daemons(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    a, b = pair
+    result = await decode_round(b.socket, a.socket, FULL, 1024, seed=1, request=7)
+    assert len(result["pieces"]) == 32
+    st = await _status(b)
+    assert st["imm_bits"] == (32 if b.keys.get("imm_bytes") == 4 else 64)
+
+
+async def test_planes_block_major_and_a_layer_subset(pair: tuple[DaemonProc, DaemonProc]
+                                                     ) -> None:
+    a, b = pair
+    lay = KVLayout(8, 256, 4096, planes=2, order="block_major")
+    await decode_round(b.socket, a.socket, lay, 200, seed=2, request=1 << 40)
+    await decode_round(b.socket, a.socket, lay, 64, seed=3, request=9, layers=[5, 3, 4])
+
+
+async def _status(d: DaemonProc) -> dict[str, Any]:
+    async with p2pxfer.connect(d.socket) as c:
+        return await c.status()
+
+
+async def test_bad_pushes_are_refused_before_posting(pair: tuple[DaemonProc, DaemonProc]
+                                                     ) -> None:
+    a, b = pair
+    lay = KVLayout(4, 16, 4096)
+    with trio.fail_after(TIMEOUT):
+        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
+            dst = await decode.kv_pool("kv-bad", lay)
+            src = await prefill.kv_pool("kv-bad-src", lay, receive=False)
+            blocks = np.arange(4)
+
+            async def push(**kw: Any) -> None:
+                args: dict[str, Any] = {"peer": "node-b", "pool": "kv-bad", "src": src,
+                                        "src_blocks": blocks, "dst_blocks": blocks,
+                                        "request": 1}
+                args.update(kw)
+                p = await prefill.kv_push(args.pop("peer"), args.pop("pool"), args.pop("src"),
+                                          args.pop("src_blocks"), args.pop("dst_blocks"),
+                                          **args)
+                await p.wait()
+
+            with pytest.raises(InvalidArgument, match="outside"):
+                await push(dst_blocks=np.array([0, 1, 2, 16]))
+            with pytest.raises(InvalidArgument, match="twice"):
+                await push(dst_blocks=np.array([0, 1, 1, 2]))
+            with pytest.raises(InvalidArgument, match="layers"):
+                await push(layers=[4])
+            with pytest.raises(UnknownRegion):
+                await push(pool="kv-nope")
+            other = await prefill.kv_pool("kv-bad-other", KVLayout(4, 16, 8192), receive=False)
+            with pytest.raises(InvalidArgument, match="block_bytes"):
+                await push(src=other)
+            # Only the pool's owner waits on it.
+            with pytest.raises(UnknownRegion):
+                await KVPool(prefill, "kv-bad", lay, src.mem, None).wait_layers(1, 0)
+            assert not dst.array.any()
+            # A wait that times out (nothing pushed) leaves the daemon serving on.
+            with pytest.raises(WaitTimeout):
+                await dst.wait_layers(5, 3, timeout=0.2)
+            await push(request=5)
+            await dst.wait_layers(5, 3, timeout=20)
+            # A request id is pushed once until forgotten.
+            with pytest.raises(InvalidArgument, match="pushed already"):
+                await push(request=5)
+            await dst.forget(5)
+            await push(request=5)
+            await dst.wait_layers(5, 3, timeout=20)
+
+
+def test_sync_client_push(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    a, b = pair
+    lay = KVLayout(4, 32, 8192)
+    src_blocks, dst_blocks = tables(11, lay, 20)
+    want = request_kv(11, lay, 20)
+    with p2pxfer.SyncClient(b.socket) as decode, p2pxfer.SyncClient(a.socket) as prefill:
+        dst = decode.kv_pool("kv-sync", lay)
+        src = prefill.kv_pool("kv-sync-src", lay, receive=False)
+        pool_view(src.array, lay)[:, :, src_blocks] = want
+        result = prefill.kv_push("node-b", "kv-sync", src, src_blocks, dst_blocks, request=3)
+        assert result.layers == (0, 1, 2, 3) and result.nbytes == 4 * 20 * 8192
+        decode.wait_layers(dst, 3, 3, timeout=20)
+        assert np.array_equal(pool_view(dst.array, lay)[:, :, dst_blocks], want)
+
+
+async def test_deadline_ends_the_wait(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """A push cancelled right away: the decode side hears ``WaitTimeout``
+    once the push's deadline passes, not never."""
+    a, b = pair
+    lay = KVLayout(64, 512, 16 << 10)
+    with trio.fail_after(TIMEOUT):
+        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
+            dst = await decode.kv_pool("kv-deadline", lay)
+            src = await prefill.kv_pool("kv-deadline-src", lay, receive=False)
+            blocks = np.arange(512)
+            push = await prefill.kv_push("node-b", "kv-deadline", src, blocks, blocks[::-1],
+                                         request=4, deadline=3.0)
+            await dst.wait_layers(4, 0, timeout=20)  # begun: the receiver knows the deadline
+            with trio.move_on_after(0.001) as scope:
+                await push.wait()
+            assert scope.cancelled_caught, "the push finished before it could be cancelled"
+            with pytest.raises(TransferError, match="cancelled"):
+                await push.wait()
+            t0 = trio.current_time()
+            with pytest.raises(WaitTimeout):
+                await dst.wait_layers(4, 63, timeout=60)
+            assert trio.current_time() - t0 < 30, "the deadline did not end the wait"
+
+
+def test_decode_daemon_in_another_namespace(tmp_path: Path) -> None:
+    """The full push with each daemon in a network namespace of its own
+    (joined by a veth pair): control and data both cross it."""
+    from netns import two_hosts
+
+    with two_hosts(1) as (ha, hb):
+        port = 7700
+        daemons: list[DaemonProc] = []
+        try:
+            for host, name, other, addr, oaddr in (
+                    (ha, "node-a", "node-b", ha.addresses[0], hb.addresses[0]),
+                    (hb, "node-b", "node-a", hb.addresses[0], ha.addresses[0])):
+                daemons.append(spawn_daemon(tmp_path, {
+                    "node": name, "socket": str(tmp_path / f"{name}.sock"),
+                    "control": f"{addr}:{port}", "provider": "tcp;ofi_rxm",
+                    "fabric_node": addr, "log_level": "INFO",
+                    "peers": [{"name": other, "address": f"{oaddr}:{port}"}]},
+                    wrap=host.exec_argv))
+            trio.run(decode_round, daemons[1].socket, daemons[0].socket, FULL, 1024, 5, 8)
+        finally:
+            for d in daemons:
+                d.stop()
+
+
+async def test_dead_sender_ends_the_wait_with_peer_lost(tmp_path: Path) -> None:
+    """With membership: the prefill node's daemon is SIGKILLed mid-push; the
+    decode side's wait ends with ``PeerLost`` once membership rules it dead
+    (long before the push's deadline), and the decode daemon serves on."""
+    from p2pxfer.errors import ConnectionLost, PeerLost
+
+    token = "kv-cluster-token"
+    pa, pb = free_port(), free_port()
+    keys = {"membership": "embedded", "cluster_token": token}
+    b = start_daemon(tmp_path, "node-b", control_port=pb, **keys)
+    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **keys)
+    lay = KVLayout(256, 256, 16 << 10)  # 1 GiB: the push takes a while
+    try:
+        with trio.fail_after(TIMEOUT):
+            while {p["name"]: p["state"] for p in (await _status(b))["peers"]} != {
+                    "node-a": "alive", "node-b": "alive"}:
+                await trio.sleep(0.1)
+            async with p2pxfer.connect(b.socket) as decode, \
+                    p2pxfer.connect(a.socket) as prefill:
+                dst = await decode.kv_pool("kv-lost", lay)
+                src = await prefill.kv_pool("kv-lost-src", lay, receive=False)
+                blocks = np.arange(256)
+                push = await prefill.kv_push("node-b", "kv-lost", src, blocks, blocks[::-1],
+                                             request=1, deadline=600)
+                await dst.wait_layers(1, 0, timeout=30)
+                a.proc.kill()
+                a.proc.wait(10)
+                t0 = trio.current_time()
+                with pytest.raises(PeerLost, match="node-a"):
+                    await dst.wait_layers(1, 255, timeout=30)
+                assert trio.current_time() - t0 < 15
+                with pytest.raises(ConnectionLost):
+                    await push.wait()
+            assert (await _status(b))["transfers_in_flight"] == 0
+    finally:
+        a.stop()
+        b.stop()
