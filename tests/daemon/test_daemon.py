@@ -963,7 +963,7 @@ async def test_client_accept_out_of_descriptors_backs_off() -> None:
     is waited out, not raised into the daemon's nursery."""
     import errno
 
-    from p2pxfer.daemon import _sessions
+    from p2pxfer.daemon import _listener
 
     tries: list[float] = []
 
@@ -975,9 +975,9 @@ async def test_client_accept_out_of_descriptors_backs_off() -> None:
             await trio.sleep_forever()
 
     with trio.move_on_after(0.5):
-        await _sessions._accept(None, Starved())  # type: ignore[arg-type]
+        await _listener._accept(None, Starved())  # type: ignore[arg-type]
     assert len(tries) == 2
-    assert tries[1] - tries[0] >= _sessions.ACCEPT_BACKOFF_S
+    assert tries[1] - tries[0] >= _listener.ACCEPT_BACKOFF_S
 
 
 # -- bad input, then a real transfer -----------------------------------------------------

@@ -35,11 +35,11 @@ from ._control import serve_control
 from ._follow import Follower, rail_hosts
 from ._imms import ImmTable
 from ._kv import KV
+from ._listener import remove_socket, serve_clients
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
 from ._regions import Regions
-from ._sessions import remove_socket, serve_clients
 from ._writes import Writes
 
 if TYPE_CHECKING:

@@ -5,22 +5,17 @@ the engine) and its exports, and serves its requests through ``HANDLERS``, a
 table checked against the client protocol's requests when this module loads.
 Requests that wait (``write``, ``wait_imm``, ``watch``, ``locate``) run as
 tasks, so one client can have many in flight. A client that goes away loses
-its regions and memory; nobody else notices. Shared memory must be a memfd
-sealed against shrinking (no SIGBUS); a local write into another uid's region
-and ``add_peer`` from an unprivileged uid are refused; the socket path is
-never taken from a live daemon nor from anything that is not a socket. What must not live here: the
-region directory's rules (``_regions``) or the write path (``_writes``).
+its regions and memory; nobody else notices. A local write into another uid's
+region and ``add_peer`` from an unprivileged uid are refused. What must not
+live here: the listener (``_listener``), mapping shared memory (``_shared``),
+the region directory's rules (``_regions``) or the write path (``_writes``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import math
-import mmap
 import os
-import stat
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +24,9 @@ import trio
 
 from p2pxfer._pump import Pump, bounded
 from p2pxfer.errors import (
-    DaemonError,
     Forbidden,
     InvalidArgument,
     P2PXferError,
-    ScatterError,
     UnknownRegion,
     UnregisteredMemory,
 )
@@ -53,14 +46,14 @@ from p2pxfer.scatter import ScatterList
 
 from ._follow import WATCH_TIMEOUT_MAX_S
 from ._imms import ImmCounts
-from ._io import UnixFdStream, peer_credentials
+from ._io import UnixFdStream
 from ._kv import Pool
-from ._retire import retire
+from ._shared import SharedMap
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
 
-__all__ = ["HANDLERS", "ClientSession", "remove_socket", "serve_clients"]
+__all__ = ["HANDLERS", "ClientSession"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
@@ -70,55 +63,6 @@ CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel", "kv_pu
 #: what a request stopped by the client's ``cancel`` is answered
 CANCELLED: dict[str, Any] = {"cancelled": True}
 HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed
-
-
-def _seal(fd: int) -> None:
-    """Make sure the client can never shrink the file under our mapping (a
-    write into pages past its end would kill the daemon with SIGBUS): the
-    memfd must carry ``F_SEAL_SHRINK``, or take it now. Anything that cannot
-    carry seals (not a memfd) is refused."""
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError as exc:
-        raise InvalidArgument("share takes a memfd (memfd_create with MFD_ALLOW_SEALING); "
-                              f"this descriptor cannot carry seals ({exc.strerror})") from exc
-    if seals & fcntl.F_SEAL_SHRINK:
-        return
-    try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-    except OSError as exc:
-        raise InvalidArgument("the shared memfd is not sealed against shrinking "
-                              "(F_SEAL_SHRINK) and cannot be: create it with "
-                              f"MFD_ALLOW_SEALING ({exc.strerror})") from exc
-
-
-class _Mem:
-    """A client's memfd, sealed against shrinking, mapped here and registered
-    with the engine."""
-
-    def __init__(self, mem_id: int, fd: int, size: int) -> None:
-        _seal(fd)  # before the size check: the size cannot go down after it
-        st = os.fstat(fd)
-        if st.st_size < size:
-            raise InvalidArgument(f"memfd holds {st.st_size} bytes, not {size}")
-        self.id = mem_id
-        self.size = size
-        try:
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"cannot map the shared fd read-write: {exc}") from exc
-
-    def view(self, offset: int, length: int | None = None) -> memoryview:
-        end = self.size if length is None else offset + length
-        if offset < 0 or end > self.size or end <= offset:
-            raise ScatterError(f"[{offset}, {end}) is outside memory {self.id} of "
-                               f"{self.size} bytes")
-        return memoryview(self.map)[offset:end]
-
-    def close(self) -> None:
-        # Not unmapped at once: a peer's write may still be streaming into
-        # these pages (see ``_retire``).
-        retire(self.map)
 
 
 class ClientSession:
@@ -132,7 +76,7 @@ class ClientSession:
         self.stream = UnixFdStream(sock, self.label)
         self.pump = Pump(Connection("client", RESPONDER, max_frame=daemon.config.max_frame),
                          self.stream, f"client {self.label}")
-        self.mems: dict[int, _Mem] = {}
+        self.mems: dict[int, SharedMap] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
         self.slots: dict[str, int] = {}  # region name -> its immediate slot
         #: immediates landed in this session's regions (they die with it)
@@ -275,7 +219,7 @@ class ClientSession:
                                     f"{self.daemon.node} that uid {self.uid} may write into")
         # Not exported at all: the write path says so, after checking the rest.
 
-    def mem(self, mem_id: int) -> _Mem:
+    def mem(self, mem_id: int) -> SharedMap:
         mem = self.mems.get(mem_id)
         if mem is None:
             raise UnregisteredMemory(f"no shared memory {mem_id} on this connection")
@@ -288,7 +232,7 @@ class ClientSession:
         try:
             if size <= 0:
                 raise InvalidArgument(f"share size must be > 0, got {size}")
-            mem = _Mem(self._next_mem, fd, size)
+            mem = SharedMap(self._next_mem, fd, size)
         finally:
             os.close(fd)
         self._next_mem += 1
@@ -451,114 +395,3 @@ HANDLERS: dict[str, Handler] = {
     "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
 }
 check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")
-
-
-# -- the listener -----------------------------------------------------------------------
-
-async def _claim_path(path: str) -> None:
-    """Make room for our socket at ``path``: nothing there, or a stale socket
-    (removed). A daemon that answers there is live: ``DaemonError``, we do
-    not take its socket away. Anything that is not a socket is never
-    removed: ``InvalidArgument``."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise InvalidArgument(f"socket path {path} exists and is not a socket; refusing to "
-                              "remove it (choose another path, or remove it yourself)")
-    probe = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    live = True  # a listener too busy to answer in time is alive too
-    try:
-        with trio.move_on_after(2.0):
-            await probe.connect(path)
-    except OSError:
-        live = False  # nobody listens: a stale socket from an earlier run
-    finally:
-        probe.close()
-    if live:
-        raise DaemonError(f"a daemon is already listening on {path}; refusing to take its "
-                          "socket (stop it first, or choose another path)")
-    os.unlink(path)
-
-
-async def serve_clients(d: Daemon, nursery: trio.Nursery) -> trio.socket.SocketType:
-    """Listen on the unix socket, created 0600 (0666 with ``allowed_uids``:
-    those uids must be able to connect; ``SO_PEERCRED`` still refuses every
-    other); returns the listening socket. ``DaemonError`` / ``InvalidArgument``
-    when the path holds a live daemon's socket or something else."""
-    path = d.config.socket
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    await _claim_path(path)
-    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket is created 0600, never briefly wider
-    try:
-        await sock.bind(path)
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o666 if d.config.allowed_uids else 0o600)
-    st = os.lstat(path)
-    d.socket_identity = (st.st_dev, st.st_ino)
-    sock.listen(64)
-    nursery.start_soon(_accept, d, sock)
-    return sock
-
-
-def remove_socket(path: str, identity: tuple[int, int] | None) -> None:
-    """Remove our socket file, only if it still is ours (a daemon started
-    after us on the same path must keep its own)."""
-    with contextlib.suppress(OSError):
-        st = os.lstat(path)
-        if identity is not None and (st.st_dev, st.st_ino) == identity:
-            os.unlink(path)
-
-
-# accept() failures that say "not now" (out of descriptors or memory): wait a
-# little and go on, as trio.serve_listeners does for the control port.
-_ACCEPT_LATER = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-ACCEPT_BACKOFF_S = 0.1
-
-
-async def _accept(d: Daemon, sock: trio.socket.SocketType) -> None:
-    async with trio.open_nursery() as nursery:
-        while True:
-            try:
-                conn, _ = await sock.accept()
-            except OSError as exc:
-                if exc.errno in _ACCEPT_LATER:
-                    log.error("client.accept_failed", error=str(exc))
-                    await trio.sleep(ACCEPT_BACKOFF_S)
-                elif exc.errno != errno.ECONNABORTED:
-                    raise
-                continue
-            nursery.start_soon(_client, d, conn)
-
-
-async def _client(d: Daemon, sock: trio.socket.SocketType) -> None:
-    try:
-        pid, uid, _gid = peer_credentials(sock)
-    except OSError as exc:
-        log.warning("client.refused", error=bounded(str(exc)))
-        sock.close()
-        return
-    allowed = {0, os.getuid(), *d.config.allowed_uids}
-    if uid not in allowed:
-        log.warning("client.refused", pid=pid, uid=uid)
-        sock.close()
-        return
-    if len(d.sessions) >= d.config.max_clients:
-        skipped = d.refusals.due(trio.current_time())
-        if skipped is not None:
-            log.warning("client.refused", pid=pid, uid=uid, not_logged=skipped,
-                        reason=f"{d.config.max_clients} clients already connected")
-        sock.close()
-        return
-    session = ClientSession(d, sock, pid, uid)
-    d.sessions.add(session)
-    try:
-        await session.run()
-    except Exception as exc:  # one client's failure must never reach the others
-        log.error("client.failed", client=session.label,
-                  error=bounded(f"{type(exc).__name__}: {exc}"))
-    finally:
-        d.sessions.discard(session)

@@ -1,0 +1,69 @@
+"""Client memory mapped in the daemon: a sealed memfd, shared over the unix
+socket, mapped read-write here and retired (``_retire``) when released.
+
+Shared memory must be a memfd sealed against shrinking: a client that
+truncated its file under our mapping would turn the next incoming write into
+a SIGBUS of the whole daemon. What must not live here: registrations (the
+engine's) or sessions.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+
+from p2pxfer.errors import InvalidArgument, ScatterError
+
+from ._retire import retire
+
+__all__ = ["SharedMap", "seal_shared"]
+
+
+def seal_shared(fd: int) -> None:
+    """Make sure the client can never shrink the file under our mapping (a
+    write into pages past its end would kill the daemon with SIGBUS): the
+    memfd must carry ``F_SEAL_SHRINK``, or take it now. Anything that cannot
+    carry seals (not a memfd) is refused."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise InvalidArgument("share takes a memfd (memfd_create with MFD_ALLOW_SEALING); "
+                              f"this descriptor cannot carry seals ({exc.strerror})") from exc
+    if seals & fcntl.F_SEAL_SHRINK:
+        return
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except OSError as exc:
+        raise InvalidArgument("the shared memfd is not sealed against shrinking "
+                              "(F_SEAL_SHRINK) and cannot be: create it with "
+                              f"MFD_ALLOW_SEALING ({exc.strerror})") from exc
+
+
+class SharedMap:
+    """A client's memfd, sealed against shrinking, mapped here and registered
+    with the engine."""
+
+    def __init__(self, mem_id: int, fd: int, size: int) -> None:
+        seal_shared(fd)  # before the size check: the size cannot go down after it
+        st = os.fstat(fd)
+        if st.st_size < size:
+            raise InvalidArgument(f"memfd holds {st.st_size} bytes, not {size}")
+        self.id = mem_id
+        self.size = size
+        try:
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot map the shared fd read-write: {exc}") from exc
+
+    def view(self, offset: int, length: int | None = None) -> memoryview:
+        end = self.size if length is None else offset + length
+        if offset < 0 or end > self.size or end <= offset:
+            raise ScatterError(f"[{offset}, {end}) is outside memory {self.id} of "
+                               f"{self.size} bytes")
+        return memoryview(self.map)[offset:end]
+
+    def close(self) -> None:
+        # Not unmapped at once: a peer's write may still be streaming into
+        # these pages (see ``_retire``).
+        retire(self.map)
