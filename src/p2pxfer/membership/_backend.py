@@ -12,7 +12,7 @@ A backend runs as background tasks in a nursery the caller gives it:
 or as an async context manager (``async with backend: ...``), which starts it
 in a nursery of its own and stops it gracefully on the way out.
 
-What must not live here: protocol rules (``_swim.py``) or daemon state (the
+What must not live here: protocol rules (``_swim*.py``) or daemon state (the
 region directory, transfers): the daemon reacts to the events.
 """
 

@@ -5,7 +5,7 @@ loopback or namespace address in tests), and one per further rail
 (``rails``), all advertised, so the member is probed on every rail. One task
 per socket receives and answers; one runs the protocol's timers at
 ``Swim.next_deadline()``.
-What must not live here: protocol rules (``_swim.py``).
+What must not live here: protocol rules (``_swim*.py``).
 """
 
 from __future__ import annotations

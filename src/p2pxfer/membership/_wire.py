@@ -19,7 +19,7 @@ member's other addresses (one per further rail), when it has any. The kinds and
 their fields are in ``proto/MEMBERSHIP.md``; ``decode`` refuses anything else
 (a missing, unknown or mistyped field, an unknown kind).
 
-What must not live here: protocol decisions (``_swim.py``) and sockets.
+What must not live here: protocol decisions (``_swim*.py``) and sockets.
 """
 
 from __future__ import annotations
