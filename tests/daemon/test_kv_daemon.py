@@ -290,7 +290,7 @@ def test_decode_daemon_in_another_namespace(tmp_path: Path) -> None:
                 daemons.append(spawn_daemon(tmp_path, {
                     "node": name, "socket": str(tmp_path / f"{name}.sock"),
                     "control": f"{addr}:{port}", "provider": "tcp;ofi_rxm",
-                    "fabric_node": addr, "log_level": "INFO",
+                    "fabric_node": addr, "log_level": "INFO", "cluster_token": "kv-netns-token",
                     "peers": [{"name": other, "address": f"{oaddr}:{port}"}]},
                     wrap=host.exec_argv))
             trio.run(decode_round, daemons[1].socket, daemons[0].socket, FULL, 1024, 5, 8)
