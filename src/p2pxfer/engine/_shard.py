@@ -97,7 +97,6 @@ class Shard:
         self._pieces_posted = [0] * nrails  # by delivered transfers
         self._bytes_posted = [0] * nrails
         self.pieces_done = [0] * nrails  # our writes' completions
-        self.pieces_failed = [0] * nrails  # our writes' pieces that failed
         self.pieces_abandoned = [0] * nrails  # in flight when their connection went
         self.pieces_received = [0] * nrails  # peers' writes that landed here
         self.errors = [0] * nrails
@@ -438,7 +437,7 @@ class Shard:
         return [NicStats(self.index, rail.name, rail.provider, self._bytes_posted[r],
                          self._pieces_posted[r], self.pieces_done[r],
                          max(0, self._pieces_posted[r] + posting[r] - self.pieces_done[r]
-                             - self.pieces_failed[r] - self.pieces_abandoned[r]),
+                             - self.errors[r] - self.pieces_abandoned[r]),
                          self.errors[r], self.pieces_received[r])
                 for r, rail in enumerate(self._group.rails)]
 
@@ -466,12 +465,14 @@ class Shard:
             if imms:
                 self._imms.append(imms)
         if (e := c.error) is not None:
-            self.errors[e.rail] += 1
-            log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
-                        error=e.text, shard=self.index)
             tr = self._inflight.get(e.context)
-            if tr is not None:
-                self.pieces_failed[e.rail] += 1
+            if tr is None:  # flushed from a connection ``_abort`` tore down
+                log.debug("transfer.piece_flushed", transfer_id=e.context, error=e.text,
+                          shard=self.index)
+            else:
+                log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
+                            error=e.text, shard=self.index)
+                self.errors[e.rail] += 1
                 self._queues.note_done(tr, e.rail, 1)
                 tr.error = tr.error or e.text
                 tr.remaining -= 1
