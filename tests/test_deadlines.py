@@ -13,11 +13,13 @@ silent host. Covered:
 - a cancelled write to a stalled peer ends within ``cancel_grace_s``;
 - ``Transfer.abort`` ends a write with ``TransferAborted`` and its reason;
 - failed pieces leave no NIC ``inflight`` behind;
-- bad timeouts are refused.
+- bad timeouts are refused;
+- a ``SyncClient`` made inside a running event loop is refused (it would hang).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -28,8 +30,15 @@ import pytest
 import trio
 
 from conftest import engine_config
+from p2pxfer.client import SyncClient
 from p2pxfer.engine import Engine, open_engine
-from p2pxfer.errors import InvalidArgument, TransferAborted, TransferError, TransferTimeout
+from p2pxfer.errors import (
+    InvalidArgument,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+    UsageError,
+)
 from p2pxfer.scatter import ScatterList
 
 PROVIDER = "tcp;ofi_rxm"
@@ -203,3 +212,17 @@ async def test_a_bad_timeout_is_refused(bad: Any) -> None:
         with pytest.raises(InvalidArgument, match="timeout"):
             await a.submit(src, desc, ScatterList.contiguous(4096), timeout=bad)
         assert await a.write(src, desc, ScatterList.contiguous(4096), timeout=5) == 1
+
+
+async def test_a_sync_client_inside_a_trio_loop_is_refused() -> None:
+    # It used to hang forever: its calls block the loop its portal needs.
+    with pytest.raises(UsageError, match="trio event loop"):
+        SyncClient("/nonexistent/p2pxfer.sock")
+
+
+def test_a_sync_client_inside_an_asyncio_loop_is_refused() -> None:
+    async def make() -> None:
+        SyncClient("/nonexistent/p2pxfer.sock")
+
+    with pytest.raises(UsageError, match="asyncio event loop"):
+        asyncio.run(make())

@@ -186,3 +186,8 @@ class TransferTimeout(TransferAborted, TimeoutError):
     passed before every piece was acknowledged; torn down as for
     ``TransferAborted``. This is how a silent peer (packets dropped, no reset)
     shows: the deadline is the detector."""
+
+
+class UsageError(P2PXferError, RuntimeError):
+    """p2pxfer was called where it cannot work, e.g. a ``SyncClient`` made on a
+    thread that runs an event loop (its blocking calls would hang that loop)."""

@@ -27,6 +27,7 @@ from p2pxfer.errors import (
     DaemonError,
     InvalidArgument,
     P2PXferError,
+    WaitTimeout,
 )
 from p2pxfer.memory import RegionDescriptor, SharedBuffer
 from p2pxfer.protocol import (
@@ -210,15 +211,29 @@ class Client:
         await self._request("unexport", name=name)
 
     async def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
-                    src_offset: int = 0, imm: int | None = None) -> int:
+                    src_offset: int = 0, imm: int | None = None,
+                    timeout: float | None = None) -> int:
         """Write ``scatter`` from ``src`` (offsets relative to ``src_offset``)
         into ``region`` on node ``peer``; returns the pieces written, each with
-        ``imm``. Returns once every piece has completed."""
+        ``imm``. Returns once every piece has completed.
+
+        The daemon gives every write a deadline (its engine's
+        ``write_timeout_s``) and answers ``transfer_failed`` when it passes.
+        ``timeout`` (seconds) bounds this call's wait as well: past it,
+        ``WaitTimeout`` is raised here, but the daemon's write is not stopped
+        by that; ``src`` may still be read until the daemon's deadline."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
+        if timeout is not None and (not isinstance(timeout, (int, float))
+                                    or isinstance(timeout, bool) or not timeout > 0):
+            raise InvalidArgument(f"timeout must be a number of seconds > 0, got {timeout!r}")
         packed = pack_scatter(scatter.src, scatter.dst, scatter.length)
-        result = await self._request("write", peer=peer, region=region, mem=src.mem_id,
-                                     offset=src_offset, scatter=packed, imm=imm)
+        with anyio.move_on_after(timeout) as scope:
+            result = await self._request("write", peer=peer, region=region, mem=src.mem_id,
+                                         offset=src_offset, scatter=packed, imm=imm)
+        if scope.cancelled_caught:
+            raise WaitTimeout(f"write to {region!r} on {peer!r} did not finish within "
+                              f"{timeout:g} s")
         return int(result["pieces"])
 
     async def wait_imm(self, imm: int, count: int) -> None:

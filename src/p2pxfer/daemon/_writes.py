@@ -71,7 +71,7 @@ class Writes:
         except TransferError as exc:
             log.warning("transfer.failed", client=client, peer=peer, region=region,
                         nbytes=scatter.nbytes, error=str(exc))
-            await self._why_failed(peer, region)
+            await self._why_failed(peer, region, exc)
             raise
         finally:
             self.in_flight -= 1
@@ -81,7 +81,7 @@ class Writes:
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return pieces
 
-    async def _why_failed(self, peer: str, region: str) -> None:
+    async def _why_failed(self, peer: str, region: str, failure: TransferError) -> None:
         """A transfer failed: the region (or its owner) may be gone. Look it
         up afresh (raising ``unknown_region`` if it went); with membership,
         a peer whose daemon is unreachable too probably died: wait for the
@@ -94,9 +94,11 @@ class Writes:
         with trio.move_on_after(PEER_TIMEOUT_S) as asking:
             try:
                 await d.regions.resolve(peer, region)
-            except RemoteClosed:
+            except RemoteClosed as exc:
                 if backend is None:
-                    raise
+                    # Say what failed first, then why the peer's daemon was no help.
+                    raise RemoteClosed(f"write to {region!r} on {peer!r} failed ({failure}), "
+                                       f"and {exc}") from failure
                 unreachable = True
         # No answer at all (a host gone or cut off) is unreachable too.
         unreachable = unreachable or asking.cancelled_caught
