@@ -259,9 +259,9 @@ def test_membership_ends_a_write_to_a_silent_peer_and_others_go_on(tmp_path: Pat
 
     procs: list[Any] = []
     names = ["h0", "h1", "h2"]
+    ds: dict[str, Any] = {}
     with lan_members("embedded", 3, tmp_path) as (hosts, keys):
         try:
-            ds = {}
             for i, n in enumerate(names):
                 ds[n] = start_in(hosts[i], tmp_path, n, keys)
                 procs.append(ds[n])
@@ -295,4 +295,11 @@ def test_membership_ends_a_write_to_a_silent_peer_and_others_go_on(tmp_path: Pat
             assert took < PEER_LOST_WITHIN["embedded"] + 1.0 + 2.0, took
             assert max(times) < 3 * base + 1.0, (times, base)
         finally:
+            # The cut-off host is killed, not stopped: its daemon, closing its
+            # engine with h0's write half received into memory its client
+            # unexported, segfaults in libfabric's fi_close (a separate bug,
+            # seen with and without the teardown on h0; reported).
+            if "h1" in ds and ds["h1"].alive():
+                ds["h1"].proc.kill()
+                ds["h1"].proc.wait(10)
             stop_all(procs)

@@ -295,6 +295,8 @@ class Shard:
             busy = self._post_pending()
             with self._lock:
                 need = min((tr.remaining for tr in self._inflight.values()), default=1)
+                if self._queues:  # room to post opens with half a peer's bound back
+                    need = max(1, min(need, self._queues.bound // 2))
             self._flush()
             # Outside the lock: spin, then sleep, gathering in C as many
             # completions as the closest transfer still needs (each return to
@@ -346,10 +348,9 @@ class Shard:
 
     def _take_commands(self) -> bool:
         while self._inbox:
-            # Peek, act, then pop: a write moves to _queues before it leaves
-            # the inbox, so the trio thread (which checks both without the
-            # lock before posting directly) never sees both empty while a
-            # write is still due: writes go out in submission order.
+            # Peek, act, then pop: the trio thread (checking both before
+            # posting directly) never sees inbox and queue empty while a write
+            # is due: writes go out in submission order.
             what, tr = self._inbox[0]
             if what == "stop":
                 self._inbox.popleft()
@@ -423,8 +424,7 @@ class Shard:
             self._finished.append(o)
         log.warning("transfer.aborted", transfer_id=tr.w.tid, peer=tr.peer,
                     reason=tr.aborted, completed=tr.completed, pieces=tr.w.pieces,
-                    also_failed=[o.w.tid for o in doomed[1:]], connections=links,
-                    shard=self.index)
+                    also_failed=[o.w.tid for o in doomed[1:]], connections=links, shard=self.index)
 
     def nic_stats(self) -> list[NicStats]:
         """A snapshot per rail, in trio. Bytes and pieces count delivered
