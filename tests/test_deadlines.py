@@ -13,7 +13,7 @@ silent host. Covered:
 - a cancelled write to a stalled peer ends within ``cancel_grace_s``;
 - ``Transfer.abort`` ends a write with ``TransferAborted`` and its reason;
 - failed pieces leave no NIC ``inflight`` behind;
-- bad timeouts are refused;
+- bad timeouts are refused; ``wait_imm(timeout=)`` keeps what arrived;
 - a ``SyncClient`` made inside a running event loop is refused (it would hang).
 """
 
@@ -38,6 +38,7 @@ from p2pxfer.errors import (
     TransferError,
     TransferTimeout,
     UsageError,
+    WaitTimeout,
 )
 from p2pxfer.scatter import ScatterList
 
@@ -226,3 +227,22 @@ def test_a_sync_client_inside_an_asyncio_loop_is_refused() -> None:
 
     with pytest.raises(UsageError, match="asyncio event loop"):
         asyncio.run(make())
+
+
+async def test_wait_imm_with_a_timeout_keeps_what_arrived() -> None:
+    src = np.ones(4096, np.uint8)
+    async with engines(2) as (a, b):
+        a.register(src)
+        desc = b.export(np.zeros(4096, np.uint8), "r")
+        with trio.fail_after(STEP):
+            assert await a.write(src, desc, ScatterList.contiguous(4096), imm=5) == 1
+        t0 = time.monotonic()
+        with pytest.raises(WaitTimeout, match="only 1 of 2 pieces with immediate 5"):
+            await b.wait_imm(5, 2, timeout=0.3)
+        assert 0.25 <= time.monotonic() - t0 <= 2.0
+        assert b.imm_count(5) == 1  # still counted for a later wait
+        assert b.statistics().imms_awaited == 0
+        with pytest.raises(InvalidArgument, match="timeout"):
+            await b.wait_imm(5, 1, timeout=-1)
+        with trio.fail_after(STEP):
+            await b.wait_imm(5, 1, timeout=5)

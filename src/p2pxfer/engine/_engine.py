@@ -14,6 +14,7 @@ poller (ask the shard).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,7 +23,13 @@ from typing import Any
 import structlog
 import trio
 
-from p2pxfer.errors import EngineClosed, InvalidArgument, TransferTimeout, UnregisteredMemory
+from p2pxfer.errors import (
+    EngineClosed,
+    InvalidArgument,
+    TransferTimeout,
+    UnregisteredMemory,
+    WaitTimeout,
+)
 from p2pxfer.fabric import DELIVERY_COMPLETE, Rail
 from p2pxfer.memory import (
     LocalRegion,
@@ -269,10 +276,14 @@ class Engine:
             shard.poll_inline(tr, self.config.inline_poll_ns)
         return await Transfer(self._clock, shard, tr, dst, self.config.cancel_grace_s).wait()
 
-    async def wait_imm(self, imm: int, count: int) -> None:
+    async def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
         """Return once ``count`` pieces carrying ``imm`` have landed here (and
-        consume them). Cancellation leaves the counts in place for a later wait."""
+        consume them). Cancellation leaves the counts in place for a later wait;
+        so does ``timeout`` (seconds), after which ``WaitTimeout`` says how
+        many arrived. No default deadline: a receiver may wait for a sender
+        that has not started yet."""
         self._check_open()
+        limit = math.inf if timeout is None else self._deadline(timeout) - trio.current_time()
         for shard in self.shards:
             shard.check_imm(imm)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
@@ -284,17 +295,21 @@ class Engine:
         ev = trio.Event()
         entry = (count, ev)
         self._imm_waiters.setdefault(imm, []).append(entry)
-        try:
-            await ev.wait()
-        except trio.Cancelled:
-            waiters = self._imm_waiters.get(imm, [])
-            if entry in waiters:
-                waiters.remove(entry)
-                if not waiters:
-                    self._imm_waiters.pop(imm, None)
-            elif ev.is_set() and not self._closed:
-                self._imm[imm] += count  # satisfied as we were cancelled: give it back
-            raise
+        with trio.move_on_after(limit) as scope:
+            try:
+                await ev.wait()
+            except trio.Cancelled:
+                waiters = self._imm_waiters.get(imm, [])
+                if entry in waiters:
+                    waiters.remove(entry)
+                    if not waiters:
+                        self._imm_waiters.pop(imm, None)
+                elif ev.is_set() and not self._closed:
+                    self._imm[imm] += count  # satisfied as we were cancelled: give it back
+                raise
+        if scope.cancelled_caught:
+            raise WaitTimeout(f"only {self._imm[imm]} of {count} pieces with immediate {imm} "
+                              f"arrived within {timeout:g} s")
         if self._closed:
             raise EngineClosed(f"engine closed while waiting for immediate {imm}")
 
