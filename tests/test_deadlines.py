@@ -14,15 +14,19 @@ silent host. Covered:
 - ``Transfer.abort`` ends a write with ``TransferAborted`` and its reason;
 - failed pieces leave no NIC ``inflight`` behind;
 - bad timeouts are refused; ``wait_imm(timeout=)`` keeps what arrived;
+- a client's ``write(timeout=)`` to a frozen peer (SIGSTOP) raises
+  ``WaitTimeout`` in time;
 - a ``SyncClient`` made inside a running event loop is refused (it would hang).
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +34,7 @@ import pytest
 import trio
 
 from conftest import engine_config
-from p2pxfer.client import SyncClient
+from p2pxfer.client import SyncClient, connect
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.errors import (
     InvalidArgument,
@@ -41,6 +45,7 @@ from p2pxfer.errors import (
     WaitTimeout,
 )
 from p2pxfer.scatter import ScatterList
+from p2pxfer.testing import LOOPBACK, DaemonProc, free_port, start_daemon
 
 PROVIDER = "tcp;ofi_rxm"
 BIG = 64 << 20  # far more than loopback's socket buffers hold
@@ -246,3 +251,40 @@ async def test_wait_imm_with_a_timeout_keeps_what_arrived() -> None:
             await b.wait_imm(5, 1, timeout=-1)
         with trio.fail_after(STEP):
             await b.wait_imm(5, 1, timeout=5)
+
+
+def test_a_client_write_to_a_frozen_peer_ends_with_its_timeout(tmp_path: Path) -> None:
+    # node-b is SIGSTOPped: its sockets stay open and say nothing (a silent peer).
+    port_a, port_b = free_port(), free_port()
+    daemons: list[DaemonProc] = []
+    try:
+        daemons.append(start_daemon(tmp_path, "node-a", control_port=port_a, peers=[
+            {"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}]))
+        daemons.append(start_daemon(tmp_path, "node-b", control_port=port_b, peers=[
+            {"name": "node-a", "address": f"{LOOPBACK}:{port_a}"}]))
+        a, b = daemons
+
+        async def main() -> None:
+            async with connect(b.socket) as cb, connect(a.socket) as ca:
+                dst = await cb.alloc(BIG)
+                await cb.export("r", dst)
+                src = await ca.alloc(BIG)
+                sl = ScatterList.contiguous(BIG)
+                with trio.fail_after(STEP):
+                    await ca.write("node-b", "r", ScatterList.contiguous(4096), src=src)
+                b.proc.send_signal(signal.SIGSTOP)
+                try:
+                    t0 = time.monotonic()
+                    with pytest.raises(WaitTimeout, match="'r' on 'node-b'"), \
+                            trio.fail_after(STEP):
+                        await ca.write("node-b", "r", sl, src=src, timeout=1.0)
+                    assert time.monotonic() - t0 <= 3.0
+                    with pytest.raises(InvalidArgument, match="timeout"):
+                        await ca.write("node-b", "r", sl, src=src, timeout=0)
+                finally:
+                    b.proc.send_signal(signal.SIGCONT)
+
+        trio.run(main)
+    finally:
+        for d in daemons:
+            d.stop()
