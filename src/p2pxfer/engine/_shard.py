@@ -76,7 +76,8 @@ class Shard:
         # Guards transfer bookkeeping (absorbing completions, taking commands):
         # both the poller thread and the trio thread (polling a small write
         # inline, with a poller of its own over the same FI_THREAD_SAFE CQs)
-        # absorb completions. Never held while in C.
+        # absorb completions. Held in C only for short non-blocking calls that
+        # must not race a teardown: a direct post, an AV removal.
         self._lock = threading.Lock()
         self._blocks_on_fds = self._poller.blocks_on_fds
         self._token = token
@@ -175,8 +176,7 @@ class Shard:
     def prepare(self, src: Any, dst: Any, scatter: Any, imm: Any,
                 dry_run: bool) -> TransferState:
         """Validate and lay out (raises on bad input; nothing queued)."""
-        tid = self._next_id
-        self._next_id += 1
+        tid, self._next_id = self._next_id, self._next_id + 1
         w = self._group.prepare(src, dst, scatter, imm, tid)
         w.region.pins += 1
         return TransferState(w, dry_run, w.pieces)
