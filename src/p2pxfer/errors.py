@@ -164,3 +164,37 @@ class StartupError(P2PXferError):
         self.where = where
         self.reason = reason
         super().__init__(f"{what} {where}: {reason}")
+
+
+class TransferAborted(TransferError):
+    """A write was given up before every piece was acknowledged (its caller
+    was cancelled and the posted pieces did not finish in time, or it was
+    aborted): posting stopped and the connections carrying its pieces were
+    torn down, so nothing of it stays posted. ``pieces`` were planned,
+    ``completed`` were acknowledged by the provider before the end (known to
+    have left, or with delivery-complete, landed); the other
+    ``pieces - completed`` may or may not have landed. ``peer`` names the
+    destination (node and region)."""
+
+    def __init__(self, message: str, *, peer: str = "", pieces: int = 0,
+                 completed: int = 0) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.pieces = pieces
+        self.completed = completed
+
+    @property
+    def not_completed(self) -> int:
+        return self.pieces - self.completed
+
+
+class TransferTimeout(TransferAborted, TimeoutError):
+    """A write's deadline (its ``timeout``, else ``EngineConfig.write_timeout_s``)
+    passed before every piece was acknowledged; torn down as for
+    ``TransferAborted``. This is how a silent peer (packets dropped, no reset)
+    shows: the deadline is the detector."""
+
+
+class UsageError(P2PXferError, RuntimeError):
+    """p2pxfer was called where it cannot work, e.g. a ``SyncClient`` made on a
+    thread that runs an event loop (its blocking calls would hang that loop)."""

@@ -304,7 +304,8 @@ class Client:
         await self._request("unexport", name=name)
 
     async def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
-                    src_offset: int = 0, imm: int | None = None) -> int:
+                    src_offset: int = 0, imm: int | None = None,
+                    timeout: float | None = None) -> int:
         """Write ``scatter`` from ``src`` (offsets relative to ``src_offset``)
         into ``region`` on node ``peer``; returns the pieces written, each with
         ``imm``. Returns once every piece has completed.
@@ -312,12 +313,23 @@ class Client:
         Cancellation (like the engine's ``write``): the daemon is told, stops
         posting, waits for the pieces already posted, then answers; only then
         does this raise, so ``src`` may be refilled at once. What landed of a
-        cancelled write is a prefix of its pieces, whole pieces only."""
+        cancelled write is a prefix of its pieces, whole pieces only.
+        ``timeout`` (seconds) cancels the write that way, then raises
+        ``WaitTimeout``. The daemon gives every write a deadline of its own
+        (its engine's ``write_timeout_s``) and answers ``transfer_failed``
+        when it passes."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
+        if timeout is not None and (not isinstance(timeout, (int, float))
+                                    or isinstance(timeout, bool) or not timeout > 0):
+            raise InvalidArgument(f"timeout must be a number of seconds > 0, got {timeout!r}")
         packed = pack_scatter(scatter.src, scatter.dst, scatter.length)
-        result = await self._request("write", peer=peer, region=region, mem=src.mem_id,
-                                     offset=src_offset, scatter=packed, imm=imm)
+        with anyio.move_on_after(timeout) as scope:
+            result = await self._request("write", peer=peer, region=region, mem=src.mem_id,
+                                         offset=src_offset, scatter=packed, imm=imm)
+        if scope.cancelled_caught:
+            raise WaitTimeout(f"write to {region!r} on {peer!r} did not finish within "
+                              f"{timeout:g} s")
         return int(result["pieces"])
 
     async def wait_imm(self, imm: int, count: int, *, region: str | None = None,

@@ -8,8 +8,10 @@ from functools import partial
 from types import TracebackType
 from typing import Any, Self
 
+import sniffio
 from anyio.from_thread import start_blocking_portal
 
+from p2pxfer.errors import UsageError
 from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
@@ -24,6 +26,17 @@ class SyncClient:
     """Blocking twin of :class:`Client`; close it (or use ``with``)."""
 
     def __init__(self, path: str) -> None:
+        try:
+            library = sniffio.current_async_library()
+        except sniffio.AsyncLibraryNotFoundError:
+            library = ""
+        if library:
+            # Its blocking calls would wait for a portal thread while holding
+            # this thread's event loop: every call would hang (issue 16).
+            raise UsageError(
+                f"SyncClient cannot be made inside a running {library} event loop: its calls "
+                "block that loop; use `async with p2pxfer.client.connect(path)` there, or "
+                "make the SyncClient in a worker thread (e.g. trio.to_thread.run_sync)")
         self._portal_cm = start_blocking_portal("trio")
         self._portal = self._portal_cm.__enter__()
         try:
@@ -50,9 +63,11 @@ class SyncClient:
         self._call(self._client.unexport, name)
 
     def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
-              src_offset: int = 0, imm: int | None = None) -> int:
+              src_offset: int = 0, imm: int | None = None,
+              timeout: float | None = None) -> int:
+        """See :meth:`Client.write` (``timeout`` included)."""
         return int(self._call(self._client.write, peer, region, scatter, src=src,
-                              src_offset=src_offset, imm=imm))
+                              src_offset=src_offset, imm=imm, timeout=timeout))
 
     def wait_imm(self, imm: int, count: int, *, region: str | None = None,
                  timeout: float | None = None) -> None:

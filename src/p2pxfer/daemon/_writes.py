@@ -76,7 +76,7 @@ class Writes:
             except TransferError as exc:
                 log.warning("transfer.failed", client=client, peer=peer, region=region,
                             nbytes=scatter.nbytes, error=str(exc))
-                fresh = await self._why_failed(peer, region)
+                fresh = await self._why_failed(peer, region, exc)
                 if fresh is None or fresh.incarnation == desc.incarnation:
                     raise
                 # The peer restarted since we resolved the region: nothing of
@@ -101,7 +101,8 @@ class Writes:
             return None
         return self.d.imms.compose(self.d.regions.slot(peer, region), value)
 
-    async def _why_failed(self, peer: str, region: str) -> RegionDescriptor | None:
+    async def _why_failed(self, peer: str, region: str,
+                          failure: TransferError) -> RegionDescriptor | None:
         """A transfer failed: the region (or its owner) may be gone. Look it
         up afresh (raising ``unknown_region`` if it went) and return what the
         peer says now; with membership, a peer whose daemon is unreachable
@@ -116,9 +117,11 @@ class Writes:
         with trio.move_on_after(PEER_TIMEOUT_S) as asking:
             try:
                 fresh = await d.regions.resolve(peer, region)
-            except RemoteClosed:
+            except RemoteClosed as exc:
                 if backend is None:
-                    raise
+                    # Say what failed first, then why the peer's daemon was no help.
+                    raise RemoteClosed(f"write to {region!r} on {peer!r} failed ({failure}), "
+                                       f"and {exc}") from failure
                 unreachable = True
         # No answer at all (a host gone or cut off) is unreachable too.
         unreachable = unreachable or asking.cancelled_caught

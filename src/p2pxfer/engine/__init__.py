@@ -10,4 +10,4 @@ from ._engine import Transfer as Transfer
 from ._engine import open_engine as open_engine
 from ._plan import RailGroup as RailGroup
 from ._plan import plan_stripes as plan_stripes
-from ._shard import NicStats as NicStats
+from ._state import NicStats as NicStats

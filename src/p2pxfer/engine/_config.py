@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from p2pxfer.memory import CacheStats
 
-from ._shard import NicStats
+from ._state import NicStats
 
 __all__ = ["EngineConfig", "EngineStats"]
 
@@ -29,6 +29,15 @@ class EngineConfig:
     sysfs_root: str = "/sys"
     #: transfers queued or in flight per shard before ``write`` waits (backpressure)
     max_inflight: int = 256
+    #: most pieces in flight to one peer over one NIC: a stalled peer then
+    #: holds at most this much of a NIC's TX queue (tcp;ofi_rxm: 2048)
+    peer_pieces: int = 512
+    #: a write's deadline when its caller gives none (seconds; None: no
+    #: deadline). When it passes the write is torn down (``TransferTimeout``)
+    write_timeout_s: float | None = 60.0
+    #: a cancelled write waits this long for its posted pieces before its
+    #: connection is torn down (then ``Cancelled`` goes on)
+    cancel_grace_s: float = 1.0
     #: poller spins this long after activity before sleeping on the CQ wait fd
     spin_ns: int = 20_000
     #: longest single sleep of an idle poller (a safety net: wake-ups come from

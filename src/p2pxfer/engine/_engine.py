@@ -14,7 +14,7 @@ poller (ask the shard).
 
 from __future__ import annotations
 
-import time
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,7 +23,13 @@ from typing import Any
 import structlog
 import trio
 
-from p2pxfer.errors import EngineClosed, InvalidArgument, UnregisteredMemory
+from p2pxfer.errors import (
+    EngineClosed,
+    InvalidArgument,
+    TransferTimeout,
+    UnregisteredMemory,
+    WaitTimeout,
+)
 from p2pxfer.fabric import DELIVERY_COMPLETE, Rail
 from p2pxfer.memory import (
     LocalRegion,
@@ -37,94 +43,13 @@ from p2pxfer.topology import Topology, discover
 
 from ._config import EngineConfig, EngineStats
 from ._plan import Source
-from ._shard import NicStats, Shard, TransferState
+from ._shard import Shard
+from ._state import NicStats, TransferState
+from ._transfer import Transfer, _YieldClock
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer", "open_engine"]
 
 log = structlog.get_logger("p2pxfer.engine")
-
-# A write that completed without waiting still passes through the scheduler
-# when the engine has not yielded for this long (see ``Transfer.wait``).
-YIELD_EVERY_NS = 1_000_000
-
-
-class _YieldClock:
-    """When the engine's writes last went through the scheduler (see
-    ``Transfer.wait``), shared by the engine and its transfers."""
-
-    def __init__(self) -> None:
-        self.yielded_ns = 0
-
-    def mark(self) -> None:
-        self.yielded_ns = time.perf_counter_ns()
-
-    async def maybe_yield(self) -> None:
-        now = time.perf_counter_ns()
-        if now - self.yielded_ns >= YIELD_EVERY_NS:
-            self.yielded_ns = now
-            await trio.lowlevel.cancel_shielded_checkpoint()
-
-
-class Transfer:
-    """A submitted write. ``await wait()`` for its completion."""
-
-    def __init__(self, clock: _YieldClock, shard: Shard, tr: TransferState,
-                 dst: RegionDescriptor) -> None:
-        self._clock = clock
-        self._shard = shard
-        self._tr = tr
-        self._dst = dst
-
-    @property
-    def pieces(self) -> int:
-        """Pieces this write posts, each carrying its immediate."""
-        return self._tr.w.pieces
-
-    @property
-    def nbytes(self) -> int:
-        return self._tr.w.nbytes
-
-    @property
-    def done(self) -> bool:
-        return self._tr.done.is_set()
-
-    def cancel(self) -> None:
-        """Stop posting this write's remaining pieces (those posted still
-        complete); :meth:`wait` then raises ``TransferError``."""
-        if not self._tr.done.is_set():
-            self._shard.cancel(self._tr)
-
-    async def wait(self) -> int:
-        """Return the piece count once every piece completed; raise
-        ``TransferError``/``EngineClosed`` if one failed. Cancellation stops
-        posting, waits (shielded) for what was posted, then re-raises.
-
-        A transfer already complete returns without a trip through the
-        scheduler, unless the engine has not yielded for ``YIELD_EVERY_NS``:
-        a small write's latency is mostly scheduler rounds on small machines,
-        and the budget still keeps a loop of such writes from starving other
-        tasks."""
-        tr, shard = self._tr, self._shard
-        if tr.done.is_set():
-            # Done already: at most a schedule point, never a cancellation of
-            # a write that has in fact completed.
-            await self._clock.maybe_yield()
-        else:
-            try:
-                await tr.done.wait()
-            except trio.Cancelled:
-                shard.cancel(tr)
-                with trio.CancelScope(shield=True):
-                    await tr.done.wait()
-                raise
-            finally:
-                self._clock.mark()
-        if (exc := tr.exception()) is not None:
-            raise exc
-        log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,
-                  pieces=tr.w.pieces, peer=self._dst.node, region=self._dst.name)
-        return tr.w.pieces
-
 
 class Engine:
     """Many trio tasks' transfers over every NIC of the machine. Use
@@ -283,21 +208,37 @@ class Engine:
 
     async def submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
                      imm: int | Callable[[int], int] | None = None,
-                     dry_run: bool = False) -> Transfer:
+                     dry_run: bool = False, timeout: float | None = None) -> Transfer:
         """Validate and start a write; returns once it is queued (waiting for
         a slot if the shard is full), not when it completes. Writes submitted
         one after another from one task are posted in that order. Bad input
         raises before anything is posted. ``imm`` may be a function of the
         final piece count (striping can split pieces). Await
-        :meth:`Transfer.wait`."""
-        shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=False)
-        return Transfer(self._clock, shard, tr, dst)
+        :meth:`Transfer.wait`. ``timeout`` (seconds; default
+        ``EngineConfig.write_timeout_s``) counts from now: waiting for a
+        slot, posting and completing must all fit in it."""
+        shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=False,
+                                       timeout=timeout)
+        return Transfer(self._clock, shard, tr, dst, self.config.cancel_grace_s)
+
+    def _deadline(self, timeout: float | None) -> float:
+        """The trio time a write must be done by: ``timeout`` from now, else
+        ``EngineConfig.write_timeout_s`` from now, else never."""
+        if timeout is None:
+            timeout = self.config.write_timeout_s
+            if timeout is None:
+                return float("inf")
+        elif (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+              or not timeout > 0):
+            raise InvalidArgument(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        return trio.current_time() + timeout
 
     async def _submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
                       imm: int | Callable[[int], int] | None, dry_run: bool, *,
-                      inline: bool) -> tuple[Shard, TransferState]:
+                      inline: bool, timeout: float | None) -> tuple[Shard, TransferState]:
         self._check_open()
         imm = self._capped(imm)
+        deadline = self._deadline(timeout)
         # Already cancelled: raise before posting anything (costs nothing otherwise).
         await trio.lowlevel.checkpoint_if_cancelled()
         shard, src = self._pick_shard(src)
@@ -305,10 +246,17 @@ class Engine:
             # No scheduler round when a slot is free: waiting checkpoints anyway.
             shard.slots.acquire_nowait()
         except trio.WouldBlock:
-            await shard.slots.acquire()
+            with trio.move_on_at(deadline) as waited:
+                await shard.slots.acquire()
+            if waited.cancelled_caught:
+                raise TransferTimeout(
+                    f"write to {dst.name!r} on {dst.node!r} timed out waiting for one of "
+                    f"the {shard.slots.max_value} transfer slots: 0 pieces posted",
+                    peer=dst.name, pieces=0, completed=0) from None
         try:
             self._check_open()  # the engine may have closed while we waited for a slot
             tr = shard.prepare(src, dst, scatter, imm, dry_run)
+            tr.deadline = deadline
             shard.submit(tr, inline=inline)
         except BaseException:
             shard.slots.release()
@@ -316,7 +264,8 @@ class Engine:
         return shard, tr
 
     async def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
-                    imm: int | None = None, dry_run: bool = False) -> int:
+                    imm: int | None = None, dry_run: bool = False,
+                    timeout: float | None = None) -> int:
         """Write ``scatter`` from ``src`` (a registered buffer) into ``dst``.
 
         Returns the number of pieces written, each carrying ``imm`` (the target
@@ -324,10 +273,17 @@ class Engine:
         anything is posted; a failed piece raises ``TransferError`` with the
         provider's words once every posted piece has finished.
 
+        Deadline: ``timeout`` seconds (default ``EngineConfig.write_timeout_s``;
+        slot, posting and completion included). When it passes, posting stops,
+        the connections carrying its pieces are torn down rather than waited
+        on, and ``TransferTimeout`` says how many pieces were acknowledged: a
+        silent peer (packets dropped, no reset) fails this way.
+
         Cancellation: a cancelled write stops posting new pieces, then waits,
-        shielded, until the pieces already posted have completed or failed, and
-        only then raises ``trio.Cancelled``: ``src`` may be reused once this
-        returns or raises, never earlier.
+        shielded, until the pieces already posted have completed or failed (at
+        most ``EngineConfig.cancel_grace_s``; after that their connections are
+        torn down), and only then raises ``trio.Cancelled``: ``src`` may be
+        reused once this returns or raises, never earlier.
 
         ``dry_run`` does everything but the provider calls (for measuring the
         engine's own cost per page).
@@ -338,15 +294,20 @@ class Engine:
         ``YIELD_EVERY_NS`` (1 ms): a deadline may be noticed that much late.
         """
         inline = self.config.inline_poll_ns > 0
-        shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=inline)
+        shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=inline,
+                                       timeout=timeout)
         if inline and tr.direct:
             shard.poll_inline(tr, self.config.inline_poll_ns)
-        return await Transfer(self._clock, shard, tr, dst).wait()
+        return await Transfer(self._clock, shard, tr, dst, self.config.cancel_grace_s).wait()
 
-    async def wait_imm(self, imm: int, count: int) -> None:
+    async def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
         """Return once ``count`` pieces carrying ``imm`` have landed here (and
-        consume them). Cancellation leaves the counts in place for a later wait."""
+        consume them). Cancellation leaves the counts in place for a later wait;
+        so does ``timeout`` (seconds), after which ``WaitTimeout`` says how
+        many arrived. No default deadline: a receiver may wait for a sender
+        that has not started yet."""
         self._check_open()
+        limit = math.inf if timeout is None else self._deadline(timeout) - trio.current_time()
         for shard in self.shards:
             shard.check_imm(imm)
         self._check_imm_cap(imm)
@@ -359,17 +320,21 @@ class Engine:
         ev = trio.Event()
         entry = (count, ev)
         self._imm_waiters.setdefault(imm, []).append(entry)
-        try:
-            await ev.wait()
-        except trio.Cancelled:
-            waiters = self._imm_waiters.get(imm, [])
-            if entry in waiters:
-                waiters.remove(entry)
-                if not waiters:
-                    self._imm_waiters.pop(imm, None)
-            elif ev.is_set() and not self._closed:
-                self._imm[imm] += count  # satisfied as we were cancelled: give it back
-            raise
+        with trio.move_on_after(limit) as scope:
+            try:
+                await ev.wait()
+            except trio.Cancelled:
+                waiters = self._imm_waiters.get(imm, [])
+                if entry in waiters:
+                    waiters.remove(entry)
+                    if not waiters:
+                        self._imm_waiters.pop(imm, None)
+                elif ev.is_set() and not self._closed:
+                    self._imm[imm] += count  # satisfied as we were cancelled: give it back
+                raise
+        if scope.cancelled_caught:
+            raise WaitTimeout(f"only {self._imm[imm]} of {count} pieces with immediate {imm} "
+                              f"arrived within {timeout:g} s")
         if self._closed:
             raise EngineClosed(f"engine closed while waiting for immediate {imm}")
 
@@ -479,7 +444,7 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
                 max_inflight=config.max_inflight,
                 spin_ns=config.spin_ns, idle_timeout_ns=config.idle_timeout_ns,
                 pin=config.pin_threads, cache_entries=config.cache_entries,
-                backoff_max_ns=config.backoff_max_ns,
+                backoff_max_ns=config.backoff_max_ns, peer_pieces=config.peer_pieces,
             ))
         for shard in shards:
             shard.start()

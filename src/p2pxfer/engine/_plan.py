@@ -56,6 +56,10 @@ class PreparedWrite:
     pieces: int
     nbytes: int
     dst_name: str
+    #: the destination's rail addresses: writes to one dest are posted in order
+    dest: tuple[bytes, ...] = ()
+    #: the node that owns the destination (for error messages)
+    dst_node: str = ""
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,8 @@ class RailGroup:
             rail, rd = self.rails[ours], dst.rails[theirs]
             batch.add(ours, rail, rail.peer(rd.address), st.start, st.end, base,
                       region.mrs[ours].desc, rd.base, rd.key, rd.address)
-        return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name)
+        return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name,
+                             tuple(r.address for r in dst.rails), dst.node)
 
     def close(self) -> None:
         for exp, _ in self._exports.values():

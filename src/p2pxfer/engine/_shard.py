@@ -24,20 +24,20 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 import trio
 
-from p2pxfer.errors import EngineClosed, RemoteClosed, TransferError
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, StallWatch
+from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail
 from p2pxfer.memory import BufferSpan, CacheStats, LocalRegion, RegionDescriptor
 from p2pxfer.topology import Shard as ShardTopology
 
-from ._plan import PreparedWrite, RailGroup
+from ._plan import RailGroup
+from ._queues import DestQueues
+from ._state import NicStats, TransferState
 
-__all__ = ["NicStats", "Shard", "TransferState"]
+__all__ = ["Shard"]
 
 log = structlog.get_logger("p2pxfer.engine")
 
@@ -52,48 +52,6 @@ INFLIGHT_SPIN_NS = 500_000
 INFLIGHT_NAP_NS = 1_000_000
 
 
-@dataclass(frozen=True)
-class NicStats:
-    shard: int
-    name: str
-    provider: str
-    bytes: int
-    pieces: int
-    completed: int
-    inflight: int
-    errors: int
-    received: int
-
-
-@dataclass(eq=False)
-class TransferState:
-    """A transfer between submission and its waiter waking. ``remaining`` and
-    ``error`` are written by the poller thread only; ``done`` is set in trio."""
-
-    w: PreparedWrite
-    dry_run: bool = False
-    remaining: int = 0
-    error: str | None = None
-    closed: bool = False
-    cancel_requested: bool = False
-    direct: bool = False  # posted from the trio thread
-    gone: str | None = None  # why its peer can never be reached (poller thread)
-    stall: StallWatch = field(default_factory=StallWatch)
-    done: trio.Event = field(default_factory=trio.Event)
-
-    def exception(self) -> BaseException | None:
-        if self.closed:
-            return EngineClosed(f"engine closed while writing to {self.w.dst_name!r}")
-        if self.gone is not None:
-            return RemoteClosed(f"write to {self.w.dst_name!r} failed: {self.gone}")
-        if self.error is not None:
-            return TransferError(f"write to {self.w.dst_name!r} failed: {self.error}")
-        if self.w.batch.unposted_at_cancel:
-            return TransferError(f"write to {self.w.dst_name!r} was cancelled with "
-                                 f"{self.w.batch.unposted_at_cancel} pieces unposted")
-        return None
-
-
 class Shard:
     """Rails of one NUMA node driven by one pinned poller thread. Owns the
     rails (through a ``RailGroup``, with their registration cache), the poller
@@ -102,7 +60,7 @@ class Shard:
     def __init__(self, index: int, topo: ShardTopology, rails: list[Rail], *,
                  token: trio.lowlevel.TrioToken, deliver_imms: Any, max_inflight: int,
                  spin_ns: int, idle_timeout_ns: int, pin: bool, cache_entries: int,
-                 backoff_max_ns: int) -> None:
+                 backoff_max_ns: int, peer_pieces: int = 512) -> None:
         self.index = index
         self.topo = topo
         self._group = RailGroup(rails, cache_entries=cache_entries, numa_node=topo.numa_node)
@@ -118,7 +76,8 @@ class Shard:
         # Guards transfer bookkeeping (absorbing completions, taking commands):
         # both the poller thread and the trio thread (polling a small write
         # inline, with a poller of its own over the same FI_THREAD_SAFE CQs)
-        # absorb completions. Never held while in C.
+        # absorb completions. Held in C only for short non-blocking calls that
+        # must not race a teardown: a direct post, an AV removal.
         self._lock = threading.Lock()
         self._blocks_on_fds = self._poller.blocks_on_fds
         self._token = token
@@ -131,13 +90,15 @@ class Shard:
         self._finished: deque[TransferState] = deque()
         self._imms: deque[list[tuple[int, int]]] = deque()
         self._inflight: dict[int, TransferState] = {}
-        self._posting: list[TransferState] = []
+        # Writes not fully posted yet: FIFO per destination (poller thread).
+        self._queues = DestQueues(peer_pieces)
         self.thread_done = trio.Event()
         self.thread_error: BaseException | None = None
         nrails = len(rails)
         self._pieces_posted = [0] * nrails  # by delivered transfers
         self._bytes_posted = [0] * nrails
         self.pieces_done = [0] * nrails  # our writes' completions
+        self.pieces_abandoned = [0] * nrails  # in flight when their connection went
         self.pieces_received = [0] * nrails  # peers' writes that landed here
         self.errors = [0] * nrails
         self.queued = 0
@@ -215,8 +176,7 @@ class Shard:
     def prepare(self, src: Any, dst: Any, scatter: Any, imm: Any,
                 dry_run: bool) -> TransferState:
         """Validate and lay out (raises on bad input; nothing queued)."""
-        tid = self._next_id
-        self._next_id += 1
+        tid, self._next_id = self._next_id, self._next_id + 1
         w = self._group.prepare(src, dst, scatter, imm, tid)
         w.region.pins += 1
         return TransferState(w, dry_run, w.pieces)
@@ -236,16 +196,27 @@ class Shard:
 
     def _submit(self, tr: TransferState, inline: bool) -> None:
         self.queued += 1
+        tr.seen = [0] * len(tr.w.batch)
         # Registered before the first post, so no completion can miss it.
         self._inflight[tr.w.tid] = tr
         # Only small writes are posted here: a long list posted from two threads
         # at once would have them fight over the provider's locks.
         # Nor while earlier writes wait for the poller: writes go out in order.
         tr.direct = (not tr.dry_run and tr.w.pieces <= DIRECT_POST_MAX
-                     and not self._posting and not self._inbox)
+                     and not self._inbox and not self._queues.waiting_for(tr.w.dest))
         if tr.direct and inline:
             self._poller.hold(True)
-        if not tr.direct or tr.w.batch.post_once():
+        if tr.direct:
+            # Under the lock (a few non-blocking posts): a peer address the
+            # poller thread removes (``abort``) must never be posted to.
+            with self._lock:
+                tr.w.batch.refresh()
+                if tr.w.batch.window(self._queues.room(tr)):
+                    left = tr.w.batch.post_once()
+                    self._queues.note_posted(tr)
+                else:
+                    left = True  # its peer's bound is full: the poller posts it
+        if not tr.direct or left:
             self._send("write", tr)
         elif tr.w.batch.failures():
             self._send("write", tr)  # the poller turns the failed post into an error
@@ -259,6 +230,18 @@ class Shard:
     def cancel(self, tr: TransferState) -> None:
         tr.cancel_requested = True
         self._send("cancel", tr)
+
+    def abort(self, tr: TransferState, why: str, *, timed_out: bool = False) -> None:
+        """Give ``tr`` up now, in the poller thread: stop posting, tear down
+        the connections carrying its pieces (``DestQueues.tear_down``; the
+        next write to that peer connects anew) and finish it with
+        ``TransferAborted``/``TransferTimeout``. A transfer that finished
+        meanwhile is left as it is."""
+        if tr.abort_requested is None and not tr.done.is_set():
+            # Taken up by the poller thread: only it knows whether the
+            # transfer is still in flight.
+            tr.abort_requested = (why, timed_out)
+            self._send("abort", tr)
 
     def stop(self) -> None:
         self._send("stop", None)
@@ -275,12 +258,15 @@ class Shard:
             # Accounted here, in trio, after submit() has returned: the poller
             # may see the last completion before the posting call has stored
             # how far it got.
-            self._account_posted(tr)
+            for r, pieces, nbytes in tr.w.batch.progress():
+                self._pieces_posted[r] += pieces
+                self._bytes_posted[r] += nbytes
             self._group.cache.unpin(tr.w.region)
             # The slot goes back when the transfer ends, not when someone
             # awaits it: a caller may submit many before waiting for any.
             self.slots.release()
-            if tr.error is not None or tr.closed or tr.gone is not None:
+            if (tr.error is not None or tr.closed or tr.gone is not None
+                    or tr.aborted is not None):
                 self.failed += 1
             elif tr.w.batch.unposted_at_cancel:
                 self.cancelled += 1
@@ -306,10 +292,11 @@ class Shard:
             with self._lock:
                 if self._inbox and self._take_commands():
                     break
-            self._post_pending()
+            busy = self._post_pending()
             with self._lock:
-                busy = bool(self._posting)
                 need = min((tr.remaining for tr in self._inflight.values()), default=1)
+                if self._queues:  # room to post opens with half a peer's bound back
+                    need = max(1, min(need, self._queues.bound // 2))
             self._flush()
             # Outside the lock: spin, then sleep, gathering in C as many
             # completions as the closest transfer still needs (each return to
@@ -361,10 +348,9 @@ class Shard:
 
     def _take_commands(self) -> bool:
         while self._inbox:
-            # Peek, act, then pop: a write moves to _posting before it leaves
-            # the inbox, so the trio thread (which checks both without the
-            # lock before posting directly) never sees both empty while a
-            # write is still due: writes go out in submission order.
+            # Peek, act, then pop: the trio thread (checking both before
+            # posting directly) never sees inbox and queue empty while a write
+            # is due: writes go out in submission order.
             what, tr = self._inbox[0]
             if what == "stop":
                 self._inbox.popleft()
@@ -375,43 +361,70 @@ class Shard:
                     tr.remaining -= tr.w.batch.cancel()
                     self._finish_if_done(tr)
                 else:
-                    self._posting.append(tr)
-            elif what == "cancel" and tr in self._posting:
+                    self._queues.push(tr)
+            elif what == "cancel" and self._queues.remove(tr):
                 never = tr.w.batch.cancel()
                 tr.w.batch.unposted_at_cancel = never
                 tr.remaining -= never
-                self._posting.remove(tr)
                 self._finish_if_done(tr)
+            elif what == "abort":
+                self._abort(tr)
             self._inbox.popleft()
         return False
 
-    def _post_pending(self) -> None:
-        """Post what waits for TX room, in submission order: a later transfer
-        never overtakes one that is not fully posted (KV layers must land in
-        order). ``_posting`` is this thread's alone; the C call runs outside
-        the lock, the bookkeeping inside it."""
-        poller = self._poller
-        while self._posting:
-            tr = self._posting[0]
-            c = poller.post(tr.w.batch)
-            # Outside the lock: asking a stalled peer may take a moment.
-            gone = None if tr.w.batch.posted else tr.stall.check(tr.w.batch)
-            with self._lock:
-                self._absorb(c)
-                if tr.error is not None:
-                    tr.remaining -= tr.w.batch.cancel()  # stop posting after a failure
-                if not tr.w.batch.posted:
-                    if gone is None:
-                        return
-                    # Its peer is gone: what is not posted never will be.
-                    tr.gone = gone
-                    tr.remaining -= tr.w.batch.cancel()
-                self._posting.pop(0)
-                if failures := tr.w.batch.failures():
-                    tr.error = tr.error or "; ".join(failures)
-                    # A failed post counts in what cancel() reports as never posted.
-                    tr.remaining -= tr.w.batch.cancel()
-                self._finish_if_done(tr)
+    def _post_pending(self) -> bool:
+        """Post what waits, per destination in submission order (KV layers
+        must land in order), destinations in turn, each within its bound of
+        pieces in flight (``DestQueues``). True if some write could post more
+        right now (a TX queue was full); False when every waiting write waits
+        for its peer's completions. The C call runs outside the lock."""
+        poller, busy = self._poller, False
+        for head in self._queues.heads():
+            tr: TransferState | None = head
+            while tr is not None:
+                batch = tr.w.batch
+                with self._lock:
+                    batch.refresh()  # after a teardown, post to the new connection
+                    can = batch.window(self._queues.room(tr))
+                c = poller.post(batch) if can else None
+                # Outside the lock: asking a stalled peer may take a moment.
+                gone = None if batch.posted else tr.stall.check(batch)
+                with self._lock:
+                    self._queues.note_posted(tr)
+                    if c is not None:
+                        self._absorb(c)
+                    if tr.error is not None:
+                        tr.remaining -= batch.cancel()  # stop posting after a failure
+                    if not batch.posted:
+                        if gone is None:
+                            busy = busy or batch.window(self._queues.room(tr))
+                            break
+                        # Its peer is gone: what is not posted never will be.
+                        tr.gone = gone
+                        tr.remaining -= batch.cancel()
+                    nxt = self._queues.next_after(tr)
+                    if failures := batch.failures():
+                        tr.error = tr.error or "; ".join(failures)
+                        # A failed post counts in what cancel() reports as never posted.
+                        tr.remaining -= batch.cancel()
+                    self._finish_if_done(tr)
+                tr = nxt
+        return busy
+
+    def _abort(self, tr: TransferState) -> None:
+        """See ``abort``; poller thread, under the lock."""
+        if tr.w.tid not in self._inflight or tr.abort_requested is None:
+            return  # finished meanwhile: its waiter hears how it ended
+        tr.aborted, tr.timed_out = tr.abort_requested
+        doomed, links, lost = self._queues.tear_down(tr, list(self._inflight.values()))
+        for r, n in lost.items():
+            self.pieces_abandoned[r] += n
+        for o in doomed:
+            del self._inflight[o.w.tid]
+            self._finished.append(o)
+        log.warning("transfer.aborted", transfer_id=tr.w.tid, peer=tr.peer,
+                    reason=tr.aborted, completed=tr.completed, pieces=tr.w.pieces,
+                    also_failed=[o.w.tid for o in doomed[1:]], connections=links, shard=self.index)
 
     def nic_stats(self) -> list[NicStats]:
         """A snapshot per rail, in trio. Bytes and pieces count delivered
@@ -420,19 +433,13 @@ class Shard:
         for tr in list(self._inflight.values()) + list(self._finished):
             for r, pieces, _ in tr.w.batch.progress():
                 posting[r] += pieces
-        out = []
-        for r, rail in enumerate(self._group.rails):
-            done = int(self.pieces_done[r])
-            posted = self._pieces_posted[r] + posting[r]
-            out.append(NicStats(self.index, rail.name, rail.provider, self._bytes_posted[r],
-                                self._pieces_posted[r], done, max(0, posted - done),
-                                self.errors[r], int(self.pieces_received[r])))
-        return out
-
-    def _account_posted(self, tr: TransferState) -> None:
-        for r, pieces, nbytes in tr.w.batch.progress():
-            self._pieces_posted[r] += pieces
-            self._bytes_posted[r] += nbytes
+        # Failed and abandoned pieces are out of flight too.
+        return [NicStats(self.index, rail.name, rail.provider, self._bytes_posted[r],
+                         self._pieces_posted[r], self.pieces_done[r],
+                         max(0, self._pieces_posted[r] + posting[r] - self.pieces_done[r]
+                             - self.errors[r] - self.pieces_abandoned[r]),
+                         self.errors[r], self.pieces_received[r])
+                for r, rail in enumerate(self._group.rails)]
 
     def _absorb(self, c: Completions) -> None:
         # Plain Python over the runs (a handful per batch): on this thread every
@@ -448,25 +455,32 @@ class Shard:
                     self.pieces_received[rail] += cnt
                     imms.append((data, cnt))
                     continue
-                self.pieces_done[rail] += cnt
                 tr = inflight.get(ctx)
-                if tr is not None:
+                if tr is not None:  # else: one given up (``_abort``) already counted
+                    self.pieces_done[rail] += cnt
+                    self._queues.note_done(tr, rail, cnt)
+                    tr.completed += cnt
                     tr.remaining -= cnt
                     self._finish_if_done(tr)
             if imms:
                 self._imms.append(imms)
         if (e := c.error) is not None:
-            self.errors[e.rail] += 1
-            log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
-                        error=e.text, shard=self.index)
             tr = self._inflight.get(e.context)
-            if tr is not None:
+            if tr is None:  # flushed from a connection ``_abort`` tore down
+                log.debug("transfer.piece_flushed", transfer_id=e.context, error=e.text,
+                          shard=self.index)
+            else:
+                log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
+                            error=e.text, shard=self.index)
+                self.errors[e.rail] += 1
+                self._queues.note_done(tr, e.rail, 1)
                 tr.error = tr.error or e.text
                 tr.remaining -= 1
                 self._finish_if_done(tr)
 
     def _finish_if_done(self, tr: TransferState) -> None:
-        if tr.remaining <= 0 and tr not in self._posting and tr.w.tid in self._inflight:
+        if (tr.remaining <= 0 and tr.w.tid in self._inflight
+                and not self._queues.holds(tr)):
             del self._inflight[tr.w.tid]
             self._finished.append(tr)
 
@@ -477,7 +491,7 @@ class Shard:
             tr.closed = True
             self._finished.append(tr)
         self._inflight.clear()
-        self._posting.clear()
+        self._queues.clear()
         while self._inbox:
             what, queued = self._inbox.popleft()
             if what == "write" and queued is not None:

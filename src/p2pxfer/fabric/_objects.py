@@ -170,6 +170,8 @@ class AddressVector(_Fid):
         check(lib.fi_av_open(domain.handle, attr, out, ffi.NULL), "fi_av_open")
         super().__init__(out[0])
         self._by_addr: dict[bytes, int] = {}
+        #: counts removals: a ``WriteBatch`` made before one re-inserts its peers
+        self.epoch = 0
         self.is_shm = domain.info.provider == "shm"
 
     def insert(self, address: bytes) -> int:
@@ -189,6 +191,7 @@ class AddressVector(_Fid):
         fi_addr = self._by_addr.pop(address, None)
         if fi_addr is None:
             return
+        self.epoch += 1
         arr = ffi.new("fi_addr_t[1]", [fi_addr])
         check(lib.fi_av_remove(self.handle, arr, 1, 0), "fi_av_remove")
 

@@ -164,7 +164,11 @@ class WriteBatch:
         self.unposted_at_cancel = 0  # pieces a cancellation kept from going out
         self.rails: list[int] = []
         self.starts: list[int] = []
+        # Where each cursor really ends: ``window`` may hold a cursor's ``end``
+        # in C below it (a per-peer bound on pieces in flight).
+        self.ends: list[int] = []
         self.peers: list[tuple[Rail, bytes]] = []
+        self._epochs: list[int] = []
 
     def add(self, rail_index: int, rail: Rail, dest: int, start: int, end: int,
             src_base: int, src_desc: Any, dst_base: int, dst_key: int,
@@ -183,7 +187,33 @@ class WriteBatch:
         c.context = self.context
         self.rails.append(rail_index)
         self.starts.append(start)
+        self.ends.append(end)
         self.peers.append((rail, address))
+        self._epochs.append(rail.av.epoch)
+
+    def refresh(self) -> None:
+        """Point cursors at their peers afresh where the rail's AV dropped
+        addresses since (``AddressVector.remove`` tore a connection down): a
+        removed ``fi_addr_t`` must never be posted to. Re-inserting the
+        address makes the provider connect anew."""
+        for i, (rail, address) in enumerate(self.peers):
+            if self._epochs[i] != rail.av.epoch and address:
+                self._c[i].dest = rail.peer(address)
+                self._epochs[i] = rail.av.epoch
+
+    def window(self, room: list[int]) -> bool:
+        """Let each cursor post at most ``room[i]`` more pieces (held back in C
+        until the next call); True if some cursor may post now."""
+        can = False
+        for i, c in enumerate(self._c[0:len(self.rails)]):
+            c.end = min(self.ends[i], c.next + max(room[i], 0))
+            can = can or (c.end > c.next and not c.err)
+        return can
+
+    def posted_by_cursor(self) -> list[int]:
+        """Pieces each cursor has posted so far."""
+        return [int(c.next) - s for s, c in zip(self.starts, self._c[0:len(self.rails)],
+                                                 strict=True)]
 
     def __len__(self) -> int:
         return len(self.rails)
@@ -196,10 +226,12 @@ class WriteBatch:
     @property
     def posted(self) -> bool:
         """Every piece is out (or its cursor failed)."""
-        return all(c.next >= c.end or c.err for c in self._c[0:len(self.rails)])
+        return all(c.next >= e or c.err
+                   for c, e in zip(self._c[0:len(self.rails)], self.ends, strict=True))
 
     def unposted(self) -> int:
-        return sum(int(c.end - c.next) for c in self._c[0:len(self.rails)])
+        return sum(e - int(c.next)
+                   for c, e in zip(self._c[0:len(self.rails)], self.ends, strict=True))
 
     def progress(self) -> list[tuple[int, int, int]]:
         """(rail index, pieces posted, bytes posted) per cursor so far."""
@@ -217,15 +249,17 @@ class WriteBatch:
 
     def stuck_peers(self) -> list[tuple[Rail, bytes]]:
         """(rail, peer address) of every cursor with pieces still to post."""
-        return [p for p, c in zip(self.peers, self._c[0:len(self.rails)], strict=True)
-                if c.next < c.end and not c.err and p[1]]
+        return [p for p, c, e in zip(self.peers, self._c[0:len(self.rails)], self.ends,
+                                     strict=True)
+                if c.next < e and not c.err and p[1]]
 
     def cancel(self) -> int:
         """Stop posting: returns how many pieces will now never be posted."""
         n = 0
-        for c in self._c[0:len(self.rails)]:
-            n += int(c.end - c.next)
+        for i, c in enumerate(self._c[0:len(self.rails)]):
+            n += self.ends[i] - int(c.next)
             c.end = c.next
+            self.ends[i] = int(c.next)
         return n
 
 
@@ -258,7 +292,9 @@ class StallWatch:
             return None
         self._since = now
         for rail, address in batch.stuck_peers():
-            if rail.refuses(address):
+            # Briefly: a live host refuses at once, and this runs on the
+            # poller thread, which every other peer's writes wait for.
+            if rail.refuses(address, timeout=0.05):
                 return (f"peer {rail.av.straddr(address)} refuses connections: its "
                         f"endpoint is gone")
         return None

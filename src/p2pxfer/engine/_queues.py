@@ -1,0 +1,171 @@
+"""Posting queues of one shard: FIFO per destination, round-robin across them,
+and a bound on the pieces in flight to each destination over each rail.
+
+A destination is the set of a peer's rail addresses (``PreparedWrite.dest``):
+every region of one peer engine shares it. Writes to one destination go out
+in submission order (a KV pool's layers land in order), but a write to a
+stalled or dead peer never holds back writes to any other: each destination
+has its own queue, and the poller posts their heads in turn. The bound keeps
+one stalled peer from filling a rail's whole TX queue (tcp;ofi_rxm: 2048
+operations per endpoint), which would stall every peer on that rail.
+
+Used by the poller thread (and the trio thread posting a small write
+directly), always under the shard's lock; ``tear_down`` removes a peer's
+addresses from the rails' AVs. What must not live here: posting, reading
+CQs, or anything per piece.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import structlog
+
+if TYPE_CHECKING:
+    from ._state import TransferState
+
+__all__ = ["DestQueues"]
+
+log = structlog.get_logger("p2pxfer.engine")
+
+Dest = tuple[bytes, ...]
+
+
+class DestQueues:
+    """Transfers waiting to be fully posted, one FIFO per destination, and the
+    pieces in flight per (destination, rail)."""
+
+    def __init__(self, bound: int) -> None:
+        #: most pieces in flight to one destination over one rail
+        self.bound = bound
+        self._queues: dict[Dest, deque[TransferState]] = {}
+        self._turn = 0
+        self._inflight: dict[tuple[Dest, int], int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
+
+    def push(self, tr: TransferState) -> None:
+        self._queues.setdefault(tr.w.dest, deque()).append(tr)
+
+    def holds(self, tr: TransferState) -> bool:
+        q = self._queues.get(tr.w.dest)
+        return q is not None and tr in q
+
+    def waiting_for(self, dest: Dest) -> bool:
+        """Something to ``dest`` is not fully posted yet."""
+        return dest in self._queues
+
+    def remove(self, tr: TransferState) -> bool:
+        q = self._queues.get(tr.w.dest)
+        if q is None or tr not in q:
+            return False
+        q.remove(tr)
+        if not q:
+            del self._queues[tr.w.dest]
+        return True
+
+    def heads(self) -> list[TransferState]:
+        """The first transfer of every destination, starting one further each
+        call: no destination is always served first."""
+        heads = [q[0] for q in self._queues.values()]
+        if len(heads) > 1:
+            self._turn = (self._turn + 1) % len(heads)
+            heads = heads[self._turn:] + heads[:self._turn]
+        return heads
+
+    def next_after(self, tr: TransferState) -> TransferState | None:
+        """Drop ``tr`` (fully posted) from its queue's head; the next one."""
+        q = self._queues.get(tr.w.dest)
+        if q is None:
+            return None
+        if q and q[0] is tr:
+            q.popleft()
+        if not q:
+            del self._queues[tr.w.dest]
+            return None
+        return q[0]
+
+    def clear(self) -> None:
+        self._queues.clear()
+
+    def tear_down(self, tr: TransferState, inflight: list[TransferState],
+                  ) -> tuple[list[TransferState], list[str], dict[int, int]]:
+        """Give ``tr`` up (see ``Shard.abort``): remove its peer's addresses
+        from the AVs of the rails that carry its pieces (tcp;ofi_rxm then
+        drops those connections), and with it every write in ``inflight`` to
+        the same destination that has pieces in flight on them. Returns the
+        transfers now finished (``tr`` first), the connections torn down and
+        the pieces abandoned per rail."""
+        doomed = [tr] + [o for o in inflight if o is not tr and o.w.dest == tr.w.dest
+                         and any(n > 0 for n in o.outstanding.values())]
+        links = {(rail, address) for o in doomed for rail, address in o.w.batch.peers
+                 if address}
+        names = []
+        for rail, address in links:
+            names.append(f"{rail.name}->{rail.av.straddr(address)}")
+            try:
+                rail.av.remove(address)
+            except Exception as exc:  # keep failing the transfers; say what went wrong
+                log.warning("transfer.teardown_failed", connection=names[-1],
+                            error=str(exc))
+        lost: dict[int, int] = {}
+        for o in doomed:
+            o.w.batch.cancel()
+            self.remove(o)
+            for r, n in self.drop(o).items():
+                lost[r] = lost.get(r, 0) + n
+            if o is not tr:
+                o.aborted = (f"failed: its connection was torn down when write "
+                             f"{tr.w.tid} to the same peer was given up ({tr.aborted})")
+            o.remaining = 0
+        return doomed, sorted(names), lost
+
+    # -- pieces in flight -------------------------------------------------------
+
+    def room(self, tr: TransferState) -> list[int]:
+        """Per cursor of ``tr``'s batch, how many more pieces it may post;
+        cursors on one rail share that rail's room in turn."""
+        dest, b = tr.w.dest, tr.w.batch
+        left: dict[int, int] = {}
+        out = []
+        for i, posted in enumerate(b.posted_by_cursor()):
+            rail = b.rails[i]
+            have = left.get(rail)
+            if have is None:
+                have = max(self.bound - self._inflight.get((dest, rail), 0), 0)
+            take = min(have, b.ends[i] - b.starts[i] - posted)
+            out.append(take)
+            left[rail] = have - max(take, 0)
+        return out
+
+    def note_posted(self, tr: TransferState) -> None:
+        """Count what ``tr``'s cursors posted since the last call."""
+        now = tr.w.batch.posted_by_cursor()
+        for i, rail in enumerate(tr.w.batch.rails):
+            d = now[i] - tr.seen[i]
+            if d:
+                tr.seen[i] = now[i]
+                self._add(tr, rail, d)
+
+    def note_done(self, tr: TransferState, rail: int, n: int) -> None:
+        """``n`` of ``tr``'s pieces on ``rail`` completed or failed."""
+        self._add(tr, rail, -n)
+
+    def drop(self, tr: TransferState) -> dict[int, int]:
+        """Forget ``tr``'s pieces still in flight (torn down with their
+        connection); returns them per rail."""
+        lost = {r: n for r, n in tr.outstanding.items() if n > 0}
+        for rail, n in lost.items():
+            self._add(tr, rail, -n)
+        return lost
+
+    def _add(self, tr: TransferState, rail: int, n: int) -> None:
+        tr.outstanding[rail] = tr.outstanding.get(rail, 0) + n
+        key = (tr.w.dest, rail)
+        v = self._inflight.get(key, 0) + n
+        if v:
+            self._inflight[key] = v
+        else:
+            self._inflight.pop(key, None)

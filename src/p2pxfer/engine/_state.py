@@ -1,0 +1,93 @@
+"""A transfer's state between submission and its waiter waking, and a NIC's
+counters: plain data shared by the shard's two threads, and the error a
+finished transfer raises. What must not live here: posting, polling or any
+decision about a transfer (``_shard.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from p2pxfer.errors import (
+    EngineClosed,
+    RemoteClosed,
+    TransferAborted,
+    TransferError,
+    TransferTimeout,
+)
+from p2pxfer.fabric import StallWatch
+
+from ._plan import PreparedWrite
+
+__all__ = ["NicStats", "TransferState"]
+
+
+@dataclass(frozen=True)
+class NicStats:
+    shard: int
+    name: str
+    provider: str
+    bytes: int
+    pieces: int
+    completed: int
+    inflight: int
+    errors: int
+    received: int
+
+
+@dataclass(eq=False)
+class TransferState:
+    """A transfer between submission and its waiter waking. ``remaining``,
+    ``error``, ``completed`` and the piece counts are written under the
+    shard's lock; ``done`` is set in trio."""
+
+    w: PreparedWrite
+    dry_run: bool = False
+    remaining: int = 0
+    error: str | None = None
+    closed: bool = False
+    cancel_requested: bool = False
+    direct: bool = False  # posted from the trio thread
+    gone: str | None = None  # why its peer can never be reached (poller thread)
+    #: trio time by which it must be done (inf: none)
+    deadline: float = float("inf")
+    #: asked to be given up (``Shard.abort``): why, and whether for its deadline
+    abort_requested: tuple[str, bool] | None = None
+    #: why it was given up (set by the poller thread), and whether for its deadline
+    aborted: str | None = None
+    timed_out: bool = False
+    #: pieces acknowledged (completed without error)
+    completed: int = 0
+    #: per cursor, pieces posted as last counted (``DestQueues.note_posted``)
+    seen: list[int] = field(default_factory=list)
+    #: per rail index, pieces posted and not yet completed or failed
+    outstanding: dict[int, int] = field(default_factory=dict)
+    stall: StallWatch = field(default_factory=StallWatch)
+    done: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def peer(self) -> str:
+        """The destination, for messages: region and node."""
+        node = f" on {self.w.dst_node!r}" if self.w.dst_node else ""
+        return f"{self.w.dst_name!r}{node}"
+
+    def exception(self) -> BaseException | None:
+        if self.closed:
+            return EngineClosed(f"engine closed while writing to {self.peer}")
+        if self.aborted is not None:
+            cls = TransferTimeout if self.timed_out else TransferAborted
+            n = self.w.pieces
+            return cls(f"write to {self.peer} {self.aborted}: {self.completed} of {n} "
+                       f"pieces acknowledged, {n - self.completed} not (posting stopped and "
+                       "the connection carrying them was torn down)",
+                       peer=self.peer, pieces=n, completed=self.completed)
+        if self.gone is not None:
+            return RemoteClosed(f"write to {self.peer} failed: {self.gone}")
+        if self.error is not None:
+            return TransferError(f"write to {self.peer} failed: {self.error}")
+        if self.w.batch.unposted_at_cancel:
+            return TransferError(f"write to {self.peer} was cancelled with "
+                                 f"{self.w.batch.unposted_at_cancel} pieces unposted")
+        return None

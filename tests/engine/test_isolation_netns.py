@@ -1,0 +1,242 @@
+"""Isolation between peers and write deadlines, on a cluster of namespaces.
+
+Three "hosts" (h0, h1, h2), each with two veth NICs, one on each of two
+bridges (rails ``10.79.1.0/24`` and ``10.79.2.0/24``), as in issue 16. h0
+writes to h1 and h2, which export a region each. Faults are cut links:
+``ip link set DEV down`` inside h1's namespace drops every packet to that
+NIC on the bridge with no reset, i.e. a silent peer.
+
+- One of h1's rails down: a write to h1 (4096 pages, more than a NIC's TX
+  queue holds) stalls; meanwhile writes to h2 complete at the speed measured
+  before the fault, and the write to h1 fails with ``TransferTimeout`` within
+  its deadline, naming how many pieces were acknowledged. Once the link is
+  back, a write to h1 works again (its connection was torn down and is made
+  anew), and no NIC shows pieces in flight.
+- Both of h1's rails down (a silent peer): the write fails with
+  ``TransferTimeout`` within its deadline.
+
+Needs root (namespaces); skipped otherwise. All addresses live inside the
+namespaces the test creates, deleted afterwards also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_rails_netns import Child, child
+
+from netns import Host, ip
+
+TEST_TIMEOUT = 120.0
+DEADLINE_S = 4.0  # the stalled write's timeout
+PAGES = 4096
+PAGE = 4096
+
+_PRELUDE = """\
+import json, sys, time
+import numpy as np
+import trio
+from p2pxfer.engine import EngineConfig, open_engine
+from p2pxfer.errors import TransferTimeout
+from p2pxfer.memory import RegionDescriptor
+from p2pxfer.scatter import ScatterList
+
+def say(kind, value):
+    print("P2P", kind, value, flush=True)
+
+async def read_line():
+    line = await trio.to_thread.run_sync(sys.stdin.readline)
+    if not line:
+        raise SystemExit("stdin closed")
+    return line.strip()
+
+CONFIG = EngineConfig(provider="tcp;ofi_rxm", interfaces=tuple(sys.argv[1].split(",")))
+"""
+
+TARGET = _PRELUDE + textwrap.dedent(f"""
+    async def main():
+        async with open_engine(CONFIG) as engine:
+            region = np.zeros({PAGES * PAGE}, np.uint8)
+            say("descriptor", engine.export(region, "kv").to_bytes().hex())
+            await read_line()  # "bye"
+
+    trio.run(main)
+""")
+
+INITIATOR = _PRELUDE + textwrap.dedent(f"""
+    PAGES, PAGE, DEADLINE = {PAGES}, {PAGE}, {DEADLINE_S}
+    # Every page to its own place, in a scrambled order: a KV-cache-like write.
+    order = np.random.default_rng(7).permutation(PAGES).astype(np.int64) * PAGE
+    PAGES_SL = ScatterList(np.arange(PAGES, dtype=np.int64) * PAGE, order,
+                           np.full(PAGES, PAGE, np.int64))
+
+    async def timed(engine, src, desc, timeout=30):
+        t0 = time.monotonic()
+        await engine.write(src, desc, PAGES_SL, timeout=timeout)
+        return time.monotonic() - t0
+
+    async def doomed(engine, src, desc, out):
+        t0 = time.monotonic()
+        try:
+            await engine.write(src, desc, PAGES_SL, timeout=DEADLINE)
+            out["result"] = "completed"
+        except TransferTimeout as exc:
+            out["result"] = "timeout"
+            out["message"] = str(exc)
+            out["pieces"], out["completed"] = exc.pieces, exc.completed
+        except Exception as exc:
+            out["result"] = f"{{type(exc).__name__}}: {{exc}}"
+        out["seconds"] = time.monotonic() - t0
+
+    async def main():
+        src = np.random.default_rng(1).integers(0, 256, PAGES * PAGE, dtype=np.uint8)
+        async with open_engine(CONFIG) as engine:
+            engine.register(src)
+            d1 = RegionDescriptor.from_bytes(bytes.fromhex(await read_line()))
+            d2 = RegionDescriptor.from_bytes(bytes.fromhex(await read_line()))
+            await timed(engine, src, d1)  # both connections up before the fault
+            base = sorted([await timed(engine, src, d2) for _ in range(5)])
+            say("ready", json.dumps({{"base": base}}))
+            await read_line()  # "go": h1 is cut off now
+            out = {{}}
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(doomed, engine, src, d1, out)
+                await trio.sleep(0.3)  # the write to h1 is stuck by now
+                during = [await timed(engine, src, d2) for _ in range(5)]
+            say("faulted", json.dumps({{"during": during, "h1": out}}))
+            await read_line()  # "again": h1 is back
+            again = await timed(engine, src, d1, timeout=30)
+            st = engine.statistics()
+            say("healed", json.dumps({{
+                "again": again, "inflight": [n.inflight for n in st.nics],
+                "failed": st.failed}}))
+            await read_line()  # "bye"
+
+    trio.run(main)
+""")
+
+
+@contextmanager
+def cluster(n: int, rails: int = 2) -> Iterator[list[Host]]:
+    """``n`` hosts, each with ``rails`` veths, rail ``r`` of every host on
+    bridge ``br<r>`` of a switch namespace (address ``10.79.<r+1>.<i+1>``).
+    Namespaces (and their veths) are deleted on exit, whatever happens."""
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = f"{os.getpid() % 100000}"
+    switch = f"p2i{tag}sw"
+    created: list[str] = []
+    try:
+        try:
+            ip("netns", "add", switch)
+            created.append(switch)
+        except Exception as exc:
+            pytest.skip(f"cannot create a network namespace: {exc}")
+        for r in range(rails):
+            ip("-n", switch, "link", "add", f"br{r}", "type", "bridge")
+            ip("-n", switch, "link", "set", f"br{r}", "up")
+        hosts = []
+        for i in range(n):
+            ns = f"p2i{tag}h{i}"
+            ip("netns", "add", ns)
+            created.append(ns)
+            devs, addrs = [], []
+            for r in range(rails):
+                dev, port = f"i{tag}h{i}r{r}"[-15:], f"i{tag}s{i}r{r}"[-15:]
+                ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port,
+                   "netns", switch)
+                ip("-n", switch, "link", "set", port, "master", f"br{r}")
+                ip("-n", switch, "link", "set", port, "up")
+                addr = f"10.79.{r + 1}.{i + 1}"
+                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                ip("-n", ns, "link", "set", dev, "up")
+                devs.append(dev)
+                addrs.append(addr)
+            ip("-n", ns, "link", "set", "lo", "up")
+            hosts.append(Host(ns, tuple(devs), tuple(addrs)))
+        for h in hosts:
+            for dev in h.interfaces:
+                _wait_carrier(h.ns, dev)
+        yield hosts
+    finally:
+        for ns in reversed(created):
+            ip("netns", "del", ns, check=False)
+
+
+def _wait_carrier(ns: str, dev: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while "LOWER_UP" not in ip("-n", ns, "-o", "link", "show", "dev", dev).stdout:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{dev} in {ns} has no carrier")
+        time.sleep(0.02)
+
+
+def run_fault(tmp_path: Path, cut: int) -> tuple[dict[str, Any], dict[str, Any],
+                                                  dict[str, Any]]:
+    """Cut ``cut`` of h1's rails while h0 writes to h1 and h2; heal; report."""
+    with cluster(3) as (h0, h1, h2), ExitStack() as stack:
+        deadline = time.monotonic() + TEST_TIMEOUT
+        t1 = stack.enter_context(child("h1", h1, TARGET, tmp_path))
+        t2 = stack.enter_context(child("h2", h2, TARGET, tmp_path))
+        d1, d2 = t1.expect("descriptor", deadline), t2.expect("descriptor", deadline)
+        init: Child = stack.enter_context(child("h0", h0, INITIATOR, tmp_path))
+        init.send(d1)
+        init.send(d2)
+        ready = json.loads(init.expect("ready", deadline))
+        for dev in h1.interfaces[:cut]:
+            ip("-n", h1.ns, "link", "set", dev, "down")
+        init.send("go")
+        faulted = json.loads(init.expect("faulted", deadline))
+        for dev in h1.interfaces[:cut]:
+            ip("-n", h1.ns, "link", "set", dev, "up")
+        for dev in h1.interfaces[:cut]:
+            _wait_carrier(h1.ns, dev)
+        init.send("again")
+        healed = json.loads(init.expect("healed", deadline))
+        for c in (init, t1, t2):
+            c.send("bye")
+        for c in (init, t1, t2):
+            c.finish(deadline)
+        return ready, faulted, healed
+
+
+def check_timed_out(h1: dict[str, Any]) -> None:
+    assert h1["result"] == "timeout", h1
+    # Within its deadline (plus the teardown and a scheduler round or two).
+    assert DEADLINE_S - 0.1 <= h1["seconds"] <= DEADLINE_S + 2.0, h1
+    assert h1["pieces"] >= PAGES and 0 <= h1["completed"] < h1["pieces"], h1
+    assert "acknowledged" in h1["message"] and "torn down" in h1["message"], h1
+
+
+@pytest.mark.netns
+def test_a_peer_s_dead_rail_never_slows_writes_to_another(tmp_path: Path) -> None:
+    ready, faulted, healed = run_fault(tmp_path, cut=1)
+    base = ready["base"][len(ready["base"]) // 2]  # the median before the fault
+    during = faulted["during"]
+    # Full speed: as fast as before the fault, give or take this noisy VM.
+    assert max(during) <= 3 * base + 0.25, (during, ready["base"])
+    check_timed_out(faulted["h1"])
+    # Torn down and made anew: h1 takes writes again, nothing stays in flight.
+    assert healed["again"] < 10, healed
+    assert healed["inflight"] == [0] * len(healed["inflight"]), healed
+
+
+@pytest.mark.netns
+def test_a_silent_peer_fails_the_write_within_its_deadline(tmp_path: Path) -> None:
+    ready, faulted, healed = run_fault(tmp_path, cut=2)
+    check_timed_out(faulted["h1"])
+    base = ready["base"][len(ready["base"]) // 2]
+    assert max(faulted["during"]) <= 3 * base + 0.25, (faulted, ready["base"])
+    assert healed["again"] < 10, healed
+    assert healed["inflight"] == [0] * len(healed["inflight"]), healed
