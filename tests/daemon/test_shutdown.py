@@ -82,7 +82,10 @@ def test_signal_with_a_write_stuck_on_a_silent_peer(signum: int, silence: str,
                                      f"{da.log_tail()}"
             assert took < EXIT_WITHIN, f"ha took {took:.2f} s to exit:\n{da.log_tail()}"
             assert code == 0, f"ha exited with {code}:\n{da.log_tail()}"
-            assert "daemon.shutdown_forced" in da.log.read_text(), da.log_tail()
+            # The stuck write ended by force: torn down after the engine's
+            # cancel grace, or, failing that, by the daemon's shutdown deadline.
+            said = da.log.read_text()
+            assert "transfer.aborted" in said or "daemon.shutdown_forced" in said, da.log_tail()
         finally:
             for p in reversed(procs):
                 if isinstance(p, Agent):
