@@ -30,7 +30,7 @@ __all__ = ["MooncakePeer", "mooncake_missing"]
 
 INSTALL = "pip install mooncake-transfer-engine-non-cuda"
 # Mooncake refuses a batch larger than its per-peer queue (default 256 here).
-_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65536",
+_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",
         "GLOG_minloglevel": "2"}
 START_TIMEOUT = 60.0
 
