@@ -147,8 +147,11 @@ static int64_t drain_into(struct p2p_poller *p, int64_t nruns, int64_t max_entri
             for (j = 0; j < n; j++)
                 nruns = add_entry(p, nruns, c, &buf[j]);
             seen += n;
-            if ((size_t)n < want)
-                break;
+            /* A short read does not mean the CQ is empty: ofi_rxm moves one
+             * message-provider completion per fi_cq_read (its
+             * FI_OFI_RXM_COMP_PER_PROGRESS, default 1), so tcp hands over
+             * one arrival per call. Read on until -FI_EAGAIN: stopping here
+             * sent a receiving poller back to Python once per piece. */
         }
     }
 out:

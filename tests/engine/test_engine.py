@@ -339,7 +339,7 @@ async def test_many_cancelled_writers_leave_engine_clean(provider: str) -> None:
 
 
 async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
-    size = 64 << 20
+    size = 256 << 20  # still in flight when aclose comes (tcp: ~3 GB/s here)
     source = random_bytes(8, size)
     region = np.zeros(size, np.uint8)
     sl = contiguous_pieces(size // (64 << 10), 64 << 10)
@@ -388,7 +388,7 @@ async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
 
 
 async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
-    size = 64 << 20
+    size = 256 << 20  # still in flight when the block ends (tcp: ~3 GB/s here)
     source = random_bytes(9, size)
     region = np.zeros(size, np.uint8)
     sl = contiguous_pieces(size // (64 << 10), 64 << 10)
@@ -417,7 +417,7 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
 async def test_close_fails_writers_waiting_for_a_slot() -> None:
     """Writers queued behind ``max_inflight`` when the engine closes get
     ``EngineClosed`` too, not an error from the closed registration cache."""
-    size = 64 << 20
+    size = 256 << 20  # still in flight when aclose comes (tcp: ~3 GB/s here)
     source = random_bytes(10, size)
     region = np.zeros(size, np.uint8)
     sl = contiguous_pieces(size // (64 << 10), 64 << 10)

@@ -20,6 +20,7 @@ thread, before anything is queued) and any Python loop over pieces.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ from typing import Any
 import structlog
 import trio
 
+from p2pxfer.errors import P2PXferError
 from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail
 from p2pxfer.memory import BufferSpan, CacheStats, LocalRegion, RegionDescriptor
 from p2pxfer.topology import Shard as ShardTopology
@@ -41,15 +43,13 @@ __all__ = ["Shard"]
 
 log = structlog.get_logger("p2pxfer.engine")
 
-# Writes of at most this many pieces are posted from the trio thread.
-DIRECT_POST_MAX = 64
-# Spin this long, with transfers in flight, on CQs that have no wait fd.
-INFLIGHT_SPIN_NS = 500_000
+DIRECT_POST_MAX = 64  # writes of at most this many pieces: posted from the trio thread
+INFLIGHT_SPIN_NS = 500_000  # with transfers in flight, spin this long on CQs without fds
 # With transfers in flight, never sleep longer than this even on CQ wait fds:
-# tcp's wait fd signals what arrived, not that a half-sent message may go on
-# (the socket became writable), so a large write could otherwise sit out the
-# whole idle timeout. A wake-up costs tens of microseconds; 1 kHz is cheap.
-INFLIGHT_NAP_NS = 1_000_000
+# tcp's wait fd signals arrivals, not that a half-sent message may go on (the
+# socket became writable): a large write could sit out the whole idle timeout.
+INFLIGHT_NAP_NS = 1_000_000  # a wake-up costs tens of microseconds; 1 kHz is cheap
+CLOSE_DRAIN_NS = 20_000_000  # at close, progress this long first (``_shutdown``)
 
 
 class Shard:
@@ -74,10 +74,10 @@ class Shard:
             raise
         self.slots = trio.Semaphore(max_inflight)
         # Guards transfer bookkeeping (absorbing completions, taking commands):
-        # both the poller thread and the trio thread (polling a small write
-        # inline, with a poller of its own over the same FI_THREAD_SAFE CQs)
-        # absorb completions. Held in C only for short non-blocking calls that
-        # must not race a teardown: a direct post, an AV removal.
+        # the poller thread and the trio thread (polling a small write inline
+        # with its own poller over the same FI_THREAD_SAFE CQs) both absorb.
+        # Held in C only for short non-blocking calls that must not race a
+        # teardown: a direct post, an AV removal.
         self._lock = threading.Lock()
         self._blocks_on_fds = self._poller.blocks_on_fds
         self._token = token
@@ -265,8 +265,7 @@ class Shard:
             # The slot goes back when the transfer ends, not when someone
             # awaits it: a caller may submit many before waiting for any.
             self.slots.release()
-            if (tr.error is not None or tr.closed or tr.gone is not None
-                    or tr.aborted is not None):
+            if tr.closed or any(x is not None for x in (tr.error, tr.gone, tr.aborted)):
                 self.failed += 1
             elif tr.w.batch.unposted_at_cancel:
                 self.cancelled += 1
@@ -284,8 +283,7 @@ class Shard:
     # -- poller thread --------------------------------------------------------
 
     def _thread_main(self) -> None:
-        if self._pin and self.topo.cpus:
-            # Pin to the node's CPUs (not one core: these machines have two).
+        if self._pin and self.topo.cpus:  # the node's CPUs, not one core
             os.sched_setaffinity(0, self.topo.cpus)
         poller = self._poller
         while True:
@@ -298,11 +296,10 @@ class Shard:
                 if self._queues:  # room to post opens with half a peer's bound back
                     need = max(1, min(need, self._queues.bound // 2))
             self._flush()
-            # Outside the lock: spin, then sleep, gathering in C as many
-            # completions as the closest transfer still needs (each return to
-            # Python is a GIL round with trio). The trio thread may poll too.
-            # Without CQ wait fds (shm) a nap delays every completion that lands
-            # in it: while transfers are in flight, spin longer before napping.
+            # Outside the lock: spin, then sleep, gathering in C what the closest
+            # transfer still needs (each return to Python is a GIL round with
+            # trio). Without CQ wait fds (shm) a nap delays every completion
+            # landing in it: with transfers in flight, spin longer first.
             spin, nap = self._spin_ns, self._idle_ns
             if self._inflight:
                 nap = min(nap, INFLIGHT_NAP_NS)
@@ -442,8 +439,8 @@ class Shard:
                 for r, rail in enumerate(self._group.rails)]
 
     def _absorb(self, c: Completions) -> None:
-        # Plain Python over the runs (a handful per batch): on this thread every
-        # microsecond holds the GIL the trio thread is waiting for.
+        # Plain Python over the runs (a handful per batch): here every
+        # microsecond holds the GIL the trio thread waits for.
         if len(c):
             imms = []
             inflight = self._inflight
@@ -485,7 +482,9 @@ class Shard:
             self._finished.append(tr)
 
     def _shutdown(self) -> None:
-        """Fail everything still queued or in flight: the engine is closing."""
+        """Fail everything still queued or in flight: the engine is closing.
+        Then progress a moment (what it reads is dropped): fi_close crashed on a
+        tcp;ofi_rxm endpoint whose peer had just dropped a connection mid-write."""
         for tr in list(self._inflight.values()):
             tr.w.batch.cancel()
             tr.closed = True
@@ -497,3 +496,5 @@ class Shard:
             if what == "write" and queued is not None:
                 queued.closed = True
                 self._finished.append(queued)
+        with contextlib.suppress(P2PXferError):  # closing anyway
+            self._poller.progress(spin_ns=0, timeout_ns=CLOSE_DRAIN_NS, min_entries=1 << 30)
