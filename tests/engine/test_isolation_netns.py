@@ -22,19 +22,16 @@ namespaces the test creates, deleted afterwards also on failure.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import textwrap
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_rails_netns import Child, child
 
-from netns import Host, ip
+from netns import ip, rails_lan
 
 TEST_TIMEOUT = 120.0
 DEADLINE_S = 4.0  # the stalled write's timeout
@@ -125,55 +122,6 @@ INITIATOR = _PRELUDE + textwrap.dedent(f"""
 """)
 
 
-@contextmanager
-def cluster(n: int, rails: int = 2) -> Iterator[list[Host]]:
-    """``n`` hosts, each with ``rails`` veths, rail ``r`` of every host on
-    bridge ``br<r>`` of a switch namespace (address ``10.79.<r+1>.<i+1>``).
-    Namespaces (and their veths) are deleted on exit, whatever happens."""
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    tag = f"{os.getpid() % 100000}"
-    switch = f"p2i{tag}sw"
-    created: list[str] = []
-    try:
-        try:
-            ip("netns", "add", switch)
-            created.append(switch)
-        except Exception as exc:
-            pytest.skip(f"cannot create a network namespace: {exc}")
-        for r in range(rails):
-            ip("-n", switch, "link", "add", f"br{r}", "type", "bridge")
-            ip("-n", switch, "link", "set", f"br{r}", "up")
-        hosts = []
-        for i in range(n):
-            ns = f"p2i{tag}h{i}"
-            ip("netns", "add", ns)
-            created.append(ns)
-            devs, addrs = [], []
-            for r in range(rails):
-                dev, port = f"i{tag}h{i}r{r}"[-15:], f"i{tag}s{i}r{r}"[-15:]
-                ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port,
-                   "netns", switch)
-                ip("-n", switch, "link", "set", port, "master", f"br{r}")
-                ip("-n", switch, "link", "set", port, "up")
-                addr = f"10.79.{r + 1}.{i + 1}"
-                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                ip("-n", ns, "link", "set", dev, "up")
-                devs.append(dev)
-                addrs.append(addr)
-            ip("-n", ns, "link", "set", "lo", "up")
-            hosts.append(Host(ns, tuple(devs), tuple(addrs)))
-        for h in hosts:
-            for dev in h.interfaces:
-                _wait_carrier(h.ns, dev)
-        yield hosts
-    finally:
-        for ns in reversed(created):
-            ip("netns", "del", ns, check=False)
-
-
 def _wait_carrier(ns: str, dev: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while "LOWER_UP" not in ip("-n", ns, "-o", "link", "show", "dev", dev).stdout:
@@ -185,7 +133,7 @@ def _wait_carrier(ns: str, dev: str, timeout: float = 5.0) -> None:
 def run_fault(tmp_path: Path, cut: int) -> tuple[dict[str, Any], dict[str, Any],
                                                   dict[str, Any]]:
     """Cut ``cut`` of h1's rails while h0 writes to h1 and h2; heal; report."""
-    with cluster(3) as (h0, h1, h2), ExitStack() as stack:
+    with rails_lan(3) as (h0, h1, h2), ExitStack() as stack:
         deadline = time.monotonic() + TEST_TIMEOUT
         t1 = stack.enter_context(child("h1", h1, TARGET, tmp_path))
         t2 = stack.enter_context(child("h2", h2, TARGET, tmp_path))

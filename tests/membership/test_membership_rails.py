@@ -190,7 +190,8 @@ def test_records_carry_other_addresses_on_the_wire() -> None:
 
 CONTROL_PORT = 7720
 DAEMON_TOKEN = "rails-cluster-token"
-DEGRADED_WITHIN = 6.0  # a probe round or two per member, twice (degrade_after = 2)
+# A probe round or two per member, twice (degrade_after = 2); 6 s ran out on a loaded CI run.
+DEGRADED_WITHIN = 15.0
 DEAD_WITHIN = 8.0  # as in test_membership_daemon: generous for CI
 
 
