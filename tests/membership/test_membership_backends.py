@@ -11,14 +11,14 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 import pytest
 import structlog
 import trio
 
-from conftest import wait_until
+import conftest
 from daemon_helpers import free_port
 from p2pxfer.membership import (
     AuthFailed,
@@ -46,6 +46,12 @@ LOOPBACK = "127.0.0.1"
 # Fast timings for tests: a 0.25 s period, suspicion of 4 periods at this size.
 FAST = SwimConfig(period=0.25, ack_timeout=0.1, suspicion_mult=4.0, reconnect_interval=1.0,
                   join_retry=0.3, sync_interval=1.0, sync_quiet=0.25)
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    """conftest's ``wait_until`` polling every 20 ms: the events these tests
+    check right after a state change reach their collector task meanwhile."""
+    return await conftest.wait_until(cond, timeout, what, interval=0.02)
 
 
 def sees(backend: MembershipBackend, name: str, state: MemberState,
