@@ -14,7 +14,9 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -23,6 +25,9 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from p2pxfer.membership import ClusterAuth
+from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
+from p2pxfer.protocol._frames import FrameMac
 from p2pxfer.testing import (
     LOOPBACK,
     START_TIMEOUT,
@@ -294,3 +299,78 @@ class Agent:
         self.conn.close()
 
 
+class RawControl:
+    """A hand-driven TCP connection to a daemon's control port (MACs too, once
+    told the keys)."""
+
+    def __init__(self, address: str, *, silence_closes: bool = False) -> None:
+        #: a read that times out counts as the daemon hanging up (tests that
+        #: only care whether a frame ever comes), else TimeoutError is raised
+        self.silence_closes = silence_closes
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.decoder = FrameDecoder(1 << 24)
+        self.send_mac: FrameMac | None = None
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.sendall(encode_frame(obj, 1 << 24, self.send_mac))
+
+    def frame(self) -> dict[str, Any] | None:
+        while (obj := self.decoder.next_frame()) is None:
+            try:
+                data = self.sock.recv(1 << 16)
+            except ConnectionResetError:
+                data = b""
+            except TimeoutError:
+                if not self.silence_closes:
+                    raise
+                data = b""
+            if not data:
+                return None
+            self.decoder.feed(data)
+        return obj
+
+    def request(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        self.send(obj)
+        return self.frame()
+
+    def hello(self, name: str = "intruder", **fields: Any) -> dict[str, Any]:
+        reply = self.request({"t": "hello", "v": SCHEMA_VERSION, "role": "daemon",
+                              "name": name, **fields})
+        assert reply is not None and reply["t"] == "welcome", reply
+        return reply
+
+    def secure(self, send_key: bytes, receive_key: bytes) -> None:
+        """MAC every frame from now on, as a daemon does after ``auth``."""
+        self.send_mac = FrameMac(send_key)
+        self.decoder.mac = FrameMac(receive_key)
+
+    def authenticate(self, auth: ClusterAuth, name: str, node: str) -> None:
+        mine = os.urandom(16)
+        welcome = self.hello(name, nonce=mine, control=f"{LOOPBACK}:{free_port()}")
+        self.send({"t": "auth", "id": 1, "proof": auth.connection_proof(
+            "initiator", mine, welcome["nonce"], name)})
+        send, receive = auth.session_keys(mine, welcome["nonce"], name, node)
+        self.secure(send, receive)
+        reply = self.frame()
+        assert reply is not None and reply["t"] == "ok", reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def daemon_pair(workdir: Any, **keys: Any) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """Daemons node-a and node-b on loopback, each the other's static peer,
+    both with config ``keys``; stopped on the way out."""
+    port_a, port_b = free_port(), free_port()
+    daemons: list[DaemonProc] = []
+    try:
+        daemons.append(start_daemon(workdir, "node-a", control_port=port_a, peers=[
+            {"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}], **keys))
+        daemons.append(start_daemon(workdir, "node-b", control_port=port_b, peers=[
+            {"name": "node-a", "address": f"{LOOPBACK}:{port_a}"}], **keys))
+        yield daemons[0], daemons[1]
+    finally:
+        for d in daemons:
+            d.stop()

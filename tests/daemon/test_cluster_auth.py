@@ -10,7 +10,6 @@ the protocol by hand to show what a caller without the token gets.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +18,19 @@ from typing import Any
 import pytest
 import trio
 
-from daemon_helpers import LOOPBACK, Agent, DaemonProc, Plan, free_port, start_daemon, wait_for
+from daemon_helpers import (
+    LOOPBACK,
+    Agent,
+    DaemonProc,
+    Plan,
+    free_port,
+    start_daemon,
+    wait_for,
+)
+from daemon_helpers import RawControl as RawPeer
 from p2pxfer.client import MemberUpdate, connect
 from p2pxfer.membership import ClusterAuth
-from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
-from p2pxfer.protocol._frames import FrameMac
+from p2pxfer.protocol import SCHEMA_VERSION, encode_frame
 
 TOKEN = "the-right-token"
 
@@ -37,48 +44,6 @@ def procs() -> Iterator[list[Any]]:
             p.close()
         else:
             p.stop()
-
-
-class RawPeer:
-    """A hand-driven TCP connection to a daemon's control port."""
-
-    def __init__(self, address: str) -> None:
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
-        self.decoder = FrameDecoder(1 << 24)
-        self.send_mac: FrameMac | None = None
-
-    def send(self, obj: dict[str, Any]) -> None:
-        self.sock.sendall(encode_frame(obj, 1 << 24, self.send_mac))
-
-    def request(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        self.send(obj)
-        return self.frame()
-
-    def secure(self, send_key: bytes, receive_key: bytes) -> None:
-        """MAC every frame from now on, as a daemon does after ``auth``."""
-        self.send_mac = FrameMac(send_key)
-        self.decoder.mac = FrameMac(receive_key)
-
-    def frame(self) -> dict[str, Any] | None:
-        while (obj := self.decoder.next_frame()) is None:
-            try:
-                data = self.sock.recv(1 << 16)
-            except ConnectionResetError:
-                data = b""
-            if not data:
-                return None
-            self.decoder.feed(data)
-        return obj
-
-    def hello(self, **fields: Any) -> dict[str, Any]:
-        reply = self.request({"t": "hello", "v": SCHEMA_VERSION, "role": "daemon",
-                              "name": "intruder", **fields})
-        assert reply is not None and reply["t"] == "welcome", reply
-        return reply
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def logged(d: DaemonProc, event: str) -> bool:

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 import p2pxfer
-from daemon_helpers import LOOPBACK, DaemonProc, free_port, start_daemon
+from daemon_helpers import DaemonProc, daemon_pair
 from p2pxfer.errors import InvalidArgument, UnknownRegion, WaitTimeout
 from p2pxfer.scatter import ScatterList
 
@@ -31,19 +31,9 @@ TIMEOUT = 30.0
 @pytest.fixture(scope="module", params=[0, 4], ids=["native-imm", "imm32"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[tuple[DaemonProc, DaemonProc]]:
-    workdir = tmp_path_factory.mktemp("imms")
-    port_a, port_b = free_port(), free_port()
     extra = {"imm_bytes": request.param} if request.param else {}
-    daemons: list[DaemonProc] = []
-    try:
-        daemons.append(start_daemon(workdir, "node-a", control_port=port_a, peers=[
-            {"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}], **extra))
-        daemons.append(start_daemon(workdir, "node-b", control_port=port_b, peers=[
-            {"name": "node-a", "address": f"{LOOPBACK}:{port_a}"}], **extra))
-        yield daemons[0], daemons[1]
-    finally:
-        for d in daemons:
-            d.stop()
+    with daemon_pair(tmp_path_factory.mktemp("imms"), **extra) as pair:
+        yield pair
 
 
 def pieces(n: int, size: int = 4096) -> ScatterList:

@@ -27,7 +27,7 @@ import pytest
 import trio
 
 import p2pxfer
-from daemon_helpers import LOOPBACK, DaemonProc, free_port, spawn_daemon, start_daemon
+from daemon_helpers import LOOPBACK, DaemonProc, daemon_pair, free_port, spawn_daemon, start_daemon
 from p2pxfer.client import KVPool
 from p2pxfer.errors import InvalidArgument, TransferError, UnknownRegion, WaitTimeout
 from p2pxfer.kv import KVLayout
@@ -147,20 +147,10 @@ async def decode_round(decode_socket: str, prefill_socket: str, lay: KVLayout, n
 @pytest.fixture(scope="module", params=[0, 4], ids=["native-imm", "imm32"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[tuple[DaemonProc, DaemonProc]]:
-    workdir = tmp_path_factory.mktemp("kvd")
-    port_a, port_b = free_port(), free_port()
     extra = {"imm_bytes": request.param} if request.param else {}
-    daemons: list[DaemonProc] = []
-    try:
-        daemons.append(start_daemon(workdir, "node-a", control_port=port_a, peers=[
-            {"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}], **extra))
-        daemons.append(start_daemon(workdir, "node-b", control_port=port_b, peers=[
-            {"name": "node-a", "address": f"{LOOPBACK}:{port_a}"}], **extra))
-        yield daemons[0], daemons[1]
-    finally:
-        for d in daemons:
-            d.stop()
-    for d in daemons:
+    with daemon_pair(tmp_path_factory.mktemp("kvd"), **extra) as pair:
+        yield pair
+    for d in pair:
         assert "request.crashed" not in d.log.read_text(), d.log_tail()
 
 

@@ -18,63 +18,22 @@ from typing import Any
 import pytest
 import trio
 
+from daemon_helpers import RawControl
 from p2pxfer.daemon import Daemon, DaemonConfig
 from p2pxfer.daemon._daemon import check_exposure, raise_fd_limit
 from p2pxfer.daemon._peers import PeerTable
 from p2pxfer.errors import InvalidArgument
 from p2pxfer.membership import ClusterAuth
-from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
+from p2pxfer.protocol import encode_frame
 from p2pxfer.protocol._frames import FrameMac
 from p2pxfer.testing import LOOPBACK, DaemonProc, RawConn, free_port, start_daemon, wait_for
 
 TOKEN = "security-test-token"
 
 
-class RawPeer:
-    """A hand-driven control connection (MACs too, once told the keys)."""
-
-    def __init__(self, address: str) -> None:
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
-        self.decoder = FrameDecoder(1 << 24)
-        self.send_mac: FrameMac | None = None
-
-    def send(self, obj: dict[str, Any]) -> None:
-        self.sock.sendall(encode_frame(obj, 1 << 24, self.send_mac))
-
-    def frame(self) -> dict[str, Any] | None:
-        while (obj := self.decoder.next_frame()) is None:
-            try:
-                data = self.sock.recv(1 << 16)
-            except (ConnectionResetError, TimeoutError):
-                data = b""
-            if not data:
-                return None
-            self.decoder.feed(data)
-        return obj
-
-    def request(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        self.send(obj)
-        return self.frame()
-
-    def hello(self, name: str = "intruder", **fields: Any) -> dict[str, Any]:
-        reply = self.request({"t": "hello", "v": SCHEMA_VERSION, "role": "daemon",
-                              "name": name, **fields})
-        assert reply is not None and reply["t"] == "welcome", reply
-        return reply
-
-    def authenticate(self, auth: ClusterAuth, name: str, node: str) -> None:
-        mine = os.urandom(16)
-        welcome = self.hello(name, nonce=mine, control=f"{LOOPBACK}:{free_port()}")
-        self.send({"t": "auth", "id": 1, "proof": auth.connection_proof(
-            "initiator", mine, welcome["nonce"], name)})
-        send, receive = auth.session_keys(mine, welcome["nonce"], name, node)
-        self.send_mac, self.decoder.mac = FrameMac(send), FrameMac(receive)
-        reply = self.frame()
-        assert reply is not None and reply["t"] == "ok", reply
-
-    def close(self) -> None:
-        self.sock.close()
+def RawPeer(address: str) -> RawControl:
+    """Here a silent daemon counts as one that hung up."""
+    return RawControl(address, silence_closes=True)
 
 
 @pytest.fixture
