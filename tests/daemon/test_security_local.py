@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from p2pxfer.kv import KVLayout
 from p2pxfer.memory import SharedBuffer
 from p2pxfer.protocol import SCHEMA_VERSION, encode_frame, pack_scatter
 from p2pxfer.testing import (
@@ -229,10 +230,50 @@ def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> N
                 out["write"] = c.request({"t": "write", "id": 3, "peer": "iso",
                                           "region": "roots", "mem": mem, "offset": 0,
                                           "scatter": scatter})["code"]
+                assert c.request({"t": "kv_pool", "id": 4, "name": "src", "mem": mem,
+                                  "layout": layout, "receive": False})["t"] == "ok"
+                one = np.array([0], dtype=np.int64).tobytes()
+                out["kv_push"] = c.request({"t": "kv_push", "id": 5, "peer": "iso",
+                                            "pool": "kvroots", "src": "src", "src_blocks": one,
+                                            "dst_blocks": one, "request": 1})["code"]
                 return out
 
+        layout = KVLayout(1, 4, 4096).to_wire()
+        kvmem = _share(owner, 7, fd2 := _sealable(1 << 16), 1 << 16)["result"]["mem"]
+        os.close(fd2)
+        assert owner.request({"t": "kv_pool", "id": 8, "name": "kvroots", "mem": kvmem,
+                              "layout": layout})["t"] == "ok"
         assert _as_uid(NOBODY, intruder) == {"add_peer": "forbidden",
-                                             "write": "unknown_region"}
+                                             "write": "unknown_region",
+                                             "kv_push": "unknown_region"}
+
+        # The owner grants NOBODY this one region (``writers``): its writes
+        # land there, and still nowhere else of the owner's.
+        bad = owner.request({"t": "export", "id": 3, "name": "granted", "mem": mem,
+                             "offset": 0, "length": 1 << 16, "writers": ["nobody"]})
+        assert bad["code"] == "bad_request" and "writers" in bad["message"], bad
+        assert owner.request({"t": "export", "id": 4, "name": "granted", "mem": mem,
+                              "offset": 0, "length": 1 << 16, "writers": [NOBODY]})["t"] == "ok"
+
+        def grantee() -> dict[str, Any]:
+            with RawConn(d.socket) as c:
+                c.hello()
+                fd = _sealable(1 << 16)
+                mem = _share(c, 2, fd, 1 << 16)["result"]["mem"]
+                scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
+                out = {}
+                for i, region in enumerate(("granted", "roots")):
+                    r = c.request({"t": "write", "id": 3 + i, "peer": "iso", "region": region,
+                                   "mem": mem, "offset": 0, "scatter": scatter})
+                    out[region] = r["t"] if r["t"] == "ok" else r["code"]
+                return out
+
+        assert _as_uid(NOBODY, grantee) == {"granted": "ok", "roots": "unknown_region"}
+        assert owner.request({"t": "unexport", "id": 5, "name": "granted"})["t"] == "ok"
+        assert owner.request({"t": "export", "id": 6, "name": "granted", "mem": mem,
+                              "offset": 0, "length": 1 << 16})["t"] == "ok"
+        # the grant died with that export: a new one of the same name is the owner's alone
+        assert _as_uid(NOBODY, grantee)["granted"] == "unknown_region"
 
         def stranger() -> Any:
             with RawConn(d.socket) as c:

@@ -293,11 +293,15 @@ class Client:
         mem.close()
 
     async def export(self, name: str, mem: SharedMemory, offset: int = 0,
-                     length: int | None = None) -> RegionDescriptor:
-        """Let peers write into ``mem[offset:offset+length]`` as region ``name``."""
+                     length: int | None = None, *,
+                     writers: Iterable[int] | None = None) -> RegionDescriptor:
+        """Let peers write into ``mem[offset:offset+length]`` as region ``name``.
+        Clients of this node may write into it only under our uid, root or
+        the daemon's, or a uid in ``writers``."""
         length = mem.nbytes - offset if length is None else length
+        fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
         result = await self._request("export", name=name, mem=mem.mem_id, offset=offset,
-                                     length=length)
+                                     length=length, **fields)
         return RegionDescriptor.from_wire(result["descriptor"])
 
     async def unexport(self, name: str) -> None:
@@ -347,11 +351,13 @@ class Client:
         fields: dict[str, Any] = {"region": region} if region is not None else {}
         await self._request("wait_imm", imm=imm, count=count, timeout=timeout, **fields)
 
-    async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True) -> KVPool:
+    async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
+                      writers: Iterable[int] | None = None) -> KVPool:
         """A paged KV pool of ``layout`` in memory shared with the daemon.
         ``receive``: exported as ``name`` so peers can push into it (the
-        decode side); otherwise only a source to push from (prefill)."""
-        return await open_pool(self, name, layout, receive)
+        decode side); otherwise only a source to push from (prefill).
+        ``writers``: other uids of this node that may push into it."""
+        return await open_pool(self, name, layout, receive, writers)
 
     async def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any,
                       dst_blocks: Any, *, request: int, layers: Iterable[int] | None = None,

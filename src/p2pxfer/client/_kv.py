@@ -144,13 +144,15 @@ class KVPool:
         await self._client._request("kv_forget", pool=self.name, request=request)
 
 
-async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool) -> KVPool:
+async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
+                    writers: Iterable[int] | None = None) -> KVPool:
     if not isinstance(layout, KVLayout):
         raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
     mem = await client.alloc(layout.nbytes, name)
     try:
+        fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
         r = await client._request("kv_pool", name=name, mem=mem.mem_id,
-                                  layout=layout.to_wire(), receive=receive)
+                                  layout=layout.to_wire(), receive=receive, **fields)
     except BaseException:
         await client.free(mem)
         raise

@@ -53,8 +53,10 @@ class SyncClient:
         return self._call(self._client.alloc, nbytes, name)  # type: ignore[no-any-return]
 
     def export(self, name: str, mem: SharedMemory, offset: int = 0,
-               length: int | None = None) -> RegionDescriptor:
-        return self._call(self._client.export, name, mem, offset, length)  # type: ignore[no-any-return]
+               length: int | None = None, *,
+               writers: Iterable[int] | None = None) -> RegionDescriptor:
+        return self._call(self._client.export, name, mem, offset,  # type: ignore[no-any-return]
+                          length, writers=writers)
 
     def free(self, mem: SharedMemory) -> None:
         self._call(self._client.free, mem)
@@ -73,9 +75,10 @@ class SyncClient:
                  timeout: float | None = None) -> None:
         self._call(self._client.wait_imm, imm, count, region=region, timeout=timeout)
 
-    def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True) -> KVPool:
+    def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
+                writers: Iterable[int] | None = None) -> KVPool:
         return self._call(self._client.kv_pool, name, layout,  # type: ignore[no-any-return]
-                          receive=receive)
+                          receive=receive, writers=writers)
 
     def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any, dst_blocks: Any, *,
                 request: int, layers: Iterable[int] | None = None,

@@ -130,7 +130,7 @@ class KV:
     # -- pools (client side) ---------------------------------------------------------
 
     def add_pool(self, s: ClientSession, name: str, mem_id: int, layout_wire: Any,
-                 receive: bool) -> dict[str, Any]:
+                 receive: bool, writers: Any = None) -> dict[str, Any]:
         try:
             layout = KVLayout.from_wire(layout_wire)
         except DescriptorError as exc:
@@ -143,7 +143,7 @@ class KV:
         view = mem.view(0, layout.nbytes)  # out_of_range if the memory is too small
         result: dict[str, Any] = {}
         if receive:
-            result["descriptor"] = s.export(name, mem_id, 0, layout.nbytes)
+            result["descriptor"] = s.export(name, mem_id, 0, layout.nbytes, writers)
         pool = Pool(name, s, mem_id, layout, view, receive)
         s.kv_pools[name] = pool
         if receive:
@@ -352,6 +352,8 @@ class KV:
         if request < 0:
             raise InvalidArgument(f"request must be >= 0, got {request}")
         d.follower.check_peer(peer)
+        if peer == d.node:
+            s.may_write_into(pool)  # a local pool: the same uid rules as a local write
         with self._tracked(peer):
             desc = await d.regions.resolve(peer, pool)
             layout_wire = d.regions.kv_layout(peer, pool) if peer != d.node \

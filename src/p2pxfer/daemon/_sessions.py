@@ -63,6 +63,19 @@ CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel", "kv_pu
 #: what a request stopped by the client's ``cancel`` is answered
 CANCELLED: dict[str, Any] = {"cancelled": True}
 HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed
+MAX_WRITERS = 64  # uids one export may grant
+
+
+def check_writers(writers: Any) -> frozenset[int]:
+    """An export's ``writers``: other uids that may write into it from this
+    node (a list of ints >= 0, at most ``MAX_WRITERS``)."""
+    if writers is None:
+        return frozenset()
+    if (not isinstance(writers, list) or len(writers) > MAX_WRITERS
+            or not all(type(u) is int and 0 <= u < 1 << 32 for u in writers)):
+        raise InvalidArgument(f"writers must be a list of at most {MAX_WRITERS} numeric "
+                              f"uids, got {bounded(repr(writers), 100)}")
+    return frozenset(writers)
 
 
 class ClientSession:
@@ -79,6 +92,8 @@ class ClientSession:
         self.mems: dict[int, SharedMap] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
         self.slots: dict[str, int] = {}  # region name -> its immediate slot
+        # region name -> other uids its owner lets write into it from this node
+        self.grants: dict[str, frozenset[int]] = {}
         #: immediates landed in this session's regions (they die with it)
         self.counts = ImmCounts(self.label)
         self.kv_pools: dict[str, Pool] = {}  # this client's KV pools, by name
@@ -208,11 +223,15 @@ class ClientSession:
         return self.uid in (0, os.getuid())
 
     def may_write_into(self, region: str) -> None:
-        """A local region takes writes only from its owner's uid (or a
-        privileged one): ``UnknownRegion`` otherwise, as if it did not exist,
-        so another uid learns nothing of what is exported here."""
+        """A local region takes writes only from its owner's uid, the uids
+        its owner granted at export (``writers``), or a privileged one:
+        ``UnknownRegion`` otherwise, as if it did not exist, so another uid
+        learns nothing of what is exported here. (Isolation is per uid, not
+        per session: processes of one uid can already write each other's
+        memory through ptrace or /proc/PID/mem.)"""
         for other in self.daemon.sessions:
-            if region in other.exports and other.uid != self.uid and not self.privileged:
+            if (region in other.exports and other.uid != self.uid and not self.privileged
+                    and self.uid not in other.grants.get(region, ())):
                 log.warning("client.write_refused", client=self.label, uid=self.uid,
                             region=bounded(region, 100), owner=other.label)
                 raise UnknownRegion(f"no region named {bounded(region, 100)!r} on "
@@ -250,8 +269,10 @@ class ClientSession:
         del self.mems[mem.id]
         mem.close()
 
-    def export(self, name: str, mem_id: int, offset: int, length: int) -> dict[str, Any]:
+    def export(self, name: str, mem_id: int, offset: int, length: int,
+               writers: Any = None) -> dict[str, Any]:
         d = self.daemon
+        grants = check_writers(writers)
         d.regions.check_free(name)
         mem = self.mem(mem_id)
         slot = d.imms.allocate(self.counts.sink(name))
@@ -263,13 +284,17 @@ class ClientSession:
         d.regions.add_export(name, self.label, desc, slot)
         self.exports[name] = mem.id
         self.slots[name] = slot
-        log.info("region.exported", client=self.label, region=name, nbytes=desc.length)
+        if grants:
+            self.grants[name] = grants
+        log.info("region.exported", client=self.label, region=name, nbytes=desc.length,
+                 writers=sorted(grants))
         return desc.to_wire()
 
     def unexport(self, name: str) -> None:
         if name not in self.exports:
             raise UnknownRegion(f"this client exported no {name!r}")
         del self.exports[name]
+        self.grants.pop(name, None)
         if self.kv_pools.get(name) is not None and self.kv_pools[name].receive:
             del self.kv_pools[name]
             self.daemon.kv.drop_pool(name)
@@ -307,7 +332,8 @@ async def _unshare(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _export(s: ClientSession, msg: Message) -> dict[str, Any]:
-    return {"descriptor": s.export(msg["name"], msg["mem"], msg["offset"], msg["length"])}
+    return {"descriptor": s.export(msg["name"], msg["mem"], msg["offset"], msg["length"],
+                                   msg.get("writers"))}
 
 
 async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
@@ -365,7 +391,7 @@ async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
     return s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
-                                msg.get("receive", True))
+                                msg.get("receive", True), msg.get("writers"))
 
 
 async def _kv_push(s: ClientSession, msg: Message) -> dict[str, Any]:

@@ -38,6 +38,7 @@ _BIN = (bytes,)
 _MAP = (dict,)
 _OPT_INT = (int, type(None))
 _BOOL = (bool,)
+_LIST = (list,)
 
 # kind -> {field: (accepted types, required)}
 SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -54,7 +55,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "share": {"id": (_INT, True), "size": (_INT, True), "name": (_STR, False)},
     "unshare": {"id": (_INT, True), "mem": (_INT, True)},
     "export": {"id": (_INT, True), "name": (_STR, True), "mem": (_INT, True),
-               "offset": (_INT, True), "length": (_INT, True)},
+               "offset": (_INT, True), "length": (_INT, True), "writers": (_LIST, False)},
     "unexport": {"id": (_INT, True), "name": (_STR, True)},
     "write": {"id": (_INT, True), "peer": (_STR, True), "region": (_STR, True),
               "mem": (_INT, True), "offset": (_INT, True), "scatter": (_BIN, True),
@@ -74,7 +75,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # client -> daemon
     "cancel": {"id": (_INT, True), "target": (_INT, True)},
     "kv_pool": {"id": (_INT, True), "name": (_STR, True), "mem": (_INT, True),
-                "layout": (_MAP, True), "receive": (_BOOL, False)},
+                "layout": (_MAP, True), "receive": (_BOOL, False),
+                "writers": (_LIST, False)},
     "kv_push": {"id": (_INT, True), "peer": (_STR, True), "pool": (_STR, True),
                 "src": (_STR, True), "src_blocks": (_BIN, True), "dst_blocks": (_BIN, True),
                 "request": (_INT, True), "layers": (_BIN, False), "deadline_ms": (_INT, False)},
