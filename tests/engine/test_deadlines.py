@@ -259,7 +259,7 @@ def test_a_client_write_to_a_frozen_peer_ends_with_its_timeout(tmp_path: Path) -
     daemons: list[DaemonProc] = []
     try:
         daemons.append(start_daemon(tmp_path, "node-a", control_port=port_a, peers=[
-            {"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}]))
+            {"name": "node-b", "address": f"{LOOPBACK}:{port_b}"}], write_timeout_s=2.0))
         daemons.append(start_daemon(tmp_path, "node-b", control_port=port_b, peers=[
             {"name": "node-a", "address": f"{LOOPBACK}:{port_a}"}]))
         a, b = daemons
@@ -281,6 +281,11 @@ def test_a_client_write_to_a_frozen_peer_ends_with_its_timeout(tmp_path: Path) -
                     assert time.monotonic() - t0 <= 3.0
                     with pytest.raises(InvalidArgument, match="timeout"):
                         await ca.write("node-b", "r", sl, src=src, timeout=0)
+                    # No timeout of the client's: the daemon's write_timeout_s ends it.
+                    t0 = time.monotonic()
+                    with pytest.raises(TransferError), trio.fail_after(STEP):
+                        await ca.write("node-b", "r", sl, src=src)
+                    assert 1.5 <= time.monotonic() - t0 <= 5.0
                 finally:
                     b.proc.send_signal(signal.SIGCONT)
 

@@ -320,8 +320,8 @@ class Client:
         cancelled write is a prefix of its pieces, whole pieces only.
         ``timeout`` (seconds) cancels the write that way, then raises
         ``WaitTimeout``. The daemon gives every write a deadline of its own
-        (its engine's ``write_timeout_s``) and answers ``transfer_failed``
-        when it passes."""
+        (its config's ``write_timeout_s``, 60 s by default) and answers
+        ``transfer_failed`` when it passes."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
         if timeout is not None and (not isinstance(timeout, (int, float))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from p2pxfer.errors import PeerLost, RemoteClosed, TransferError
+from p2pxfer.errors import PeerLost, RemoteClosed, TransferError, TransferTimeout
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
@@ -76,6 +76,12 @@ class Writes:
             except TransferError as exc:
                 log.warning("transfer.failed", client=client, peer=peer, region=region,
                             nbytes=scatter.nbytes, error=str(exc))
+                if isinstance(exc, TransferTimeout):
+                    # Its deadline has passed: asking the peer why (up to
+                    # PEER_TIMEOUT_S more, a silent peer never answers) would
+                    # break it. The next write resolves afresh.
+                    d.regions.forget(peer, region)
+                    raise
                 fresh = await self._why_failed(peer, region, exc)
                 if fresh is None or fresh.incarnation == desc.incarnation:
                     raise
