@@ -59,8 +59,14 @@ class Caller:
 
     def hello(self, msg: Message) -> dict[str, Any]:
         """Take in a ``hello``; the extra fields of our ``welcome``. A control
-        address that is not ``host:port`` raises ``InvalidArgument``."""
+        address that is not ``host:port`` raises ``InvalidArgument``; a name
+        its TLS certificate does not carry, ``AuthenticationFailed`` (logged)."""
         self.name = msg.get("name", "")
+        if self.cert_names is not None and self.name not in self.cert_names:
+            log.warning("peer.auth_failed", caller=bounded(self.name, 100), remote=self.remote,
+                        reason=f"its certificate names {list(self.cert_names)}")
+            raise AuthenticationFailed(f"{self.node}: hello says {bounded(self.name, 100)!r}, "
+                                       f"the certificate names {list(self.cert_names)}")
         control = msg.get("control", "")
         if control:
             host, port = parse_hostport(control, port_zero=False)

@@ -237,9 +237,10 @@ async def _welcome(d: Daemon, pump: Pump, caller: Caller, msg: Message,
         return False
     await pump.send("welcome", extra, v=SCHEMA_VERSION, node=d.node,
                     incarnation=d.incarnation, max_frame=d.config.max_frame)
-    if caller.authenticated:  # an open daemon: nothing more to prove
+    if caller.authenticated:  # open, or TLS alone: nothing more to prove
         pump.conn.lift_frame_limit()
         proving.deadline = math.inf
+        _known(d, caller)  # its certificate named it (an open daemon learns nobody)
     return True
 
 
