@@ -35,7 +35,13 @@ from p2pxfer.client import connect
 from p2pxfer.daemon import Daemon, DaemonConfig
 from p2pxfer.daemon._daemon import check_exposure, credentials
 from p2pxfer.daemon._tls import load_tls
-from p2pxfer.errors import AuthenticationFailed, ConfigError, InvalidArgument, UnknownRegion
+from p2pxfer.errors import (
+    AuthenticationFailed,
+    ConfigError,
+    ConnectionLost,
+    InvalidArgument,
+    UnknownRegion,
+)
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
 from p2pxfer.testing import p2pxfer_cmd, write_config
 
@@ -355,6 +361,46 @@ def test_in_process_peer_link_over_tls(pki: Path) -> None:
                 with pytest.raises(AuthenticationFailed, match="certificate names"):
                     await a.peers.request("node-b", "peers")
                 assert a.peers.link("node-b").state()["state"] == "auth failed"
+            nursery.cancel_scope.cancel()
+
+    trio.run(run)
+
+
+def test_in_process_caps_and_deadline_hold_before_the_handshake(
+        pki: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection caps refuse a TLS caller before any handshake, and a
+    caller that never finishes one is cut off at AUTH_TIMEOUT_S; a good
+    caller is served once a slot is free."""
+    from p2pxfer.daemon import _auth as auth_mod
+    from p2pxfer.daemon._dial import dial_peer
+
+    monkeypatch.setattr(auth_mod, "AUTH_TIMEOUT_S", 0.5)
+    engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
+    a = Daemon(DaemonConfig(node="node-a", control=f"{LOOPBACK}:0", max_connections=2,
+                            **files(pki, "node-a")), engine)
+    b_creds = creds(pki, "node-b")
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            a.nursery = nursery
+            await a.serve_peers(nursery)
+            host, port = a.control_address.rsplit(":", 1)
+            silent = [await trio.open_tcp_stream(host, int(port)) for _ in range(2)]
+            with trio.fail_after(10):
+                while sum(a.control_connections.values()) < 2:
+                    await trio.sleep(0.01)
+                with pytest.raises(ConnectionLost, match="closed during the TLS handshake"):
+                    await dial_peer(a.control_address, name="node-b", expect="node-a",
+                                    tls=b_creds)
+                t0 = trio.current_time()
+                for s in silent:  # the daemon hangs up on both at the deadline
+                    assert await s.receive_some(1 << 10) == b""
+                    await s.aclose()
+                assert 0.4 <= trio.current_time() - t0 < 5
+                pump = await dial_peer(a.control_address, name="node-b", expect="node-a",
+                                       tls=b_creds)
+                assert (await pump.request("peers"))["peers"] == []
+                await pump.aclose()
             nursery.cancel_scope.cancel()
 
     trio.run(run)
