@@ -79,8 +79,9 @@ def _refuse_existing(paths: list[Path], force: bool) -> None:
     if force:
         return
     if taken := [str(p) for p in paths if p.exists()]:
-        raise ConfigError(f"{', '.join(taken)} already exist(s); not overwriting "
-                          "(--force replaces them)")
+        verb = "exists" if len(taken) == 1 else "exist"
+        raise ConfigError(f"{', '.join(taken)} already {verb}; not overwriting "
+                          "(--force replaces it)")
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -180,6 +181,10 @@ def make_node_cert(ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey
     key, now = _key(), _now()
     start = now - BACKDATE if not_before is None else not_before
     end = now + dt.timedelta(days=days) if not_after is None else not_after
+    if end > ca_cert.not_valid_after_utc:
+        raise ConfigError(f"a certificate valid until {end:%Y-%m-%d} would outlive the CA "
+                          f"(it expires on {ca_cert.not_valid_after_utc:%Y-%m-%d}): fewer "
+                          "--days, or a new CA (docs/security.md, rotating)")
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     cert = (x509.CertificateBuilder()
             .subject_name(_name(name)).issuer_name(ca_cert.subject)

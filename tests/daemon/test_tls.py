@@ -483,7 +483,8 @@ def test_certs_cli(tmp_path: Path) -> None:
     assert cli("issue", "--ca", str(ca), "--name", "n1", "--out", str(out),
                "--force").exit_code == 0
     for bad, said in ((["--host", "example.com"], "--host takes IP addresses"),
-                      (["--name", "no spaces"], "cannot be a certificate's DNS name")):
+                      (["--name", "no spaces"], "cannot be a certificate's DNS name"),
+                      (["--days", "4000"], "would outlive the CA")):
         args = ["--ca", str(ca), "--name", "n2", "--out", str(out), *bad]
         r = cli("issue", *args)
         assert r.exit_code == 1 and said in r.output, r.output
