@@ -4,8 +4,8 @@
 The parts, one concern each: ``_peers`` (peer table and links),
 ``_regions`` (exports, resolved descriptors, ``locate``), ``_follow``
 (membership, its watch log, ``PeerLost``), ``_writes`` (the write path),
-``_auth``, ``_tls`` and ``_control`` (the control port), ``_sessions`` (clients on the
-unix socket), all over ``p2pxfer._pump``. ``Daemon`` holds them and answers
+``_auth``, ``_tls`` and ``_control`` (the control port), ``_sessions``
+(clients on the unix socket), all over ``p2pxfer._pump``. ``Daemon`` holds them and answers
 ``status`` and ``peers``. What must not live here: protocol rules
 (``p2pxfer.protocol``), the data path (``p2pxfer.engine``), or any one
 part's state.
