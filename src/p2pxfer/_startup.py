@@ -29,7 +29,12 @@ MAX_SOCKET_PATH = 107
 def check_startup(cfg: DaemonConfig) -> None:
     """Raise :class:`StartupError` for the first thing that would stop ``cfg``'s
     daemon from starting: a host that does not resolve, a port in use, a socket
-    directory that cannot be created or written, a socket another daemon holds."""
+    directory that cannot be created or written, a socket another daemon holds;
+    and :class:`ConfigError` for TLS files that are not right (naming the file)."""
+    if cfg.tls:
+        from p2pxfer.daemon._tls import config_tls
+
+        config_tls(cfg)
     host, port = parse_hostport(cfg.control)
     _check_port("control", host, port, udp=cfg.membership == "embedded")
     if cfg.metrics:

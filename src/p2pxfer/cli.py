@@ -12,6 +12,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from p2pxfer._certs_cli import certs
 from p2pxfer.errors import ConfigError, InvalidArgument, P2PXferError
 from p2pxfer.log import configure
 
@@ -40,6 +41,9 @@ def _size(text: str) -> int:
 def main(log_level: str) -> None:
     """p2pxfer: RDMA writes of scatter lists between machines over libfabric."""
     configure(log_level)
+
+
+main.add_command(certs)
 
 
 @main.command()

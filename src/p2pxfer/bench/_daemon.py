@@ -6,8 +6,9 @@ pattern into the same region from this process with the C initiator
 (``reference = "c-initiator"``: the peer's daemon is the target, no C target
 can run there), with the descriptor asked from the peer daemon's control port,
 as peer daemons ask each other (``_server.resolve_region``: ``dial_peer``,
-with the cluster token from ``$P2PXFER_CLUSTER_TOKEN``). What must not live here: measuring
-(``_measure``), options, rendering.
+with the cluster token from ``$P2PXFER_CLUSTER_TOKEN`` and TLS credentials
+from ``$P2PXFER_TLS_CA`` / ``_CERT`` / ``_KEY``). What must not live here:
+measuring (``_measure``), options, rendering.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ The handshake runs over TCP on the control port, in the protocol's framing
 Also here: ``resolve_region``, the ``--via-daemon`` baseline's question to
 the peer daemon's control port, asked like daemons ask each other
 (``p2pxfer.daemon.dial_peer``, proving the cluster token from
-``P2PXFER_CLUSTER_TOKEN`` when the daemons have one).
+``P2PXFER_CLUSTER_TOKEN`` when the daemons have one, and with TLS
+credentials from ``P2PXFER_TLS_CA`` / ``_CERT`` / ``_KEY`` when they use TLS).
 
 What must not live here: measuring (``_run``) and rendering.
 """
@@ -38,20 +39,23 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
 import trio
 
 from p2pxfer.engine import EngineConfig, open_engine
-from p2pxfer.errors import P2PXferError
+from p2pxfer.errors import ConfigError, P2PXferError
 from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.protocol import FrameDecoder, ProtocolError, encode_frame
 from p2pxfer.topology import discover
 
 from ._options import GIB, BenchError, format_size
+
+if TYPE_CHECKING:
+    from p2pxfer.daemon._tls import TlsCredentials
 
 __all__ = ["PROTOCOL_VERSION", "TOKEN_ENV", "ServerConfig", "ServerLink", "connect_server",
            "fabric_node", "is_loopback", "pick_interfaces", "resolve_region", "serve"]
@@ -375,21 +379,43 @@ async def connect_server(host: str, port: int, *, connect_timeout: float = 5.0,
 
 #: environment variable holding the cluster token (the daemons' ``cluster_token``)
 TOKEN_ENV = "P2PXFER_CLUSTER_TOKEN"
+#: environment variables naming the TLS files (as ``tls_ca``, ``tls_cert``,
+#: ``tls_key``): a certificate of the cluster CA; the bench says its name
+TLS_ENV = ("P2PXFER_TLS_CA", "P2PXFER_TLS_CERT", "P2PXFER_TLS_KEY")
+
+
+def tls_from_env() -> TlsCredentials | None:
+    """TLS credentials from ``TLS_ENV`` (all three or none: ``ConfigError``)."""
+    from p2pxfer.daemon._tls import load_tls
+
+    paths = [os.environ.get(k, "") for k in TLS_ENV]
+    if not any(paths):
+        return None
+    if not all(paths):
+        missing = [k for k, p in zip(TLS_ENV, paths, strict=True) if not p]
+        raise ConfigError(f"set all of {', '.join(TLS_ENV)} or none (missing: "
+                          f"{', '.join(missing)})")
+    return load_tls(*paths)
 
 
 async def resolve_region(address: str, region: str, timeout: float, *, peer: str | None = None,
-                         token: str | None = None) -> RegionDescriptor:
+                         token: str | None = None, tls: TlsCredentials | None = None
+                         ) -> RegionDescriptor:
     """Ask the daemon at ``address`` (node ``peer``, when known) for the
     descriptor of its region ``region``, as peer daemons ask each other. With
     a cluster token (``token``, else ``$P2PXFER_CLUSTER_TOKEN``) both sides
-    prove it first; a daemon that has one refuses a caller without it."""
+    prove it first; a daemon that has one refuses a caller without it. With
+    TLS credentials (``tls``, else from ``TLS_ENV``) the connection is mutual
+    TLS, and the bench calls itself by its certificate's name."""
     from p2pxfer.daemon import dial_peer
     from p2pxfer.membership import ClusterAuth
 
     secret = os.environ.get(TOKEN_ENV, "") if token is None else token
     auth = ClusterAuth(secret.encode()) if secret else None
+    creds = tls_from_env() if tls is None else tls
+    name = creds.name if creds is not None else "p2pxfer-bench"
     with trio.fail_after(timeout):
-        pump = await dial_peer(address, name="p2pxfer-bench", expect=peer, auth=auth)
+        pump = await dial_peer(address, name=name, expect=peer, auth=auth, tls=creds)
         try:
             result = await pump.request("resolve", region=region)
             with trio.move_on_after(1), contextlib.suppress(P2PXferError):

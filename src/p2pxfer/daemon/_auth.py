@@ -1,11 +1,14 @@
-"""The responder's half of the cluster-token handshake on the control port.
+"""The responder's half of the control port's credentials: the cluster
+token's handshake, and the name a TLS certificate gives a caller.
 
 A ``Caller`` is what one incoming control connection has said about itself.
 With a token configured, the ``welcome`` carries our nonce and (when the
 caller challenged us) our proof; the caller's ``auth`` must prove the token
 for our nonce before anything else is served, within ``AUTH_TIMEOUT_S``.
-Dialling and the initiator's half are ``_dial``. What must not live here:
-what an authenticated caller may ask (``_control``).
+With TLS, the caller's certificate (verified in the handshake, ``_tls``)
+names it: a ``hello`` claiming another name is refused. Dialling and the
+initiator's half are ``_dial``. What must not live here: what an
+authenticated caller may ask (``_control``).
 """
 
 from __future__ import annotations
@@ -45,11 +48,25 @@ class Caller:
         self.our_nonce = b""  # ours to it
         #: it proved the cluster token (never true on an open daemon)
         self.proved = False
+        #: the names its TLS certificate carries (None: no TLS on this port)
+        self.cert_names: tuple[str, ...] | None = None
+
+    @property
+    def trusted(self) -> bool:
+        """It showed every credential this port asks for, and there is at
+        least one (an open daemon trusts nobody, though it serves all)."""
+        return self.authenticated and (self.proved or self.cert_names is not None)
 
     def hello(self, msg: Message) -> dict[str, Any]:
         """Take in a ``hello``; the extra fields of our ``welcome``. A control
-        address that is not ``host:port`` raises ``InvalidArgument``."""
+        address that is not ``host:port`` raises ``InvalidArgument``; a name
+        its TLS certificate does not carry, ``AuthenticationFailed`` (logged)."""
         self.name = msg.get("name", "")
+        if self.cert_names is not None and self.name not in self.cert_names:
+            log.warning("peer.auth_failed", caller=bounded(self.name, 100), remote=self.remote,
+                        reason=f"its certificate names {list(self.cert_names)}")
+            raise AuthenticationFailed(f"{self.node}: hello says {bounded(self.name, 100)!r}, "
+                                       f"the certificate names {list(self.cert_names)}")
         control = msg.get("control", "")
         if control:
             host, port = parse_hostport(control, port_zero=False)

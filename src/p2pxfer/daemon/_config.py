@@ -3,7 +3,8 @@
 and every key's type and range is checked here, before anything opens, so a
 wrong config is one :class:`ConfigError` naming the key, the file and what the
 key must be. What must not live here: opening sockets, files other than the
-config and the token file, or anything that needs the network."""
+config and the token file (the TLS files are read where they are used,
+``_tls``), or anything that needs the network."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from typing import Any
 from p2pxfer.address import parse_hostport
 from p2pxfer.errors import ConfigError, InvalidArgument
 
-__all__ = ["LOG_FORMATS", "LOG_LEVELS", "MEMBERSHIP_BACKENDS", "DaemonConfig", "PeerAddress",
-           "parse_hostport", "parse_peer"]
+__all__ = ["LOG_FORMATS", "LOG_LEVELS", "MEMBERSHIP_BACKENDS", "TLS_KEYS", "DaemonConfig",
+           "PeerAddress", "parse_hostport", "parse_peer"]
 
 MEMBERSHIP_BACKENDS = ("none", "embedded", "etcd")
+TLS_KEYS = ("tls_ca", "tls_cert", "tls_key")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("console", "json")
 
@@ -75,6 +77,11 @@ class DaemonConfig:
     cluster_token: str = ""
     #: a file holding the cluster token (instead of cluster_token)
     cluster_token_file: str = ""
+    #: mutual TLS 1.3 on the control port (all three or none): the cluster
+    #: CA's certificate(s), this node's certificate (naming ``node``) and its key
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
     #: control addresses ("host:port") of members to join through (embedded)
     seeds: tuple[str, ...] = ()
     #: etcd's client URL (membership = "etcd")
@@ -141,7 +148,20 @@ class DaemonConfig:
             kw["cluster_token"] = _read_token(token_file)
         cfg = cls(**kw)
         cfg._check_membership()
+        cfg._check_tls()
         return cfg
+
+    @property
+    def tls(self) -> bool:
+        """Mutual TLS on the control port."""
+        return bool(self.tls_cert)
+
+    def _check_tls(self) -> None:
+        given = {k: getattr(self, k) for k in TLS_KEYS}
+        if any(given.values()) and not all(given.values()):
+            missing = [k for k, v in given.items() if not v]
+            raise ConfigError(f"tls_ca, tls_cert and tls_key go together: set all three or "
+                              f"none (missing: {', '.join(missing)})")
 
     def _check_membership(self) -> None:
         if self.membership == "none":
@@ -291,6 +311,9 @@ _CHECKS: dict[str, Any] = {
     "membership": lambda k, v: _choice(k, v, MEMBERSHIP_BACKENDS),
     "cluster_token": _str,
     "cluster_token_file": _str,
+    "tls_ca": _str,
+    "tls_cert": _str,
+    "tls_key": _str,
     "seeds": _seeds,
     "etcd_endpoint": _url,
     "etcd_ttl": lambda k, v: _int(k, v, 1),

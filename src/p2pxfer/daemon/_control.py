@@ -1,16 +1,20 @@
 """The control port: peer daemons (and the bench) ask us over TCP.
 
-One task per connection: a ``Pump`` over the socket, the hello (strictly
-checked) and the token handshake (``_auth``), then each request dispatched
-through ``HANDLERS``, a table checked against the peer protocol's requests
-when this module loads. Connections are capped, in all and per source
-address; one must say hello (and prove the token) within
-``AUTH_TIMEOUT_S``, in frames of at most 4 KiB until then; once it proved
-the token every frame both ways is MACed (``Connection.secure``). A caller
-becomes a peer only if it proved the token and calls from the address it
-gives. Whatever goes wrong inside one connection ends that connection alone,
-logged once: never the daemon. What must not live here:
-the region directory (``_regions``) or dialling out (``_peers``).
+One task per connection: with TLS configured the TLS 1.3 handshake
+(``_tls``: the caller's certificate must come from the cluster CA), a
+``Pump`` over the stream, the hello (strictly checked; with TLS its name must
+be the certificate's) and the token handshake (``_auth``), then each request
+dispatched through ``HANDLERS``, a table checked against the peer protocol's
+requests when this module loads. Connections are capped, in all and per
+source address, before any handshake; one must finish the TLS handshake and
+say hello (and prove the token) within ``AUTH_TIMEOUT_S``, in frames of at
+most 4 KiB until then; once it proved the token every frame both ways is
+MACed (``Connection.secure``). A caller becomes a peer only if it showed the
+port's credentials and calls from the address it gives. Whatever goes wrong
+inside one connection (a failed TLS handshake too) ends that connection
+alone, logged once (failed handshakes: once a second at most): never the
+daemon. What must not live here: the region directory (``_regions``) or
+dialling out (``_peers``).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
-from p2pxfer._pump import Pump, TrioStream, bounded
+from p2pxfer._pump import ByteStream, Pump, TrioStream, bounded
 from p2pxfer.address import format_hostport, parse_hostport
-from p2pxfer.errors import ConnectionLost, InvalidArgument, P2PXferError
+from p2pxfer.errors import AuthenticationFailed, ConnectionLost, InvalidArgument, P2PXferError
 from p2pxfer.protocol import (
     PEER_REQUESTS,
     RESPONDER,
@@ -42,6 +46,7 @@ from p2pxfer.protocol import (
 
 from . import _auth
 from ._auth import Caller
+from ._tls import accept_tls
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -101,11 +106,12 @@ def _same_host(a: str, b: str) -> bool:
 
 
 def _known(d: Daemon, caller: Caller) -> None:
-    """A daemon that proved the cluster token can be reached back: no static
-    world. Nobody else is learnt (an open daemon learns no peer this way), and
-    only at the address it called from, while the table has room. With
-    membership on, the members are the peers: a caller must not add itself."""
-    if not (caller.proved and caller.name and caller.control) or caller.name in d.peers \
+    """A daemon that showed the port's credentials (the token, its
+    certificate) can be reached back: no static world. Nobody else is learnt
+    (an open daemon learns no peer this way), and only at the address it
+    called from, while the table has room. With membership on, the members
+    are the peers: a caller must not add itself."""
+    if not (caller.trusted and caller.name and caller.control) or caller.name in d.peers \
             or d.follower.enabled:
         return
     host = parse_hostport(caller.control)[0]
@@ -145,8 +151,8 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
             await stream.aclose()
         return
     counts[remote_host] += 1
-    pump = Pump(Connection("peer", RESPONDER, max_frame=cfg.max_frame),
-                TrioStream(stream, f"caller {remote}"), f"caller {remote}")
+    where = f"caller {remote}"
+    transport: ByteStream = TrioStream(stream, where)
     caller = Caller(remote, d.auth, d.node)
     caller.remote_host = remote_host
     # A caller that has not said hello (and proved the token, if one is set)
@@ -154,10 +160,20 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
     proving = trio.CancelScope(deadline=trio.current_time() + _auth.AUTH_TIMEOUT_S)
     try:
         with proving:
+            if d.tls is not None:
+                tls = await accept_tls(stream, d.tls, where)
+                transport, caller.cert_names = tls, tls.peer_names()
+            pump = Pump(Connection("peer", RESPONDER, max_frame=cfg.max_frame), transport,
+                        where)
             await _converse(d, pump, caller, proving)
         if proving.cancelled_caught:
             log.warning("peer.auth_timeout", caller=bounded(caller.name, 100), remote=remote,
                         seconds=_auth.AUTH_TIMEOUT_S)
+    except AuthenticationFailed as exc:  # the TLS handshake (or an alert after it)
+        skipped = d.tls_refusals.due(trio.current_time())
+        if skipped is not None:
+            log.warning("peer.tls_failed", remote=remote, error=bounded(str(exc)),
+                        not_logged=skipped)
     except ConnectionLost:
         return  # the caller went away
     except Exception as exc:  # this connection ends; the daemon serves on
@@ -167,7 +183,7 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
         counts[remote_host] -= 1
         if counts[remote_host] <= 0:
             del counts[remote_host]
-        await pump.aclose()
+        await transport.aclose()
 
 
 async def _converse(d: Daemon, pump: Pump, caller: Caller, proving: trio.CancelScope) -> None:
@@ -221,9 +237,10 @@ async def _welcome(d: Daemon, pump: Pump, caller: Caller, msg: Message,
         return False
     await pump.send("welcome", extra, v=SCHEMA_VERSION, node=d.node,
                     incarnation=d.incarnation, max_frame=d.config.max_frame)
-    if caller.authenticated:  # an open daemon: nothing more to prove
+    if caller.authenticated:  # open, or TLS alone: nothing more to prove
         pump.conn.lift_frame_limit()
         proving.deadline = math.inf
+        _known(d, caller)  # its certificate named it (an open daemon learns nobody)
     return True
 
 

@@ -4,8 +4,8 @@
 The parts, one concern each: ``_peers`` (peer table and links),
 ``_regions`` (exports, resolved descriptors, ``locate``), ``_follow``
 (membership, its watch log, ``PeerLost``), ``_writes`` (the write path),
-``_auth`` and ``_control`` (the control port), ``_sessions`` (clients on the
-unix socket), all over ``p2pxfer._pump``. ``Daemon`` holds them and answers
+``_auth``, ``_tls`` and ``_control`` (the control port), ``_sessions``
+(clients on the unix socket), all over ``p2pxfer._pump``. ``Daemon`` holds them and answers
 ``status`` and ``peers``. What must not live here: protocol rules
 (``p2pxfer.protocol``), the data path (``p2pxfer.engine``), or any one
 part's state.
@@ -40,12 +40,13 @@ from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
 from ._regions import Regions
+from ._tls import TlsCredentials, config_tls
 from ._writes import Writes
 
 if TYPE_CHECKING:
     from ._sessions import ClientSession
 
-__all__ = ["Daemon", "check_exposure", "raise_fd_limit", "serve"]
+__all__ = ["Daemon", "check_exposure", "credentials", "raise_fd_limit", "serve"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
@@ -56,9 +57,18 @@ STOP_MEMBERSHIP_S = 2.0  # at most this long saying goodbye on the way out
 SHUTDOWN_GRACE_S = 2.0
 FD_LIMIT_CAP = 1 << 20  # what we raise RLIMIT_NOFILE to when the hard limit is unlimited
 
-OPEN_WARNING = ("no cluster_token: the control port is OPEN: any process that reaches "
-                "it can resolve regions and write into clients' memory (allowed only "
-                "because every address is loopback)")
+OPEN_WARNING = ("no cluster_token and no TLS: the control port is OPEN: any process that "
+                "reaches it can resolve regions and write into clients' memory (allowed "
+                "only because every address is loopback)")
+#: what ``status`` says of each credentials mode of the control port
+SECURITY = {"token": "cluster token", "tls": "mutual TLS",
+            "tls+token": "mutual TLS + cluster token"}
+
+
+def credentials(config: DaemonConfig) -> str:
+    """The control port's credentials: "open", "token", "tls" or "tls+token"."""
+    modes = [m for m, on in (("tls", config.tls), ("token", bool(config.cluster_token))) if on]
+    return "+".join(modes) or "open"
 
 
 def _loopback(host: str) -> bool:
@@ -71,11 +81,11 @@ def _loopback(host: str) -> bool:
 
 
 def check_exposure(config: DaemonConfig) -> bool:
-    """Whether the daemon runs open (no cluster token). Open is allowed only
-    when every address it listens on is loopback: the control host, and the
-    fabric's (``fabric_node``; empty means every interface), unless the
-    provider is ``shm`` (no network). Otherwise ``InvalidArgument``."""
-    if config.cluster_token:
+    """Whether the daemon runs open (neither a cluster token nor TLS). Open
+    is allowed only when every address it listens on is loopback: the control
+    host, and the fabric's (``fabric_node``; empty means every interface),
+    unless the provider is ``shm`` (no network). Otherwise ``InvalidArgument``."""
+    if config.cluster_token or config.tls:
         return False
     exposed = []
     if not _loopback(parse_hostport(config.control)[0]):
@@ -86,7 +96,8 @@ def check_exposure(config: DaemonConfig) -> bool:
         raise InvalidArgument(f"refusing to start without a cluster_token on a non-loopback "
                               f"address ({', '.join(exposed)}): anyone who reaches it could "
                               "write into clients' memory; set cluster_token (the same "
-                              "secret on every daemon), or bind to 127.0.0.1")
+                              "secret on every daemon) and/or tls_ca, tls_cert and tls_key "
+                              "(p2pxfer certs), or bind to 127.0.0.1")
     return True
 
 
@@ -108,7 +119,8 @@ def raise_fd_limit() -> int:
 class Daemon:
     """One node daemon's parts; run it with :func:`serve` / ``nursery.start``."""
 
-    def __init__(self, config: DaemonConfig, engine: Engine) -> None:
+    def __init__(self, config: DaemonConfig, engine: Engine,
+                 tls: TlsCredentials | None = None) -> None:
         self.config = config
         self.engine = engine
         self.node = config.node
@@ -116,8 +128,12 @@ class Daemon:
         #: proves and checks the cluster token on control connections (None:
         #: no token configured, connections are not authenticated)
         self.auth = ClusterAuth(config.cluster_token.encode()) if config.cluster_token else None
+        #: mutual TLS on control connections (None: not configured); ``serve``
+        #: loads it before the engine opens, else it is loaded here
+        self.tls = tls if tls is not None else config_tls(config)
         self.peers = PeerTable(self.node, config.peers, auth=self.auth,
-                               max_frame=config.max_frame, max_peers=config.max_peers)
+                               max_frame=config.max_frame, max_peers=config.max_peers,
+                               tls=self.tls)
         self.regions = Regions(self.node, self.peers)
         self.follower = Follower(self.node, self.peers)
         self.regions.reachable = self.follower.running
@@ -129,11 +145,15 @@ class Daemon:
         self.sessions: set[ClientSession] = set()
         #: (st_dev, st_ino) of our unix socket, so we remove only our own
         self.socket_identity: tuple[int, int] | None = None
-        self.open = config.cluster_token == ""
+        #: "open", "token", "tls" or "tls+token" (``status`` says it)
+        self.credentials = credentials(config)
+        self.open = self.credentials == "open"
         #: control connections being served, per source address
         self.control_connections: Counter[str] = Counter()
         #: connections refused for a cap: logged once a second at most
         self.refusals = LogThrottle()
+        #: failed TLS handshakes: logged once a second at most
+        self.tls_refusals = LogThrottle()
         self._nursery: trio.Nursery | None = None
         #: Prometheus metrics (None: ``metrics`` is not configured)
         self.metrics: DaemonMetrics | None = None
@@ -187,7 +207,8 @@ class Daemon:
             "provider": self.engine.config.provider,
             "clients": len(self.sessions),
             "regions": regions,
-            "security": f"open: {OPEN_WARNING}" if self.open else "cluster token",
+            "security": f"open: {OPEN_WARNING}" if self.open else SECURITY[self.credentials],
+            "credentials": self.credentials,
             "peers": self.peer_list(),
             "membership": self.config.membership,
             "membership_stats": {} if backend is None else backend.statistics(),
@@ -226,8 +247,11 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     ``STOP_MEMBERSHIP_S``), cancels every task, and whatever still runs
     ``SHUTDOWN_GRACE_S`` after stopping began (a write waiting for pieces
     posted to a silent peer) is failed by closing the engine under it.
-    Refuses (``InvalidArgument``) to run open on a non-loopback address."""
+    Refuses (``InvalidArgument``) to run open on a non-loopback address, and
+    (``ConfigError``, naming the file) to start with TLS files that are not
+    right."""
     is_open = check_exposure(config)
+    tls = config_tls(config)  # a bad credentials file stops us before anything opens
     fd_limit = raise_fd_limit()
     engine_cfg = EngineConfig(
         provider=config.provider, node=config.fabric_node or None,
@@ -244,7 +268,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as guard:
             try:
                 async with trio.open_nursery() as nursery:
-                    daemon = Daemon(config, engine)
+                    daemon = Daemon(config, engine, tls)
                     daemon.nursery = nursery
                     sock = await _start(daemon, nursery, fd_limit)
                     if is_open:  # said once it runs, so a failed start says one line
@@ -292,7 +316,7 @@ async def _start(daemon: Daemon, nursery: trio.Nursery,
     log.info("daemon.ready", node=daemon.node, socket=config.socket,
              control=daemon.control_address, provider=config.provider,
              membership=config.membership, fd_limit=fd_limit,
-             security="open" if daemon.open else "cluster token")
+             credentials=daemon.credentials)
     return sock
 
 

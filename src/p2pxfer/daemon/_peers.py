@@ -32,6 +32,7 @@ from p2pxfer.protocol import Message, error_from_wire, is_fatal
 
 from ._config import PeerAddress
 from ._dial import dial_peer
+from ._tls import TlsCredentials
 
 __all__ = ["LINK_IDLE_S", "PEER_TIMEOUT_S", "PeerLink", "PeerTable"]
 
@@ -67,8 +68,9 @@ class PeerLink:
     async def request(self, kind: str, **fields: Any) -> dict[str, Any]:
         """One request and its result. ``RemoteClosed`` when the peer cannot
         be asked (within ``PEER_TIMEOUT_S``); ``AuthenticationFailed`` when
-        the two of us cannot prove the token; the peer's error answers as
-        their exceptions (a fatal one also drops the connection)."""
+        the two of us cannot prove the token (or TLS refused a certificate);
+        the peer's error answers as their exceptions (a fatal one also drops
+        the connection)."""
         self.last_used = trio.current_time()
         async with self._lock:
             try:
@@ -126,7 +128,7 @@ class PeerLink:
     async def _dial(self) -> Pump:
         t = self.table
         return await dial_peer(self.address, name=t.node, expect=self.peer.name, auth=t.auth,
-                               control=t.control_address, max_frame=t.max_frame)
+                               tls=t.tls, control=t.control_address, max_frame=t.max_frame)
 
     async def close(self) -> None:
         async with self._lock:
@@ -142,10 +144,12 @@ class PeerTable:
     """Peers by name, and the links to them."""
 
     def __init__(self, node: str, peers: tuple[PeerAddress, ...], *,
-                 auth: ClusterAuth | None, max_frame: int, max_peers: int = 4096) -> None:
+                 auth: ClusterAuth | None, max_frame: int, max_peers: int = 4096,
+                 tls: TlsCredentials | None = None) -> None:
         self.node = node
         self.max_peers = max_peers
         self.auth = auth
+        self.tls = tls
         self.max_frame = max_frame
         self.control_address = ""  # ours, once listening: said in every hello
         self.peers: dict[str, PeerAddress] = {p.name: p for p in peers}
