@@ -94,6 +94,13 @@ class DaemonConfig:
     #: verbs run (4 bytes of CQ data: 20-bit values, KV counted per request);
     #: 0: as wide as the provider carries
     imm_bytes: int = 0
+    #: a write into a region exported by a client of this same daemon is a
+    #: copy between the two shared mappings, not a trip through the provider
+    #: (false: every write goes through the engine)
+    local_copy: bool = True
+    #: threads one large same-daemon copy is split over, and the most that
+    #: copy at once; 0: the CPUs of the daemon's first NUMA node (at most 8)
+    local_copy_threads: int = 0
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -181,6 +188,12 @@ def _int(key: str, v: Any, low: int) -> int:
         raise ConfigError(f"{key} must be an integer, got {v!r}")
     if v < low:
         raise ConfigError(f"{key} must be >= {low}, got {v}")
+    return v
+
+
+def _bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} must be true or false, got {v!r}")
     return v
 
 
@@ -289,5 +302,7 @@ _CHECKS: dict[str, Any] = {
     "max_clients": lambda k, v: _int(k, v, 1),
     "max_peers": lambda k, v: _int(k, v, 1),
     "imm_bytes": lambda k, v: _one_of(k, _int(k, v, 0), (0, 4, 8)),
+    "local_copy": _bool,
+    "local_copy_threads": lambda k, v: _int(k, v, 0),
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"
