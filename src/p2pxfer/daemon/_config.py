@@ -98,8 +98,8 @@ class DaemonConfig:
     #: copy between the two shared mappings, not a trip through the provider
     #: (false: every write goes through the engine)
     local_copy: bool = True
-    #: threads one large same-daemon copy is split over, and the most that
-    #: copy at once; 0: the CPUs of the daemon's first NUMA node (at most 8)
+    #: threads one large (>= 4 MiB) same-daemon copy is split over; 0: half
+    #: the CPUs of the daemon's first NUMA node (at least 1, at most 8)
     local_copy_threads: int = 0
 
     @classmethod

@@ -62,16 +62,20 @@ log = structlog.get_logger("p2pxfer.daemon")
 INLINE_MAX = 256 << 10
 #: copies from this many bytes on are split over the configured threads
 PARALLEL_MIN = 4 << 20
-#: ``local_copy_threads = 0`` uses the CPUs of the daemon's first NUMA node, at
-#: most this many (a node's memory bandwidth is spent by a few copying threads)
+#: ``local_copy_threads = 0`` uses half the CPUs of the daemon's first NUMA
+#: node, at most this many (a node's memory bandwidth is spent by a few
+#: copying threads)
 MAX_AUTO_THREADS = 8
 
 
 def auto_threads(node_cpus: tuple[int, ...]) -> int:
-    """Threads for ``local_copy_threads = 0``: the CPUs of the daemon's node
-    (else the CPUs it may run on), at least 1, at most MAX_AUTO_THREADS."""
+    """Threads for ``local_copy_threads = 0``: half the CPUs of the daemon's
+    node (else of those it may run on), at least 1, at most MAX_AUTO_THREADS.
+    Half, because the clients and the engine's pollers run there too: on a
+    2-CPU machine, 2 copy threads moved 64 MiB at 0.66 of memcpy, 1 at 0.83
+    (``bench/same_daemon.py``)."""
     n = len(node_cpus) or len(os.sched_getaffinity(0))
-    return max(1, min(n, MAX_AUTO_THREADS))
+    return max(1, min(n // 2, MAX_AUTO_THREADS))
 
 
 @dataclass(eq=False)
