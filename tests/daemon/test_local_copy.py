@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Iterator
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +30,10 @@ import pytest
 import trio
 
 import p2pxfer
-from daemon_helpers import LOOPBACK, Agent, DaemonProc, Plan, free_port, start_daemon
+from daemon_helpers import LOOPBACK, Agent, DaemonProc, Plan, RawConn, free_port, start_daemon
 from p2pxfer.errors import InvalidArgument, ScatterError, UnknownRegion, WaitTimeout
 from p2pxfer.fabric import CopyStop, copy_scatter
+from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
 
 TIMEOUT = 60.0
@@ -350,3 +355,71 @@ async def test_local_copy_off_goes_through_the_engine(nocopy: DaemonProc) -> Non
             after = await writer.status()
             assert engine_posted(after)[1] - engine_posted(before)[1] == 1 << 20
             assert after["local_copy"]["writes"] == 0
+
+
+NOBODY = 65534
+
+
+def _as_nobody(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a forked child running as uid nobody; its result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            out: Any = fn()
+        except BaseException as exc:
+            out = ("raised", f"{type(exc).__name__}: {exc}")
+        os.write(w, pickle.dumps(out))
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return pickle.loads(data)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_another_uid_cannot_copy_into_a_region() -> None:
+    """uid isolation holds on the copy path, by node name and by an alias."""
+    workdir = Path(tempfile.mkdtemp(prefix="p2pxfer-lc-", dir="/tmp"))
+    workdir.chmod(0o755)
+    port = free_port()
+    d = start_daemon(workdir, "lc-iso", control_port=port, allowed_uids=[NOBODY],
+                     peers=[{"name": "me", "address": f"{LOOPBACK}:{port}"}])
+    try:
+        with RawConn(d.socket) as owner:
+            owner.hello()
+            fd = os.memfd_create("lc", os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, 1 << 16)
+            mem = owner.request({"t": "share", "id": 1, "size": 1 << 16},
+                                fds=[fd])["result"]["mem"]
+            os.close(fd)
+            assert owner.request({"t": "export", "id": 2, "name": "roots", "mem": mem,
+                                  "offset": 0, "length": 1 << 16})["t"] == "ok"
+            before = d.status()["local_copy"]["writes"]
+
+            def intruder() -> list[str]:
+                with RawConn(d.socket) as c:
+                    c.hello()
+                    fd = os.memfd_create("lc", os.MFD_ALLOW_SEALING)
+                    os.ftruncate(fd, 1 << 16)
+                    mem = c.request({"t": "share", "id": 1, "size": 1 << 16},
+                                    fds=[fd])["result"]["mem"]
+                    scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
+                    return [c.request({"t": "write", "id": 2 + i, "peer": peer,
+                                       "region": "roots", "mem": mem, "offset": 0,
+                                       "scatter": scatter})["code"]
+                            for i, peer in enumerate(("lc-iso", "me"))]
+
+            assert _as_nobody(intruder) == ["unknown_region", "unknown_region"]
+            assert d.status()["local_copy"]["writes"] == before
+        assert d.alive()
+    finally:
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -3,7 +3,7 @@ this same daemon exported is a copy between the two shared mappings (both
 mapped in this process), not a trip through a libfabric provider.
 
 ``LocalCopies`` knows every export of this daemon's clients as a ``Target``
-(the owner's session, its shared memory, the span and the immediate slot)
+(the owner's shared memory, the span and the immediate slot)
 and runs a write into one: the same checks as the fabric path (the writer's
 uid may write into it: ``ClientSession.may_write_into``; the scatter list
 against both sizes: ``ScatterList.check_bounds``), then ``copy_scatter`` (C,
@@ -91,7 +91,6 @@ class Target:
     """A region one of this daemon's clients exported, as a local write sees it."""
 
     name: str
-    owner: ClientSession
     mem: SharedMap
     offset: int
     length: int
@@ -119,9 +118,9 @@ class LocalCopies:
 
     # -- targets ------------------------------------------------------------------------
 
-    def add(self, name: str, owner: ClientSession, mem: SharedMap, offset: int, length: int,
-            slot: int) -> None:
-        self._targets[name] = Target(name, owner, mem, offset, length, slot)
+    def add(self, name: str, mem: SharedMap, offset: int, length: int, slot: int) -> None:
+        """Client memory ``mem[offset:offset + length]`` is exported as ``name``."""
+        self._targets[name] = Target(name, mem, offset, length, slot)
 
     def has(self, name: str) -> bool:
         return name in self._targets

@@ -261,7 +261,7 @@ class ClientSession:
             d.imms.free(slot)
             raise
         d.regions.add_export(name, self.label, desc, slot)
-        d.writes.local.add(name, self, mem, offset, desc.length, slot)
+        d.writes.local.add(name, mem, offset, desc.length, slot)
         self.exports[name] = mem.id
         self.slots[name] = slot
         log.info("region.exported", client=self.label, region=name, nbytes=desc.length)
