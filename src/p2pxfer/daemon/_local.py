@@ -72,8 +72,8 @@ def auto_threads(node_cpus: tuple[int, ...]) -> int:
     """Threads for ``local_copy_threads = 0``: half the CPUs of the daemon's
     node (else of those it may run on), at least 1, at most MAX_AUTO_THREADS.
     Half, because the clients and the engine's pollers run there too: on a
-    2-CPU machine, 2 copy threads moved 64 MiB at 0.66 of memcpy, 1 at 0.83
-    (``bench/same_daemon.py``)."""
+    2-CPU machine, 2 copy threads moved 64 MiB at 0.65-0.66 of memcpy, 1 at
+    0.83-0.93 (``bench/same_daemon.py``, two runs)."""
     n = len(node_cpus) or len(os.sched_getaffinity(0))
     return max(1, min(n // 2, MAX_AUTO_THREADS))
 
