@@ -329,6 +329,19 @@ async def test_cancelled_copy_stops_reading_the_buffer(solo: DaemonProc) -> None
             assert (await writer.status())["transfers_in_flight"] == 0
 
 
+def test_bench_scenario_same_daemon(solo: DaemonProc) -> None:
+    """The bench's ``same-daemon`` scenario: ratios to memcpy, nothing posted."""
+    from p2pxfer.bench import run_scenario
+
+    recs = run_scenario("same-daemon", socket=solo.socket, size=4 << 20, page_size=64 << 10,
+                        rounds=2, warmup=1)
+    assert [r["pages"] for r in recs] == [1, 64]
+    assert [r["pieces"] for r in recs] == [8, 64]  # 4 MiB cut for the 2 threads
+    for r in recs:
+        assert r["local_copy"] and r["threads"] == 2 and r["engine_bytes_posted"] == 0
+        assert r["gbps"] > 0 and r["memcpy_gbps"] > 0 and r["ratio_to_memcpy"] > 0
+
+
 @pytest.fixture
 def nocopy(tmp_path: Path) -> Iterator[DaemonProc]:
     d = start_daemon(tmp_path, "nocopy", local_copy=False)
