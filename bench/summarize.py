@@ -5,7 +5,7 @@ Reads both kinds of JSON the benchmarks write: lists of ``p2pxfer bench``
 records (``p2pxfer bench --json``, ``python -m p2pxfer.bench write``,
 ``bench/daemon.py``'s daemon.json) and scenario documents
 (``{"benchmark", "results"}``: latency, dry-run, idle, kv, control round trip,
-membership). A size sweep adds a few representative sizes to the main table
+same-daemon, membership). A size sweep adds a few representative sizes to the main table
 and all of them to a sweep table.
 
     python bench/summarize.py FILES...                  # the main table
@@ -93,7 +93,12 @@ def scenario_rows(doc: dict[str, Any]) -> list[str]:
     for r in doc["results"]:
         name = f"{doc['benchmark']}: {r['pattern']}"
         p = r.get("provider", "")
-        if "gbps" in r:  # kv push
+        if "memcpy_gbps" in r:  # same-daemon: ours against memcpy of the same bytes
+            out.append(_row(p, name, _gb(r["gbps"]), _gb(r["memcpy_gbps"]) + " (memcpy)",
+                            f"**{r['ratio_to_memcpy']:.2f}**", "-", "-",
+                            f"{r['pieces']} pieces; p50 {r['p50_us']:.0f} us; engine posted "
+                            f"{r['engine_bytes_posted']} bytes"))
+        elif "gbps" in r:  # kv push
             out.append(_row(p, name, _gb(r["gbps"]), _gb(r["baseline_gbps"]),
                             f"**{r['gbps'] / r['baseline_gbps']:.2f}**", "-", _cpu(r),
                             f"first layer after {r['time_to_first_layer_ms']:.1f} ms"))
@@ -205,6 +210,8 @@ def check(paths: list[str], expect_mooncake: bool) -> list[str]:
                 if any(k in r for k in ("baseline_gbps", "baseline_p50_us")) \
                         and not (r.get("ratio") or r.get("baseline_gbps")):
                     problems.append(f"{path}: {r.get('pattern')}: no ratio to the C reference")
+                if "memcpy_gbps" in r and not (r.get("ratio_to_memcpy") or 0) > 0:
+                    problems.append(f"{path}: {r.get('pattern')}: no ratio to memcpy")
     return problems
 
 

@@ -379,3 +379,30 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
         p->backoff_ns = 0;
     return nruns;
 }
+
+/* The same-daemon fast path: copy pieces [start, end) of a scatter list from
+ * src to dst, both mappings of this process. memmove, not memcpy: a client may
+ * write from one part of its memory into another. Every piece is checked
+ * against both sizes again before it is touched (the caller validated the list
+ * already; this keeps a bug there from becoming a stray write), and *stop is
+ * read between pieces, never inside one: a stopped copy leaves whole pieces.
+ * Returns the pieces copied; *bad is the index of a piece out of bounds (the
+ * copy stops there), else -1. Touches no Python object: called without the GIL. */
+int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t src_size,
+                         const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                         int64_t start, int64_t end, const int32_t *stop, int64_t *bad)
+{
+    int64_t i;
+    *bad = -1;
+    for (i = start; i < end; i++) {
+        int64_t l = len[i], s = src_off[i], d = dst_off[i];
+        if (__atomic_load_n(stop, __ATOMIC_ACQUIRE))
+            break;
+        if (l <= 0 || s < 0 || d < 0 || s > src_size - l || d > dst_size - l) {
+            *bad = i;
+            break;
+        }
+        memmove(dst + d, src + s, (size_t)l);
+    }
+    return i - start;
+}

@@ -9,7 +9,9 @@
 - ``kv``: ``push_pages`` of whole layers against the C-to-C reference writing
   the same expanded pieces, time to first layer, and the CPU to describe and
   submit a 112,000-page request (dry run);
-- ``control_rtt``: a no-op request (``peers``) through a running daemon.
+- ``control_rtt``: a no-op request (``peers``) through a running daemon;
+- ``same-daemon`` (``_local``): a write between two clients of one daemon
+  (its copy fast path) against memcpy of the same bytes.
 
 Each returns JSON-ready records (``run_scenario`` runs one under trio). Our
 side always runs through the engine (or a client and its daemon); targets run
@@ -34,6 +36,7 @@ from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
+from ._local import same_daemon
 from ._measure import Reference
 from ._options import BenchConfigError, format_size
 from ._reference import (
@@ -247,6 +250,7 @@ async def control_rtt(socket: str, n: int = 500) -> list[Record]:
 
 SCENARIOS: dict[str, Callable[..., Awaitable[list[Record]]]] = {
     "dry-run": dry_run, "latency": latency, "idle": idle, "kv": kv, "control-rtt": control_rtt,
+    "same-daemon": same_daemon,
 }
 
 

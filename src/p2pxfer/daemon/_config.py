@@ -105,6 +105,13 @@ class DaemonConfig:
     #: client asks for less; past it the write fails ``transfer_failed``
     #: and nothing of it stays posted
     write_timeout_s: float = 60.0
+    #: a write into a region exported by a client of this same daemon is a
+    #: copy between the two shared mappings, not a trip through the provider
+    #: (false: every write goes through the engine)
+    local_copy: bool = True
+    #: threads one large (>= 4 MiB) same-daemon copy is split over; 0: half
+    #: the CPUs of the daemon's first NUMA node (at least 1, at most 8)
+    local_copy_threads: int = 0
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -212,6 +219,12 @@ def _seconds(key: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 86400:
         raise ConfigError(f"{key} must be a number of seconds > 0 (at most a day), got {v!r}")
     return float(v)
+
+
+def _bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} must be true or false, got {v!r}")
+    return v
 
 
 def _one_of(key: str, v: int, allowed: tuple[int, ...]) -> int:
@@ -323,5 +336,7 @@ _CHECKS: dict[str, Any] = {
     "max_peers": lambda k, v: _int(k, v, 1),
     "imm_bytes": lambda k, v: _one_of(k, _int(k, v, 0), (0, 4, 8)),
     "write_timeout_s": _seconds,
+    "local_copy": _bool,
+    "local_copy_threads": lambda k, v: _int(k, v, 0),
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"

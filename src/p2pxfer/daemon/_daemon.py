@@ -218,6 +218,7 @@ class Daemon:
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],
+            "local_copy": self.writes.local.statistics(),
             "rails": rails(self.engine),
             "links": self.peers.link_states(),
             "notes": self.notes,

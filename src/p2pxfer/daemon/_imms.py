@@ -81,6 +81,12 @@ class ImmTable:
         """The immediate that reaches ``slot`` on its owner's node with ``value``."""
         return slot << self.value_bits | self.check_value(value)
 
+    def deliver(self, imm: int, count: int) -> None:
+        """``count`` pieces carrying ``imm`` landed without the fabric (the
+        same-daemon copy, ``_local``): routed and counted exactly as if the
+        engine had read them from a CQ."""
+        self._arrival(imm, count)
+
     def _arrival(self, imm: int, count: int) -> None:
         sink = self._sinks.get(imm >> self.value_bits)
         if sink is None:

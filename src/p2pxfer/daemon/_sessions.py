@@ -123,7 +123,7 @@ class ClientSession:
                 if self.stream.flooded:
                     log.warning("client.fd_flood", client=self.label,
                                 error="sent more file descriptors than share requests allow")
-                self._release()
+                await self._release()
                 await self.stream.aclose()
             log.info("client.gone", client=self.label)
 
@@ -282,6 +282,7 @@ class ClientSession:
             d.imms.free(slot)
             raise
         d.regions.add_export(name, self.label, desc, slot)
+        d.writes.local.add(name, mem, offset, desc.length, slot)
         self.exports[name] = mem.id
         self.slots[name] = slot
         if grants:
@@ -290,9 +291,13 @@ class ClientSession:
                  writers=sorted(grants))
         return desc.to_wire()
 
-    def unexport(self, name: str) -> None:
+    async def unexport(self, name: str) -> None:
+        """Unexport ``name``; a copy into it from a client of this daemon is
+        stopped first, and waited for (``_local``): once this returns no
+        byte lands in the region's memory from here."""
         if name not in self.exports:
             raise UnknownRegion(f"this client exported no {name!r}")
+        await self.daemon.writes.local.remove(name)
         del self.exports[name]
         self.grants.pop(name, None)
         if self.kv_pools.get(name) is not None and self.kv_pools[name].receive:
@@ -302,11 +307,12 @@ class ClientSession:
         self.daemon.regions.remove_export(name)
         self.daemon.engine.unexport(name)
 
-    def _release(self) -> None:
-        """The client is gone: drop its exports, registrations and mappings."""
+    async def _release(self) -> None:
+        """The client is gone: drop its exports (once copies into them have
+        stopped), registrations and mappings. Runs shielded."""
         for name in list(self.exports):
             try:
-                self.unexport(name)
+                await self.unexport(name)
             except P2PXferError as exc:
                 log.warning("region.unexport_failed", region=name, error=bounded(str(exc)))
         self.kv_pools.clear()
@@ -337,7 +343,7 @@ async def _export(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
-    s.unexport(msg["name"])
+    await s.unexport(msg["name"])
     return {}
 
 
@@ -347,7 +353,7 @@ async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
     src = s.mem(msg["mem"]).view(msg["offset"])
     scatter = ScatterList(*unpack_scatter(msg["scatter"]))
     pieces = await s.daemon.writes.write(s.label, src, scatter, msg["peer"], msg["region"],
-                                         msg.get("imm"))
+                                         msg.get("imm"), session=s)
     return {"pieces": pieces}
 
 

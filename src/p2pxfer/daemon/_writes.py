@@ -1,5 +1,8 @@
 """The write path: one client's ``write`` from its shared memory into a region
-on a peer (or on this node), on the engine.
+on a peer (or on this node), on the engine; or, when a client of this same
+daemon exports the region (named by this node's name, or by a peer name
+whose descriptor turns out to be ours), a copy (``_local``, unless the config
+says ``local_copy = false``).
 
 The destination is resolved through the region directory (cached); with
 membership on, the peer must be running and the descriptor stamped with its
@@ -7,13 +10,13 @@ running life, and a verdict of dead, left or restarted while the write runs
 fails it with ``PeerLost``. A write whose transfer fails looks the region up
 afresh, so the caller hears ``unknown_region`` (gone) or ``PeerLost`` (its
 node died) rather than a bare transport error. What must not live here:
-posting or completions (``p2pxfer.engine``).
+posting or completions (``p2pxfer.engine``), the copy itself (``_local``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
@@ -22,10 +25,12 @@ from p2pxfer.errors import PeerLost, RemoteClosed, TransferError, TransferTimeou
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
+from ._local import LocalCopies, auto_threads
 from ._peers import PEER_TIMEOUT_S
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
+    from ._sessions import ClientSession
 
 __all__ = ["Writes"]
 
@@ -38,20 +43,28 @@ class Writes:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
         self.in_flight = 0
+        config = daemon.config
+        threads = config.local_copy_threads or auto_threads(_node_cpus(daemon.engine))
+        #: the same-daemon fast path
+        self.local = LocalCopies(daemon, enabled=config.local_copy, threads=threads)
 
     async def write(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
-                    region: str, imm: int | None) -> int:
+                    region: str, imm: int | None, *,
+                    session: ClientSession | None = None) -> int:
         """Write ``scatter`` from ``src`` into ``region`` on ``peer``; the
         pieces written, once all have landed. ``imm`` is the client's value:
         each piece carries it with the region's slot (``_imms``), so only
-        the region's owner counts it."""
+        the region's owner counts it. ``session`` (the writer) makes a write
+        into a region of this daemon's clients a copy (``_local``)."""
         d = self.d
         if imm is not None:
             d.imms.check_value(imm)
+        if peer == d.node and session is not None and self.local.enabled:
+            return await self._copy(session, src, scatter, region, imm)
         follower = d.follower
         if not follower.enabled:
             desc = await d.regions.resolve(peer, region)
-            return await self._run(client, src, scatter, peer, region, desc, imm)
+            return await self._run(client, src, scatter, peer, region, desc, imm, session)
         follower.check_peer(peer)
         with follower.track_write(peer):
             desc = await d.regions.resolve(peer, region)
@@ -60,12 +73,38 @@ class Writes:
             except PeerLost:
                 d.regions.forget(peer, region)
                 raise
-            return await self._run(client, src, scatter, peer, region, desc, imm)
+            return await self._run(client, src, scatter, peer, region, desc, imm, session)
         raise AssertionError("unreachable")  # track_write raised PeerLost
 
+    async def _copy(self, session: ClientSession, src: memoryview, scatter: ScatterList,
+                    region: str, imm: int | None) -> int:
+        """A write into a region of this daemon's clients: a copy."""
+        self.in_flight += 1
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            pieces = await self.local.write(session, src, scatter, region, imm)
+            ok = True
+        finally:
+            self.in_flight -= 1
+            if self.d.metrics is not None:
+                self.d.metrics.observe_write(time.perf_counter() - t0, ok)
+        log.debug("transfer.complete", client=session.label, peer=self.d.node, region=region,
+                  nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0,
+                  path="local-copy")
+        return pieces
+
     async def _run(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
-                   region: str, desc: RegionDescriptor, imm: int | None) -> int:
+                   region: str, desc: RegionDescriptor, imm: int | None,
+                   session: ClientSession | None = None) -> int:
         d = self.d
+        if session is not None and self.local.enabled and desc.node == d.node \
+                and desc.incarnation == d.incarnation:
+            # ``peer`` names this daemon (an alias of ours): the same copy as a
+            # write naming our own node, into the export of that name now.
+            if not self.local.has(desc.name):
+                d.regions.forget(peer, region)
+            return await self._copy(session, src, scatter, desc.name, imm)
         self.in_flight += 1
         t0 = time.perf_counter()
         ok = False
@@ -138,3 +177,9 @@ class Writes:
             backend.suspect(peer)
             await trio.sleep(backend.detection_bound())
         return fresh
+
+
+def _node_cpus(engine: Any) -> tuple[int, ...]:
+    """The CPUs of the engine's first shard's NUMA node (empty if unknown)."""
+    shards = getattr(getattr(engine, "topology", None), "shards", ())
+    return tuple(shards[0].cpus) if shards else ()

@@ -9,6 +9,8 @@ from ._check import INT64_MAX as INT64_MAX
 from ._check import ScatterCheck as ScatterCheck
 from ._check import address_of as address_of
 from ._check import check_scatter as check_scatter
+from ._copy import CopyStop as CopyStop
+from ._copy import copy_scatter as copy_scatter
 from ._info import DELIVERY_COMPLETE as DELIVERY_COMPLETE
 from ._info import SUPPORTED_MR_MODE as SUPPORTED_MR_MODE
 from ._info import FabricInfo as FabricInfo
