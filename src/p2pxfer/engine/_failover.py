@@ -46,13 +46,16 @@ from ._state import PairStats
 if TYPE_CHECKING:
     from ._state import TransferState
 
-__all__ = ["NOTIFY_BYTES", "Failover"]
+__all__ = ["EAGER_NOTIFY_BYTES", "NOTIFY_BYTES", "Failover"]
 
 log = structlog.get_logger("p2pxfer.engine")
 
 #: a notification re-writes at most this many bytes of the write's first piece
 #: (bytes the source still holds: harmless), carrying the immediate
 NOTIFY_BYTES = 8
+#: a notification may ride right behind at most this much unacknowledged data
+#: (``Failover.notify_pair``)
+EAGER_NOTIFY_BYTES = 256 << 10
 
 
 def pair_of(tr: TransferState, i: int) -> PairKey:
@@ -100,32 +103,59 @@ class Failover:
 
     # -- notification -------------------------------------------------------------
 
-    def notify(self, tr: TransferState, now: float, wake_fd: int) -> None:
-        """Every piece of notify-mode ``tr`` landed: add its notification and
-        post it now if the TX queue takes it (one non-blocking pass, from
-        either thread), else queue it ahead of its destination's other writes
-        and wake the poller thread."""
-        self._add_notification(tr, now)
+    def notify_pair(self, tr: TransferState, now: float) -> Target | None:
+        """Where notify-mode ``tr``'s notification may go now, or None (not
+        yet). Once every share landed: any up pair. Sooner, when only one
+        pair still has pieces of it in flight, all posted, at most
+        ``EAGER_NOTIFY_BYTES``, on a rail that places one peer's writes in
+        order: that pair, right behind them (its delivery-complete then
+        covers them too), saving a round trip for small writes. Not for
+        larger ones: a notification in flight is never re-sent, so if that
+        pair failed the write would end ``NotificationUnknown`` instead of
+        failing over."""
+        b = tr.w.batch
+        open_keys: set[PairKey] = set()
+        unposted, nbytes = False, 0
+        progress = b.progress()
+        for i in range(len(b)):
+            total = b.tails[i] - b.starts[i]
+            if i not in b.dead and tr.cdone[i] < total:
+                open_keys.add(pair_of(tr, i))
+                unposted = unposted or tr.seen[i] < total
+                nbytes += progress[i][2]
+        ups = [t for t in tr.w.targets if self.health.usable(t.key, now, probe=False)]
+        if not open_keys:
+            return ups[0] if ups else tr.w.targets[0]
+        if len(open_keys) == 1 and not unposted and nbytes <= EAGER_NOTIFY_BYTES:
+            t = next((t for t in ups if t.key in open_keys), None)
+            if t is not None and t.rail.ordered:
+                return t
+        return None
+
+    def notify(self, tr: TransferState, t: Target, wake_fd: int) -> None:
+        """Add notify-mode ``tr``'s notification on ``t`` and post it now if
+        the TX queue takes it (one non-blocking pass, from either thread),
+        else queue it ahead of its destination's other writes and wake the
+        poller thread."""
+        self._add_notification(tr, t)
         batch = tr.w.batch
         batch.refresh()
         left = True
         if batch.window(self._queues.room(tr)):
             left = batch.post_once()
             self._queues.note_posted(tr)
-        if left or not batch.posted or batch.failures():
+        if (left or not batch.posted or batch.failures()) and not self._queues.holds(tr):
             self._queues.push_front(tr)
             os.eventfd_write(wake_fd, 1)
 
-    def _add_notification(self, tr: TransferState, now: float) -> None:
+    def _add_notification(self, tr: TransferState, t: Target) -> None:
         """The one notification: a delivery-complete write of the first
-        piece's first bytes carrying the immediate, on an up pair."""
+        piece's first bytes carrying the immediate."""
         w = tr.w
-        t = next((t for t in w.targets if self.health.usable(t.key, now, probe=False)),
-                 w.targets[0])
         src, dst, length = w.arrays
         arrays = (np.array(src[:1], np.int64), np.array(dst[:1], np.int64),
                   np.minimum(np.array(length[:1], np.int64), NOTIFY_BYTES))
-        tr.notify_cursor = t.add_to(w.batch, 0, 1, dc_tail=True, imm=w.notify_imm,
+        tr.notify_cursor = t.add_to(w.batch, 0, 1, landed=True, imm=w.notify_imm,
                                     arrays=arrays)
         tr.seen.append(0)
         tr.cdone.append(0)
@@ -256,7 +286,7 @@ class Failover:
         cuts = start + 1 + np.searchsorted(cum, cum[-1] * np.arange(1, k) / k)
         bounds = [start, *sorted(set(int(c) for c in cuts if start < c < end)), end]
         for t, (s, e) in zip(survivors, itertools.pairwise(bounds), strict=False):
-            t.add_to(tr.w.batch, s, e, dc_tail=tr.w.notify_imm is not None)
+            t.add_to(tr.w.batch, s, e, landed=tr.w.notify_imm is not None)
             tr.seen.append(0)
             tr.cdone.append(0)
             tr.remaining += e - s

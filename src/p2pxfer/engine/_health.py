@@ -15,6 +15,7 @@ anything per piece.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -74,6 +75,11 @@ class RailHealth:
             self._get(key)
             return True
         return p.up or (probe and now >= p.retry_at)
+
+    def chooser(self, now: float) -> Callable[[PairKey, bool], bool]:
+        """``usable`` for ``RailGroup.prepare``: (pair, per-piece write) ->
+        may it use the pair (a per-piece-immediate write never probes)."""
+        return lambda key, per_piece: self.usable(key, now, probe=not per_piece)
 
     def state(self, key: PairKey, now: float) -> str:
         p = self.pairs.get(key)

@@ -67,12 +67,18 @@ class Target:
     def key(self) -> PairKey:
         return (self.ours, self.address)
 
-    def add_to(self, batch: WriteBatch, start: int, end: int, *, dc_tail: bool = False,
+    def add_to(self, batch: WriteBatch, start: int, end: int, *, landed: bool = False,
                imm: int | None = None, arrays: Any = None) -> int:
-        """A cursor over pieces ``[start, end)`` on this pair; its index."""
+        """A cursor over pieces ``[start, end)`` on this pair; its index.
+        ``landed``: its last completion must mean every piece of it is in the
+        target's memory: the last piece goes delivery-complete where the
+        provider places one peer's writes in order (tcp: the tail then covers
+        the pieces before it), every piece where it does not promise that
+        (shm's ``max_order_waw_size`` is 0)."""
+        dc = None if not landed else end - 1 if self.rail.ordered else start
         return batch.add(self.ours, self.rail, self.rail.peer(self.address), start, end,
                          self.src_base, self.src_desc, self.dst_base, self.dst_key,
-                         self.address, dc_tail=dc_tail, imm=imm, arrays=arrays)
+                         self.address, dc_from=dc, imm=imm, arrays=arrays)
 
 
 @dataclass(frozen=True)
@@ -290,7 +296,7 @@ class RailGroup:
         batch = WriteBatch(sl.src, sl.dst, sl.length, tid, None if notify else imm,
                            len(stripes) + (1 if notify else 0))
         for st in stripes:
-            live[st.rail].add_to(batch, st.start, st.end, dc_tail=notify)
+            live[st.rail].add_to(batch, st.start, st.end, landed=notify)
         return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name,
                              tuple(r.address for r in dst.rails), dst.node, targets,
                              imm if notify else None, (sl.src, sl.dst, sl.length))

@@ -35,7 +35,7 @@ from p2pxfer.topology import Shard as ShardTopology
 
 from ._failover import Failover, pair_of
 from ._health import RailHealth
-from ._plan import PairKey, RailGroup
+from ._plan import RailGroup
 from ._queues import DestQueues
 from ._shard_memory import ShardMemory
 from ._state import NicStats, TransferState
@@ -147,11 +147,8 @@ class Shard(ShardMemory):
         the rail pairs that are up (and, for a write that can fail over,
         those due for a retry)."""
         tid, self._next_id = self._next_id, self._next_id + 1
-        now = time.monotonic()
-
-        def usable(key: PairKey, per_piece: bool) -> bool:
-            return self._health.usable(key, now, probe=not per_piece)
-        w = self._group.prepare(src, dst, scatter, imm, tid, notify=notify, usable=usable)
+        w = self._group.prepare(src, dst, scatter, imm, tid, notify=notify,
+                                usable=self._health.chooser(time.monotonic()))
         w.region.pins += 1
         return TransferState(w, dry_run, w.pieces)
 
@@ -170,13 +167,12 @@ class Shard(ShardMemory):
 
     def _submit(self, tr: TransferState, inline: bool) -> None:
         self.queued += 1
-        tr.seen = [0] * len(tr.w.batch)
-        tr.cdone = [0] * len(tr.w.batch)
+        tr.seen, tr.cdone = [0] * len(tr.w.batch), [0] * len(tr.w.batch)
         # Registered before the first post, so no completion can miss it.
         self._inflight[tr.w.tid] = tr
-        # Only small writes are posted here: a long list posted from two threads
-        # at once would have them fight over the provider's locks.
-        # Nor while earlier writes wait for the poller: writes go out in order.
+        # Only small writes are posted here (a long list posted from two threads
+        # would have them fight over the provider's locks), and only while no
+        # earlier write waits for the poller: writes go out in order.
         tr.direct = (not tr.dry_run and tr.w.pieces <= DIRECT_POST_MAX
                      and not self._inbox and not self._queues.waiting_for(tr.w.dest))
         if tr.direct and inline:
@@ -189,6 +185,8 @@ class Shard(ShardMemory):
                 if tr.w.batch.window(self._queues.room(tr)):
                     left = tr.w.batch.post_once()
                     self._queues.note_posted(tr)
+                    if tr.w.notify_imm is not None and not left:
+                        self._finish_if_done(tr)  # its notification may go right behind
                 else:
                     left = True  # its peer's bound is full: the poller posts it
         if not tr.direct or left:
@@ -468,15 +466,17 @@ class Shard(ShardMemory):
                 self._failover.piece_failed(tr, cur, e.text, time.monotonic())
 
     def _finish_if_done(self, tr: TransferState) -> None:
-        if (tr.remaining <= 0 and tr.w.tid in self._inflight
-                and not self._queues.holds(tr)):
-            if tr.w.notify_imm is not None and tr.notify_cursor < 0 and not tr.dry_run:
-                if tr.cancel_requested:
-                    tr.error = tr.error or "it was cancelled before its notification was sent"
-                elif not any(x is not None for x in (tr.error, tr.gone, tr.aborted,
-                                                     tr.exhausted, tr.rail_lost)):
-                    self._failover.notify(tr, time.monotonic(), self.wake_fd)
-                    return
+        if tr.w.tid not in self._inflight:
+            return
+        if tr.w.notify_imm is not None and tr.notify_cursor < 0 and not tr.dry_run:
+            if tr.cancel_requested and tr.remaining <= 0:
+                tr.error = tr.error or "it was cancelled before its notification was sent"
+            elif not tr.cancel_requested and all(x is None for x in (
+                    tr.error, tr.gone, tr.aborted, tr.exhausted, tr.rail_lost)):
+                t = self._failover.notify_pair(tr, time.monotonic())
+                if t is not None:
+                    self._failover.notify(tr, t, self.wake_fd)
+        if tr.remaining <= 0 and not self._queues.holds(tr):
             del self._inflight[tr.w.tid]
             self._finished.append(tr)
 

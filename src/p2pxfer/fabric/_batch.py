@@ -74,11 +74,11 @@ class WriteBatch:
 
     def add(self, rail_index: int, rail: Rail, dest: int, start: int, end: int,
             src_base: int, src_desc: Any, dst_base: int, dst_key: int,
-            address: bytes = b"", *, dc_tail: bool = False, imm: int | None = None,
+            address: bytes = b"", *, dc_from: int | None = None, imm: int | None = None,
             arrays: tuple[I64, I64, I64] | None = None) -> int:
         """One rail's share; returns the cursor's index. ``address`` is the
         peer endpoint's (to reconnect after a teardown, and for
-        ``StallWatch``). ``dc_tail`` posts the cursor's last piece with
+        ``StallWatch``). Pieces from index ``dc_from`` on are posted with
         FI_DELIVERY_COMPLETE; ``imm`` overrides the batch's immediate;
         ``arrays`` (src, dst, length) replace the batch's for this cursor."""
         i = len(self.rails)
@@ -104,7 +104,7 @@ class WriteBatch:
         c.context = context_of(self.context, i)
         c.err = 0
         c.bytes_posted = 0
-        c.dc_from = end - 1 if dc_tail else _NO_DC
+        c.dc_from = _NO_DC if dc_from is None else dc_from
         self.rails.append(rail_index)
         self.starts.append(start)
         self.ends.append(end)

@@ -64,6 +64,8 @@ class Rail:
         self._mrs: set[MemoryRegion] = set()
         self.address: bytes = self.endpoint.address
         self.imm_bytes = info.cq_data_size
+        #: writes to one peer are placed in order (``FabricInfo.ordered_writes``)
+        self.ordered = info.ordered_writes
         log.debug(
             "rail.open", provider=info.provider, domain=info.domain_name,
             address=self.address.hex(), mr_mode=info.mr_mode.names(),
