@@ -1,6 +1,6 @@
-"""Moving a shard's writes off a failed rail pair, and notify mode's one
-notification: the shard's decisions about cursors added or stopped after a
-write was planned.
+"""Moving a shard's writes off a failed rail pair, notify mode's one
+notification, and giving a write up (``abort``): the shard's decisions about
+cursors added or stopped after a write was planned.
 
 A pair (our rail, a peer's rail) fails when a piece on it completes with an
 error, or when it makes no progress for ``EngineConfig.rail_stall_s`` while
@@ -302,6 +302,25 @@ class Failover:
             else:
                 out.append((s, e))
         return tuple(out)
+
+    # -- giving up ----------------------------------------------------------------------
+
+    def abort(self, tr: TransferState) -> None:
+        """Give ``tr`` up (``Shard.abort``): stop posting it, tear down the
+        connections carrying its pieces, and with them every write to the
+        same peer with pieces in flight on them (``DestQueues.tear_down``)."""
+        if tr.w.tid not in self._inflight or tr.abort_requested is None:
+            return  # finished meanwhile: its waiter hears how it ended
+        tr.aborted, tr.timed_out = tr.abort_requested
+        doomed, links, lost = self._queues.tear_down(tr, list(self._inflight.values()))
+        for r, n in lost.items():
+            self._abandoned[r] += n
+        for o in doomed:
+            self._finish(o)  # nothing left in flight nor queued: it ends
+        log.warning("transfer.aborted", transfer_id=tr.w.tid, peer=tr.peer,
+                    reason=tr.aborted, completed=tr.completed, pieces=tr.w.pieces,
+                    also_failed=[o.w.tid for o in doomed[1:]], connections=links,
+                    shard=self._index)
 
     # -- reporting --------------------------------------------------------------------
 

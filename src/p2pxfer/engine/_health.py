@@ -65,16 +65,9 @@ class RailHealth:
 
     def usable(self, key: PairKey, now: float, *, probe: bool) -> bool:
         """May a new write use this pair? Up ones, and with ``probe`` (a write
-        that can fail over) down ones whose retry time has come. Remembers
-        the pair (statistics list every pair used)."""
+        that can fail over) down ones whose retry time has come."""
         p = self.pairs.get(key)
-        if p is None:
-            if len(self.pairs) >= MAX_PAIRS:  # peers came and went: forget idle ones
-                for k in [k for k, q in self.pairs.items() if q.up and not q.busy]:
-                    del self.pairs[k]
-            self._get(key)
-            return True
-        return p.up or (probe and now >= p.retry_at)
+        return p is None or p.up or (probe and now >= p.retry_at)
 
     def chooser(self, now: float) -> Callable[[PairKey, bool], bool]:
         """``usable`` for ``RailGroup.prepare``: (pair, per-piece write) ->
@@ -88,11 +81,15 @@ class RailHealth:
         return "probing" if now >= p.retry_at else "down"
 
     def touch(self, key: PairKey, now: float) -> None:
-        """A completion (or a post) on ``key``: it makes progress; a down pair
-        that completes something is up again."""
+        """A completion on ``key``: it makes progress; a down pair that
+        completes something is up again. Remembers the pair (statistics list
+        every pair that carried something)."""
         p = self.pairs.get(key)
         if p is None:
-            return  # never busy yet: ``busy_pairs`` starts its clock
+            if len(self.pairs) >= MAX_PAIRS:  # peers came and went: forget idle ones
+                for k in [k for k, q in self.pairs.items() if q.up and not q.busy]:
+                    del self.pairs[k]
+            p = self._get(key)
         p.last_progress = now
         if not p.up:
             p.up, p.retry_s = True, self.retry_s

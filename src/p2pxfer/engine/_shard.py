@@ -30,10 +30,18 @@ import structlog
 import trio
 
 from p2pxfer.errors import P2PXferError
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail, split_context
+from p2pxfer.fabric import (
+    CURSOR_SHIFT,
+    FLAG_REMOTE_CQ_DATA,
+    TID_MASK,
+    Completions,
+    Poller,
+    Rail,
+    split_context,
+)
 from p2pxfer.topology import Shard as ShardTopology
 
-from ._failover import Failover, pair_of
+from ._failover import Failover
 from ._health import RailHealth
 from ._plan import RailGroup
 from ._queues import DestQueues
@@ -167,7 +175,8 @@ class Shard(ShardMemory):
 
     def _submit(self, tr: TransferState, inline: bool) -> None:
         self.queued += 1
-        tr.seen, tr.cdone = [0] * len(tr.w.batch), [0] * len(tr.w.batch)
+        n = len(tr.w.batch.rails)
+        tr.seen, tr.cdone = [0] * n, [0] * n
         # Registered before the first post, so no completion can miss it.
         self._inflight[tr.w.tid] = tr
         # Only small writes are posted here (a long list posted from two threads
@@ -344,7 +353,7 @@ class Shard(ShardMemory):
                 tr.remaining -= never
                 self._finish_if_done(tr)
             elif what == "abort":
-                self._abort(tr)
+                self._failover.abort(tr)
             self._inbox.popleft()
         return False
 
@@ -387,21 +396,6 @@ class Shard(ShardMemory):
                 tr = nxt
         return busy
 
-    def _abort(self, tr: TransferState) -> None:
-        """See ``abort``; poller thread, under the lock."""
-        if tr.w.tid not in self._inflight or tr.abort_requested is None:
-            return  # finished meanwhile: its waiter hears how it ended
-        tr.aborted, tr.timed_out = tr.abort_requested
-        doomed, links, lost = self._queues.tear_down(tr, list(self._inflight.values()))
-        for r, n in lost.items():
-            self.pieces_abandoned[r] += n
-        for o in doomed:
-            del self._inflight[o.w.tid]
-            self._finished.append(o)
-        log.warning("transfer.aborted", transfer_id=tr.w.tid, peer=tr.peer,
-                    reason=tr.aborted, completed=tr.completed, pieces=tr.w.pieces,
-                    also_failed=[o.w.tid for o in doomed[1:]], connections=links, shard=self.index)
-
     def nic_stats(self) -> list[NicStats]:
         """A snapshot per rail, in trio. Bytes and pieces count delivered
         transfers; ``inflight`` adds what undelivered ones posted so far;
@@ -427,7 +421,7 @@ class Shard(ShardMemory):
         # Plain Python over the runs (a handful per batch): here every
         # microsecond holds the GIL the trio thread waits for.
         if len(c):
-            imms = []
+            imms, now = [], time.monotonic()
             inflight = self._inflight
             for rail, ctx, flags, data, cnt in zip(
                 c.rail.tolist(), c.context.tolist(), c.flags.tolist(), c.data.tolist(),
@@ -437,14 +431,14 @@ class Shard(ShardMemory):
                     self.pieces_received[rail] += cnt
                     imms.append((data, cnt))
                     continue
-                tid, cur = split_context(ctx)
-                tr = inflight.get(tid)
+                cur = ctx >> CURSOR_SHIFT
+                tr = inflight.get(ctx & TID_MASK)
                 # Else one given up (``_abort``) already counted; a dead
                 # cursor's pieces moved to another rail pair.
                 if tr is not None and cur not in tr.w.batch.dead:
                     self.pieces_done[rail] += cnt
                     self._queues.note_done(tr, rail, cnt)
-                    self._health.touch(pair_of(tr, cur), time.monotonic())
+                    self._health.touch((rail, tr.w.batch.peers[cur][1]), now)
                     tr.cdone[cur] += cnt
                     if cur != tr.notify_cursor:
                         tr.completed += cnt

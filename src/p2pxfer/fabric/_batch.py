@@ -23,14 +23,16 @@ from ._binding import ffi, fi_strerror, lib
 if TYPE_CHECKING:
     from ._rail import Rail
 
-__all__ = ["CURSOR_SHIFT", "MAX_CURSORS", "WriteBatch", "context_of", "split_context"]
+__all__ = ["CURSOR_SHIFT", "MAX_CURSORS", "TID_MASK", "WriteBatch", "context_of",
+           "split_context"]
 
 I64 = npt.NDArray[np.int64]
 #: a cursor's index sits above this bit of its operation context; cursor 0's
 #: context is the transfer id itself
 CURSOR_SHIFT = 56
 MAX_CURSORS = 1 << (64 - CURSOR_SHIFT)
-_TID_MASK = (1 << CURSOR_SHIFT) - 1
+#: the transfer id's bits of an operation context
+TID_MASK = (1 << CURSOR_SHIFT) - 1
 _NO_DC = (1 << 63) - 1
 
 
@@ -40,7 +42,7 @@ def context_of(tid: int, cursor: int) -> int:
 
 def split_context(context: int) -> tuple[int, int]:
     """(transfer id, cursor index) of an operation context."""
-    return context & _TID_MASK, context >> CURSOR_SHIFT
+    return context & TID_MASK, context >> CURSOR_SHIFT
 
 
 class WriteBatch:
@@ -53,10 +55,11 @@ class WriteBatch:
 
     def __init__(self, src_off: I64, dst_off: I64, length: I64, context: int,
                  imm: int | None, capacity: int) -> None:
-        self._arrays: list[Any] = [src_off, dst_off, length]
-        self._ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in self._arrays[:3])
-        self._c = ffi.new("struct p2p_cursor[]", max(capacity, 1))
-        self._capacity = max(capacity, 1)
+        self._arrays = (src_off, dst_off, length)
+        self._ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in self._arrays)
+        self._keep: list[Any] = []  # other cursors' arrays (``add``), kept alive here
+        self._capacity = capacity = max(capacity, 1)
+        self._c = ffi.new("struct p2p_cursor[]", capacity)
         self.context = context
         self.imm = imm
         self.unposted_at_cancel = 0  # pieces a cancellation kept from going out
@@ -93,17 +96,16 @@ class WriteBatch:
             c.src_off, c.dst_off, c.len = self._ptrs
         else:
             ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in arrays)
-            self._arrays.extend((*arrays, *ptrs))  # kept alive with the batch
+            self._keep.extend((*arrays, *ptrs))
             c.src_off, c.dst_off, c.len = ptrs
         c.next, c.end = start, end
         c.src_base, c.src_desc = src_base, src_desc
         c.dst_base, c.dst_key = dst_base, dst_key
-        value = self.imm if imm is None else imm
-        c.imm = 0 if value is None else value
-        c.with_imm = value is not None
-        c.context = context_of(self.context, i)
-        c.err = 0
-        c.bytes_posted = 0
+        if imm is None:
+            imm = self.imm
+        if imm is not None:
+            c.imm, c.with_imm = imm, 1
+        c.context = self.context | (i << CURSOR_SHIFT)  # err, bytes_posted: zeroed by ffi.new
         c.dc_from = _NO_DC if dc_from is None else dc_from
         self.rails.append(rail_index)
         self.starts.append(start)
