@@ -20,7 +20,7 @@ from conftest import engine_config
 from conftest import engine_pair as pair
 from p2pxfer.engine import BlockingEngine, EngineConfig
 from p2pxfer.engine._engine import open_engine_on
-from p2pxfer.errors import InvalidArgument
+from p2pxfer.errors import InvalidArgument, TransferError
 from p2pxfer.loopback import loopback_node
 from p2pxfer.scatter import ScatterList
 
@@ -168,3 +168,26 @@ def test_blocking_engine_notify(provider: str) -> None:
         assert a.write(src, desc, pages(16, 4096, 4096), imm=5, notify=True, timeout=STEP) == 1
         b.wait_imm(5, 1, timeout=STEP)
         assert np.array_equal(region, src)
+
+
+async def test_a_cancelled_notify_write_is_never_counted(provider: str) -> None:
+    """A notify write that stops before its end sends no notification: the
+    receiver counts nothing for it (its pieces may have landed)."""
+    src = np.ones(4096 * 1024, np.uint8)
+    async with pair(provider) as (a, b):
+        region = np.zeros(len(src), np.uint8)
+        desc = b.export(region, "r")
+        a.register(src)
+        with trio.fail_after(STEP):
+            t = await a.submit(src, desc, pages(1024, 4096, 4096), imm=11, notify=True)
+            t.cancel()
+            with pytest.raises(TransferError, match="cancelled"):
+                await t.wait()
+            await settle()
+        assert b.imm_count(11) == 0
+        # The next notify write to the same peer counts once, as usual.
+        with trio.fail_after(STEP):
+            assert await a.write(src, desc, pages(16, 4096, 4096), imm=11, notify=True) == 1
+            await b.wait_imm(11, 1)
+            await settle()
+        assert b.imm_count(11) == 0
