@@ -127,14 +127,15 @@ class TransferState:
                 f"its pieces each carry the immediate, so re-posting them elsewhere could "
                 f"count some twice: {self.completed} of {self.w.pieces} pieces acknowledged; "
                 f"use notify=True to fail over", pieces=self.w.pieces, completed=self.completed)
-        if self.notify_lost is not None:
-            return NotificationUnknown(
-                f"write to {self.peer}: every piece landed, but its notification's outcome "
-                f"is unknown ({self.notify_lost}); it is not sent again")
         if self.gone is not None:
             return RemoteClosed(f"write to {self.peer} failed: {self.gone}")
         if self.error is not None:
             return TransferError(f"write to {self.peer} failed: {self.error}")
+        # Only once no piece failed: then every piece landed.
+        if self.notify_lost is not None:
+            return NotificationUnknown(
+                f"write to {self.peer}: every piece landed, but its notification's outcome "
+                f"is unknown ({self.notify_lost}); it is not sent again")
         if self.w.batch.unposted_at_cancel:
             return TransferError(f"write to {self.peer} was cancelled with "
                                  f"{self.w.batch.unposted_at_cancel} pieces unposted")
