@@ -233,8 +233,12 @@ class Failover:
             return False
         if tr.notify_cursor in mine:
             mine.remove(tr.notify_cursor)
+            sent = tr.seen[tr.notify_cursor] > 0
             self._kill(tr, tr.notify_cursor)
-            tr.notify_lost = f"its rail pair went down: {why}"
+            if sent:
+                tr.notify_lost = f"its rail pair went down: {why}"
+            else:  # never posted: it goes again, on an up pair (``Shard._finish_if_done``)
+                tr.notify_cursor = -1
         survivors = [t for t in tr.w.targets
                      if t.key != key and self.health.usable(t.key, now, probe=False)]
         stopping = (tr.error is not None or tr.gone is not None or tr.cancel_requested
