@@ -11,7 +11,8 @@ reset, a silent rail.
   the source byte for byte, and the target counts its immediate exactly once.
   The next writes (notify and per-piece) use rail 1 only.
 - After healing and ``rail_retry_s``, writes use both rails again, and the
-  statistics show the pair up again.
+  statistics show the pair up again. A plain write (no immediate) under a
+  cut fails over and verifies too.
 - A per-piece-immediate write under a rail cut fails with
   ``RailFailedUnderImmediates`` (re-posting its pieces could double the
   receiver's count).
@@ -226,6 +227,22 @@ def test_a_rail_cut_mid_write_fails_over_and_comes_back(tmp_path: Path) -> None:
         assert all(x > 0 for x in delta(again, healed)), (again, healed)
         assert c.count(6, 1) == 0
         assert again["inflight"] == [0, 0], again
+
+        # A plain write (no immediate) fails over too, and verifies.
+        c.submit("plain", BIG, 24 << 20, 0)
+        block_port(b, b.interfaces[0], None)
+        plain = c.result()
+        assert plain["result"] == "completed" and plain["failovers"] == 2, plain
+        # Its completion means "sent", not "landed": give the bytes time to arrive.
+        want, until = source_digest(0, BIG), time.monotonic() + 10
+        while c.digest(24 << 20, BIG) != want:
+            assert time.monotonic() < until, "the plain write's bytes never all landed"
+            time.sleep(0.2)
+        unblock(b)
+        time.sleep(RETRY_S + 0.5)
+        up = c.write("notify", 8 << 20, 0, 9)  # probes rail 0: up again
+        assert up["result"] == "completed" and up["pairs"][0] == ["up"], up
+        assert c.count(9, 1) == 0
 
         # A per-piece-immediate write under a cut cannot fail over: named error.
         c.submit("piece", BIG, 0, 7)
