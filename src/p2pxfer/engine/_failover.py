@@ -76,8 +76,10 @@ class Failover:
 
     def __init__(self, index: int, rails: list[Rail], inflight: dict[int, TransferState],
                  queues: DestQueues, health: RailHealth, abandoned: list[int],
-                 finish: Callable[[TransferState], None]) -> None:
+                 finish: Callable[[TransferState], None], wake_fd: int) -> None:
         self._index = index
+        self._wake_fd = wake_fd
+        self._pending: list[tuple[PairKey, str]] = []
         self._rails = rails
         self._inflight = inflight
         self._queues = queues
@@ -163,18 +165,33 @@ class Failover:
 
     # -- detecting ------------------------------------------------------------------
 
-    def piece_failed(self, tr: TransferState, cur: int, text: str, now: float) -> None:
-        """A piece of ``tr`` on cursor ``cur`` completed with an error."""
+    def piece_failed(self, tr: TransferState, cur: int, text: str) -> None:
+        """A piece of ``tr`` on cursor ``cur`` completed with an error (either
+        thread). With another pair to the peer, its pair is taken down by the
+        poller thread (``run_pending``: only it may stop cursors, since it
+        posts them outside the lock); the piece stays counted until then, so
+        the write cannot end first."""
+        if cur != tr.notify_cursor and len(tr.w.targets) > 1:
+            self._pending.append((pair_of(tr, cur), f"a piece failed: {text}"))
+            os.eventfd_write(self._wake_fd, 1)
+            return
         self._queues.note_done(tr, tr.w.batch.rails[cur], 1)
         tr.cdone[cur] += 1
         tr.remaining -= 1
         if cur == tr.notify_cursor:
             tr.notify_lost = f"it failed: {text}"
-        elif len(tr.w.targets) > 1:  # another rail pair may take its pieces
-            self.fail_pair(pair_of(tr, cur), f"a piece failed: {text}", now)
         else:
             tr.error = tr.error or text
         self._finish(tr)
+
+    def run_pending(self, now: float) -> None:
+        """Poller thread: take down the pairs pieces failed on (``piece_failed``)."""
+        while self._pending:
+            key, reason = self._pending.pop(0)
+            live = any(pair_of(tr, i) == key for tr in self._inflight.values()
+                       for i in range(len(tr.w.batch)) if i not in tr.w.batch.dead)
+            if live:  # else: taken down already, its writes moved
+                self.fail_pair(key, reason, now)
 
     def check(self, now: float) -> None:
         """Take down every pair that stalled while another pair to the same

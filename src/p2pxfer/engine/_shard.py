@@ -115,7 +115,8 @@ class Shard(ShardMemory):
         self._health = RailHealth(stall_s=rail_stall_s, retry_s=rail_retry_s,
                                   retry_max_s=rail_retry_max_s)
         self._failover = Failover(index, self._group.rails, self._inflight, self._queues,
-                                  self._health, self.pieces_abandoned, self._finish_if_done)
+                                  self._health, self.pieces_abandoned, self._finish_if_done,
+                                  self.wake_fd)
         self._next_check = 0.0
         self.queued = 0
         self.completed = 0
@@ -294,6 +295,7 @@ class Shard(ShardMemory):
             with self._lock:
                 self._absorb(c)
                 now = time.monotonic()
+                self._failover.run_pending(now)  # pairs pieces failed on: fail over
                 if now >= self._next_check:  # rail pairs that stalled: fail over
                     self._next_check = now + self._health.stall_s / 10
                     self._failover.check(now)
@@ -457,12 +459,16 @@ class Shard(ShardMemory):
                 log.warning("transfer.piece_failed", transfer_id=tid, code=e.code,
                             error=e.text, shard=self.index)
                 self.errors[e.rail] += 1
-                self._failover.piece_failed(tr, cur, e.text, time.monotonic())
+                self._failover.piece_failed(tr, cur, e.text)
 
     def _finish_if_done(self, tr: TransferState) -> None:
         if tr.w.tid not in self._inflight:
             return
-        if tr.w.notify_imm is not None and tr.notify_cursor < 0 and not tr.dry_run:
+        # Its notification is added only while no other thread posts its
+        # cursors (queued: the poller may be posting it outside the lock, and
+        # adding a cursor can move the array; the poller comes back here).
+        if (tr.w.notify_imm is not None and tr.notify_cursor < 0 and not tr.dry_run
+                and not self._queues.holds(tr)):
             if tr.cancel_requested and tr.remaining <= 0:
                 tr.error = tr.error or "it was cancelled before its notification was sent"
             elif not tr.cancel_requested and all(x is None for x in (
