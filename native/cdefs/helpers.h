@@ -34,6 +34,7 @@ struct p2p_cursor {
     uint64_t context;
     int64_t err;
     int64_t bytes_posted;
+    int64_t dc_from;
 };
 int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
                          int64_t budget_ns);

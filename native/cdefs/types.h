@@ -31,7 +31,8 @@ struct fi_tx_attr {
     size_t rma_iov_limit; ...;
 };
 struct fi_rx_attr { uint64_t caps; uint64_t mode; uint64_t op_flags; size_t size; ...; };
-struct fi_ep_attr { enum fi_ep_type type; size_t max_msg_size; ...; };
+struct fi_ep_attr { enum fi_ep_type type; size_t max_msg_size; size_t max_order_waw_size;
+                    ...; };
 struct fi_domain_attr {
     struct fid_domain *domain; char *name; enum fi_threading threading;
     enum fi_progress control_progress; enum fi_progress data_progress;

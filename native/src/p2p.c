@@ -57,6 +57,61 @@ int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
     return i;
 }
 
+/* p2p_post_writes, but pieces from index dc_from on go out with
+ * FI_DELIVERY_COMPLETE (fi_writemsg): their completion means the target placed
+ * them. The engine marks only a cursor's last piece so: tcp;ofi_rxm and shm
+ * advertise FI_ORDER_WAW (and RMA_WAW) and process one connection's writes in
+ * order, so the tail's delivery-complete also covers the pieces before it. */
+int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
+                           const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                           int64_t start, int64_t end,
+                           uint64_t src_base, void *src_desc,
+                           uint64_t dst_base, uint64_t dst_key,
+                           uint64_t imm, int with_imm, uint64_t context, int64_t dc_from,
+                           int64_t *err)
+{
+    int64_t i = start;
+    ssize_t rc;
+
+    *err = 0;
+    if (dc_from > start) {
+        int64_t stop = dc_from < end ? dc_from : end;
+        i = p2p_post_writes(ep, dest, src_off, dst_off, len, start, stop, src_base, src_desc,
+                            dst_base, dst_key, imm, with_imm, context, err);
+        if (i < stop || *err)
+            return i;
+    }
+    for (; i < end; i++) {
+        struct iovec iov;
+        struct fi_rma_iov rma;
+        struct fi_msg_rma msg;
+        void *desc = src_desc;
+
+        iov.iov_base = (void *)(uintptr_t)(src_base + (uint64_t)src_off[i]);
+        iov.iov_len = (size_t)len[i];
+        rma.addr = dst_base + (uint64_t)dst_off[i];
+        rma.len = (size_t)len[i];
+        rma.key = dst_key;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = &iov;
+        msg.desc = &desc;
+        msg.iov_count = 1;
+        msg.addr = (fi_addr_t)dest;
+        msg.rma_iov = &rma;
+        msg.rma_iov_count = 1;
+        msg.context = (void *)(uintptr_t)context;
+        msg.data = imm;
+        rc = fi_writemsg(ep, &msg, FI_COMPLETION | FI_DELIVERY_COMPLETE |
+                         (with_imm ? FI_REMOTE_CQ_DATA : 0));
+        if (rc == 0)
+            continue;
+        if (rc != -FI_EAGAIN)
+            *err = rc;
+        break;
+    }
+    return i;
+}
+
 int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns)
 {
     p->ncq = 0;
@@ -167,9 +222,16 @@ static int post_pass(struct p2p_cursor *cur, int ncur)
         int64_t i, from = c->next;
         if (c->next >= c->end || c->err)
             continue;
-        c->next = p2p_post_writes(c->ep, c->dest, c->src_off, c->dst_off, c->len, c->next,
-                                  c->end, c->src_base, c->src_desc, c->dst_base,
-                                  c->dst_key, c->imm, c->with_imm, c->context, &c->err);
+        if (c->dc_from < c->end)
+            c->next = p2p_post_writes_dc(c->ep, c->dest, c->src_off, c->dst_off, c->len,
+                                         c->next, c->end, c->src_base, c->src_desc,
+                                         c->dst_base, c->dst_key, c->imm, c->with_imm,
+                                         c->context, c->dc_from, &c->err);
+        else
+            c->next = p2p_post_writes(c->ep, c->dest, c->src_off, c->dst_off, c->len,
+                                      c->next, c->end, c->src_base, c->src_desc,
+                                      c->dst_base, c->dst_key, c->imm, c->with_imm,
+                                      c->context, &c->err);
         for (i = from; i < c->next; i++)
             c->bytes_posted += c->len[i];
         pending |= c->next < c->end && !c->err;

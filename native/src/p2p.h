@@ -59,6 +59,8 @@ struct p2p_cursor {
     uint64_t context;
     int64_t err;
     int64_t bytes_posted;
+    int64_t dc_from;             /* pieces from this index on are posted with
+                                  * FI_DELIVERY_COMPLETE (INT64_MAX: none) */
 };
 
 int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
@@ -70,6 +72,13 @@ int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
                         uint64_t src_base, void *src_desc,
                         uint64_t dst_base, uint64_t dst_key,
                         uint64_t imm, int with_imm, uint64_t context, int64_t *err);
+int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
+                           const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                           int64_t start, int64_t end,
+                           uint64_t src_base, void *src_desc,
+                           uint64_t dst_base, uint64_t dst_key,
+                           uint64_t imm, int with_imm, uint64_t context, int64_t dc_from,
+                           int64_t *err);
 
 int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
 int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq, int fd);

@@ -49,6 +49,39 @@ class RemoteClosed(TransferError):
     code: str = "peer_unreachable"
 
 
+class RailsExhausted(RemoteClosed):
+    """Every rail pair to the peer failed under a write (errors, or no
+    progress within ``EngineConfig.rail_stall_s`` while another pair still
+    worked): its pieces could go nowhere. ``landed`` lists the piece ranges
+    ``(start, end)`` known to be in the target's memory (delivery-complete
+    acknowledged; only notify-mode writes know that)."""
+
+    def __init__(self, message: str, *, landed: tuple[tuple[int, int], ...] = ()) -> None:
+        super().__init__(message)
+        self.landed = landed
+
+
+class RailFailedUnderImmediates(TransferError):
+    """A rail pair failed under a write whose every piece carries the
+    immediate (per-piece mode): pieces re-posted on another rail could land
+    twice, so the receiver's count could not be exact, and the write fails
+    instead of failing over (``completed`` pieces were acknowledged). Writes
+    in notify mode (``notify=True``) fail over."""
+
+    def __init__(self, message: str, *, pieces: int = 0, completed: int = 0) -> None:
+        super().__init__(message)
+        self.pieces = pieces
+        self.completed = completed
+
+
+class NotificationUnknown(TransferError):
+    """A notify-mode write's data landed (every piece acknowledged with
+    delivery-complete), but its one notification failed or its rail went
+    down before it was acknowledged: whether the receiver counted it is
+    unknown. It is never sent twice, so the receiver's count is never
+    doubled; the receiver may have to be told by other means."""
+
+
 class PeerLost(RemoteClosed):
     """Membership says the peer a transfer targets died, left or restarted
     (before or while it ran): its memory is gone, whatever the fabric says.

@@ -87,6 +87,9 @@ def test_metrics_during_a_transfer(pair: tuple[DaemonProc, DaemonProc, str]) -> 
         assert any(v >= 1 for _, v in during["p2pxfer_registration_cache_misses_total"])
         peers = {lb["state"]: v for lb, v in during["p2pxfer_peers"]}
         assert sum(peers.values()) == 1
+        # The rail pair the writes use is up; nothing failed over.
+        assert [v for lb, v in during["p2pxfer_rail_pair_up"] if lb["nic"] == "lo"] == [1.0]
+        assert during["p2pxfer_rail_failovers_total"] == [({}, 0.0)]
     finally:
         initiator.kill()
         target.close()

@@ -217,7 +217,9 @@ class Daemon:
             "imms_dropped": self.imms.dropped,
             "completed": stats.completed,
             "failed": stats.failed,
-            "nics": [asdict(n) for n in stats.nics],
+            "nics": [asdict(n) for n in stats.nics],  # with each NIC's rail pairs' state
+            "failovers": stats.failovers,
+            "pieces_reposted": stats.pieces_reposted,
             "local_copy": self.writes.local.statistics(),
             "rails": rails(self.engine),
             "links": self.peers.link_states(),

@@ -31,6 +31,8 @@ from p2pxfer.errors import StartupError
 from ._config import parse_hostport
 
 if TYPE_CHECKING:
+    from p2pxfer.engine import EngineStats
+
     from ._daemon import Daemon
 
 __all__ = ["DaemonMetrics", "serve_metrics"]
@@ -90,6 +92,7 @@ class DaemonMetrics(Collector):
             for key, family in fam.items():
                 family.add_metric(labels, getattr(nic, key))
         yield from fam.values()
+        yield from self._pairs(stats)
         transfers = CounterMetricFamily("p2pxfer_transfers", "Engine transfers that ended",
                                         labels=["outcome"])
         transfers.add_metric(["completed"], stats.completed)
@@ -102,6 +105,24 @@ class DaemonMetrics(Collector):
                      len(d.regions.listing()))
         yield from self._cache(d)
         yield from self._members(d)
+
+    def _pairs(self, stats: EngineStats) -> Iterator[Metric]:
+        """Rail pairs (our NIC, a peer's NIC): up or not, and failovers."""
+        labels = ["shard", "nic", "peer"]
+        up = GaugeMetricFamily("p2pxfer_rail_pair_up", "1 if the rail pair is up, 0 if "
+                               "down or probing", labels=labels)
+        downs = CounterMetricFamily("p2pxfer_rail_pair_downs", "Times the rail pair went "
+                                    "down", labels=labels)
+        for nic in stats.nics:
+            for p in nic.pairs:
+                up.add_metric([str(nic.shard), nic.name, p.peer], int(p.state == "up"))
+                downs.add_metric([str(nic.shard), nic.name, p.peer], p.downs)
+        yield up
+        yield downs
+        yield CounterMetricFamily("p2pxfer_rail_failovers", "Rail pairs taken down, their "
+                                  "writes moved to other pairs", value=stats.failovers)
+        yield CounterMetricFamily("p2pxfer_rail_pieces_reposted", "Pieces posted again on "
+                                  "another rail pair", value=stats.pieces_reposted)
 
     def _cache(self, d: Daemon) -> Iterator[Metric]:
         names = {"hits": "lookups that found a registration",

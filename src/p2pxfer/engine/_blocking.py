@@ -120,15 +120,17 @@ class BlockingEngine:
     # -- transfers ------------------------------------------------------------
 
     def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
-              imm: int | None = None, dry_run: bool = False,
+              imm: int | None = None, notify: bool = False, dry_run: bool = False,
               timeout: float | None = None) -> int:
-        """:meth:`Engine.write`, waiting at most ``timeout`` seconds. On timeout
-        the write stops posting and, once the pieces it posted are done (the
-        source is free again), raises ``WaitTimeout``."""
+        """:meth:`Engine.write` (``notify`` included), waiting at most
+        ``timeout`` seconds. On timeout the write stops posting and, once the
+        pieces it posted are done (the source is free again), raises
+        ``WaitTimeout``."""
 
         async def write() -> int:
             with trio.move_on_after(math.inf if timeout is None else timeout):
-                return await self._eng.write(src, dst, scatter, imm=imm, dry_run=dry_run)
+                return await self._eng.write(src, dst, scatter, imm=imm, notify=notify,
+                                             dry_run=dry_run)
             raise WaitTimeout(f"write to {dst.name!r} did not complete within {timeout} s")
 
         return self._run(write)

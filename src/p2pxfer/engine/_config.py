@@ -58,6 +58,14 @@ class EngineConfig:
     cache_entries: int = 1024
     node_name: str = ""
     incarnation: int = 0
+    #: a (rail, peer rail) pair with pieces in flight and no completion for
+    #: this long, while another pair to the same peer works, is taken down
+    #: and its writes move to the peer's other pairs (failover)
+    rail_stall_s: float = 1.5
+    #: a pair that went down is tried again after this long, doubling (up to
+    #: ``rail_retry_max_s``) while it keeps failing
+    rail_retry_s: float = 3.0
+    rail_retry_max_s: float = 60.0
     #: cap immediates at this many bytes (4: as EFA and verbs carry, also on
     #: tcp and shm, which carry 8, so 32-bit code paths run everywhere); 0:
     #: as wide as every rail carries
@@ -79,3 +87,8 @@ class EngineStats:
     read_by_pollers: int = 0
     #: immediate values some ``wait_imm`` is waiting for now
     imms_awaited: int = 0
+    #: rail pairs taken down (errors or stalls), each moving its writes to
+    #: the peer's other pairs; per pair state in ``NicStats.pairs``
+    failovers: int = 0
+    #: pieces posted again on another pair after theirs went down
+    pieces_reposted: int = 0

@@ -207,7 +207,7 @@ class Engine:
         return shard, Source(region, span.address, span.nbytes)
 
     async def submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
-                     imm: int | Callable[[int], int] | None = None,
+                     imm: int | Callable[[int], int] | None = None, notify: bool = False,
                      dry_run: bool = False, timeout: float | None = None) -> Transfer:
         """Validate and start a write; returns once it is queued (waiting for
         a slot if the shard is full), not when it completes. Writes submitted
@@ -216,9 +216,10 @@ class Engine:
         final piece count (striping can split pieces). Await
         :meth:`Transfer.wait`. ``timeout`` (seconds; default
         ``EngineConfig.write_timeout_s``) counts from now: waiting for a
-        slot, posting and completing must all fit in it."""
+        slot, posting and completing must all fit in it. ``notify``: see
+        :meth:`write`."""
         shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=False,
-                                       timeout=timeout)
+                                       timeout=timeout, notify=notify)
         return Transfer(self._clock, shard, tr, dst, self.config.cancel_grace_s)
 
     def _deadline(self, timeout: float | None) -> float:
@@ -235,7 +236,8 @@ class Engine:
 
     async def _submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
                       imm: int | Callable[[int], int] | None, dry_run: bool, *,
-                      inline: bool, timeout: float | None) -> tuple[Shard, TransferState]:
+                      inline: bool, timeout: float | None,
+                      notify: bool = False) -> tuple[Shard, TransferState]:
         self._check_open()
         imm = self._capped(imm)
         deadline = self._deadline(timeout)
@@ -255,7 +257,7 @@ class Engine:
                     peer=dst.name, pieces=0, completed=0) from None
         try:
             self._check_open()  # the engine may have closed while we waited for a slot
-            tr = shard.prepare(src, dst, scatter, imm, dry_run)
+            tr = shard.prepare(src, dst, scatter, imm, dry_run, notify)
             tr.deadline = deadline
             shard.submit(tr, inline=inline)
         except BaseException:
@@ -264,14 +266,31 @@ class Engine:
         return shard, tr
 
     async def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
-                    imm: int | None = None, dry_run: bool = False,
+                    imm: int | None = None, notify: bool = False, dry_run: bool = False,
                     timeout: float | None = None) -> int:
         """Write ``scatter`` from ``src`` (a registered buffer) into ``dst``.
 
-        Returns the number of pieces written, each carrying ``imm`` (the target
-        waits for that many with :meth:`wait_imm`). Bad input raises before
-        anything is posted; a failed piece raises ``TransferError`` with the
-        provider's words once every posted piece has finished.
+        Returns how many immediates the target counts for it (it waits for
+        that many with :meth:`wait_imm`): without ``notify``, the number of
+        pieces written, each carrying ``imm`` (or none). Bad input raises
+        before anything is posted; a failed piece raises ``TransferError``
+        with the provider's words once every posted piece has finished.
+
+        ``notify=True`` (needs ``imm``): the target counts exactly one ``imm``
+        for the write, and only once every byte of it is in the target's
+        memory; the write returns 1 once that notification was acknowledged
+        (delivery-complete), so a return also means "landed". The pieces
+        carry no immediate; the last piece of each rail pair's share is
+        posted delivery-complete (the providers order writes on a connection,
+        so it covers the pieces before it); once all are acknowledged, one
+        small write re-writes the first bytes of the first piece with the
+        immediate. Such a write fails over when a rail pair fails (its
+        pieces move to the peer's other pairs); the notification itself is
+        never sent twice: if its outcome is unknown the write raises
+        ``NotificationUnknown``. A write whose every piece carries ``imm``
+        (the default) cannot fail over: a rail failing under it raises
+        ``RailFailedUnderImmediates``; with no rail pair left to the peer a
+        write raises ``RailsExhausted``.
 
         Deadline: ``timeout`` seconds (default ``EngineConfig.write_timeout_s``;
         slot, posting and completion included). When it passes, posting stops,
@@ -295,10 +314,12 @@ class Engine:
         """
         inline = self.config.inline_poll_ns > 0
         shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=inline,
-                                       timeout=timeout)
+                                       timeout=timeout, notify=notify)
         if inline and tr.direct:
             shard.poll_inline(tr, self.config.inline_poll_ns)
-        return await Transfer(self._clock, shard, tr, dst, self.config.cancel_grace_s).wait()
+        t = Transfer(self._clock, shard, tr, dst, self.config.cancel_grace_s)
+        pieces = await t.wait()
+        return t.imms if notify else pieces
 
     async def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
         """Return once ``count`` pieces carrying ``imm`` have landed here (and
@@ -381,7 +402,9 @@ class Engine:
                            tuple(s.registrations() for s in self.shards),
                            sum(s.read_inline for s in self.shards),
                            sum(s.read_by_poller for s in self.shards),
-                           len(self._imm_waiters))
+                           len(self._imm_waiters),
+                           sum(s.failover_counts()[0] for s in self.shards),
+                           sum(s.failover_counts()[1] for s in self.shards))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -445,6 +468,8 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
                 spin_ns=config.spin_ns, idle_timeout_ns=config.idle_timeout_ns,
                 pin=config.pin_threads, cache_entries=config.cache_entries,
                 backoff_max_ns=config.backoff_max_ns, peer_pieces=config.peer_pieces,
+                rail_stall_s=config.rail_stall_s, rail_retry_s=config.rail_retry_s,
+                rail_retry_max_s=config.rail_retry_max_s,
             ))
         for shard in shards:
             shard.start()

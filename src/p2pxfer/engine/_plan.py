@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 from p2pxfer.errors import DescriptorError, InvalidArgument, ReadOnlyBuffer, UnregisteredMemory
 from p2pxfer.fabric import INT64_MAX, Rail, WriteBatch
@@ -30,7 +30,11 @@ from p2pxfer.scatter import ScatterList
 
 from ._pairing import pair_rails
 
-__all__ = ["PreparedWrite", "RailGroup", "Source", "Stripe", "plan_stripes"]
+__all__ = ["PairKey", "PreparedWrite", "RailGroup", "Source", "Stripe", "Target",
+           "plan_stripes"]
+
+#: a (rail, peer rail) pair: our rail's index and the peer endpoint's address
+PairKey = tuple[int, bytes]
 
 # Destinations (sets of peer rail addresses) whose rail pairing is remembered.
 MAX_PAIRINGS = 4096
@@ -46,9 +50,41 @@ class Source:
     nbytes: int
 
 
-@dataclass(frozen=True)
+class Target(NamedTuple):
+    """One (our rail, peer rail) pair a write to a destination may use, with
+    what a cursor on it needs. (A tuple: one is made per pair per write.)"""
+
+    ours: int
+    rail: Rail
+    address: bytes
+    dst_base: int
+    dst_key: int
+    src_base: int
+    src_desc: Any
+
+    @property
+    def key(self) -> PairKey:
+        return (self.ours, self.address)
+
+    def add_to(self, batch: WriteBatch, start: int, end: int, *, landed: bool = False,
+               imm: int | None = None, arrays: Any = None) -> int:
+        """A cursor over pieces ``[start, end)`` on this pair; its index.
+        ``landed``: its last completion must mean every piece of it is in the
+        target's memory: the last piece goes delivery-complete where the
+        provider places one peer's writes in order (tcp: the tail then covers
+        the pieces before it), every piece where it does not promise that
+        (shm's ``max_order_waw_size`` is 0)."""
+        dc = None if not landed else end - 1 if self.rail.ordered else start
+        return batch.add(self.ours, self.rail, self.rail.peer(self.address), start, end,
+                         self.src_base, self.src_desc, self.dst_base, self.dst_key,
+                         self.address, dc_from=dc, imm=imm, arrays=arrays)
+
+
+@dataclass(slots=True)
 class PreparedWrite:
-    """A validated write laid out on rails, ready for ``Poller.post``."""
+    """A validated write laid out on rails, ready for ``Poller.post``; not
+    changed afterwards (not frozen only because one is made per write, and
+    a frozen dataclass's ``__init__`` costs a microsecond more here)."""
 
     tid: int
     region: LocalRegion
@@ -60,6 +96,25 @@ class PreparedWrite:
     dest: tuple[bytes, ...] = ()
     #: the node that owns the destination (for error messages)
     dst_node: str = ""
+    #: every pair that reaches the destination (a failover picks among them)
+    targets: tuple[Target, ...] = ()
+    #: notify mode: the one immediate sent once every piece landed (the
+    #: pieces carry none); None: per-piece immediates (``batch.imm``) or none
+    notify_imm: int | None = None
+    #: the pieces' (src, dst, length) arrays (a failover re-plans over them)
+    arrays: tuple[Any, Any, Any] = ((), (), ())
+
+    @property
+    def per_piece(self) -> bool:
+        """Every piece carries the immediate: the receiver counts pieces."""
+        return self.batch.imm is not None
+
+    @property
+    def imms(self) -> int:
+        """How many immediates the receiver counts for this write."""
+        if self.notify_imm is not None:
+            return 1
+        return self.pieces if self.per_piece else 0
 
 
 @dataclass(frozen=True)
@@ -207,34 +262,45 @@ class RailGroup:
         return pairs
 
     def prepare(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
-                imm: int | Callable[[int], int] | None, tid: int) -> PreparedWrite:
+                imm: int | Callable[[int], int] | None, tid: int, *, notify: bool = False,
+                usable: Callable[[PairKey, bool], bool] | None = None) -> PreparedWrite:
         """Validate a write and lay it out on the rails, posting nothing.
 
         Raises ``ScatterError``/``InvalidArgument``/``DescriptorError``/
         ``UnregisteredMemory`` naming what is wrong. ``imm`` may be a function
         of the final piece count (for protocols that put the count in the
         immediate). The write is striped over :meth:`pairs`: one of our rails
-        may write to several of the peer's, and the reverse."""
+        may write to several of the peer's, and the reverse; only over those
+        ``usable(pair, per_piece)`` accepts (rail health), unless it accepts
+        none. With ``notify`` the pieces carry no immediate and the last of
+        each rail's share is posted delivery-complete; ``imm`` is sent once,
+        after every piece (the shard's)."""
         if not isinstance(scatter, ScatterList):
             raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
+        if notify and imm is None:
+            raise InvalidArgument("notify=True needs an immediate (imm=) to notify with")
         if imm is not None and not callable(imm):
             self.check_imm(imm)
         self.check_destination(dst)
         region, base, size = self.source(src)
         scatter.check_bounds(size, dst.length)
-        pairs = self.pairs(dst)
-        sl, stripes = plan_stripes(scatter, len(pairs), self.max_msg)
+        targets = tuple(
+            Target(ours, self.rails[ours], rd.address, rd.base, rd.key, base,
+                   region.mrs[ours].desc)
+            for ours, rd in ((ours, dst.rails[theirs]) for ours, theirs in self.pairs(dst)))
+        live = list(targets) if usable is None or len(targets) == 1 else [
+            t for t in targets if usable(t.key, imm is not None and not notify)] or list(targets)
+        sl, stripes = plan_stripes(scatter, len(live), self.max_msg)
         if callable(imm):
             imm = imm(len(sl))
             self.check_imm(imm)
-        batch = WriteBatch(sl.src, sl.dst, sl.length, tid, imm, len(stripes))
+        batch = WriteBatch(sl.src, sl.dst, sl.length, tid, None if notify else imm,
+                           len(stripes) + (1 if notify else 0))
         for st in stripes:
-            ours, theirs = pairs[st.rail]
-            rail, rd = self.rails[ours], dst.rails[theirs]
-            batch.add(ours, rail, rail.peer(rd.address), st.start, st.end, base,
-                      region.mrs[ours].desc, rd.base, rd.key, rd.address)
+            live[st.rail].add_to(batch, st.start, st.end, landed=notify)
         return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name,
-                             tuple(r.address for r in dst.rails), dst.node)
+                             tuple(r.address for r in dst.rails), dst.node, targets,
+                             imm if notify else None, (sl.src, sl.dst, sl.length))
 
     def close(self) -> None:
         for exp, _ in self._exports.values():

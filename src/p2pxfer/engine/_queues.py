@@ -49,6 +49,16 @@ class DestQueues:
     def push(self, tr: TransferState) -> None:
         self._queues.setdefault(tr.w.dest, deque()).append(tr)
 
+    def push_front(self, tr: TransferState) -> None:
+        """Queue ``tr`` ahead of its destination's others: pieces of a write
+        already under way (its notification, pieces moved off a failed rail
+        pair) go before writes that have not started."""
+        self._queues.setdefault(tr.w.dest, deque()).appendleft(tr)
+
+    def is_head(self, tr: TransferState) -> bool:
+        q = self._queues.get(tr.w.dest)
+        return q is not None and bool(q) and q[0] is tr
+
     def holds(self, tr: TransferState) -> bool:
         q = self._queues.get(tr.w.dest)
         return q is not None and tr in q

@@ -8,14 +8,13 @@ Two shortcuts for small writes, both because a thread hop into trio costs
 ~100 us on small VMs: the trio thread posts them itself (endpoints are
 FI_THREAD_SAFE), and polls the CQs for a few microseconds with a poller of its
 own; whichever thread reads a completion absorbs it under ``_lock``.
-Operation contexts are integer transfer ids; no Python object crosses into C.
+Operation contexts are integers (transfer id, cursor index); no Python object
+crosses into C. Failover and notify-mode notifications: ``_failover.py``.
 
 This is the only place that posts writes and counts completions (ours and
 the immediates peers' writes carry); ``Engine`` asks the shard, never its
-rails, cache or poller.
-
-What must not live here: validation (done by ``RailGroup.prepare``, in the trio
-thread, before anything is queued) and any Python loop over pieces.
+rails, cache or poller. What must not live here: validation (done by
+``RailGroup.prepare``, in the trio thread) and any Python loop over pieces.
 """
 
 from __future__ import annotations
@@ -31,12 +30,22 @@ import structlog
 import trio
 
 from p2pxfer.errors import P2PXferError
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, Completions, Poller, Rail
-from p2pxfer.memory import BufferSpan, CacheStats, LocalRegion, RegionDescriptor
+from p2pxfer.fabric import (
+    CURSOR_SHIFT,
+    FLAG_REMOTE_CQ_DATA,
+    TID_MASK,
+    Completions,
+    Poller,
+    Rail,
+    split_context,
+)
 from p2pxfer.topology import Shard as ShardTopology
 
+from ._failover import Failover
+from ._health import RailHealth
 from ._plan import RailGroup
 from ._queues import DestQueues
+from ._shard_memory import ShardMemory
 from ._state import NicStats, TransferState
 
 __all__ = ["Shard"]
@@ -52,18 +61,20 @@ INFLIGHT_NAP_NS = 1_000_000  # a wake-up costs tens of microseconds; 1 kHz is ch
 CLOSE_DRAIN_NS = 20_000_000  # at close, progress this long first (``_shutdown``)
 
 
-class Shard:
+class Shard(ShardMemory):
     """Rails of one NUMA node driven by one pinned poller thread. Owns the
-    rails (through a ``RailGroup``, with their registration cache), the poller
-    thread's ``Poller`` and the trio thread's inline one."""
+    rails (through a ``RailGroup``, with their registration cache: its
+    memory side is ``ShardMemory``'s), the poller thread's ``Poller`` and the
+    trio thread's inline one."""
 
     def __init__(self, index: int, topo: ShardTopology, rails: list[Rail], *,
                  token: trio.lowlevel.TrioToken, deliver_imms: Any, max_inflight: int,
                  spin_ns: int, idle_timeout_ns: int, pin: bool, cache_entries: int,
-                 backoff_max_ns: int, peer_pieces: int = 512) -> None:
+                 backoff_max_ns: int, peer_pieces: int = 512, rail_stall_s: float = 1.5,
+                 rail_retry_s: float = 3.0, rail_retry_max_s: float = 60.0) -> None:
         self.index = index
-        self.topo = topo
-        self._group = RailGroup(rails, cache_entries=cache_entries, numa_node=topo.numa_node)
+        super().__init__(RailGroup(rails, cache_entries=cache_entries,
+                                   numa_node=topo.numa_node), topo)
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
             self._poller = Poller(rails, wake_fd=self.wake_fd, backoff_max_ns=backoff_max_ns)
@@ -101,15 +112,16 @@ class Shard:
         self.pieces_abandoned = [0] * nrails  # in flight when their connection went
         self.pieces_received = [0] * nrails  # peers' writes that landed here
         self.errors = [0] * nrails
+        self._health = RailHealth(stall_s=rail_stall_s, retry_s=rail_retry_s,
+                                  retry_max_s=rail_retry_max_s)
+        self._failover = Failover(index, self._group.rails, self._inflight, self._queues,
+                                  self._health, self.pieces_abandoned, self._finish_if_done,
+                                  self.wake_fd)
+        self._next_check = 0.0
         self.queued = 0
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
-
-    @property
-    def rails(self) -> tuple[Rail, ...]:
-        """This shard's rails (NICs), in order."""
-        return tuple(self._group.rails)
 
     # -- trio side ------------------------------------------------------------
 
@@ -126,41 +138,6 @@ class Shard:
         self._token.run_sync_soon(self._deliver)
         self._token.run_sync_soon(self.thread_done.set)
 
-    # -- memory (trio thread) ---------------------------------------------------
-
-    @property
-    def imm_bits(self) -> int:
-        return self._group.imm_bits
-
-    def check_imm(self, imm: object) -> None:
-        self._group.check_imm(imm)
-
-    @property
-    def numa_node(self) -> int:
-        return self.topo.numa_node
-
-    def register(self, obj: Any, *, writable: bool = False) -> LocalRegion:
-        return self._group.register(obj, writable=writable)
-
-    def lookup(self, span: BufferSpan) -> LocalRegion | None:
-        """This shard's registration covering ``span``, if any."""
-        return self._group.cache.lookup(span.address, span.nbytes)
-
-    def owns(self, region: LocalRegion) -> bool:
-        return region.rails is self._group.rails
-
-    def export(self, obj: Any, name: str, *, local: bool) -> RegionDescriptor:
-        return self._group.export(obj, name, local=local)
-
-    def unexport(self, name: str) -> None:
-        self._group.unexport(name)
-
-    def deregister(self, obj: Any) -> None:
-        self._group.deregister(obj)
-
-    def registrations(self) -> CacheStats:
-        return self._group.cache.statistics()
-
     @property
     def read_inline(self) -> int:
         """Completions the trio thread read polling small writes inline."""
@@ -174,10 +151,13 @@ class Shard:
     # -- transfers (trio thread) ---------------------------------------------------
 
     def prepare(self, src: Any, dst: Any, scatter: Any, imm: Any,
-                dry_run: bool) -> TransferState:
-        """Validate and lay out (raises on bad input; nothing queued)."""
+                dry_run: bool, notify: bool = False) -> TransferState:
+        """Validate and lay out (raises on bad input; nothing queued), over
+        the rail pairs that are up (and, for a write that can fail over,
+        those due for a retry)."""
         tid, self._next_id = self._next_id, self._next_id + 1
-        w = self._group.prepare(src, dst, scatter, imm, tid)
+        w = self._group.prepare(src, dst, scatter, imm, tid, notify=notify,
+                                usable=self._health.chooser(time.monotonic()))
         w.region.pins += 1
         return TransferState(w, dry_run, w.pieces)
 
@@ -196,12 +176,13 @@ class Shard:
 
     def _submit(self, tr: TransferState, inline: bool) -> None:
         self.queued += 1
-        tr.seen = [0] * len(tr.w.batch)
+        n = len(tr.w.batch.rails)
+        tr.seen, tr.cdone = [0] * n, [0] * n
         # Registered before the first post, so no completion can miss it.
         self._inflight[tr.w.tid] = tr
-        # Only small writes are posted here: a long list posted from two threads
-        # at once would have them fight over the provider's locks.
-        # Nor while earlier writes wait for the poller: writes go out in order.
+        # Only small writes are posted here (a long list posted from two threads
+        # would have them fight over the provider's locks), and only while no
+        # earlier write waits for the poller: writes go out in order.
         tr.direct = (not tr.dry_run and tr.w.pieces <= DIRECT_POST_MAX
                      and not self._inbox and not self._queues.waiting_for(tr.w.dest))
         if tr.direct and inline:
@@ -214,6 +195,8 @@ class Shard:
                 if tr.w.batch.window(self._queues.room(tr)):
                     left = tr.w.batch.post_once()
                     self._queues.note_posted(tr)
+                    if tr.w.notify_imm is not None and not left:
+                        self._finish_if_done(tr)  # its notification may go right behind
                 else:
                     left = True  # its peer's bound is full: the poller posts it
         if not tr.direct or left:
@@ -265,7 +248,9 @@ class Shard:
             # The slot goes back when the transfer ends, not when someone
             # awaits it: a caller may submit many before waiting for any.
             self.slots.release()
-            if tr.closed or any(x is not None for x in (tr.error, tr.gone, tr.aborted)):
+            if tr.closed or any(x is not None for x in (tr.error, tr.gone, tr.aborted,
+                                                         tr.exhausted, tr.rail_lost,
+                                                         tr.notify_lost)):
                 self.failed += 1
             elif tr.w.batch.unposted_at_cancel:
                 self.cancelled += 1
@@ -309,6 +294,11 @@ class Shard:
                                 timeout_ns=0 if busy else nap, min_entries=need)
             with self._lock:
                 self._absorb(c)
+                now = time.monotonic()
+                self._failover.run_pending(now)  # pairs pieces failed on: fail over
+                if now >= self._next_check:  # rail pairs that stalled: fail over
+                    self._next_check = now + self._health.stall_s / 10
+                    self._failover.check(now)
             self._flush()
         self._shutdown()
 
@@ -365,7 +355,7 @@ class Shard:
                 tr.remaining -= never
                 self._finish_if_done(tr)
             elif what == "abort":
-                self._abort(tr)
+                self._failover.abort(tr)
             self._inbox.popleft()
         return False
 
@@ -408,41 +398,32 @@ class Shard:
                 tr = nxt
         return busy
 
-    def _abort(self, tr: TransferState) -> None:
-        """See ``abort``; poller thread, under the lock."""
-        if tr.w.tid not in self._inflight or tr.abort_requested is None:
-            return  # finished meanwhile: its waiter hears how it ended
-        tr.aborted, tr.timed_out = tr.abort_requested
-        doomed, links, lost = self._queues.tear_down(tr, list(self._inflight.values()))
-        for r, n in lost.items():
-            self.pieces_abandoned[r] += n
-        for o in doomed:
-            del self._inflight[o.w.tid]
-            self._finished.append(o)
-        log.warning("transfer.aborted", transfer_id=tr.w.tid, peer=tr.peer,
-                    reason=tr.aborted, completed=tr.completed, pieces=tr.w.pieces,
-                    also_failed=[o.w.tid for o in doomed[1:]], connections=links, shard=self.index)
-
     def nic_stats(self) -> list[NicStats]:
         """A snapshot per rail, in trio. Bytes and pieces count delivered
-        transfers; ``inflight`` adds what undelivered ones posted so far."""
+        transfers; ``inflight`` adds what undelivered ones posted so far;
+        ``pairs`` says how each (rail, peer rail) pair is doing."""
         posting = [0] * len(self._group.rails)
         for tr in list(self._inflight.values()) + list(self._finished):
             for r, pieces, _ in tr.w.batch.progress():
                 posting[r] += pieces
+        pairs = self._failover.pair_stats(time.monotonic())
         # Failed and abandoned pieces are out of flight too.
         return [NicStats(self.index, rail.name, rail.provider, self._bytes_posted[r],
                          self._pieces_posted[r], self.pieces_done[r],
                          max(0, self._pieces_posted[r] + posting[r] - self.pieces_done[r]
                              - self.errors[r] - self.pieces_abandoned[r]),
-                         self.errors[r], self.pieces_received[r])
+                         self.errors[r], self.pieces_received[r], pairs.get(r, ()))
                 for r, rail in enumerate(self._group.rails)]
+
+    def failover_counts(self) -> tuple[int, int]:
+        """Rail pairs taken down, and pieces posted again elsewhere for it."""
+        return self._failover.failovers, self._failover.reposted
 
     def _absorb(self, c: Completions) -> None:
         # Plain Python over the runs (a handful per batch): here every
         # microsecond holds the GIL the trio thread waits for.
         if len(c):
-            imms = []
+            imms, now = [], time.monotonic()
             inflight = self._inflight
             for rail, ctx, flags, data, cnt in zip(
                 c.rail.tolist(), c.context.tolist(), c.flags.tolist(), c.data.tolist(),
@@ -452,32 +433,50 @@ class Shard:
                     self.pieces_received[rail] += cnt
                     imms.append((data, cnt))
                     continue
-                tr = inflight.get(ctx)
-                if tr is not None:  # else: one given up (``_abort``) already counted
+                cur = ctx >> CURSOR_SHIFT
+                tr = inflight.get(ctx & TID_MASK)
+                # Else one given up (``_abort``) already counted; a dead
+                # cursor's pieces moved to another rail pair.
+                if tr is not None and cur not in tr.w.batch.dead:
                     self.pieces_done[rail] += cnt
                     self._queues.note_done(tr, rail, cnt)
-                    tr.completed += cnt
+                    self._health.touch((rail, tr.w.batch.peers[cur][1]), now)
+                    tr.cdone[cur] += cnt
+                    if cur != tr.notify_cursor:
+                        tr.completed += cnt
                     tr.remaining -= cnt
                     self._finish_if_done(tr)
             if imms:
                 self._imms.append(imms)
         if (e := c.error) is not None:
-            tr = self._inflight.get(e.context)
-            if tr is None:  # flushed from a connection ``_abort`` tore down
-                log.debug("transfer.piece_flushed", transfer_id=e.context, error=e.text,
+            tid, cur = split_context(e.context)
+            tr = self._inflight.get(tid)
+            if tr is None or cur in tr.w.batch.dead:
+                # Flushed from a connection ``_abort`` or a failover tore down.
+                log.debug("transfer.piece_flushed", transfer_id=tid, error=e.text,
                           shard=self.index)
             else:
-                log.warning("transfer.piece_failed", transfer_id=e.context, code=e.code,
+                log.warning("transfer.piece_failed", transfer_id=tid, code=e.code,
                             error=e.text, shard=self.index)
                 self.errors[e.rail] += 1
-                self._queues.note_done(tr, e.rail, 1)
-                tr.error = tr.error or e.text
-                tr.remaining -= 1
-                self._finish_if_done(tr)
+                self._failover.piece_failed(tr, cur, e.text)
 
     def _finish_if_done(self, tr: TransferState) -> None:
-        if (tr.remaining <= 0 and tr.w.tid in self._inflight
+        if tr.w.tid not in self._inflight:
+            return
+        # Its notification is added only while no other thread posts its
+        # cursors (queued: the poller may be posting it outside the lock, and
+        # adding a cursor can move the array; the poller comes back here).
+        if (tr.w.notify_imm is not None and tr.notify_cursor < 0 and not tr.dry_run
                 and not self._queues.holds(tr)):
+            if tr.cancel_requested and tr.remaining <= 0:
+                tr.error = tr.error or "it was cancelled before its notification was sent"
+            elif not tr.cancel_requested and all(x is None for x in (
+                    tr.error, tr.gone, tr.aborted, tr.exhausted, tr.rail_lost)):
+                t = self._failover.notify_pair(tr, time.monotonic())
+                if t is not None:
+                    self._failover.notify(tr, t, self.wake_fd)
+        if tr.remaining <= 0 and not self._queues.holds(tr):
             del self._inflight[tr.w.tid]
             self._finished.append(tr)
 

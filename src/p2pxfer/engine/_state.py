@@ -12,6 +12,9 @@ import trio
 
 from p2pxfer.errors import (
     EngineClosed,
+    NotificationUnknown,
+    RailFailedUnderImmediates,
+    RailsExhausted,
     RemoteClosed,
     TransferAborted,
     TransferError,
@@ -21,7 +24,21 @@ from p2pxfer.fabric import StallWatch
 
 from ._plan import PreparedWrite
 
-__all__ = ["NicStats", "TransferState"]
+__all__ = ["NicStats", "PairStats", "TransferState"]
+
+
+@dataclass(frozen=True)
+class PairStats:
+    """One (our NIC, peer NIC) pair's health: ``state`` is "up", "down"
+    (failed; left alone until its retry time) or "probing" (retry time come:
+    writes that can fail over use it again, the next completion makes it up)."""
+
+    peer: str
+    state: str
+    #: times it went down
+    downs: int
+    #: why it last went down ("" if never)
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,8 @@ class NicStats:
     inflight: int
     errors: int
     received: int
+    #: the peer NICs it has written to, and how each pair is doing
+    pairs: tuple[PairStats, ...] = ()
 
 
 @dataclass(eq=False)
@@ -64,6 +83,20 @@ class TransferState:
     seen: list[int] = field(default_factory=list)
     #: per rail index, pieces posted and not yet completed or failed
     outstanding: dict[int, int] = field(default_factory=dict)
+    #: per cursor, pieces completed or failed
+    cdone: list[int] = field(default_factory=list)
+    #: notify mode: the notification's cursor once added (-1: not yet)
+    notify_cursor: int = -1
+    #: why its rail pairs all failed (``RailsExhausted``), and the piece
+    #: ranges known landed then
+    exhausted: str | None = None
+    landed: tuple[tuple[int, int], ...] = ()
+    #: why a per-piece-immediate write could not fail over
+    rail_lost: str | None = None
+    #: why a notify-mode write's notification has an unknown outcome
+    notify_lost: str | None = None
+    #: times its pieces moved to other rail pairs
+    failovers: int = 0
     stall: StallWatch = field(default_factory=StallWatch)
     done: trio.Event = field(default_factory=trio.Event)
 
@@ -83,10 +116,26 @@ class TransferState:
                        f"pieces acknowledged, {n - self.completed} not (posting stopped and "
                        "the connection carrying them was torn down)",
                        peer=self.peer, pieces=n, completed=self.completed)
+        if self.exhausted is not None:
+            spans = ", ".join(f"{a}..{b - 1}" for a, b in self.landed) or "none known"
+            return RailsExhausted(f"write to {self.peer} failed: no rail pair to the peer is "
+                                  f"left ({self.exhausted}); pieces known landed: {spans} "
+                                  f"of {self.w.pieces}", landed=self.landed)
+        if self.rail_lost is not None:
+            return RailFailedUnderImmediates(
+                f"write to {self.peer} failed: a rail failed under it ({self.rail_lost}) and "
+                f"its pieces each carry the immediate, so re-posting them elsewhere could "
+                f"count some twice: {self.completed} of {self.w.pieces} pieces acknowledged; "
+                f"use notify=True to fail over", pieces=self.w.pieces, completed=self.completed)
         if self.gone is not None:
             return RemoteClosed(f"write to {self.peer} failed: {self.gone}")
         if self.error is not None:
             return TransferError(f"write to {self.peer} failed: {self.error}")
+        # Only once no piece failed: then every piece landed.
+        if self.notify_lost is not None:
+            return NotificationUnknown(
+                f"write to {self.peer}: every piece landed, but its notification's outcome "
+                f"is unknown ({self.notify_lost}); it is not sent again")
         if self.w.batch.unposted_at_cancel:
             return TransferError(f"write to {self.peer} was cancelled with "
                                  f"{self.w.batch.unposted_at_cancel} pieces unposted")

@@ -55,8 +55,15 @@ class Transfer:
 
     @property
     def pieces(self) -> int:
-        """Pieces this write posts, each carrying its immediate."""
+        """Pieces this write posts (each carrying its immediate, unless in
+        notify mode)."""
         return self._tr.w.pieces
+
+    @property
+    def imms(self) -> int:
+        """How many immediates the receiver counts for this write: 1 in
+        notify mode, the piece count with per-piece immediates, else 0."""
+        return self._tr.w.imms
 
     @property
     def nbytes(self) -> int:

@@ -5,6 +5,11 @@ providers, registers memory, posts whole scatter lists through the C helper and
 drains completions in batches; it holds no per-transfer bookkeeping.
 """
 
+from ._batch import CURSOR_SHIFT as CURSOR_SHIFT
+from ._batch import TID_MASK as TID_MASK
+from ._batch import WriteBatch as WriteBatch
+from ._batch import context_of as context_of
+from ._batch import split_context as split_context
 from ._check import INT64_MAX as INT64_MAX
 from ._check import ScatterCheck as ScatterCheck
 from ._check import address_of as address_of
@@ -30,7 +35,6 @@ from ._rail import Completions as Completions
 from ._rail import Poller as Poller
 from ._rail import Rail as Rail
 from ._rail import StallWatch as StallWatch
-from ._rail import WriteBatch as WriteBatch
 from ._reference import reference_pingpong as reference_pingpong
 from ._reference import reference_target as reference_target
 from ._reference import reference_write as reference_write

@@ -133,6 +133,14 @@ class FabricInfo:
         return int(self._raw.ep_attr.max_msg_size)
 
     @property
+    def ordered_writes(self) -> bool:
+        """RMA writes on one connection are placed in the order posted, at
+        any size (``max_order_waw_size``): tcp;ofi_rxm says so (SIZE_MAX),
+        shm does not (0). Then a delivery-complete write also covers the
+        writes posted before it to the same peer."""
+        return int(self._raw.ep_attr.max_order_waw_size) >= self.max_msg_size
+
+    @property
     def tx_size(self) -> int:
         return int(self._raw.tx_attr.size)
 

@@ -20,7 +20,8 @@ import structlog
 
 from p2pxfer.errors import FabricError
 
-from ._binding import ffi, fi_strerror, lib, raise_fabric_error
+from ._batch import WriteBatch
+from ._binding import ffi, lib, raise_fabric_error
 from ._info import FabricInfo, getinfo
 from ._objects import (
     AddressVector,
@@ -34,7 +35,6 @@ from ._objects import (
 
 __all__ = [
     "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "StallWatch",
-    "WriteBatch",
 ]
 
 log = structlog.get_logger("p2pxfer.fabric")
@@ -64,6 +64,8 @@ class Rail:
         self._mrs: set[MemoryRegion] = set()
         self.address: bytes = self.endpoint.address
         self.imm_bytes = info.cq_data_size
+        #: writes to one peer are placed in order (``FabricInfo.ordered_writes``)
+        self.ordered = info.ordered_writes
         log.debug(
             "rail.open", provider=info.provider, domain=info.domain_name,
             address=self.address.hex(), mr_mode=info.mr_mode.names(),
@@ -145,122 +147,6 @@ class Rail:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-class WriteBatch:
-    """The per-rail cursors of one transfer, posted by ``Poller.post`` in C.
-
-    Each cursor covers pieces ``[start, end)`` of the same three arrays; its
-    ``next`` advances as pieces go out. The arrays are kept alive here.
-    """
-
-    def __init__(self, src_off: I64, dst_off: I64, length: I64, context: int,
-                 imm: int | None, capacity: int) -> None:
-        self._arrays = (src_off, dst_off, length)
-        self._c = ffi.new("struct p2p_cursor[]", capacity)
-        self._ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in self._arrays)
-        self.context = context
-        self.imm = imm
-        self.unposted_at_cancel = 0  # pieces a cancellation kept from going out
-        self.rails: list[int] = []
-        self.starts: list[int] = []
-        # Where each cursor really ends: ``window`` may hold a cursor's ``end``
-        # in C below it (a per-peer bound on pieces in flight).
-        self.ends: list[int] = []
-        self.peers: list[tuple[Rail, bytes]] = []
-        self._epochs: list[int] = []
-
-    def add(self, rail_index: int, rail: Rail, dest: int, start: int, end: int,
-            src_base: int, src_desc: Any, dst_base: int, dst_key: int,
-            address: bytes = b"") -> None:
-        """One rail's share; ``address`` is the peer endpoint's (for
-        ``StallWatch`` to ask whether it is gone)."""
-        c = self._c[len(self.rails)]
-        c.ep = rail.endpoint.handle
-        c.dest = dest
-        c.src_off, c.dst_off, c.len = self._ptrs
-        c.next, c.end = start, end
-        c.src_base, c.src_desc = src_base, src_desc
-        c.dst_base, c.dst_key = dst_base, dst_key
-        c.imm = 0 if self.imm is None else self.imm
-        c.with_imm = self.imm is not None
-        c.context = self.context
-        self.rails.append(rail_index)
-        self.starts.append(start)
-        self.ends.append(end)
-        self.peers.append((rail, address))
-        self._epochs.append(rail.av.epoch)
-
-    def refresh(self) -> None:
-        """Point cursors at their peers afresh where the rail's AV dropped
-        addresses since (``AddressVector.remove`` tore a connection down): a
-        removed ``fi_addr_t`` must never be posted to. Re-inserting the
-        address makes the provider connect anew."""
-        for i, (rail, address) in enumerate(self.peers):
-            if self._epochs[i] != rail.av.epoch and address:
-                self._c[i].dest = rail.peer(address)
-                self._epochs[i] = rail.av.epoch
-
-    def window(self, room: list[int]) -> bool:
-        """Let each cursor post at most ``room[i]`` more pieces (held back in C
-        until the next call); True if some cursor may post now."""
-        can = False
-        for i, c in enumerate(self._c[0:len(self.rails)]):
-            c.end = min(self.ends[i], c.next + max(room[i], 0))
-            can = can or (c.end > c.next and not c.err)
-        return can
-
-    def posted_by_cursor(self) -> list[int]:
-        """Pieces each cursor has posted so far."""
-        return [int(c.next) - s for s, c in zip(self.starts, self._c[0:len(self.rails)],
-                                                 strict=True)]
-
-    def __len__(self) -> int:
-        return len(self.rails)
-
-    def post_once(self) -> bool:
-        """One posting pass without reading any CQ (for a thread that does not
-        own them); True if pieces are left because a TX queue was full."""
-        return bool(lib.p2p_post_once(self._c, len(self.rails)))
-
-    @property
-    def posted(self) -> bool:
-        """Every piece is out (or its cursor failed)."""
-        return all(c.next >= e or c.err
-                   for c, e in zip(self._c[0:len(self.rails)], self.ends, strict=True))
-
-    def unposted(self) -> int:
-        return sum(e - int(c.next)
-                   for c, e in zip(self._c[0:len(self.rails)], self.ends, strict=True))
-
-    def progress(self) -> list[tuple[int, int, int]]:
-        """(rail index, pieces posted, bytes posted) per cursor so far."""
-        return [(r, int(c.next) - s, int(c.bytes_posted))
-                for r, s, c in zip(self.rails, self.starts, self._c[0:len(self.rails)],
-                                   strict=True)]
-
-    def failures(self) -> list[str]:
-        out = []
-        for r, c in zip(self.rails, self._c[0:len(self.rails)], strict=True):
-            if c.err:
-                out.append(f"posting piece {int(c.next)} on rail {r} failed: "
-                           f"{fi_strerror(int(c.err))} [{int(c.err)}]")
-        return out
-
-    def stuck_peers(self) -> list[tuple[Rail, bytes]]:
-        """(rail, peer address) of every cursor with pieces still to post."""
-        return [p for p, c, e in zip(self.peers, self._c[0:len(self.rails)], self.ends,
-                                     strict=True)
-                if c.next < e and not c.err and p[1]]
-
-    def cancel(self) -> int:
-        """Stop posting: returns how many pieces will now never be posted."""
-        n = 0
-        for i, c in enumerate(self._c[0:len(self.rails)]):
-            n += self.ends[i] - int(c.next)
-            c.end = c.next
-            self.ends[i] = int(c.next)
-        return n
 
 
 # Posting that has not moved for this long makes StallWatch ask whether the

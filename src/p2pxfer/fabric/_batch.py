@@ -1,0 +1,206 @@
+"""``WriteBatch``: the per-rail cursors of one transfer, posted in C.
+
+Each cursor (``struct p2p_cursor``) covers pieces ``[start, end)`` of three
+``int64`` arrays and carries its own operation context: the transfer id with
+the cursor's index in the top bits (``context_of`` / ``split_context``), so a
+completion says which cursor, and with it which (rail, peer rail) pair, it
+belongs to. Cursors can be added after posting began (a write failing over to
+another rail pair, its notification) and stopped for good (``kill``).
+
+What must not live here: per-transfer bookkeeping beyond the cursors (the
+engine's), or any Python loop over pieces.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._binding import ffi, fi_strerror, lib
+
+if TYPE_CHECKING:
+    from ._rail import Rail
+
+__all__ = ["CURSOR_SHIFT", "MAX_CURSORS", "TID_MASK", "WriteBatch", "context_of",
+           "split_context"]
+
+I64 = npt.NDArray[np.int64]
+#: a cursor's index sits above this bit of its operation context; cursor 0's
+#: context is the transfer id itself
+CURSOR_SHIFT = 56
+MAX_CURSORS = 1 << (64 - CURSOR_SHIFT)
+#: the transfer id's bits of an operation context
+TID_MASK = (1 << CURSOR_SHIFT) - 1
+_NO_DC = (1 << 63) - 1
+
+
+def context_of(tid: int, cursor: int) -> int:
+    return tid | (cursor << CURSOR_SHIFT)
+
+
+def split_context(context: int) -> tuple[int, int]:
+    """(transfer id, cursor index) of an operation context."""
+    return context & TID_MASK, context >> CURSOR_SHIFT
+
+
+class WriteBatch:
+    """The per-rail cursors of one transfer, posted by ``Poller.post`` in C.
+
+    Each cursor covers pieces ``[start, end)`` of the same three arrays (or,
+    for a notification, arrays of its own); its ``next`` advances as pieces go
+    out. The arrays are kept alive here.
+    """
+
+    def __init__(self, src_off: I64, dst_off: I64, length: I64, context: int,
+                 imm: int | None, capacity: int) -> None:
+        self._arrays = (src_off, dst_off, length)
+        self._ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in self._arrays)
+        self._keep: list[Any] = []  # other cursors' arrays (``add``), kept alive here
+        self._capacity = capacity = max(capacity, 1)
+        self._c = ffi.new("struct p2p_cursor[]", capacity)
+        self.context = context
+        self.imm = imm
+        self.unposted_at_cancel = 0  # pieces a cancellation kept from going out
+        self.rails: list[int] = []
+        self.starts: list[int] = []
+        # Where each cursor really ends: ``window`` may hold a cursor's ``end``
+        # in C below it (a per-peer bound on pieces in flight).
+        self.ends: list[int] = []
+        #: where each cursor's share ended when added (its delivery-complete tail)
+        self.tails: list[int] = []
+        self.peers: list[tuple[Rail, bytes]] = []
+        self._epochs: list[int] = []
+        #: cursors stopped for good (``kill``): their completions mean nothing
+        self.dead: set[int] = set()
+
+    def add(self, rail_index: int, rail: Rail, dest: int, start: int, end: int,
+            src_base: int, src_desc: Any, dst_base: int, dst_key: int,
+            address: bytes = b"", *, dc_from: int | None = None, imm: int | None = None,
+            arrays: tuple[I64, I64, I64] | None = None) -> int:
+        """One rail's share; returns the cursor's index. ``address`` is the
+        peer endpoint's (to reconnect after a teardown, and for
+        ``StallWatch``). Pieces from index ``dc_from`` on are posted with
+        FI_DELIVERY_COMPLETE; ``imm`` overrides the batch's immediate;
+        ``arrays`` (src, dst, length) replace the batch's for this cursor."""
+        i = len(self.rails)
+        if i >= MAX_CURSORS:
+            raise ValueError(f"a write cannot have more than {MAX_CURSORS} cursors")
+        if i >= self._capacity:
+            self._grow(max(2 * self._capacity, i + 1))
+        c = self._c[i]
+        c.ep = rail.endpoint.handle
+        c.dest = dest
+        if arrays is None:
+            c.src_off, c.dst_off, c.len = self._ptrs
+        else:
+            ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in arrays)
+            self._keep.extend((*arrays, *ptrs))
+            c.src_off, c.dst_off, c.len = ptrs
+        c.next, c.end = start, end
+        c.src_base, c.src_desc = src_base, src_desc
+        c.dst_base, c.dst_key = dst_base, dst_key
+        if imm is None:
+            imm = self.imm
+        if imm is not None:
+            c.imm, c.with_imm = imm, 1
+        c.context = self.context | (i << CURSOR_SHIFT)  # err, bytes_posted: zeroed by ffi.new
+        c.dc_from = _NO_DC if dc_from is None else dc_from
+        self.rails.append(rail_index)
+        self.starts.append(start)
+        self.ends.append(end)
+        self.tails.append(end)
+        self.peers.append((rail, address))
+        self._epochs.append(rail.av.epoch)
+        return i
+
+    def _grow(self, capacity: int) -> None:
+        new = ffi.new("struct p2p_cursor[]", capacity)
+        ffi.memmove(new, self._c, ffi.sizeof("struct p2p_cursor") * len(self.rails))
+        self._c, self._capacity = new, capacity
+
+    def refresh(self) -> None:
+        """Point cursors at their peers afresh where the rail's AV dropped
+        addresses since (``AddressVector.remove`` tore a connection down): a
+        removed ``fi_addr_t`` must never be posted to. Re-inserting the
+        address makes the provider connect anew."""
+        for i, (rail, address) in enumerate(self.peers):
+            if self._epochs[i] != rail.av.epoch and address and i not in self.dead:
+                self._c[i].dest = rail.peer(address)
+                self._epochs[i] = rail.av.epoch
+
+    def window(self, room: list[int]) -> bool:
+        """Let each cursor post at most ``room[i]`` more pieces (held back in C
+        until the next call); True if some cursor may post now."""
+        can = False
+        for i, c in enumerate(self._c[0:len(self.rails)]):
+            c.end = min(self.ends[i], c.next + max(room[i], 0))
+            can = can or (c.end > c.next and not c.err)
+        return can
+
+    def posted_by_cursor(self) -> list[int]:
+        """Pieces each cursor has posted so far."""
+        return [int(c.next) - s for s, c in zip(self.starts, self._c[0:len(self.rails)],
+                                                 strict=True)]
+
+    def total(self, i: int) -> int:
+        """Pieces cursor ``i`` posts in all (as far as it got, once killed)."""
+        return self.ends[i] - self.starts[i]
+
+    def __len__(self) -> int:
+        return len(self.rails)
+
+    def post_once(self) -> bool:
+        """One posting pass without reading any CQ (for a thread that does not
+        own them); True if pieces are left because a TX queue was full."""
+        return bool(lib.p2p_post_once(self._c, len(self.rails)))
+
+    @property
+    def posted(self) -> bool:
+        """Every piece is out (or its cursor failed)."""
+        return all(c.next >= e or c.err
+                   for c, e in zip(self._c[0:len(self.rails)], self.ends, strict=True))
+
+    def unposted(self) -> int:
+        return sum(e - int(c.next)
+                   for c, e in zip(self._c[0:len(self.rails)], self.ends, strict=True))
+
+    def progress(self) -> list[tuple[int, int, int]]:
+        """(rail index, pieces posted, bytes posted) per cursor so far."""
+        return [(r, int(c.next) - s, int(c.bytes_posted))
+                for r, s, c in zip(self.rails, self.starts, self._c[0:len(self.rails)],
+                                   strict=True)]
+
+    def failures(self) -> list[str]:
+        out = []
+        for r, c in zip(self.rails, self._c[0:len(self.rails)], strict=True):
+            if c.err:
+                out.append(f"posting piece {int(c.next)} on rail {r} failed: "
+                           f"{fi_strerror(int(c.err))} [{int(c.err)}]")
+        return out
+
+    def stuck_peers(self) -> list[tuple[Rail, bytes]]:
+        """(rail, peer address) of every cursor with pieces still to post."""
+        return [p for p, c, e in zip(self.peers, self._c[0:len(self.rails)], self.ends,
+                                     strict=True)
+                if c.next < e and not c.err and p[1]]
+
+    def kill(self, i: int) -> int:
+        """Stop cursor ``i`` for good (its pair failed): returns how many of
+        its pieces will now never be posted."""
+        c = self._c[i]
+        n = self.ends[i] - int(c.next)
+        c.end = c.next
+        self.ends[i] = int(c.next)
+        self.dead.add(i)
+        return n
+
+    def cancel(self) -> int:
+        """Stop posting: returns how many pieces will now never be posted."""
+        n = 0
+        for i, c in enumerate(self._c[0:len(self.rails)]):
+            n += self.ends[i] - int(c.next)
+            c.end = c.next
+            self.ends[i] = int(c.next)
+        return n

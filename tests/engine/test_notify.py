@@ -1,0 +1,193 @@
+"""Notify mode: one immediate per write, sent once every byte landed.
+
+``write(..., imm=X, notify=True)``: the pieces carry no immediate, the last
+piece of each rail pair's share is delivery-complete, and one small write
+carries X once all are acknowledged. The receiver must count exactly one X
+per write (never one per piece, never two), on tcp and shm, striped over two
+target NICs too; the bytes must be there when the count arrives. Per-piece
+writes keep counting pieces. Rail failures under notify writes are in
+``test_failover_netns.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+from test_striping import two_node_topology
+
+from conftest import engine_config
+from conftest import engine_pair as pair
+from p2pxfer.engine import BlockingEngine, EngineConfig
+from p2pxfer.engine._engine import open_engine_on
+from p2pxfer.errors import InvalidArgument, TransferError
+from p2pxfer.loopback import loopback_node
+from p2pxfer.scatter import ScatterList
+
+PROVIDERS = ["tcp;ofi_rxm", "shm"]
+STEP = 20.0
+IMM = 0xFEED_BEEF  # 32 bits, as EFA and verbs carry: passed on unchanged
+
+
+@pytest.fixture(params=PROVIDERS)
+def provider(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def pages(n: int, size: int, stride: int) -> ScatterList:
+    """``n`` pages of ``size`` bytes, packed at the source, ``stride`` apart
+    at the target."""
+    i = np.arange(n, dtype=np.int64)
+    return ScatterList(i * size, i * stride, np.full(n, size, np.int64))
+
+
+async def settle() -> None:
+    """Give a stray second immediate the time to arrive, if one were sent."""
+    await trio.sleep(0.2)
+
+
+async def test_each_write_counts_one_immediate_once_landed(provider: str) -> None:
+    src = np.random.default_rng(1).integers(0, 256, 4096 * 64, dtype=np.uint8)
+    async with pair(provider, imm_bytes=4) as (a, b):
+        region = np.zeros(2 * len(src), np.uint8)
+        desc = b.export(region, "r")
+        a.register(src)
+        with trio.fail_after(STEP):
+            # One small write, then a long list (the poller's, not the trio
+            # thread's), then one whose single piece the engine splits.
+            for sl in (ScatterList.contiguous(100), pages(64, 4096, 8192),
+                       ScatterList.contiguous(len(src), dst=len(src))):
+                region[:] = 0
+                t = await a.submit(src, desc, sl, imm=IMM, notify=True)
+                assert t.imms == 1
+                assert await t.wait() == t.pieces
+                await b.wait_imm(IMM, 1)
+                # The count came after the bytes: they are all there now.
+                want = np.zeros_like(region)
+                n = sl.length
+                within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+                want[np.repeat(sl.dst, n) + within] = src[np.repeat(sl.src, n) + within]
+                assert np.array_equal(region, want)
+            await settle()
+        assert b.imm_count(IMM) == 0, "a notify write was counted more than once"
+        # ``write`` returns what the receiver counts: 1.
+        with trio.fail_after(STEP):
+            assert await a.write(src, desc, pages(64, 4096, 8192), imm=IMM, notify=True) == 1
+            await b.wait_imm(IMM, 1)
+        assert a.statistics().failed == 0
+        # Data pieces carry no immediate: the target saw one arrival per write.
+        assert sum(n.received for n in b.statistics().nics) == 4
+
+
+async def test_many_notify_writes_in_flight_count_exactly(provider: str) -> None:
+    src = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+    async with pair(provider) as (a, b):
+        region = np.zeros(1 << 20, np.uint8)
+        desc = b.export(region, "r")
+        a.register(src)
+        writes = 40
+        with trio.fail_after(STEP):
+            k = np.arange(16, dtype=np.int64)
+            # Write i: 16 pages of 1 KiB from its own 16 KiB of the source, to
+            # column i of 16 rows of 64 KiB.
+            handles = [await a.submit(src, desc, ScatterList(
+                k * 1024 + i * 16384, k * 65536 + i * 1024, np.full(16, 1024, np.int64)),
+                imm=7, notify=True) for i in range(writes)]
+            for t in handles:
+                await t.wait()
+            await b.wait_imm(7, writes)
+            await settle()
+        assert b.imm_count(7) == 0, "more immediates than writes arrived"
+        got = region.reshape(16, 64, 1024)[:, :writes]
+        want = src[:writes * 16384].reshape(writes, 16, 1024).transpose(1, 0, 2)
+        assert np.array_equal(got, want)
+
+
+async def test_per_piece_writes_still_count_pieces(provider: str) -> None:
+    src = np.ones(64 * 4096, np.uint8)
+    async with pair(provider) as (a, b):
+        region = np.zeros(2 * len(src), np.uint8)
+        desc = b.export(region, "r")
+        a.register(src)
+        with trio.fail_after(STEP):
+            t = await a.submit(src, desc, pages(64, 4096, 8192), imm=9)
+            assert t.imms == t.pieces == 64
+            assert await t.wait() == 64
+            await b.wait_imm(9, 64)
+            assert await a.write(src, desc, pages(64, 4096, 8192)) == 64  # no imm
+            await settle()
+        assert b.imm_count(9) == 0
+
+
+async def test_notify_without_an_immediate_is_refused() -> None:
+    async with pair("tcp;ofi_rxm") as (a, b):
+        src = np.ones(4096, np.uint8)
+        desc = b.export(np.zeros(4096, np.uint8), "r")
+        a.register(src)
+        with pytest.raises(InvalidArgument, match="notify"):
+            await a.write(src, desc, ScatterList.contiguous(4096), notify=True)
+        assert a.statistics().nics[0].pieces == 0
+
+
+async def test_striped_over_two_target_nics_one_immediate() -> None:
+    """A write from one shard to a two-NIC target goes out as two cursors
+    (one per target NIC), each with its delivery-complete tail: still one
+    immediate, after both."""
+    config = EngineConfig(provider="tcp;ofi_rxm", node="127.0.0.1")
+    async with open_engine_on(two_node_topology(), config) as a, \
+            open_engine_on(two_node_topology(), config) as b:
+        region = np.zeros(8 << 20, np.uint8)
+        desc = b.export(region, "two")
+        src = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+        a.register(src, numa_node=0)
+        for round_ in range(3):
+            region[:] = 0
+            with trio.fail_after(STEP):
+                t = await a.submit(src, desc, ScatterList.contiguous(4 << 20, dst=1 << 20),
+                                   imm=IMM, notify=True)
+                await t.wait()
+                await b.wait_imm(IMM, 1)
+            assert np.array_equal(region[1 << 20:5 << 20], src), round_
+            assert t.pieces >= 8
+        await settle()
+        assert b.imm_count(IMM) == 0
+        received = [n.received for n in b.statistics().nics]
+        assert sum(received) == 3, f"one arrival with an immediate per write: {received}"
+        sent = [n.bytes for n in a.statistics().nics if n.shard == 0]
+        assert sent == [3 * (4 << 20) + 3 * 8], "data once, plus 8 bytes per notification"
+
+
+def test_blocking_engine_notify(provider: str) -> None:
+    node = loopback_node(provider)
+    with BlockingEngine(engine_config(provider)) as a, \
+            BlockingEngine(EngineConfig(provider=provider, node=node)) as b:
+        src = np.arange(1 << 16, dtype=np.uint8)
+        region = np.zeros(1 << 16, np.uint8)
+        desc = b.export(region, "r")
+        a.register(src)
+        assert a.write(src, desc, pages(16, 4096, 4096), imm=5, notify=True, timeout=STEP) == 1
+        b.wait_imm(5, 1, timeout=STEP)
+        assert np.array_equal(region, src)
+
+
+async def test_a_cancelled_notify_write_is_never_counted(provider: str) -> None:
+    """A notify write that stops before its end sends no notification: the
+    receiver counts nothing for it (its pieces may have landed)."""
+    src = np.ones(4096 * 1024, np.uint8)
+    async with pair(provider) as (a, b):
+        region = np.zeros(len(src), np.uint8)
+        desc = b.export(region, "r")
+        a.register(src)
+        with trio.fail_after(STEP):
+            t = await a.submit(src, desc, pages(1024, 4096, 4096), imm=11, notify=True)
+            t.cancel()
+            with pytest.raises(TransferError, match="cancelled"):
+                await t.wait()
+            await settle()
+        assert b.imm_count(11) == 0
+        # The next notify write to the same peer counts once, as usual.
+        with trio.fail_after(STEP):
+            assert await a.write(src, desc, pages(16, 4096, 4096), imm=11, notify=True) == 1
+            await b.wait_imm(11, 1)
+            await settle()
+        assert b.imm_count(11) == 0
