@@ -308,11 +308,17 @@ class Client:
         await self._request("unexport", name=name)
 
     async def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
-                    src_offset: int = 0, imm: int | None = None,
+                    src_offset: int = 0, imm: int | None = None, notify: bool = False,
                     timeout: float | None = None) -> int:
         """Write ``scatter`` from ``src`` (offsets relative to ``src_offset``)
-        into ``region`` on node ``peer``; returns the pieces written, each with
-        ``imm``. Returns once every piece has completed.
+        into ``region`` on node ``peer``; returns once every piece has
+        completed, with how many immediates the region's owner will count
+        for it (``wait_imm(imm, n)``): the pieces written, each carrying
+        ``imm``, or with ``notify=True`` 1: ``imm`` arrives once, after every
+        byte of the write is in the target's memory. Prefer ``notify``: the
+        receiver need not know how the write was striped, and such a write
+        fails over to another rail when one breaks under it (a per-piece
+        write fails then, as its count could no longer be exact).
 
         Cancellation (like the engine's ``write``): the daemon is told, stops
         posting, waits for the pieces already posted, then answers; only then
@@ -329,8 +335,9 @@ class Client:
             raise InvalidArgument(f"timeout must be a number of seconds > 0, got {timeout!r}")
         packed = pack_scatter(scatter.src, scatter.dst, scatter.length)
         with anyio.move_on_after(timeout) as scope:
+            extra: dict[str, Any] = {"notify": True} if notify else {}
             result = await self._request("write", peer=peer, region=region, mem=src.mem_id,
-                                         offset=src_offset, scatter=packed, imm=imm)
+                                         offset=src_offset, scatter=packed, imm=imm, **extra)
         if scope.cancelled_caught:
             raise WaitTimeout(f"write to {region!r} on {peer!r} did not finish within "
                               f"{timeout:g} s")

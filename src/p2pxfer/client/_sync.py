@@ -65,11 +65,11 @@ class SyncClient:
         self._call(self._client.unexport, name)
 
     def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
-              src_offset: int = 0, imm: int | None = None,
+              src_offset: int = 0, imm: int | None = None, notify: bool = False,
               timeout: float | None = None) -> int:
         """See :meth:`Client.write` (``timeout`` included)."""
         return int(self._call(self._client.write, peer, region, scatter, src=src,
-                              src_offset=src_offset, imm=imm, timeout=timeout))
+                              src_offset=src_offset, imm=imm, notify=notify, timeout=timeout))
 
     def wait_imm(self, imm: int, count: int, *, region: str | None = None,
                  timeout: float | None = None) -> None:

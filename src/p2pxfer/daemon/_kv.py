@@ -11,11 +11,15 @@ here with ``p2pxfer.kv.plan_push`` (numpy: no Python per block), then:
    immediate slot, ``_imms``) for these layers of this request, with a
    deadline; the receiver notes who sends (membership's verdict on that node
    fails the request's waits with ``PeerLost``);
-2. one engine transfer per layer, in layer order, each piece carrying
-   ``slot << V | layer``: 32 bits are enough however many pieces a layer has;
-3. ``kv_expect`` tells the receiver each layer's final piece count (known
-   once the engine has striped the layer), so it knows when a layer is
-   complete; arrivals before that are counted, not lost.
+2. one engine transfer per layer, in layer order, in the engine's notify
+   mode: ``slot << V | layer`` arrives once, after every piece of the layer
+   landed (32 bits whatever the layer's size; and a layer whose rail breaks
+   fails over to another rail, where per-piece immediates could no longer
+   be counted exactly);
+3. ``kv_expect`` tells the receiver how many immediates each layer brings
+   (1 in notify mode; the receiver does not assume how the sender sends),
+   so it knows when a layer is complete; arrivals before that are counted,
+   not lost.
 
 What must not live here: the block expansion (``p2pxfer.kv``), posting
 (``p2pxfer.engine``), or the region directory (``_regions``).
@@ -402,13 +406,13 @@ class KV:
                 a, b = bounds[k], bounds[k + 1]
                 transfers.append(await d.engine.submit(
                     src.view, desc, ScatterList(so[a:b], do[a:b], ln[a:b]),
-                    imm=d.imms.compose(slot, layer)))
+                    imm=d.imms.compose(slot, layer), notify=True))
                 if k == 0:
                     await self._ask(peer, "kv_expect", slot=slot, first=0,
-                                    pieces=pack_i64([transfers[0].pieces]))
+                                    pieces=pack_i64([transfers[0].imms]))
             if len(transfers) > 1:
                 await self._ask(peer, "kv_expect", slot=slot, first=1,
-                                pieces=pack_i64([t.pieces for t in transfers[1:]]))
+                                pieces=pack_i64([t.imms for t in transfers[1:]]))
             for k, t in enumerate(transfers):
                 await t.wait()
                 if k == 0:

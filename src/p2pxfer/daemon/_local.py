@@ -143,9 +143,11 @@ class LocalCopies:
     # -- copies -------------------------------------------------------------------------
 
     async def write(self, writer: ClientSession, src: memoryview, scatter: ScatterList,
-                    region: str, imm: int | None) -> int:
+                    region: str, imm: int | None, notify: bool = False) -> int:
         """Copy ``scatter`` from ``src`` into this daemon's export ``region``;
-        the pieces written (each carrying ``imm`` to the region's owner).
+        the pieces written (each carrying ``imm`` to the region's owner), or
+        with ``notify`` 1: ``imm`` counted once, when every piece is there
+        (never for a write stopped part way, as the engine's notify mode).
         ``UnknownRegion`` if no client of this daemon exports it, or none the
         writer's uid may write into, or when it is unexported before the copy
         is over; ``ScatterError`` for a piece outside either buffer.
@@ -174,15 +176,17 @@ class LocalCopies:
             target.copies.discard(copy)
             self.writes += 1
             self.pieces += done
-            if full_imm is not None and done:
+            if full_imm is not None and done and not notify:
                 self.d.imms.deliver(full_imm, done)
+            elif full_imm is not None and notify and done == len(sl):
+                self.d.imms.deliver(full_imm, 1)
             copy.done.set()
         if done < len(sl):
             self.stopped += 1
             raise UnknownRegion(f"region {region!r} on {self.d.node} was unexported during "
                                 f"the write ({done} of {len(sl)} pieces landed)")
         self.bytes += scatter.nbytes
-        return len(sl)
+        return 1 if notify else len(sl)
 
     def _plan(self, scatter: ScatterList) -> tuple[ScatterList, list[tuple[int, int]]]:
         """The pieces to copy and each thread's contiguous range of them."""

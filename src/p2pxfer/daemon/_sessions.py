@@ -353,7 +353,8 @@ async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
     src = s.mem(msg["mem"]).view(msg["offset"])
     scatter = ScatterList(*unpack_scatter(msg["scatter"]))
     pieces = await s.daemon.writes.write(s.label, src, scatter, msg["peer"], msg["region"],
-                                         msg.get("imm"), session=s)
+                                         msg.get("imm"), session=s,
+                                         notify=msg.get("notify", False))
     return {"pieces": pieces}
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
-from p2pxfer.errors import PeerLost, RemoteClosed, TransferError, TransferTimeout
+from p2pxfer.errors import InvalidArgument, PeerLost, RemoteClosed, TransferError, TransferTimeout
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
@@ -50,21 +50,29 @@ class Writes:
 
     async def write(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
                     region: str, imm: int | None, *,
-                    session: ClientSession | None = None) -> int:
-        """Write ``scatter`` from ``src`` into ``region`` on ``peer``; the
-        pieces written, once all have landed. ``imm`` is the client's value:
-        each piece carries it with the region's slot (``_imms``), so only
-        the region's owner counts it. ``session`` (the writer) makes a write
-        into a region of this daemon's clients a copy (``_local``)."""
+                    session: ClientSession | None = None, notify: bool = False) -> int:
+        """Write ``scatter`` from ``src`` into ``region`` on ``peer``, once
+        all of it has landed; returns how many immediates the region's owner
+        will count for it. ``imm`` is the client's value, sent with the
+        region's slot (``_imms``), so only the region's owner counts it: on
+        every piece (returns the pieces written), or with ``notify`` once,
+        after every piece landed (returns 1; the engine's notify mode, which
+        also lets the write fail over to another rail). ``session`` (the
+        writer) makes a write into a region of this daemon's clients a copy
+        (``_local``)."""
         d = self.d
         if imm is not None:
             d.imms.check_value(imm)
+        elif notify:
+            raise InvalidArgument("notify needs an imm: it is the immediate sent once the "
+                                  "write landed")
         if peer == d.node and session is not None and self.local.enabled:
-            return await self._copy(session, src, scatter, region, imm)
+            return await self._copy(session, src, scatter, region, imm, notify)
         follower = d.follower
         if not follower.enabled:
             desc = await d.regions.resolve(peer, region)
-            return await self._run(client, src, scatter, peer, region, desc, imm, session)
+            return await self._run(client, src, scatter, peer, region, desc, imm, session,
+                                   notify)
         follower.check_peer(peer)
         with follower.track_write(peer):
             desc = await d.regions.resolve(peer, region)
@@ -73,17 +81,18 @@ class Writes:
             except PeerLost:
                 d.regions.forget(peer, region)
                 raise
-            return await self._run(client, src, scatter, peer, region, desc, imm, session)
+            return await self._run(client, src, scatter, peer, region, desc, imm, session,
+                                   notify)
         raise AssertionError("unreachable")  # track_write raised PeerLost
 
     async def _copy(self, session: ClientSession, src: memoryview, scatter: ScatterList,
-                    region: str, imm: int | None) -> int:
+                    region: str, imm: int | None, notify: bool) -> int:
         """A write into a region of this daemon's clients: a copy."""
         self.in_flight += 1
         t0 = time.perf_counter()
         ok = False
         try:
-            pieces = await self.local.write(session, src, scatter, region, imm)
+            pieces = await self.local.write(session, src, scatter, region, imm, notify)
             ok = True
         finally:
             self.in_flight -= 1
@@ -96,7 +105,7 @@ class Writes:
 
     async def _run(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
                    region: str, desc: RegionDescriptor, imm: int | None,
-                   session: ClientSession | None = None) -> int:
+                   session: ClientSession | None = None, notify: bool = False) -> int:
         d = self.d
         if session is not None and self.local.enabled and desc.node == d.node \
                 and desc.incarnation == d.incarnation:
@@ -104,14 +113,15 @@ class Writes:
             # write naming our own node, into the export of that name now.
             if not self.local.has(desc.name):
                 d.regions.forget(peer, region)
-            return await self._copy(session, src, scatter, desc.name, imm)
+            return await self._copy(session, src, scatter, desc.name, imm, notify)
         self.in_flight += 1
         t0 = time.perf_counter()
         ok = False
         try:
             try:
                 pieces = await d.engine.write(src, desc, scatter,
-                                              imm=self._imm(peer, region, imm))
+                                              imm=self._imm(peer, region, imm),
+                                              notify=notify)
             except TransferError as exc:
                 log.warning("transfer.failed", client=client, peer=peer, region=region,
                             nbytes=scatter.nbytes, error=str(exc))
@@ -131,7 +141,8 @@ class Writes:
                 log.info("transfer.retry_new_life", client=client, peer=peer, region=region,
                          incarnation=fresh.incarnation)
                 pieces = await d.engine.write(src, fresh, scatter,
-                                              imm=self._imm(peer, region, imm))
+                                              imm=self._imm(peer, region, imm),
+                                              notify=notify)
             ok = True
         finally:
             self.in_flight -= 1

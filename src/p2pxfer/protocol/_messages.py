@@ -59,7 +59,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "unexport": {"id": (_INT, True), "name": (_STR, True)},
     "write": {"id": (_INT, True), "peer": (_STR, True), "region": (_STR, True),
               "mem": (_INT, True), "offset": (_INT, True), "scatter": (_BIN, True),
-              "imm": (_OPT_INT, False)},
+              "imm": (_OPT_INT, False), "notify": (_BOOL, False)},
     "wait_imm": {"id": (_INT, True), "imm": (_INT, True), "count": (_INT, True),
                  "region": (_STR, False)},
     "status": {"id": (_INT, True)},
