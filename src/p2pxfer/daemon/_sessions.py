@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +69,7 @@ HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed
 class ClientSession:
     """One connected client: its memory, its exports, its requests in flight."""
 
-    def __init__(self, daemon: Daemon, sock: trio.socket.SocketType, pid: int,
+    def __init__(self, daemon: Daemon, sock: socket.socket | trio.socket.SocketType, pid: int,
                  uid: int = -1) -> None:
         self.daemon = daemon
         self.label = f"pid:{pid}"
@@ -170,25 +171,36 @@ class ClientSession:
             answered.set()
 
     async def _answer(self, msg: Message, scope: trio.CancelScope | None = None) -> None:
+        """Serve ``msg`` and answer it; a request ``cancel`` may stop runs in
+        ``scope`` (the ones answered in turn need none: entering a scope
+        costs a no-op request a tenth of its time in the daemon)."""
         outcome: dict[str, Any] | BaseException = CANCELLED
-        with scope or trio.CancelScope():
-            try:
-                outcome = await HANDLERS[msg.kind](self, msg)
-            except trio.Cancelled:
-                if scope is None or not scope.cancel_called:
-                    raise  # the session is ending, not this request
-                log.info("request.cancelled", client=self.label, kind=msg.kind, id=msg.id)
-                raise
-            except Exception as exc:  # every failure becomes an answer, never a crash
-                if not isinstance(exc, P2PXferError):
-                    log.error("request.crashed", client=self.label, kind=msg.kind,
-                              error=bounded(f"{type(exc).__name__}: {exc}"))
-                where = {k: msg.get(k) for k in ("peer", "region", "name")
-                         if msg.get(k) is not None}
-                log.info("request.failed", client=self.label, kind=msg.kind, **where,
-                         code=wire_error(exc)[0], error=bounded(str(exc)))
-                outcome = exc
+        if scope is None:
+            outcome = await self._outcome(msg)
+        else:
+            with scope:
+                try:
+                    outcome = await self._outcome(msg)
+                except trio.Cancelled:
+                    if not scope.cancel_called:
+                        raise  # the session is ending, not this request
+                    log.info("request.cancelled", client=self.label, kind=msg.kind, id=msg.id)
+                    raise
         await self._send(self.pump.answer(msg.id, outcome))
+
+    async def _outcome(self, msg: Message) -> dict[str, Any] | BaseException:
+        """The handler's result, or the exception it failed with."""
+        try:
+            return await HANDLERS[msg.kind](self, msg)
+        except Exception as exc:  # every failure becomes an answer, never a crash
+            if not isinstance(exc, P2PXferError):
+                log.error("request.crashed", client=self.label, kind=msg.kind,
+                          error=bounded(f"{type(exc).__name__}: {exc}"))
+            where = {k: msg.get(k) for k in ("peer", "region", "name")
+                     if msg.get(k) is not None}
+            log.info("request.failed", client=self.label, kind=msg.kind, **where,
+                     code=wire_error(exc)[0], error=bounded(str(exc)))
+            return exc
 
     async def cancel(self, target: int) -> None:
         """Stop request ``target`` (if it still runs) and return once it has
