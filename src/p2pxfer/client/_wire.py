@@ -19,6 +19,7 @@ must not live here: the API (``_client``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import select
 import socket
@@ -45,7 +46,6 @@ from p2pxfer.protocol import (
 __all__ = ["Conversation"]
 
 _READER = object()  # the reader task, when it leads
-_CLOSED_ERRORS = (anyio.ClosedResourceError, trio.ClosedResourceError)
 
 
 class _AnyioStream:
@@ -106,9 +106,12 @@ class Conversation:
         raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
         assert isinstance(raw, socket.socket)
         self._raw = raw
-        self._wait_readable: Callable[[socket.socket], Any] = (
-            trio.lowlevel.wait_readable if sniffio.current_async_library() == "trio"
-            else anyio.wait_readable)
+        # Under asyncio a callback of the loop reads (``_on_readable``): it
+        # runs inside the loop's poll, no task wakes to read. Trio has no such
+        # callback: there a waiting caller leads.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if sniffio.current_async_library() == "asyncio":
+            self._loop = asyncio.get_running_loop()
         self._path = path
         self._pending: dict[int, _Pending] = {}  # sent, not answered
         self._waiting: dict[int, _Pending] = {}  # callers waiting for a leader
@@ -165,8 +168,8 @@ class Conversation:
                     self._deliver(msg)
                 elif not self._recv_nowait():
                     try:
-                        await self._wait_readable(self._raw)
-                    except _CLOSED_ERRORS:
+                        await trio.lowlevel.wait_readable(self._raw)
+                    except trio.ClosedResourceError:
                         self._pump.conn.receive_data(b"")  # closed under us: the end
         except ProtocolError as exc:
             self._fail_all(ConnectionLost(f"protocol error from the daemon: {exc}"))
@@ -187,7 +190,7 @@ class Conversation:
     async def _await_reply(self, p: _Pending) -> None:
         """Until ``p`` is answered or the conversation is over."""
         while p.reply is None and self._closed is None:
-            if self._leader is None:
+            if self._leader is None and self._loop is None:
                 self._leader = p
                 try:
                     await self._lead(lambda: p.reply is not None)
@@ -207,9 +210,29 @@ class Conversation:
         """Replies are due that no waiting caller will read."""
         return bool(self._pending) and not any(p.reply is None for p in self._waiting.values())
 
+    def _on_readable(self) -> None:
+        """asyncio: the socket has something; read it and hand out replies."""
+        try:
+            if self._recv_nowait():
+                while self._closed is None and (msg := self._take()) is not None:
+                    self._deliver(msg)
+        except ProtocolError as exc:
+            self._fail_all(ConnectionLost(f"protocol error from the daemon: {exc}"))
+        except P2PXferError as exc:
+            self._fail_all(exc)
+        if self._closed is not None and self._loop is not None:
+            self._loop.remove_reader(self._raw)  # at the end it would fire for ever
+
     async def _reader(self) -> None:
-        """Reads for requests nobody awaits right now, so their replies never
-        pile up unread (the daemon would stall on a full socket)."""
+        """Trio: reads for requests nobody awaits right now, so their replies
+        never pile up unread (the daemon would stall on a full socket).
+        asyncio: keeps ``_on_readable`` on the loop while it runs."""
+        if self._loop is not None:
+            self._loop.add_reader(self._raw, self._on_readable)
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self._loop.remove_reader(self._raw)
         while self._closed is None:
             await self._wanted.wait()
             self._wanted = anyio.Event()

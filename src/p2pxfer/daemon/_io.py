@@ -32,9 +32,6 @@ MAX_QUEUED_FDS = 8
 _CREDS = struct.Struct("3i")
 
 
-#: reads answered at once in a row before a session yields to the others anyway
-#: (a client that pipelines requests must not starve the daemon)
-FAIR_READS = 16
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
@@ -93,23 +90,17 @@ class UnixFdStream:
         self.label = label
         self.fds: deque[int] = deque()
         self.flooded = False
-        self._at_once = 0  # reads answered without waiting, in a row
 
     async def receive_some(self) -> bytes:
         """The next bytes (b"" once the stream ended or broke). Checkpoints
-        when it waits, and every ``FAIR_READS`` reads that did not."""
+        only when it waits: the session yields to others every few requests
+        (``_sessions.FAIR_REQUESTS``)."""
         if self.flooded:
             return b""
-        if self._at_once >= FAIR_READS:
-            # Before reading: a cancellation here loses no bytes.
-            self._at_once = 0
-            await trio.lowlevel.checkpoint()
         try:
             try:
                 data, fds = recv_with_fds_nowait(self.sock)
-                self._at_once += 1
             except BlockingIOError:
-                self._at_once = 0
                 data, fds = await recv_with_fds(self.sock)
         except OSError:
             return b""

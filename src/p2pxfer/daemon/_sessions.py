@@ -64,6 +64,10 @@ CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel", "kv_pu
 #: what a request stopped by the client's ``cancel`` is answered
 CANCELLED: dict[str, Any] = {"cancelled": True}
 HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed
+#: requests a session serves before it yields to the rest of the daemon even
+#: when it never had to wait (reading, answering): a client that pipelines
+#: requests must not starve the others
+FAIR_REQUESTS = 16
 
 
 class ClientSession:
@@ -114,7 +118,12 @@ class ClientSession:
             log.info("client.gone", client=self.label)
 
     async def _serve(self, nursery: trio.Nursery) -> None:
+        served = 0
         while True:
+            served += 1
+            if served >= FAIR_REQUESTS:
+                served = 0
+                await trio.lowlevel.checkpoint()
             try:
                 msg = await self.pump.receive()
             except RemoteProtocolError as exc:
