@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import select
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -80,7 +80,8 @@ class _AnyioStream:
 
 class _Pending:
     """A request sent, its reply not yet taken. ``event`` exists only while
-    its caller waits for a leader (a leader needs none)."""
+    its caller waits: for a leader (trio; a leader needs none) or for the
+    loop's callback (asyncio: a bare future, the cheapest wake-up there)."""
 
     __slots__ = ("event", "kind", "reply", "rid")
 
@@ -88,11 +89,17 @@ class _Pending:
         self.kind = kind
         self.rid = rid
         self.reply: Message | None = None
-        self.event: anyio.Event | None = None
+        self.event: anyio.Event | asyncio.Future[None] | None = None
 
     def wake(self) -> None:
-        if self.event is not None:
-            self.event.set()
+        event = self.event
+        if event is None:
+            return
+        if isinstance(event, asyncio.Future):
+            if not event.done():
+                event.set_result(None)
+        else:
+            event.set()
 
 
 class Conversation:
@@ -159,10 +166,12 @@ class Conversation:
         self._pump.conn.receive_data(data)
         return True
 
-    async def _lead(self, done: Callable[[], bool]) -> None:
-        """Read and hand out replies until ``done()`` or the conversation ends."""
+    async def _lead(self, mine: _Pending | None) -> None:
+        """Read and hand out replies until ``mine`` is answered (None: until
+        no reply is due that nobody waits for), or the conversation ends."""
         try:
-            while not done() and self._closed is None:
+            while self._closed is None and (
+                    mine.reply is None if mine is not None else self._unattended()):
                 msg = self._take()
                 if msg is not None:
                     self._deliver(msg)
@@ -189,20 +198,24 @@ class Conversation:
 
     async def _await_reply(self, p: _Pending) -> None:
         """Until ``p`` is answered or the conversation is over."""
+        if self._loop is not None:  # asyncio: ``_on_readable`` reads
+            while p.reply is None and self._closed is None:
+                p.event = future = self._loop.create_future()
+                await future
+            return
         while p.reply is None and self._closed is None:
-            if self._leader is None and self._loop is None:
+            if self._leader is None:
                 self._leader = p
                 try:
-                    await self._lead(lambda: p.reply is not None)
+                    await self._lead(p)
                 finally:
                     self._leader = None
                     self._hand_over()
             else:
-                if p.event is None or p.event.is_set():
-                    p.event = anyio.Event()
+                p.event = event = anyio.Event()
                 self._waiting[p.rid] = p
                 try:
-                    await p.event.wait()
+                    await event.wait()
                 finally:
                     del self._waiting[p.rid]
 
@@ -240,7 +253,7 @@ class Conversation:
                 continue
             self._leader = _READER
             try:
-                await self._lead(lambda: not self._unattended())
+                await self._lead(None)
             finally:
                 self._leader = None
                 self._hand_over()
@@ -390,8 +403,9 @@ class Conversation:
                 msg = self._take()
                 if msg is not None:
                     self._deliver(msg)
-                elif not self._recv_nowait():
+                else:  # the daemon needs a while: wait before trying to read
                     poller.poll()
+                    self._recv_nowait()
         except OSError as exc:
             self._closed = ConnectionLost(f"the daemon at {self._path} is gone: {exc}")
             raise self._closed from exc
