@@ -121,6 +121,9 @@ class Message:
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __reduce__(self) -> tuple[type[Message], tuple[str, Mapping[str, Any]]]:
+        return Message, (self.kind, self.fields)  # copy and pickle despite __setattr__
+
     def __repr__(self) -> str:
         return f"Message(kind={self.kind!r}, fields={self.fields!r})"
 
