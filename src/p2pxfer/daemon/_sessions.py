@@ -180,9 +180,9 @@ class ClientSession:
             answered.set()
 
     async def _answer(self, msg: Message, scope: trio.CancelScope | None = None) -> None:
-        """Serve ``msg`` and answer it; a request ``cancel`` may stop runs in
-        ``scope`` (the ones answered in turn need none: entering a scope
-        costs a no-op request a tenth of its time in the daemon)."""
+        """Serve ``msg`` and answer it. A request served as a task runs in
+        ``scope``, which its ``cancel`` cancels; one answered in turn needs
+        none (entering a scope cost a no-op a tenth of its daemon time)."""
         outcome: dict[str, Any] | BaseException = CANCELLED
         if scope is None:
             outcome = await self._outcome(msg)
