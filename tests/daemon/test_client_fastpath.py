@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,7 +29,7 @@ import trio
 
 import p2pxfer
 from daemon_helpers import DaemonProc, start_daemon
-from p2pxfer.errors import UnknownRegion, WaitTimeout
+from p2pxfer.errors import ConnectionLost, UnknownRegion, WaitTimeout
 from p2pxfer.kv import KVLayout
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
 
@@ -265,3 +267,56 @@ def test_a_pipelining_client_lets_the_daemon_breathe(monkeypatch: pytest.MonkeyP
         assert len({t for t in ticks if 0 < t < burst}) >= 3, ticks[:50]
 
     trio.run(main)
+
+
+def _hang_up_on_first_request(path: str) -> threading.Thread:
+    """A fake daemon at ``path``: welcomes one client, then hangs up on its
+    first request without answering."""
+    from p2pxfer.protocol import RESPONDER, Connection, Message
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener, listener.accept()[0] as sock:
+            sock.settimeout(TIMEOUT)
+            conn = Connection("client", RESPONDER)
+            while True:
+                conn.receive_data(sock.recv(1 << 16))
+                while isinstance(msg := conn.next_event(), Message):
+                    if msg.kind != "hello":
+                        return
+                    sock.sendall(conn.send("welcome", v=SCHEMA_VERSION, node="fake",
+                                           incarnation=1, max_frame=1 << 20))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+def test_lost_daemon_on_every_fast_path(tmp_path: Path) -> None:
+    """The daemon hangs up while a request waits: asyncio (the loop callback
+    reads the end) and SyncClient (the blocking call reads it) raise
+    ``ConnectionLost``, and so does every later call."""
+    async def on_asyncio(path: str) -> None:
+        async with p2pxfer.connect(path) as c:
+            assert c.node == "fake"
+            with pytest.raises(ConnectionLost, match="closed the connection"):
+                await c.status()
+            with pytest.raises(ConnectionLost):
+                await c.peers()
+
+    path = str(tmp_path / "a.sock")
+    t = _hang_up_on_first_request(path)
+    asyncio.run(asyncio.wait_for(on_asyncio(path), TIMEOUT))
+    t.join(TIMEOUT)
+
+    path = str(tmp_path / "s.sock")
+    t = _hang_up_on_first_request(path)
+    with p2pxfer.SyncClient(path) as c:
+        with pytest.raises(ConnectionLost, match="closed the connection"):
+            c.status()
+        with pytest.raises(ConnectionLost):
+            c.peers()
+    t.join(TIMEOUT)
