@@ -102,6 +102,13 @@ def scenario_rows(doc: dict[str, Any]) -> list[str]:
             out.append(_row(p, name, _gb(r["gbps"]), _gb(r["baseline_gbps"]),
                             f"**{r['gbps'] / r['baseline_gbps']:.2f}**", "-", _cpu(r),
                             f"first layer after {r['time_to_first_layer_ms']:.1f} ms"))
+        elif "client" in r:  # control round trip, against a raw socket to the daemon
+            rounds = r["round_p50_us"]
+            out.append(_row(p, name, f"{r['p50_us']:.0f} us p50",
+                            f"{r['baseline_p50_us']:.0f} us p50 ({r['baseline']})",
+                            f"{r['ratio']:.1f}x", "-", "-",
+                            f"p99 {r['p99_us']:.0f} us; round p50s {min(rounds):.0f}-"
+                            f"{max(rounds):.0f} us"))
         elif "pingpong_rtt_p50_us" in r:  # latency
             out.append(_row(p, name, f"{r['p50_us']:.0f} us p50",
                             f"{r['baseline_p50_us']:.0f} us p50", f"{r['ratio']:.1f}x", "-", "-",

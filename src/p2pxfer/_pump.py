@@ -111,7 +111,9 @@ class Pump:
         self.conn = conn
         self.stream = stream
         self.where = where
-        self._send_lock = anyio.Lock()
+        # Taken without a scheduler round when free: a reply costs the
+        # session no extra round (the stream's send may still wait).
+        self._send_lock = anyio.Lock(fast_acquire=True)
 
     async def receive(self) -> Message | None:
         """The next message, or None once the conversation is over. A

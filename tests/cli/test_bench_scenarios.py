@@ -55,6 +55,33 @@ def test_kv_push_against_the_reference() -> None:
     assert describe["pages"] == 2 * 2 * 50 and describe["cpu_ms"] > 0
 
 
+def test_control_round_trip_from_every_client(tmp_path: Path) -> None:
+    """Trio, asyncio and blocking clients against raw sockets, one run, ratios
+    to the raw blocking socket; the command line writes the same document."""
+    from p2pxfer.testing import start_daemon
+
+    d = start_daemon(tmp_path, "rtt", log_level="WARNING")
+    try:
+        recs = run_scenario("control-rtt", socket=d.socket, n=20, rounds=2)
+        out = tmp_path / "rtt.json"
+        result = CliRunner().invoke(main, ["control-rtt", "--socket", d.socket, "--count",
+                                           "5", "--rounds", "1", "--json", str(out)])
+    finally:
+        d.stop()
+    assert [r["client"] for r in recs] == ["raw-blocking", "raw-trio", "raw-asyncio", "trio",
+                                           "asyncio", "sync"]
+    base = recs[0]
+    for r in recs:
+        assert r["provider"] == TCP and r["requests"] == 40 and r["rounds"] == 2
+        assert 0 < r["p50_us"] <= r["p99_us"] and len(r["round_p50_us"]) == 2
+        assert r["baseline"] == "raw-blocking"
+        assert r["baseline_p50_us"] == base["p50_us"]
+        assert r["ratio"] == pytest.approx(r["p50_us"] / base["p50_us"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "control-rtt" and len(doc["results"]) == 6
+
+
 def test_unknown_scenario() -> None:
     with pytest.raises(BenchConfigError, match="unknown scenario 'nosuch'"):
         run_scenario("nosuch")

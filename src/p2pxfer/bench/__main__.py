@@ -163,11 +163,15 @@ def kv(providers: tuple[str, ...], json_path: str | None, layers: int, blocks: i
 @main.command("control-rtt")
 @JSON
 @click.option("--socket", "socket_path", required=True, help="a running daemon's socket")
-@click.option("--count", type=click.IntRange(1), default=500, show_default=True)
-def control_rtt(json_path: str | None, socket_path: str, count: int) -> None:
-    """Round trips of a no-op request through a daemon."""
+@click.option("--count", type=click.IntRange(1), default=500, show_default=True,
+              help="timed round trips per path and round")
+@click.option("--rounds", type=click.IntRange(1), default=5, show_default=True,
+              help="rounds, the order of the paths rotating")
+def control_rtt(json_path: str | None, socket_path: str, count: int, rounds: int) -> None:
+    """Round trips of a no-op request through a daemon: trio, asyncio and
+    blocking clients against raw sockets, ratios to the raw blocking one."""
     _emit("control-rtt", _run(partial(run_scenario, "control-rtt", socket=socket_path,
-                                      n=count)), json_path)
+                                      n=count, rounds=rounds)), json_path)
 
 
 if __name__ == "__main__":

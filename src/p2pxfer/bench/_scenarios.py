@@ -9,7 +9,8 @@
 - ``kv``: ``push_pages`` of whole layers against the C-to-C reference writing
   the same expanded pieces, time to first layer, and the CPU to describe and
   submit a 112,000-page request (dry run);
-- ``control_rtt``: a no-op request (``peers``) through a running daemon;
+- ``control_rtt``: a no-op request (``peers``) through a running daemon, from
+  trio, asyncio and blocking clients against raw-socket baselines (``_rtt``).
 - ``same-daemon`` (``_local``): a write between two clients of one daemon
   (its copy fast path) against memcpy of the same bytes.
 
@@ -46,6 +47,7 @@ from ._reference import (
     open_rails,
     process_cpu_seconds,
 )
+from ._rtt import measure_control_rtt
 from ._run import loopback_server, unwrap_group
 from ._server import connect_server, pick_interfaces
 
@@ -233,19 +235,12 @@ async def kv(provider: str, layers: int = 32, blocks: int = 1024,
     return out
 
 
-async def control_rtt(socket: str, n: int = 500) -> list[Record]:
-    """Round trips of a no-op request (``peers``) through the daemon at ``socket``."""
-    from p2pxfer.client import connect
-
-    async with connect(socket) as client:
-        status = await client.status()
-        rtt = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await client.peers()
-            rtt.append(time.perf_counter() - t0)
-    return [{"provider": str(status["provider"]), "pattern": "control round trip (peers)",
-             "p50_us": _us(rtt, 50), "p99_us": _us(rtt, 99)}]
+async def control_rtt(socket: str, n: int = 500, rounds: int = 5,
+                      kind: str = "peers") -> list[Record]:
+    """Round trips of a no-op request (``peers``) through the daemon at
+    ``socket``: trio, asyncio and blocking clients against raw sockets in the
+    same run (``_rtt``). In a worker thread: each path runs its own loop."""
+    return await trio.to_thread.run_sync(measure_control_rtt, socket, n, rounds, kind)
 
 
 SCENARIOS: dict[str, Callable[..., Awaitable[list[Record]]]] = {

@@ -10,9 +10,8 @@ ends while a request waits raises ``ConnectionLost``.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,65 +19,21 @@ import anyio
 import anyio.abc
 import numpy as np
 import numpy.typing as npt
-import sniffio
 import structlog
 
-from p2pxfer._pump import Pump
-from p2pxfer.errors import (
-    ConnectionLost,
-    DaemonError,
-    InvalidArgument,
-    P2PXferError,
-    WaitTimeout,
-)
+from p2pxfer.errors import ConnectionLost, DaemonError, InvalidArgument, WaitTimeout
 from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor, SharedBuffer
-from p2pxfer.protocol import (
-    INITIATOR,
-    SCHEMA_VERSION,
-    Connection,
-    Message,
-    ProtocolError,
-    pack_scatter,
-)
+from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
 
 from ._kv import KVPool, KVPush, open_pool, start_push
+from ._wire import Conversation
 
 __all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedMemory",
            "connect"]
 
 log = structlog.get_logger("p2pxfer.client")
-
-
-class _AnyioStream:
-    """The client's unix socket (anyio: trio or asyncio), its failures mapped
-    at this edge: a broken receive is the end of the stream, a broken send is
-    ``ConnectionLost``."""
-
-    def __init__(self, stream: anyio.abc.SocketStream, path: str) -> None:
-        self.stream = stream
-        self.path = path
-
-    async def receive_some(self) -> bytes:
-        try:
-            return await self.stream.receive(1 << 16)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
-                OSError):
-            return b""
-
-    async def send_all(self, data: bytes, fds: Sequence[int] = ()) -> None:
-        try:
-            if fds:
-                await self.stream.send_fds(data, fds)  # type: ignore[attr-defined]
-            else:
-                await self.stream.send(data)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise ConnectionLost(f"the daemon at {self.path} is gone: "
-                                 f"{exc or type(exc).__name__}") from exc
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
 
 
 @dataclass(frozen=True)
@@ -125,150 +80,12 @@ class SharedMemory:
         self.buffer.close()
 
 
-@dataclass
-class _Pending:
-    """A request sent, its reply not yet awaited."""
-
-    kind: str
-    rid: int
-    event: anyio.Event
-    box: list[Message]
-
-
-class Client:
+class Client(Conversation):
     """A connection to the node daemon. Use :func:`connect`."""
 
     def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
-        self._pump = Pump(Connection("client", INITIATOR, max_frame=max_frame),
-                          _AnyioStream(stream, path), "")
-        # Requests are sent here, not by ``Pump.send``: under trio a frame
-        # usually goes out in one non-blocking send on the socket itself,
-        # without the scheduler rounds of a lock and a stream (a no-op round
-        # trip is mostly those). Under asyncio the transport owns the socket.
-        self._send_lock = anyio.Lock()
-        self._raw: socket.socket | None = None
-        if sniffio.current_async_library() == "trio":
-            self._raw = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
-        self._path = path
-        self._pending: dict[int, tuple[anyio.Event, list[Message]]] = {}
-        self._closed: P2PXferError | None = None
+        super().__init__(stream, max_frame, path)
         self._mems: list[SharedMemory] = []
-        self.node = ""
-        self.incarnation = 0
-
-    # -- plumbing -------------------------------------------------------------
-
-    async def _handshake(self) -> None:
-        msg = await self._pump.hello(v=SCHEMA_VERSION, role="client")
-        self.node, self.incarnation = msg["node"], msg["incarnation"]
-
-    async def _reader(self) -> None:
-        try:
-            while True:
-                msg = await self._pump.receive()
-                if msg is None:
-                    raise ConnectionLost(f"the daemon at {self._path} closed the connection")
-                if msg.id is None:
-                    if msg.kind == "error":
-                        raise self._pump.error(msg)
-                    continue
-                slot = self._pending.pop(msg.id, None)
-                if slot is not None:
-                    slot[1].append(msg)
-                    slot[0].set()
-        except ProtocolError as exc:
-            self._fail_all(ConnectionLost(f"protocol error from the daemon: {exc}"))
-        except P2PXferError as exc:
-            self._fail_all(exc)
-
-    def _fail_all(self, exc: P2PXferError) -> None:
-        self._closed = exc
-        for event, _ in self._pending.values():
-            event.set()
-
-    async def _request(self, kind: str, fds: list[int] | None = None, *,
-                       timeout: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Send one request and await its reply. Cancelled (or interrupted)
-        while waiting: the daemon is told (``cancel``) and this returns only
-        once the daemon has answered the request, i.e. stopped serving it:
-        a write's buffer is no longer read, a wait no longer counts. After
-        ``timeout`` seconds the same, then ``WaitTimeout`` (unless the reply
-        came meanwhile: then it is returned)."""
-        pending = await self._start(kind, fds, **fields)
-        return await self._finish(pending, timeout)
-
-    async def _start(self, kind: str, fds: list[int] | None = None, **fields: Any
-                     ) -> _Pending:
-        """Send a request; its reply is awaited with ``_finish``."""
-        if self._closed is not None:
-            raise ConnectionLost(f"connection to the daemon is closed ({self._closed})")
-        event, box = anyio.Event(), list[Message]()
-        rid = self._pump.conn.next_id()
-        self._pending[rid] = (event, box)
-        try:
-            # Shielded: a frame cut in half would end the whole conversation.
-            with anyio.CancelScope(shield=True):
-                await self._send(kind, fds or (), id=rid, **fields)
-        except BaseException:
-            self._pending.pop(rid, None)
-            raise
-        return _Pending(kind, rid, event, box)
-
-    async def _finish(self, p: _Pending, timeout: float | None = None) -> dict[str, Any]:
-        event, box = p.event, p.box
-        try:
-            with anyio.move_on_after(float("inf") if timeout is None else timeout):
-                await event.wait()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._cancel(p.rid, event)
-            raise
-        if not event.is_set():
-            with anyio.CancelScope(shield=True):
-                await self._cancel(p.rid, event)
-            if box and box[0].kind == "ok" and (box[0].get("result") or {}).get("cancelled"):
-                raise WaitTimeout(f"{p.kind}: no answer within {timeout} s")
-        if not box:
-            assert self._closed is not None
-            raise ConnectionLost(f"connection to the daemon closed: {self._closed}")
-        return self._pump.result(box[0])
-
-    async def _send(self, kind: str, fds: Sequence[int], **fields: Any) -> None:
-        """Encode and send one message (the conversation's state moves as it
-        encodes, so encoding and sending happen under one lock)."""
-        try:
-            self._send_lock.acquire_nowait()
-        except anyio.WouldBlock:
-            await self._send_lock.acquire()
-        try:
-            data = self._pump.conn.send(kind, None, **fields)
-            if data and not fds and self._raw is not None:
-                try:
-                    data = data[self._raw.send(data):]
-                except BlockingIOError:
-                    pass
-                except OSError as exc:
-                    raise ConnectionLost(f"the daemon at {self._path} is gone: {exc}") from exc
-            if data:
-                await self._pump.stream.send_all(data, fds)
-        finally:
-            self._send_lock.release()
-
-    async def _cancel(self, rid: int, answered: anyio.Event) -> None:
-        """Tell the daemon to stop request ``rid``; return once it has been
-        answered (the daemon answers it before it answers the ``cancel``),
-        or the connection is gone (then the daemon dropped it anyway)."""
-        if answered.is_set() or self._closed is not None:
-            return
-        event, box = anyio.Event(), list[Message]()
-        cid = self._pump.conn.next_id()
-        self._pending[cid] = (event, box)
-        try:
-            await self._send("cancel", (), id=cid, target=rid)
-        except P2PXferError:
-            self._pending.pop(cid, None)
-            return
-        await event.wait()
 
     # -- API ------------------------------------------------------------------
 
@@ -288,6 +105,9 @@ class Client:
         """Give shared memory back: the daemon deregisters and unmaps it (it
         must not back an export), then it is unmapped here."""
         await self._request("unshare", mem=mem.mem_id)
+        self._forget(mem)
+
+    def _forget(self, mem: SharedMemory) -> None:
         if mem in self._mems:
             self._mems.remove(mem)
         mem.close()
@@ -418,11 +238,7 @@ class Client:
         await self._request("add_peer", name=name, address=address)
 
     async def aclose(self) -> None:
-        if self._closed is None:
-            with suppress(ConnectionLost, ProtocolError):
-                await self._send("bye", ())
-            self._closed = ConnectionLost("client closed")
-        await self._pump.aclose()
+        await super().aclose()
         for mem in self._mems:
             mem.close()
         self._mems.clear()

@@ -24,7 +24,8 @@ from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor
 
 if TYPE_CHECKING:
-    from ._client import Client, SharedMemory, _Pending
+    from ._client import Client, SharedMemory
+    from ._wire import _Pending
 
 __all__ = ["KVPool", "KVPush", "KVPushResult"]
 

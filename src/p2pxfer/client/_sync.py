@@ -1,10 +1,17 @@
 """``SyncClient``: the client for synchronous callers, on an event loop of its
-own in a background thread (anyio's blocking portal)."""
+own in a background thread (anyio's blocking portal).
+
+Requests the daemon answers in turn (``status``, ``peers``, ``export``...)
+skip the portal when nothing else is in flight: the calling thread sends the
+request and blocks on the socket for its reply itself
+(``Conversation.request_blocking``), which saves the two thread hand-offs a
+portal call costs (most of a no-op round trip). Anything that waits, passes
+descriptors or may be cancelled goes through the portal as before."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
-from functools import partial
 from types import TracebackType
 from typing import Any, Self
 
@@ -37,6 +44,11 @@ class SyncClient:
                 f"SyncClient cannot be made inside a running {library} event loop: its calls "
                 "block that loop; use `async with p2pxfer.client.connect(path)` there, or "
                 "make the SyncClient in a worker thread (e.g. trio.to_thread.run_sync)")
+        # Who may use the socket: portal calls in flight (counted until their
+        # coroutine ends) or one blocking call (``_blocking``), never both.
+        self._turn = threading.Condition()
+        self._in_flight = 0
+        self._blocking = False
         self._portal_cm = start_blocking_portal("trio")
         self._portal = self._portal_cm.__enter__()
         try:
@@ -47,7 +59,44 @@ class SyncClient:
             raise
 
     def _call(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        return self._portal.call(partial(fn, *args, **kw))
+        """``fn(*args, **kw)`` on the portal's loop. Counted in flight until
+        the coroutine itself ends there (not when this thread stops waiting,
+        e.g. on KeyboardInterrupt): only then may a blocking call use the
+        socket again."""
+        with self._turn:
+            while self._blocking:
+                self._turn.wait()
+            self._in_flight += 1
+
+        async def run() -> Any:
+            try:
+                return await fn(*args, **kw)
+            finally:
+                with self._turn:
+                    self._in_flight -= 1
+                    self._turn.notify_all()
+
+        # Should ``run`` never start (the portal is closed), the count stays
+        # up: blocking calls then stay off the socket, which is closed anyway.
+        return self._portal.call(run)
+
+    def _request(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """A request the daemon answers in turn: in this thread when nothing
+        else is in flight (the module docstring), else through the portal."""
+        with self._turn:
+            while self._blocking:
+                self._turn.wait()
+            fast = not self._in_flight and self._client.idle()
+            if fast:
+                self._blocking = True
+        if not fast:
+            return self._call(self._client._request, kind, **fields)  # type: ignore[no-any-return]
+        try:
+            return self._client.request_blocking(kind, **fields)
+        finally:
+            with self._turn:
+                self._blocking = False
+                self._turn.notify_all()
 
     def alloc(self, nbytes: int, name: str = "p2pxfer") -> SharedMemory:
         return self._call(self._client.alloc, nbytes, name)  # type: ignore[no-any-return]
@@ -55,14 +104,18 @@ class SyncClient:
     def export(self, name: str, mem: SharedMemory, offset: int = 0,
                length: int | None = None, *,
                writers: Iterable[int] | None = None) -> RegionDescriptor:
-        return self._call(self._client.export, name, mem, offset,  # type: ignore[no-any-return]
-                          length, writers=writers)
+        length = mem.nbytes - offset if length is None else length
+        fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
+        result = self._request("export", name=name, mem=mem.mem_id, offset=offset,
+                               length=length, **fields)
+        return RegionDescriptor.from_wire(result["descriptor"])
 
     def free(self, mem: SharedMemory) -> None:
-        self._call(self._client.free, mem)
+        self._request("unshare", mem=mem.mem_id)
+        self._client._forget(mem)
 
     def unexport(self, name: str) -> None:
-        self._call(self._client.unexport, name)
+        self._request("unexport", name=name)
 
     def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
               src_offset: int = 0, imm: int | None = None, notify: bool = False,
@@ -96,21 +149,24 @@ class SyncClient:
         self._call(pool.wait_layers, request, upto_layer, first=first, timeout=timeout)
 
     def status(self) -> dict[str, Any]:
-        return dict(self._call(self._client.status))
+        return self._request("status")
 
     def peers(self) -> list[dict[str, Any]]:
-        return list(self._call(self._client.peers))
+        return list(self._request("peers")["peers"])
 
     def lookup(self, name: str) -> dict[str, Any] | None:
-        return self._call(self._client.lookup, name)  # type: ignore[no-any-return]
+        return next((p for p in self.peers() if p["name"] == name), None)
 
     def locate(self, region: str) -> list[str]:
         return list(self._call(self._client.locate, region))
 
     def add_peer(self, name: str, address: str) -> None:
-        self._call(self._client.add_peer, name, address)
+        self._request("add_peer", name=name, address=address)
 
     def close(self) -> None:
+        with self._turn:
+            while self._blocking:
+                self._turn.wait()
         try:
             self._client_cm.__exit__(None, None, None)
         finally:

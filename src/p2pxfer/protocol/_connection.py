@@ -108,15 +108,24 @@ class Connection:
              **kw: Any) -> bytes:
         """Encode a message we send, checking it is legal now. A refused
         message changes nothing."""
-        if isinstance(msg, str):
-            msg = Message(msg, {**(fields or {}), **kw})
-        msg = validate(msg.to_wire(), remote=False)
-        state, outstanding = self.state, set(self._outstanding)
-        self._advance(self.our_role, msg, LocalProtocolError)
+        wire = ({"t": msg, **(fields or {}), **kw} if isinstance(msg, str)
+                else msg.to_wire())
+        checked = validate(wire, remote=False)
+        state = self.state
+        rid = checked.id
+        # What _advance may change, to put back if encoding fails: the state
+        # and this message's id (added by a request, removed by a reply).
+        had = rid in self._outstanding
+        self._advance(self.our_role, checked, LocalProtocolError)
         try:
-            return encode_frame(msg.to_wire(), self.send_max_frame, self._send_mac)
+            return encode_frame(wire, self.send_max_frame, self._send_mac)
         except LocalProtocolError:
-            self.state, self._outstanding = state, outstanding
+            self.state = state
+            if rid is not None:
+                if had:
+                    self._outstanding.add(rid)
+                else:
+                    self._outstanding.discard(rid)
             raise
 
     def send_error(self, err: ProtocolError) -> bytes:
@@ -199,6 +208,17 @@ class Connection:
 
     def _advance(self, sender: str, msg: Message, err: type[ProtocolError]) -> None:
         state = self.state
+        rid = msg.id
+        if state is State.READY and rid is not None:
+            # The common cases, as the table says (``transition``): a request
+            # from the initiator, a reply from the responder to an id owed.
+            if sender == INITIATOR and msg.kind in self.requests:
+                if rid not in self._outstanding:
+                    self._outstanding.add(rid)
+                    return
+            elif sender == RESPONDER and is_reply(msg.kind) and rid in self._outstanding:
+                self._outstanding.discard(rid)
+                return
         if msg.kind == "error" and msg.id is None and state is not State.CLOSED:
             self.state = State.CLOSED  # a connection-level error, from either side
             return

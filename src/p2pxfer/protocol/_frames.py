@@ -91,6 +91,10 @@ class FrameDecoder:
                                       f"{self.max_frame}")
         if len(self._buf) < _HEADER.size + n:
             return None
+        if self.mac is None:
+            body = bytes(self._buf[_HEADER.size:_HEADER.size + n])
+            del self._buf[:_HEADER.size + n]
+            return self._decode(body)
         body = bytes(self._buf[_HEADER.size:_HEADER.size + n - tag_bytes])
         tag = bytes(self._buf[_HEADER.size + n - tag_bytes:_HEADER.size + n])
         del self._buf[:_HEADER.size + n]

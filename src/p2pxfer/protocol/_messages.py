@@ -8,7 +8,6 @@ must not live here: state (``_state.py``) or I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -98,12 +97,37 @@ PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers", "
                            "kv_expect"})
 
 
-@dataclass(frozen=True)
 class Message:
-    """One protocol message: its kind and its fields (``t`` excluded)."""
+    """One protocol message: its kind and its fields (``t`` excluded).
+    Immutable; ``id`` is the usable request id (``usable_id``), worked out
+    once (every layer asks for it)."""
 
+    __slots__ = ("fields", "id", "kind")
     kind: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    fields: Mapping[str, Any]
+    id: int | None
+
+    def __init__(self, kind: str, fields: Mapping[str, Any] | None = None) -> None:
+        fields = {} if fields is None else fields
+        _set(self, "kind", kind)
+        _set(self, "fields", fields)
+        _set(self, "id", usable_id(fields.get("id")))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Message is immutable (setting {name!r})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Message):
+            return NotImplemented
+        return self.kind == other.kind and self.fields == other.fields
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type[Message], tuple[str, Mapping[str, Any]]]:
+        return Message, (self.kind, self.fields)  # copy and pickle despite __setattr__
+
+    def __repr__(self) -> str:
+        return f"Message(kind={self.kind!r}, fields={self.fields!r})"
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
@@ -111,12 +135,11 @@ class Message:
     def get(self, name: str, default: Any = None) -> Any:
         return self.fields.get(name, default)
 
-    @property
-    def id(self) -> int | None:
-        return usable_id(self.fields.get("id"))
-
     def to_wire(self) -> dict[str, Any]:
         return {"t": self.kind, **self.fields}
+
+
+_set = object.__setattr__
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -131,10 +154,46 @@ def usable_id(value: Any) -> int | None:
     return value if type(value) is int and 0 <= value < 1 << 64 else None
 
 
+#: kind -> (field -> accepted types, required fields): ``validate``'s fast path
+_FAST: dict[str, tuple[dict[str, tuple[type, ...]], frozenset[str]]] = {
+    kind: ({name: types for name, (types, _) in schema.items()},
+           frozenset(name for name, (_, required) in schema.items() if required))
+    for kind, schema in SCHEMA.items()
+}
+_I64_MIN, _U64_END = -(1 << 63), 1 << 64
+
+
 def validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
     """Check a map against the schema. Errors are raised fatal with the
     message's usable id attached; the connection decides whether a bad request
-    can be answered instead (it knows the state and the ids in use)."""
+    can be answered instead (it knows the state and the ids in use).
+
+    Every message is checked twice over on a round trip, so the common case
+    (exact types, as msgpack decodes them) takes one pass over its fields;
+    anything else goes through the full check, which says what is wrong."""
+    kind = obj.get("t")
+    fast = _FAST.get(kind) if type(kind) is str else None
+    if fast is not None:
+        assert isinstance(kind, str)
+        types_of, required = fast
+        fields = dict(obj)
+        del fields["t"]
+        if required <= fields.keys():
+            for name, value in fields.items():
+                tv = type(value)
+                if tv not in types_of.get(name, ()):
+                    break
+                if tv is int and not _I64_MIN <= value < _U64_END:
+                    break
+                if tv is dict and not all(type(k) is str for k in value):
+                    break
+            else:
+                return Message(kind, fields)
+    return _validate(obj, remote=remote)
+
+
+def _validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
+    """``validate``'s full check."""
     err = RemoteProtocolError if remote else LocalProtocolError
     kind = obj.get("t")
     if not isinstance(kind, str) or kind not in SCHEMA:
