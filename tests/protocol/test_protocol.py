@@ -157,7 +157,7 @@ results = st.dictionaries(st.text(max_size=8), values, max_size=4)  # str keys o
 
 TYPE_VALUES: dict[type, st.SearchStrategy[Any]] = {
     int: ints, str: st.text(max_size=8), bytes: st.binary(max_size=48), dict: results,
-    type(None): st.none(), bool: st.booleans(),
+    type(None): st.none(), bool: st.booleans(), list: st.lists(ints, max_size=4),
 }
 
 
