@@ -14,6 +14,7 @@ slot, so its pieces count for the region's owner only:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import numpy as np
@@ -127,3 +128,54 @@ async def test_unclaimed_counts_are_bounded() -> None:
     assert counts.count("r", 19) == 1  # the cancelled wait took nothing
     await counts.wait("r", 19, 1)
     assert counts.count("r", 19) == 0
+
+
+async def test_notify_writes_count_once(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """``write(..., notify=True)``: the owner counts the immediate once per
+    write, after all of it landed, through the fabric and through the
+    same-daemon copy alike; every byte is there when it arrives."""
+    a, b = pair
+    with trio.fail_after(TIMEOUT):
+        async with p2pxfer.connect(a.socket) as writer, \
+                p2pxfer.connect(b.socket) as owner, p2pxfer.connect(b.socket) as local:
+            dst = await owner.alloc(256 * 4096, "notify-dst")
+            await owner.export("notify", dst)
+            for w, seed in ((writer, 1), (local, 2)):
+                src = await w.alloc(256 * 4096, f"notify-src-{seed}")
+                src.array[:] = np.random.default_rng(seed).integers(
+                    0, 256, src.nbytes, dtype=np.uint8)
+                assert await w.write("node-b", "notify", pieces(256), src=src, imm=9,
+                                     notify=True) == 1
+                await owner.wait_imm(9, 1, region="notify", timeout=10)
+                assert np.array_equal(dst.array, src.array)
+                with pytest.raises(WaitTimeout):  # one arrival per write, not per piece
+                    await owner.wait_imm(9, 1, region="notify", timeout=0.3)
+            with pytest.raises(InvalidArgument, match="notify needs an imm"):
+                await writer.write("node-b", "notify", pieces(1), src=src, notify=True)
+
+
+def test_notify_from_asyncio_and_blocking_callers(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """The same through an asyncio ``Client`` and a ``SyncClient``."""
+    a, b = pair
+    with p2pxfer.SyncClient(b.socket) as owner, p2pxfer.SyncClient(a.socket) as writer:
+        dst = owner.alloc(64 * 4096, "notify-sync-dst")
+        owner.export("notify-sync", dst)
+        src = writer.alloc(64 * 4096, "notify-sync-src")
+        src.array[:] = 7
+        assert writer.write("node-b", "notify-sync", pieces(64), src=src, imm=11,
+                            notify=True) == 1
+        owner.wait_imm(11, 1, region="notify-sync", timeout=10)
+        assert (dst.array == 7).all()
+
+        async def on_asyncio() -> int:
+            async with p2pxfer.connect(a.socket) as aw:
+                asrc = await aw.alloc(64 * 4096, "notify-aio-src")
+                asrc.array[:] = 8
+                return await aw.write("node-b", "notify-sync", pieces(64), src=asrc, imm=11,
+                                      notify=True)
+
+        assert asyncio.run(asyncio.wait_for(on_asyncio(), TIMEOUT)) == 1
+        owner.wait_imm(11, 1, region="notify-sync", timeout=10)
+        assert (dst.array == 8).all()
+        with pytest.raises(WaitTimeout):
+            owner.wait_imm(11, 1, region="notify-sync", timeout=0.3)
