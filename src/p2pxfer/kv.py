@@ -5,13 +5,15 @@ What lives here: ``KVLayout`` (where block ``b`` of layer ``l``, plane ``p``
 sits in a pool), ``KVPool`` (a registered, exported pool plus the receiving
 side's per-layer bookkeeping), ``push_pages`` (block tables -> one scatter list
 per layer, coalesced, posted in layer order) and the immediate encoding that
-lets the receiver count each layer's pieces without being told the count.
-What must not: a Python loop over blocks or pieces (numpy does the expansion).
+tells the receiver which layer of which request has landed. What must not: a
+Python loop over blocks or pieces (numpy does the expansion).
 
-Immediate layout (64-bit CQ data): ``tag:4 | request:20 | layer:12 | pieces:28``.
-Every piece of a layer carries the same value, and that value says how many
-pieces the layer has, so the receiver knows a layer is complete when it has
-counted that many arrivals.
+Each layer is one transfer in the engine's notify mode: its immediate arrives
+once, after every piece of the layer is in the receiver's memory, so the
+receiver needs no piece count (striping may split pieces), and a layer whose
+rail breaks fails over intact. Immediate layout, 32 bits so it runs where
+the fabric carries 4 bytes of CQ data (EFA, verbs, ``imm_bytes = 4``) as
+well as 8: ``tag:4 | request:16 | layer:12``.
 """
 
 from __future__ import annotations
@@ -55,11 +57,10 @@ log = structlog.get_logger("p2pxfer.kv")
 I64 = npt.NDArray[np.int64]
 
 KV_TAG = 0xA
-TAG_SHIFT = 60
-REQUEST_BITS, LAYER_BITS, COUNT_BITS = 20, 12, 28
+REQUEST_BITS, LAYER_BITS = 16, 12
+TAG_SHIFT = REQUEST_BITS + LAYER_BITS  # 28: the tag is the top 4 of 32 bits
 MAX_REQUEST = (1 << REQUEST_BITS) - 1
 MAX_LAYERS = 1 << LAYER_BITS
-MAX_PIECES = (1 << COUNT_BITS) - 1
 
 ORDERS = ("layer_major", "block_major", "plane_major")
 
@@ -68,21 +69,17 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
-def encode_imm(request_id: int, layer: int, pieces: int) -> int:
+def encode_imm(request_id: int, layer: int) -> int:
     if not _is_int(request_id) or not 0 <= request_id <= MAX_REQUEST:
         raise InvalidArgument(f"request_id {request_id} must be in 0..{MAX_REQUEST}")
-    if not 0 <= layer < MAX_LAYERS:
+    if not _is_int(layer) or not 0 <= layer < MAX_LAYERS:
         raise InvalidArgument(f"layer {layer} must be in 0..{MAX_LAYERS - 1}")
-    if not 0 < pieces <= MAX_PIECES:
-        raise InvalidArgument(f"a layer of {pieces} pieces does not fit the immediate")
-    return ((KV_TAG << TAG_SHIFT) | (request_id << (LAYER_BITS + COUNT_BITS))
-            | (layer << COUNT_BITS) | pieces)
+    return (KV_TAG << TAG_SHIFT) | (request_id << LAYER_BITS) | layer
 
 
-def decode_imm(imm: int) -> tuple[int, int, int]:
-    """(request_id, layer, pieces) of a KV immediate."""
-    return ((imm >> (LAYER_BITS + COUNT_BITS)) & MAX_REQUEST,
-            (imm >> COUNT_BITS) & (MAX_LAYERS - 1), imm & MAX_PIECES)
+def decode_imm(imm: int) -> tuple[int, int]:
+    """(request_id, layer) of a KV immediate."""
+    return (imm >> LAYER_BITS) & MAX_REQUEST, imm & (MAX_LAYERS - 1)
 
 
 @dataclass(frozen=True)
@@ -209,8 +206,7 @@ def _host_buffer(buffer: Any) -> Any:
 
 @dataclass
 class _Request:
-    arrived: dict[int, int] = field(default_factory=dict)
-    expected: dict[int, int] = field(default_factory=dict)
+    arrived: set[int] = field(default_factory=set)  # layers whose notification came
     error: str | None = None
     changed: trio.Event = field(default_factory=trio.Event)
 
@@ -227,10 +223,9 @@ class _Receiver:
         return self.requests.setdefault(request_id, _Request())
 
     def arrival(self, imm: int, count: int) -> None:
-        request_id, layer, pieces = decode_imm(imm)
+        request_id, layer = decode_imm(imm)
         req = self.get(request_id)
-        req.arrived[layer] = req.arrived.get(layer, 0) + count
-        req.expected[layer] = pieces
+        req.arrived.add(layer)
         req.changed.set()
         req.changed = trio.Event()
 
@@ -294,7 +289,7 @@ class KVPool:
         def missing() -> list[int]:
             if req.error is not None:
                 raise TransferError(f"request {request_id} failed: {req.error}")
-            return [n for n in want if n not in req.expected or req.arrived[n] < req.expected[n]]
+            return [n for n in want if n not in req.arrived]
 
         with trio.move_on_after(float("inf") if timeout is None else timeout):
             while missing():
@@ -306,7 +301,7 @@ class KVPool:
 
     def layers_done(self, request_id: int) -> list[int]:
         req = self._rx.get(request_id)
-        return sorted(n for n, c in req.arrived.items() if c >= req.expected.get(n, 1 << 62))
+        return sorted(req.arrived)
 
     def fail_request(self, request_id: int, reason: str) -> None:
         """End every wait on ``request_id`` with ``TransferError(reason)``."""
@@ -413,12 +408,7 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
     """
     if not isinstance(dst_pool, KVPoolDescriptor):
         raise DescriptorError(f"dst_pool must be a KVPoolDescriptor, got {type(dst_pool)}")
-    if engine.imm_bits < 64:
-        raise InvalidArgument(
-            f"in-process KV pushes carry each layer's piece count in a 64-bit immediate; "
-            f"this engine's are {engine.imm_bits} bits (EFA, verbs, or imm_bytes = 4): "
-            "push through the daemon (Client.kv_push), which fits 32 bits")
-    encode_imm(request_id, 0, 1)  # validates request_id
+    encode_imm(request_id, 0)  # validates request_id
     lays, so, do, ln, counts = plan_push(
         src_pool.layout, dst_pool.layout, src_blocks, dst_blocks, layers,
         src_size=src_pool.array.nbytes, dst_size=dst_pool.region.length, coalesce=coalesce)
@@ -426,17 +416,14 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
     t0 = time.perf_counter()
     transfers: list[Transfer] = []
 
-    def imm_of(layer: int) -> Any:
-        # The immediate carries the layer's final piece count (striping may split).
-        return lambda pieces: encode_imm(request_id, layer, pieces)
-
     first = 0.0
     try:
         for k, layer in enumerate(lays):
             a, b = int(bounds[k]), int(bounds[k + 1])
             sl = ScatterList(so[a:b], do[a:b], ln[a:b])
             transfers.append(await engine.submit(src_pool.buffer, dst_pool.region, sl,
-                                                 imm=imm_of(layer)))
+                                                 imm=encode_imm(request_id, layer),
+                                                 notify=True))
         for k, t in enumerate(transfers):
             await t.wait()
             if k == 0:

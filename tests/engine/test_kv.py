@@ -58,7 +58,6 @@ from p2pxfer.errors import (
 )
 from p2pxfer.kv import (
     MAX_LAYERS,
-    MAX_PIECES,
     MAX_REQUEST,
     ORDERS,
     KVLayout,
@@ -399,7 +398,8 @@ async def test_coalescing_fewer_pieces_same_bytes(provider: str) -> None:
         # 0); on the destination the planes are apart: two pieces per layer.
         assert on.pieces == (2, 2, 2, 2)
         assert off.pieces == (128,) * 4
-        assert (mid - before, after - mid) == (8, 512)
+        # NIC pieces: the data's, plus each layer's one notification (notify mode)
+        assert (mid - before, after - mid) == (8 + 4, 512 + 4)
         assert on.nbytes == off.nbytes == 4 * 2 * 64 * 2048
         assert np.array_equal(dst_on.array, dst_off.array)
         assert_pool(dst_on.array, expected_image(src.array, s_lay, d_lay, sb, db, range(4)),
@@ -488,13 +488,11 @@ def test_expand_pages_matches_naive_reference() -> None:
 
 
 def test_immediate_encoding() -> None:
-    for rid, layer, pieces in [(0, 0, 1), (MAX_REQUEST, MAX_LAYERS - 1, MAX_PIECES),
-                               (12345, 31, 1024)]:
-        imm = encode_imm(rid, layer, pieces)
-        assert 0 <= imm < 1 << 64
-        assert decode_imm(imm) == (rid, layer, pieces)
-    for args in [(-1, 0, 1), (MAX_REQUEST + 1, 0, 1), (0, -1, 1), (0, MAX_LAYERS, 1),
-                 (0, 0, 0), (0, 0, MAX_PIECES + 1)]:
+    for rid, layer in [(0, 0), (MAX_REQUEST, MAX_LAYERS - 1), (12345, 31)]:
+        imm = encode_imm(rid, layer)
+        assert 0 <= imm < 1 << 32  # fits 4 bytes of CQ data (EFA, verbs)
+        assert decode_imm(imm) == (rid, layer)
+    for args in [(-1, 0), (MAX_REQUEST + 1, 0), (0, -1), (0, MAX_LAYERS), (0, 1.5)]:
         with pytest.raises(InvalidArgument):
             encode_imm(*args)
 
@@ -1065,22 +1063,31 @@ async def test_push_to_dead_receiver_ends() -> None:
         assert not watchdog_fired, "the push ignored its cancel scope"
 
 
-async def test_four_byte_immediates_cap_the_engine_and_refuse_in_process_kv() -> None:
+async def test_four_byte_immediates_cap_the_engine_and_carry_in_process_kv() -> None:
     """``imm_bytes = 4`` makes tcp carry what EFA and verbs carry: wider
-    immediates are refused (never cut), and the in-process KV push, which
-    needs 64 bits, says to push through the daemon instead."""
+    immediates are refused (never cut), and the in-process KV push (one
+    32-bit notification per layer) runs as it does with 8 bytes."""
     from p2pxfer.scatter import ScatterList
 
     lay = KVLayout(2, 4, 256)
     async with pair(TCP, imm_bytes=4) as (a, b):
         assert a.imm_bits == 32
         src, dst = KVPool(a, "src", lay), KVPool(b, "dst", lay)
-        with trio.fail_after(5), pytest.raises(InvalidArgument, match="daemon"):
-            await push_pages(a, src, dst.describe(), [0], [1], request_id=1)
+        src.array[:] = np.arange(src.array.nbytes, dtype=np.uint64).astype(np.uint8)
+        with trio.fail_after(STEP):
+            res = await push_pages(a, src, dst.describe(), [0, 3], [1, 2],
+                                   request_id=MAX_REQUEST)
+            await dst.wait_layers(MAX_REQUEST, 1)
+        assert res.layers == (0, 1) and dst.layers_done(MAX_REQUEST) == [0, 1]
+        for layer in range(2):
+            assert np.array_equal(dst.block(layer, 1), src.block(layer, 0))
+            assert np.array_equal(dst.block(layer, 2), src.block(layer, 3))
+        assert not dst.block(0, 0).any() and not dst.block(1, 3).any()
         one = ScatterList(np.array([0]), np.array([0]), np.array([256]))
         with pytest.raises(InvalidArgument, match="32 bits"):
             await a.write(src.array, dst.region, one, imm=1 << 32)
         with pytest.raises(InvalidArgument, match="32 bits"):
             await a.wait_imm(1 << 32, 1)
+        before = nic_totals(a)
         assert await a.write(src.array, dst.region, one, imm=(1 << 32) - 1) == 1
-        assert nic_totals(a) == (256, 1)
+        assert nic_totals(a)[0] - before[0] == 256

@@ -217,7 +217,7 @@ async def _kv_describe(provider: str, layers: int = 32, blocks: int = 1750,
                 a, b = int(bounds[k]), int(bounds[k + 1])
                 handles.append(await e.submit(
                     pool.buffer, dst.region, ScatterList(so[a:b], do[a:b], ln[a:b]),
-                    imm=encode_imm(i, k, b - a), dry_run=True))
+                    imm=encode_imm(i, k), notify=True, dry_run=True))
             for h in handles:
                 await h.wait()
             samples.append((process_cpu_seconds() - c0, time.perf_counter() - w0))
