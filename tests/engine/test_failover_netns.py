@@ -16,6 +16,9 @@ reset, a silent rail.
 - A per-piece-immediate write under a rail cut fails with
   ``RailFailedUnderImmediates`` (re-posting its pieces could double the
   receiver's count).
+- Rails whose connections are reset (errors rather than silence): one fails
+  over at once; all of them: ``RailsExhausted``, nothing counted.
+- A rail flapping under a loop of writes (``slow``).
 
 Needs root (namespaces), ``tc`` and ``nft``; skipped otherwise.
 """
@@ -87,6 +90,9 @@ TARGET = _PRELUDE + textwrap.dedent(f"""
                         await engine.wait_imm(imm, count)
                     await trio.sleep(0.5)  # a doubled notification would be here by now
                     say("waited", json.dumps({{"extra": engine.imm_count(imm)}}))
+                elif cmd == "count":  # imm: how many arrived, not consumed
+                    await trio.sleep(0.5)
+                    say("count", engine.imm_count(int(args[0])))
                 elif cmd == "digest":  # offset, length
                     off, n = int(args[0]), int(args[1])
                     say("digest", digest(region[off:off + n]))
@@ -321,3 +327,62 @@ def test_a_flapping_rail_under_a_loop_of_writes(tmp_path: Path) -> None:
             x.send("bye")
         for x in (target, initiator):
             x.finish(deadline)
+
+
+def reset_rail(host: Host, dev: str) -> None:
+    """Inside ``host``: answer every TCP packet leaving through ``dev`` with a
+    reset (nftables table ``p2preset``): connections on that rail fail with
+    an error, rather than going silent."""
+    if shutil.which("nft") is None:
+        pytest.skip("nftables (`nft`) is not installed")
+    rules = "\n".join([
+        "table inet p2preset {",
+        "  chain out {",
+        "    type filter hook output priority 0; policy accept;",
+        f'    oifname "{dev}" meta l4proto tcp reject with tcp reset',
+        "  }",
+        "}", ""])
+    subprocess.run(host.exec_argv(["nft", "-f", "-"]), input=rules, text=True, check=True,
+                   capture_output=True, timeout=10)
+
+
+def test_rails_that_fail_with_errors(tmp_path: Path) -> None:
+    """Connections reset on rail 0 (errors, not silence) under a notify
+    write: it fails over at once and verifies. Then every rail resets: the
+    write fails with ``RailsExhausted`` (a ``RemoteClosed``), never counted."""
+    with two_hosts(rails=2) as (a, b), ExitStack() as stack:
+        slow_down(b)
+        deadline = time.monotonic() + TEST_TIMEOUT
+        target = stack.enter_context(child("target", a, TARGET, tmp_path))
+        descriptor = target.expect("descriptor", deadline)
+        initiator = stack.enter_context(child("initiator", b, INITIATOR, tmp_path))
+        initiator.send(descriptor)
+        c = Cluster(target, initiator, deadline)
+        warm = c.write("notify", 1 << 20, 40 << 20, 1)
+        assert warm["result"] == "completed" and c.count(1, 1) == 0, warm
+
+        c.submit("notify", BIG, 0, 2)
+        reset_rail(b, b.interfaces[0])
+        r = c.result()
+        assert r["result"] == "completed" and r["failovers"] >= 1, r
+        assert r["seconds"] < STALL_S + 6, r
+        assert c.count(2, 1) == 0
+        assert c.digest(0, BIG) == source_digest(0, BIG)
+
+        subprocess.run(b.exec_argv(["nft", "delete", "table", "inet", "p2preset"]),
+                       check=True, capture_output=True, timeout=10)
+        time.sleep(RETRY_S + 0.5)
+        c.submit("notify", BIG, 0, 3)
+        reset_rail(b, b.interfaces[0])
+        subprocess.run(b.exec_argv(["nft", "add", "rule", "inet", "p2preset", "out",
+                                    "oifname", b.interfaces[1], "meta", "l4proto", "tcp",
+                                    "reject", "with", "tcp", "reset"]),
+                       check=True, capture_output=True, timeout=10)
+        r = c.result()
+        assert r["result"] == "RailsExhausted", r
+        assert "no rail pair to the peer is left" in r["message"], r
+        assert r["inflight"] == [0, 0], r
+        target.send("count 3")
+        assert int(target.expect("count", deadline)) == 0, "a failed write was counted"
+        # The children are killed on the way out: with their connections
+        # reset mid-write, a clean close could crash in libfabric (Known gaps).
