@@ -187,20 +187,22 @@ async def _do(client: Any, mems: dict[str, Any], conn: Connection, op: str,
         mem = mems[name] = await client.alloc(size, name)
         desc = await client.export(name, mem)
         return ("ok", desc.length)
-    if op == "write":  # peer, region, plan, imm: write the plan from a fresh source
-        peer, region, plan, imm = args
+    if op == "write":  # peer, region, plan, imm[, notify]: write the plan from a fresh source
+        peer, region, plan, imm, *notify = args
         src = await _source(client, mems, plan)
-        pieces = await client.write(peer, region, plan.scatter(), src=src, imm=imm)
+        pieces = await client.write(peer, region, plan.scatter(), src=src, imm=imm,
+                                    notify=bool(notify and notify[0]))
         return ("ok", pieces)
     if op == "loop":  # like write, forever (until killed); reports after the first
-        peer, region, plan, imm = args
+        peer, region, plan, imm, *notify = args
         src = await _source(client, mems, plan)
         scatter = plan.scatter()
-        await client.write(peer, region, scatter, src=src, imm=imm)
+        once = bool(notify and notify[0])
+        await client.write(peer, region, scatter, src=src, imm=imm, notify=once)
         conn.send(("ok", "looping"))
         while True:
             with anyio.fail_after(OP_TIMEOUT):
-                await client.write(peer, region, scatter, src=src, imm=imm)
+                await client.write(peer, region, scatter, src=src, imm=imm, notify=once)
     if op == "verify":  # region, plan, imm, pieces: wait for the pieces, check every byte
         region, plan, imm, pieces = args
         await client.wait_imm(imm, pieces)

@@ -218,8 +218,9 @@ def test_control_rail_cut_is_degraded_not_dead(tmp_path: Any) -> None:
     rail 0 only (nftables): h2 is degraded everywhere, never dead, and h0's
     writes to h2 keep going (data still flows on both rails) and land intact.
     (2) h2's rail-0 link goes down: still degraded, never suspect or dead;
-    up again: alive everywhere, and the write loop never failed. (3) h2 is
-    SIGKILLed: dead as fast as with one rail."""
+    up again: alive everywhere, and the write loop never failed (its writes
+    use notify mode, so they fail over to rail 1). (3) h2 is SIGKILLed: dead
+    as fast as with one rail."""
     import time
 
     from daemon_helpers import Agent, Plan, wait_for
@@ -247,10 +248,10 @@ def test_control_rail_cut_is_degraded_not_dead(tmp_path: Any) -> None:
             assert target.ok("export", "r", plan.region) == plan.region
             looper = Agent("trio", ds["h0"].socket, "looper-h0")
             procs.append(looper)
-            assert looper.call("loop", "h2", "r", plan, 1) == ("ok", "looping")
+            assert looper.call("loop", "h2", "r", plan, 1, True) == ("ok", "looping")
             writer = Agent("trio", ds["h1"].socket, "writer-h1")
             procs.append(writer)
-            assert writer.ok("write", "h2", "r", plan, 2) > 0  # h1 resolves r now
+            assert writer.ok("write", "h2", "r", plan, 2, True) > 0  # h1 resolves r now
 
             def never_dead(seconds: float) -> None:
                 end = time.monotonic() + seconds
@@ -267,7 +268,7 @@ def test_control_rail_cut_is_degraded_not_dead(tmp_path: Any) -> None:
                          f"{n} to see h2 degraded", timeout=DEGRADED_WITHIN)
             assert peer_states(ds["h0"])["h2"]["unreachable"] == h2_addrs[:1]
             never_dead(3.0)
-            pieces = writer.ok("write", "h2", "r", plan, 3)
+            pieces = writer.ok("write", "h2", "r", plan, 3, True)
             assert target.call("verify", "r", plan, 3, pieces)[0] == "ok"
             assert not looper.conn.poll(0), looper.conn.recv()
             unblock(hosts[2])
@@ -286,7 +287,7 @@ def test_control_rail_cut_is_degraded_not_dead(tmp_path: Any) -> None:
                 wait_for(lambda n=n: peer_states(ds[n])["h2"]["state"] == "alive",
                          f"{n} to see h2 alive again", timeout=DEGRADED_WITHIN + 4)
             assert not looper.conn.poll(0), looper.conn.recv()
-            pieces = writer.ok("write", "h2", "r", plan, 4)
+            pieces = writer.ok("write", "h2", "r", plan, 4, True)
             assert target.call("verify", "r", plan, 4, pieces)[0] == "ok"
 
             # (3) A real death is found as before.
