@@ -94,6 +94,10 @@ class DaemonConfig:
     #: verbs run (4 bytes of CQ data: 20-bit values, KV counted per request);
     #: 0: as wide as the provider carries
     imm_bytes: int = 0
+    #: a write's deadline, seconds: a write whose pieces are not all
+    #: acknowledged by then (a silent peer, a cut rail) is torn down and fails
+    #: with ``transfer_failed``, naming the pieces known to have landed
+    write_timeout_s: float = 60.0
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -182,6 +186,12 @@ def _int(key: str, v: Any, low: int) -> int:
     if v < low:
         raise ConfigError(f"{key} must be >= {low}, got {v}")
     return v
+
+
+def _seconds(key: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < float("inf"):
+        raise ConfigError(f"{key} must be a number of seconds > 0, got {v!r}")
+    return float(v)
 
 
 def _one_of(key: str, v: int, allowed: tuple[int, ...]) -> int:
@@ -289,5 +299,6 @@ _CHECKS: dict[str, Any] = {
     "max_clients": lambda k, v: _int(k, v, 1),
     "max_peers": lambda k, v: _int(k, v, 1),
     "imm_bytes": lambda k, v: _one_of(k, _int(k, v, 0), (0, 4, 8)),
+    "write_timeout_s": _seconds,
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"
