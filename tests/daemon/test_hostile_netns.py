@@ -17,6 +17,11 @@ Two "hosts" (``netns.two_hosts``: namespaces joined by two veth pairs, one
   the target's region is unexported with its client; a new client exports a
   zeroed region there; the rails come back and the old bytes go out: not one
   of them lands in the new region, which then takes new writes.
+- **A region re-exported while its writer was cut off**: the owner's
+  ``invalidate`` cannot reach the writer's daemon; it is retried until it
+  does, so the writer's next writes, small ones included, land in the new
+  region (before the retry, a small write through the old key vanished at
+  the owner's end while its writer was told it succeeded).
 - **Soak** (``soak`` marker; runs with ``P2PXFER_SOAK=1``, for
   ``P2PXFER_SOAK_SECONDS``, default 180): writes in a loop while one rail
   goes down 10 s and up 10 s, over and over; no write hangs or is corrupted,
@@ -30,6 +35,7 @@ inside the namespaces the tests create, deleted afterwards also on failure.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -42,6 +48,10 @@ from netns import lossy, send_queue, set_link, two_hosts
 from p2pxfer.hostile import LoopSpec, rail_daemons, run_loop, soak
 
 pytestmark = pytest.mark.netns
+
+# The numbers (throughput, soak counts) go to the test log: `pytest -rA` shows them.
+log = logging.getLogger("p2pxfer.tests.hostile")
+log.setLevel(logging.INFO)
 
 LOSS_DEADLINE_S = 20.0  # a write's deadline under loss (they take well under 1 s)
 LOSS_ROUNDS = 12
@@ -63,6 +73,9 @@ def test_writes_verify_under_random_loss(percent: int, rails: str, tmp_path: Pat
     summary = report.summary()
     record_property("summary", json.dumps(summary))
     record_property("mib_per_s_landed", summary["ok_mib_per_s_landed"])
+    log.info("loss %d%% on %s rail(s): %.1f MiB/s landed, writes %.3f s median, %.3f s max; "
+             "%s", percent, rails, summary["ok_mib_per_s_landed"], summary["write_s_median"],
+             summary["write_s_max"], json.dumps(summary))
     assert not report.stopped, report.stopped
     assert summary["ok"] == LOSS_ROUNDS, (summary, report.rounds)
     assert not report.problems(), report.problems()
@@ -136,6 +149,40 @@ def test_an_abandoned_write_never_lands_in_a_region_exported_later(given_up_by: 
                 agent.kill()
 
 
+@pytest.mark.parametrize("piece", [4096, 1 << 20], ids=["small", "large"])
+def test_a_region_re_exported_while_its_writer_was_cut_off_gets_the_next_writes(
+        piece: int, tmp_path: Path) -> None:
+    plan = Plan(0x5E1F, pieces=2, min_len=piece, max_len=piece, region=4 << 20)
+    agents: list[Agent] = []
+    with two_hosts(rails=2) as (a, b), rail_daemons(tmp_path, [a, b]) as (da, db):
+        try:
+            old_target = Agent("trio", db.socket, "old-target")
+            agents.append(old_target)
+            old_target.ok("export", "r", plan.region)
+            writer = Agent("trio", da.socket, "writer")
+            agents.append(writer)
+            pieces = writer.ok("write", db.name, "r", plan, 1)  # h0 holds r's descriptor now
+            assert old_target.call("verify", "r", plan, 1, pieces)[0] == "ok"
+            for dev in b.interfaces:
+                set_link(b, dev, False)
+            old_target.kill()  # r is unexported; h0 cannot be told
+            wait_for(lambda: db.status()["invalidations_pending"] == 1,
+                     "h1 to keep the invalidation that h0 did not get")
+            new_target = Agent("trio", db.socket, "new-target")
+            agents.append(new_target)
+            new_target.ok("export", "r", plan.region)
+            for dev in b.interfaces:
+                set_link(b, dev, True)
+            wait_for(lambda: db.status()["invalidations_pending"] == 0,
+                     "the invalidation to reach h0 once the link is back", timeout=15)
+            for imm in (2, 3):
+                pieces = writer.ok("write", db.name, "r", plan, imm)
+                assert new_target.call("verify", "r", plan, imm, pieces)[0] == "ok"
+        finally:
+            for agent in agents:
+                agent.kill()
+
+
 SOAK_SECONDS = float(os.environ.get("P2PXFER_SOAK_SECONDS", "180"))
 FD_GROWTH = 8  # "flat": at most this many more descriptors at the end
 RSS_GROWTH_KIB = 64 << 10  # and at most this much more resident memory
@@ -149,6 +196,7 @@ def test_soak_with_a_flapping_rail(tmp_path: Path, record_property: Any) -> None
         dev = b.interfaces[1]
         result = soak(tmp_path, a, b, lambda up: set_link(b, dev, up), seconds=SOAK_SECONDS)
     record_property("soak", json.dumps(result))
+    log.info("soak: %s", json.dumps(result))
     assert not result["stopped"], result
     assert result["flaps"] >= 2, result
     assert result["hung"] == 0, result["problems"]
