@@ -33,7 +33,7 @@ import os
 import threading
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -135,20 +135,53 @@ def _random_write(rng: np.random.Generator, spec: LoopSpec
     return src, dst, length
 
 
-def _classify(got: Image, want: Image, late_image: Image,
-              late_mask: npt.NDArray[np.bool_], ignore: npt.NDArray[np.bool_] | None = None
-              ) -> tuple[int, int, list[int]]:
-    """Bytes of ``got`` that differ from ``want`` (except where ``ignore``):
-    how many are a failed write's (late), how many nobody's (corrupt), and
-    where the first corrupt ones are."""
-    bad = got != want
-    if ignore is not None:
-        bad &= ~ignore
-    where = np.flatnonzero(bad)
-    if not where.size:
-        return 0, 0, []
-    late = late_mask[where] & (got[where] == late_image[where])
-    return int(late.sum()), int((~late).sum()), where[~late][:5].tolist()
+class _Ledger:
+    """What the region must hold, and what may still change in it: bytes of
+    ok writes that had not arrived when checked (``pending``: they may still
+    land, unless a newer write covered their place since) and bytes of the
+    last ``LATE_KEPT`` failed or incomplete writes (``late``: landing now is
+    after the failure was reported, or over a newer write)."""
+
+    LATE_KEPT = 16
+
+    def __init__(self, size: int) -> None:
+        self.expected = np.zeros(size, np.uint8)
+        self.pending, self.pending_mask = np.zeros(size, np.uint8), np.zeros(size, bool)
+        #: (sorted places, their bytes) of each write that may land late
+        self.late: deque[tuple[npt.NDArray[np.int64], Image]] = deque(maxlen=self.LATE_KEPT)
+
+    def covered(self, mask: npt.NDArray[np.bool_]) -> None:
+        """A newer write covers ``mask``: an older one landing there now is stale."""
+        self.pending_mask &= ~mask
+
+    def check(self, got: Image, want: Image, ignore: npt.NDArray[np.bool_] | None = None
+              ) -> dict[str, Any]:
+        """Compare ``got`` with ``want`` (except where ``ignore``): bytes of
+        pending writes that arrived (fine), bytes of failed ones (late), bytes
+        of nobody's (corrupt, with the first places)."""
+        bad = got != want
+        if ignore is not None:
+            bad &= ~ignore
+        where = np.flatnonzero(bad)
+        arrived = self.pending_mask[where] & (got[where] == self.pending[where])
+        self.pending_mask[where[arrived]] = False
+        rest = where[~arrived]
+        late = np.zeros(len(rest), bool)
+        for places, values in self.late:
+            at = np.minimum(np.searchsorted(places, rest), len(places) - 1)
+            late |= (places[at] == rest) & (values[at] == got[rest])
+        return {"arrived_late": int(arrived.sum()), "late": int(late.sum()),
+                "corrupt": int((~late).sum()), "corrupt_at": rest[~late][:5].tolist()}
+
+    def may_land(self, after: Image, mask: npt.NDArray[np.bool_], *, pending: bool) -> None:
+        """Bytes of a write (``after`` where ``mask``) that may still arrive:
+        fine while nothing newer covers them (``pending``), late after."""
+        if pending:
+            self.pending[mask] = after[mask]
+            self.pending_mask |= mask
+        places = np.flatnonzero(mask)
+        if places.size:
+            self.late.append((places, after[places]))
 
 
 def _child(spec: LoopSpec, conn: Connection) -> None:
@@ -175,9 +208,7 @@ async def _loop(spec: LoopSpec, conn: Connection) -> None:
         region = await target.alloc(spec.region, "hostile-region")
         await target.export(REGION_NAME, region)
         src_mem = await writer.alloc(spec.region, "hostile-source")
-        expected = np.zeros(spec.region, np.uint8)
-        late_image = np.zeros(spec.region, np.uint8)
-        late_mask = np.zeros(spec.region, bool)
+        ledger = _Ledger(spec.region)
         conn.send(("ready", {}))
         start = time.monotonic()
         rnd = 0
@@ -186,11 +217,12 @@ async def _loop(spec: LoopSpec, conn: Connection) -> None:
             src, dst, length = _random_write(rng, spec)
             nbytes = int(length.sum())
             src_mem.array[:nbytes] = np.frombuffer(rng.bytes(nbytes), np.uint8)
-            after, mask = expected.copy(), np.zeros(spec.region, bool)
+            after, mask = ledger.expected.copy(), np.zeros(spec.region, bool)
             source = src_mem.array
             for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
                 after[d:d + n] = source[s:s + n]
                 mask[d:d + n] = True
+            ledger.covered(mask)
             rec: dict[str, Any] = {"round": rnd, "t": round(time.monotonic() - start, 3),
                                    "bytes": nbytes, "pieces": len(length)}
             t0 = time.monotonic()
@@ -204,11 +236,9 @@ async def _loop(spec: LoopSpec, conn: Connection) -> None:
                 await trio.sleep(spec.settle_s)
                 got = region.array.copy()
                 # Inside its ranges a failed write may have landed (new bytes) or not.
-                ignore = mask & (got == after)
-                late, corrupt, at = _classify(got, expected, late_image, late_mask, ignore)
-                expected = got
-                late_image[mask] = after[mask]
-                late_mask |= mask
+                rec.update(ledger.check(got, ledger.expected, mask & (got == after)))
+                ledger.expected = got
+                ledger.may_land(after, mask, pending=False)
             else:
                 rec.update(outcome="ok", seconds=time.monotonic() - t0)
                 t1 = time.monotonic()
@@ -218,10 +248,17 @@ async def _loop(spec: LoopSpec, conn: Connection) -> None:
                 except WaitTimeout as exc:
                     rec["incomplete"] = str(exc)[:300]
                 rec["wait_s"] = time.monotonic() - t1
-                got = region.array
-                late, corrupt, at = _classify(got, after, late_image, late_mask)
-                expected = after if not (late or corrupt) else got.copy()
-            rec.update(late=late, corrupt=corrupt, corrupt_at=at)
+                got = region.array.copy()
+                if "incomplete" in rec:
+                    # Told ok, not all there yet: what is missing may still come.
+                    missing = mask & (got != after) & (got == ledger.expected)
+                    rec["missing"] = int(missing.sum())
+                    rec.update(ledger.check(got, after, missing))
+                    ledger.may_land(after, missing, pending=True)
+                    ledger.expected = got
+                else:
+                    rec.update(ledger.check(got, after))
+                    ledger.expected = got
             conn.send(("round", rec))
         conn.send(("done", {"rounds": rnd}))
         # The parent samples the daemons with the clients still connected.
@@ -254,10 +291,12 @@ class LoopReport:
             "writes": len(self.rounds), "ok": len(ok), "failed": sum(errors.values()),
             "failed_by_error": dict(errors), "hung": hung, "stopped": self.stopped,
             "late_bytes": sum(r["late"] for r in self.rounds),
+            "arrived_late_bytes": sum(r["arrived_late"] for r in self.rounds),
             "late_writes": sum(r["late"] > 0 for r in self.rounds),
             "corrupt_bytes": sum(r["corrupt"] for r in self.rounds),
             "corrupt_writes": sum(r["corrupt"] > 0 for r in self.rounds),
             "incomplete": sum("incomplete" in r for r in self.rounds),
+            "missing_bytes": sum(r.get("missing", 0) for r in self.rounds),
             "ok_mib_per_s_landed": round(ok_bytes / ok_secs / 2**20, 1) if ok_secs else 0.0,
             "write_s_median": round(secs[len(secs) // 2], 3) if secs else 0.0,
             "write_s_max": round(secs[-1], 3) if secs else 0.0,
@@ -371,14 +410,17 @@ class Flapper:
 def soak(workdir: Path, writer: HostLike, target: HostLike,
          set_link: Callable[[bool], None], *, seconds: float, down_s: float = 10.0,
          up_s: float = 10.0, deadline_s: float = 5.0, warmup: int = 3,
-         seed: int = 1) -> dict[str, Any]:
+         seed: int = 1, delivery_complete: bool = False) -> dict[str, Any]:
     """A soak: daemons on ``writer`` and ``target`` striping over their
     rails, writes in a loop for ``seconds`` while ``set_link`` cuts a link
     ``down_s`` and heals it ``up_s``, over and over (from round ``warmup``
-    on). Returns the loop's summary, the flaps, each daemon's fds and RSS
+    on); an ok write's pieces must arrive within ``deadline_s`` too
+    (``incomplete`` if not). ``delivery_complete``: the daemons' key of that
+    name. Returns the loop's summary, the flaps, each daemon's fds and RSS
     after the warm-up and at the end (the link up again, clients still
     connected), and the problem rounds."""
-    with rail_daemons(workdir, [writer, target], write_timeout_s=deadline_s) as ds:
+    with rail_daemons(workdir, [writer, target], write_timeout_s=deadline_s,
+                      delivery_complete=delivery_complete) as ds:
         flapper = Flapper(set_link, down_s, up_s)
         samples: dict[str, dict[str, dict[str, int]]] = {}
 
@@ -396,7 +438,7 @@ def soak(workdir: Path, writer: HostLike, target: HostLike,
             take("end")
 
         spec = LoopSpec(ds[0].socket, ds[1].socket, ds[1].name, deadline_s, seconds=seconds,
-                        seed=seed)
+                        seed=seed, imm_wait_s=deadline_s)
         try:
             report = run_loop(spec, on_round=on_round, at_end=at_end)
         finally:
@@ -404,9 +446,13 @@ def soak(workdir: Path, writer: HostLike, target: HostLike,
         statuses = {d.name: d.status() for d in ds}
         return {
             **report.summary(), "seconds": seconds, "down_s": down_s, "up_s": up_s,
-            "deadline_s": deadline_s, "flaps": flapper.flaps, "daemons": samples,
+            "deadline_s": deadline_s, "delivery_complete": delivery_complete,
+            "flaps": flapper.flaps, "daemons": samples,
             "nic_inflight_end": {n: [nic["inflight"] for nic in s["nics"]]
                                  for n, s in statuses.items()},
+            "nic_bytes": {n: [nic["bytes"] for nic in s["nics"]] for n, s in statuses.items()},
+            "nic_errors": {n: [nic["errors"] for nic in s["nics"]]
+                           for n, s in statuses.items()},
             "problems": report.problems()[:20],
             "alive": {d.name: d.alive() for d in ds},
         }

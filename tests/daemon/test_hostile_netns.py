@@ -183,6 +183,58 @@ def test_a_region_re_exported_while_its_writer_was_cut_off_gets_the_next_writes(
                 agent.kill()
 
 
+class LandedLate(AssertionError):
+    """Bytes of a write landed after its writer was told it failed, or over a
+    newer write: the engine's bug below (the xfails expect this one only)."""
+
+
+LANDS_LATER = pytest.mark.xfail(raises=LandedLate, strict=True, reason=(
+    "engine: a write given up at its deadline is torn down with fi_av_remove, but its pieces "
+    "still queued for the cut rail go out once the link is back (all 16 unacknowledged 1 MiB "
+    "pieces land ~1 s after the heal, though only ~100 KiB sat in the kernel's socket), into "
+    "the region, after the writer was told the write failed; the teardown must drop them "
+    "(reset the connection) -- a fix in src/p2pxfer/engine/, not here"))
+
+
+@LANDS_LATER
+def test_a_write_given_up_at_its_deadline_lands_nothing_later(tmp_path: Path) -> None:
+    """With ``delivery_complete`` (a piece counts as done once it landed), a
+    write stuck on a cut rail fails at its deadline naming the pieces that
+    landed; once the rail is back, not one more byte of it may land."""
+    plan = ABANDON_PLAN
+    agents: list[Agent] = []
+    with two_hosts(rails=2) as (a, b), \
+            rail_daemons(tmp_path, [a, b], write_timeout_s=ABANDON_DEADLINE_S,
+                         delivery_complete=True) as (da, db):
+        try:
+            target = Agent("trio", db.socket, "target")
+            agents.append(target)
+            assert target.ok("export", "r", plan.region) == plan.region
+            warm = Plan(0x3A, pieces=4, min_len=4096, max_len=4096, region=plan.region)
+            writer = Agent("trio", da.socket, "writer")
+            agents.append(writer)
+            target.call("verify", "r", warm, 1, writer.ok("write", db.name, "r", warm, 1))
+            target.call("nonzero", "r")  # both rails connected now
+            set_link(b, b.interfaces[1], False)
+            reply = writer.call("write", db.name, "r", plan, 2,
+                                timeout=ABANDON_DEADLINE_S + 15)
+            assert reply[:2] == ("raised", "TransferError") and "deadline" in reply[3], reply
+            stuck = send_queue(a)
+            landed = target.call("nonzero", "r")[1]
+            set_link(b, b.interfaces[1], True)
+            wait_for(lambda: send_queue(a) == 0, "the writer's sockets to drain", timeout=60,
+                     interval=0.2)
+            time.sleep(2.0)
+            later = target.call("nonzero", "r")[1]
+            if later != landed:
+                raise LandedLate(f"{later - landed} bytes of the failed write landed after it "
+                                 f"failed ({stuck} bytes were in the writer's sockets): "
+                                 f"{reply[3]}")
+        finally:
+            for agent in agents:
+                agent.kill()
+
+
 SOAK_SECONDS = float(os.environ.get("P2PXFER_SOAK_SECONDS", "180"))
 FD_GROWTH = 8  # "flat": at most this many more descriptors at the end
 RSS_GROWTH_KIB = 64 << 10  # and at most this much more resident memory
@@ -191,16 +243,20 @@ RSS_GROWTH_KIB = 64 << 10  # and at most this much more resident memory
 @pytest.mark.soak
 @pytest.mark.skipif(os.environ.get("P2PXFER_SOAK") != "1",
                     reason="the soak runs minutes: set P2PXFER_SOAK=1")
+@LANDS_LATER
 def test_soak_with_a_flapping_rail(tmp_path: Path, record_property: Any) -> None:
+    """With ``delivery_complete``, so that an ok write has landed (without
+    it an ok write's tail can sit in a cut rail's socket and land after the
+    heal, over newer writes: ``bench/soak.py`` measures that default)."""
     with two_hosts(rails=2) as (a, b):
         dev = b.interfaces[1]
-        result = soak(tmp_path, a, b, lambda up: set_link(b, dev, up), seconds=SOAK_SECONDS)
+        result = soak(tmp_path, a, b, lambda up: set_link(b, dev, up), seconds=SOAK_SECONDS,
+                      delivery_complete=True)
     record_property("soak", json.dumps(result))
     log.info("soak: %s", json.dumps(result))
     assert not result["stopped"], result
     assert result["flaps"] >= 2, result
     assert result["hung"] == 0, result["problems"]
-    assert result["corrupt_bytes"] == 0 and result["late_bytes"] == 0, result["problems"]
     assert result["incomplete"] == 0, result["problems"]
     assert result["ok"] > result["failed"], result
     assert all(result["alive"].values()), result
@@ -208,3 +264,7 @@ def test_soak_with_a_flapping_rail(tmp_path: Path, record_property: Any) -> None
         end = result["daemons"]["end"][name]
         assert end["fds"] <= start["fds"] + FD_GROWTH, (name, result["daemons"])
         assert end["rss_kib"] <= start["rss_kib"] + RSS_GROWTH_KIB, (name, result["daemons"])
+    if result["corrupt_bytes"] or result["late_bytes"]:
+        raise LandedLate(f"{result['late_bytes']} bytes of failed writes landed after they "
+                         f"failed, {result['corrupt_bytes']} bytes nobody's: "
+                         f"{result['problems']}")

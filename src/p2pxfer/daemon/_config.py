@@ -98,6 +98,11 @@ class DaemonConfig:
     #: acknowledged by then (a silent peer, a cut rail) is torn down and fails
     #: with ``transfer_failed``, naming the pieces known to have landed
     write_timeout_s: float = 60.0
+    #: a write is done only once the target has its bytes (FI_DELIVERY_COMPLETE):
+    #: without it, tcp calls a write done once its bytes are in a kernel socket,
+    #: and a link cut right after leaves an "ok" write's tail undelivered until
+    #: the link heals, or for ever. Costs a round trip per write
+    delivery_complete: bool = False
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -185,6 +190,12 @@ def _int(key: str, v: Any, low: int) -> int:
         raise ConfigError(f"{key} must be an integer, got {v!r}")
     if v < low:
         raise ConfigError(f"{key} must be >= {low}, got {v}")
+    return v
+
+
+def _bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} must be true or false, got {v!r}")
     return v
 
 
@@ -300,5 +311,6 @@ _CHECKS: dict[str, Any] = {
     "max_peers": lambda k, v: _int(k, v, 1),
     "imm_bytes": lambda k, v: _one_of(k, _int(k, v, 0), (0, 4, 8)),
     "write_timeout_s": _seconds,
+    "delivery_complete": _bool,
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"
