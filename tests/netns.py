@@ -9,6 +9,11 @@ and brings ``lo`` and every link up. Whatever happens, the namespaces (and
 with them the veths) are deleted on exit. Where namespaces cannot be created
 (not root, no ``ip``), the calling test is skipped with the reason.
 
+Faults: ``set_link`` (a NIC down or up: a cut cable, no reset),
+``block_port`` (drop a port's packets), ``lossy`` (drop a percentage of the
+packets at random, nftables ``numgen``); ``send_queue`` says how many bytes
+a host's TCP sockets still hold unacknowledged.
+
 All traffic stays inside these namespaces: nothing is routed to the host.
 This module is a helper, not a test file.
 """
