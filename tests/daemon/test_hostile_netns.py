@@ -190,10 +190,12 @@ class LandedLate(AssertionError):
 
 LANDS_LATER = pytest.mark.xfail(raises=LandedLate, strict=True, reason=(
     "engine: a write given up at its deadline is torn down with fi_av_remove, but its pieces "
-    "still queued for the cut rail go out once the link is back (all 16 unacknowledged 1 MiB "
-    "pieces land ~1 s after the heal, though only ~100 KiB sat in the kernel's socket), into "
-    "the region, after the writer was told the write failed; the teardown must drop them "
-    "(reset the connection) -- a fix in src/p2pxfer/engine/, not here"))
+    "queued for the cut rail stay queued in the provider and go out once the link is back "
+    "(all 16 unacknowledged 1 MiB pieces land ~1 s after the heal; only ~100 KiB sat in the "
+    "kernel's socket), reading the writer's source buffer *then* (a client that refilled it "
+    "after the failure sees its new bytes land at the failed write's places), after the "
+    "writer was told the write failed; the teardown must drop them (reset the connection, "
+    "cancel the queued operations) -- a fix in src/p2pxfer/engine/, not here"))
 
 
 @LANDS_LATER
