@@ -53,6 +53,7 @@ log = structlog.get_logger("p2pxfer.hostile")
 
 REGION_NAME = "hostile"
 START_TIMEOUT = 60.0  # the loop's clients connected, region exported
+SAMPLE_EVERY_S = 30.0  # a soak samples the daemons' fds and RSS this often
 Image = npt.NDArray[np.uint8]
 
 
@@ -424,6 +425,8 @@ def soak(workdir: Path, writer: HostLike, target: HostLike,
         flapper = Flapper(set_link, down_s, up_s)
         samples: dict[str, dict[str, dict[str, int]]] = {}
 
+        series: list[dict[str, Any]] = []  # every SAMPLE_EVERY_S: the trend
+
         def take(when: str) -> None:
             samples[when] = {d.name: sample(d.proc.pid) for d in ds}
 
@@ -431,6 +434,10 @@ def soak(workdir: Path, writer: HostLike, target: HostLike,
             if rec["round"] == warmup:
                 take("start")
                 flapper.start()
+            if rec["round"] >= warmup and (not series
+                                           or rec["t"] - series[-1]["t"] >= SAMPLE_EVERY_S):
+                series.append({"t": rec["t"], "round": rec["round"],
+                               **{d.name: sample(d.proc.pid) for d in ds}})
 
         def at_end() -> None:
             flapper.stop()
@@ -447,7 +454,7 @@ def soak(workdir: Path, writer: HostLike, target: HostLike,
         return {
             **report.summary(), "seconds": seconds, "down_s": down_s, "up_s": up_s,
             "deadline_s": deadline_s, "delivery_complete": delivery_complete,
-            "flaps": flapper.flaps, "daemons": samples,
+            "flaps": flapper.flaps, "daemons": samples, "daemon_series": series,
             "nic_inflight_end": {n: [nic["inflight"] for nic in s["nics"]]
                                  for n, s in statuses.items()},
             "nic_bytes": {n: [nic["bytes"] for nic in s["nics"]] for n, s in statuses.items()},
