@@ -256,6 +256,7 @@ def test_soak_with_a_flapping_rail(tmp_path: Path, record_property: Any) -> None
                       delivery_complete=True)
     record_property("soak", json.dumps(result))
     log.info("soak: %s", json.dumps(result))
+    (tmp_path / "soak.json").write_text(json.dumps(result, indent=2))  # kept to read after
     assert not result["stopped"], result
     assert result["flaps"] >= 2, result
     assert result["hung"] == 0, result["problems"]
