@@ -2,22 +2,24 @@
 of the loss, abandoned-write and soak tests (``tests/daemon/test_hostile_netns.py``)
 and of ``bench/soak.py``.
 
-- ``rail_daemons``: one daemon per host (anything with ``ns``-free
-  ``exec_argv``, ``interfaces`` and ``addresses``, e.g. ``tests/netns.py``'s
-  ``Host``), striping over every interface of its host, each the others'
-  static peer, control on the host's first address.
+- ``rail_daemons``: one daemon per host (anything with ``exec_argv``,
+  ``interfaces`` and ``addresses``, e.g. ``tests/netns.py``'s ``Host``),
+  striping over every interface of its host, each the others' static peer,
+  control on the host's first address.
 - ``run_loop``: a *loop* in a process of its own (spawned, so a write that
   never ends can be killed): a target client exports a region on one daemon,
   a writer client on another writes random scatter lists (fresh random bytes
   each round) into it; after every write the target waits for the pieces'
   immediates and compares the *whole* region with what it must hold. A write
-  that fails is allowed to have landed partly (inside its own ranges, old or
-  new bytes; nothing may change outside them), and the region is taken as it
-  is then. Bytes that later turn out to be a failed write's, landing after
-  its failure was reported, count as ``late``; bytes that are neither what
-  must be there nor a failed write's count as ``corrupt``. A write that takes
-  longer than its deadline plus a margin is ``hung`` (reported if it ends at
-  all; the loop is killed if it does not end within a hard bound).
+  that fails may have landed partly (inside its own ranges, old or new
+  bytes; nothing may change outside them); an ok write whose pieces do not
+  all arrive in time is ``incomplete`` (its missing bytes may still come,
+  until a newer write covers their place). Bytes of a failed or incomplete
+  write that land later over a newer write, or after the failure was
+  reported, count as ``late``; bytes nobody wrote there as ``corrupt``. A
+  write that takes longer than its deadline plus a margin is ``hung``
+  (reported if it ends at all; the loop is killed if it does not end within
+  a hard bound).
 - ``Flapper``: a thread taking a link down and up, over and over.
 - ``sample``: a process's open fds and RSS; ``soak`` puts it all together.
 
