@@ -210,6 +210,10 @@ async def _do(client: Any, mems: dict[str, Any], conn: Connection, op: str,
         if not np.array_equal(mems[region].array, want):
             return ("mismatch", describe_mismatch(mems[region].array, want))
         return ("ok", int(want.astype(bool).sum()))
+    if op == "nonzero":  # region: how many of its bytes are not zero, and the first few
+        (region,) = args
+        where = np.flatnonzero(mems[region].array)
+        return ("ok", int(where.size), where[:5].tolist())
     if op == "status":
         return ("ok", await client.status())
     if op == "add_peer":

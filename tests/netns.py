@@ -9,6 +9,11 @@ and brings ``lo`` and every link up. Whatever happens, the namespaces (and
 with them the veths) are deleted on exit. Where namespaces cannot be created
 (not root, no ``ip``), the calling test is skipped with the reason.
 
+Faults: ``set_link`` (a NIC down or up: a cut cable, no reset),
+``block_port`` (drop a port's packets), ``lossy`` (drop a percentage of the
+packets at random, nftables ``numgen``); ``send_queue`` says how many bytes
+a host's TCP sockets still hold unacknowledged.
+
 All traffic stays inside these namespaces: nothing is routed to the host.
 This module is a helper, not a test file.
 """
@@ -26,7 +31,8 @@ from dataclasses import dataclass
 
 import pytest
 
-__all__ = ["Host", "block_port", "ip", "lan", "rails_lan", "two_hosts", "unblock"]
+__all__ = ["Host", "block_port", "ip", "lan", "lossy", "rails_lan", "send_queue", "set_link",
+           "two_hosts", "unblock", "unloss"]
 
 _counter = itertools.count()
 IP_TIMEOUT = 10.0
@@ -228,8 +234,6 @@ def block_port(host: Host, dev: str, port: int | None) -> None:
     enters or leaves ``dev`` (``port`` None: every packet), with nftables
     table ``p2pblock``; it goes with the namespace, or with ``unblock``.
     Skips the test where ``nft`` is missing."""
-    if shutil.which("nft") is None:
-        pytest.skip("nftables (`nft`) is not installed")
     match = [f"meta l4proto {{ tcp, udp }} th {d} {port}" for d in ("dport", "sport")] \
         if port is not None else [""]
     rules = "\n".join([
@@ -245,13 +249,74 @@ def block_port(host: Host, dev: str, port: int | None) -> None:
         "}",
         "",
     ])
-    proc = subprocess.run(host.exec_argv(["nft", "-f", "-"]), input=rules, capture_output=True,
-                          text=True, timeout=IP_TIMEOUT, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nft failed in {host.ns}: {proc.stderr.strip()}")
+    _nft(host, rules)
 
 
 def unblock(host: Host) -> None:
     """Remove what ``block_port`` added in ``host``."""
     subprocess.run(host.exec_argv(["nft", "delete", "table", "inet", "p2pblock"]),
                    capture_output=True, text=True, timeout=IP_TIMEOUT, check=True)
+
+
+def _nft(host: Host, rules: str) -> None:
+    if shutil.which("nft") is None:
+        pytest.skip("nftables (`nft`) is not installed")
+    proc = subprocess.run(host.exec_argv(["nft", "-f", "-"]), input=rules, capture_output=True,
+                          text=True, timeout=IP_TIMEOUT, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nft failed in {host.ns}: {proc.stderr.strip()}")
+
+
+def lossy(host: Host, devs: Sequence[str], percent: int) -> None:
+    """Inside ``host``: drop ``percent`` % of the packets, at random, that
+    enter or leave any of ``devs`` (nftables table ``p2ploss``, ``numgen
+    random``: each packet on its own, both directions). Replaces an earlier
+    ``lossy`` of the host; ``unloss`` (or the namespace's end) removes it.
+    Skips the test where ``nft`` is missing."""
+    if not 0 < percent < 100 or not devs:
+        raise ValueError(f"needs devices and 0 < percent < 100, got {devs}, {percent}")
+    unloss(host)
+    rule = f"numgen random mod 100 < {percent} counter drop"
+    _nft(host, "\n".join([
+        "table inet p2ploss {",
+        "  chain lossin {",
+        "    type filter hook input priority 0; policy accept;",
+        *[f'    iifname "{dev}" {rule}' for dev in devs],
+        "  }",
+        "  chain lossout {",
+        "    type filter hook output priority 0; policy accept;",
+        *[f'    oifname "{dev}" {rule}' for dev in devs],
+        "  }",
+        "}",
+        "",
+    ]))
+
+
+def unloss(host: Host) -> None:
+    """Remove what ``lossy`` added in ``host`` (nothing if it added nothing)."""
+    if shutil.which("nft") is None:
+        return
+    listed = subprocess.run(host.exec_argv(["nft", "list", "tables"]), capture_output=True,
+                            text=True, timeout=IP_TIMEOUT, check=True).stdout
+    if "p2ploss" in listed:
+        subprocess.run(host.exec_argv(["nft", "delete", "table", "inet", "p2ploss"]),
+                       capture_output=True, text=True, timeout=IP_TIMEOUT, check=True)
+
+
+def set_link(host: Host, dev: str, up: bool) -> None:
+    """``dev`` of ``host`` up (waiting for carrier) or down: down, the veth
+    drops whatever is sent to it, with no reset (a cut cable, a dead NIC)."""
+    ip("-n", host.ns, "link", "set", dev, "up" if up else "down")
+    if up:
+        _wait_up(host.ns, dev)
+
+
+def send_queue(host: Host) -> int:
+    """Bytes that TCP sockets of ``host`` still hold unacknowledged (the
+    ``Send-Q`` of every socket, closing ones included): what could still
+    arrive at a peer once a cut link is back."""
+    out = subprocess.run(host.exec_argv(["ss", "-Htan"]), capture_output=True, text=True,
+                         timeout=IP_TIMEOUT, check=True).stdout
+    # Columns: State Recv-Q Send-Q Local Peer; a listener's Send-Q is its backlog.
+    return sum(int(cols[2]) for line in out.splitlines()
+               if len(cols := line.split()) >= 3 and cols[0] != "LISTEN")

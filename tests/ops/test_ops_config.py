@@ -42,10 +42,22 @@ from p2pxfer.errors import ConfigError, InvalidArgument
     ({"provider": 3}, "provider must be a string"),
     ({"cluster_token": "a", "cluster_token_file": "/x"}, "not both"),
     ({"typo": 1}, "unknown config keys ['typo']"),
+    ({"write_timeout_s": 0}, "write_timeout_s must be a number of seconds > 0, got 0"),
+    ({"write_timeout_s": "5s"}, "write_timeout_s must be a number of seconds"),
+    ({"write_timeout_s": True}, "write_timeout_s must be a number of seconds"),
+    ({"write_timeout_s": float("inf")}, "write_timeout_s must be a number of seconds"),
+    ({"delivery_complete": 1}, "delivery_complete must be true or false, got 1"),
 ])
 def test_bad_key_named(keys: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
         DaemonConfig.from_dict(keys)
+
+
+def test_write_deadline_and_delivery_reach_the_engine_config() -> None:
+    cfg = DaemonConfig.from_dict({"write_timeout_s": 3, "delivery_complete": True})
+    assert cfg.write_timeout_s == 3.0 and isinstance(cfg.write_timeout_s, float)
+    assert cfg.delivery_complete is True
+    assert DaemonConfig.from_dict({}).write_timeout_s == 60.0
 
 
 def test_config_error_is_invalid_argument() -> None:

@@ -101,10 +101,15 @@ class DaemonConfig:
     #: verbs run (4 bytes of CQ data: 20-bit values, KV counted per request);
     #: 0: as wide as the provider carries
     imm_bytes: int = 0
-    #: seconds a write may take at most (posting and completion) unless the
-    #: client asks for less; past it the write fails ``transfer_failed``
-    #: and nothing of it stays posted
+    #: a write's deadline, seconds: a write whose pieces are not all
+    #: acknowledged by then (a silent peer, a cut rail) is torn down and fails
+    #: with ``transfer_failed``, naming the pieces known to have landed
     write_timeout_s: float = 60.0
+    #: a write is done only once the target has its bytes (FI_DELIVERY_COMPLETE):
+    #: without it, tcp calls a write done once its bytes are in a kernel socket,
+    #: and a link cut right after leaves an "ok" write's tail undelivered until
+    #: the link heals, or for ever. Costs a round trip per write
+    delivery_complete: bool = False
     #: a write into a region exported by a client of this same daemon is a
     #: copy between the two shared mappings, not a trip through the provider
     #: (false: every write goes through the engine)
@@ -338,5 +343,6 @@ _CHECKS: dict[str, Any] = {
     "write_timeout_s": _seconds,
     "local_copy": _bool,
     "local_copy_threads": lambda k, v: _int(k, v, 0),
+    "delivery_complete": _bool,
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"

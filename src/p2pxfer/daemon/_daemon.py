@@ -213,6 +213,7 @@ class Daemon:
             "membership": self.config.membership,
             "membership_stats": {} if backend is None else backend.statistics(),
             "transfers_in_flight": self.writes.in_flight,
+            "invalidations_pending": sum(self.regions.pending_invalidations.values()),
             "imm_bits": self.imms.bits,
             "imms_dropped": self.imms.dropped,
             "completed": stats.completed,
@@ -260,7 +261,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
         provider=config.provider, node=config.fabric_node or None,
         interfaces=config.interfaces or None, node_name=config.node,
         incarnation=time.time_ns(), imm_bytes=config.imm_bytes,
-        write_timeout_s=config.write_timeout_s,
+        write_timeout_s=config.write_timeout_s, delivery_complete=config.delivery_complete,
     )
     sock = None
     # Shielded: the deadline holds also when serve() itself is cancelled.

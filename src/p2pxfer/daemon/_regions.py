@@ -2,14 +2,18 @@
 
 ``Regions`` holds this node's exports (name -> owner and descriptor), the
 descriptors resolved from peers (cached per ``(peer, region)``), and which
-peers resolved each of ours, to tell them with ``invalidate`` when it goes
-(a write with a dead key would break their connection). ``locate`` asks
+peers resolved each of ours, to tell them with ``invalidate`` when it goes:
+until they hear it, and however long that takes (a cut link), since a write
+through a closed key vanishes at our end without a word to the writer (tcp:
+small writes "succeed"; larger ones break the connection), also when a new
+export takes the name meanwhile. ``locate`` asks
 every reachable peer at once who exports a name. What must not live here:
 client memory (``_sessions``) or membership verdicts (``_follow``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +26,19 @@ from p2pxfer.memory import RegionDescriptor
 
 from ._peers import PeerTable
 
-__all__ = ["LOCATE_CONCURRENCY", "LOCATE_TIMEOUT_S", "Regions"]
+__all__ = ["INVALIDATE_GIVE_UP_S", "INVALIDATE_RETRY_S", "LOCATE_CONCURRENCY",
+           "LOCATE_TIMEOUT_S", "Regions"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
 LOCATE_TIMEOUT_S = 2.0  # per peer asked by ``locate``
 LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
+#: an ``invalidate`` the peer did not get is sent again after 0.1 s, doubling
+#: up to the second of these; given up after the third (then the peer has
+#: surely written, failed and re-resolved, or gone: as long as ``_retire``
+#: holds a released range)
+INVALIDATE_RETRY_S = (0.1, 1.0)
+INVALIDATE_GIVE_UP_S = 600.0
 
 
 class Regions:
@@ -43,6 +54,8 @@ class Regions:
         self._slots: dict[tuple[str, str], int] = {}
         self._kv: dict[tuple[str, str], dict[str, Any]] = {}  # KV pools' layouts
         self._resolved_by: dict[str, set[str]] = {}
+        #: invalidations not delivered yet, per (peer, region) (``status``)
+        self.pending_invalidations: Counter[tuple[str, str]] = Counter()
         #: whether a peer may be asked now (membership: it is running)
         self.reachable: Callable[[str], bool] = lambda peer: True
         self.nursery: trio.Nursery | None = None
@@ -69,11 +82,37 @@ class Regions:
                 self.nursery.start_soon(self._invalidate, peer, name)
 
     async def _invalidate(self, peer: str, region: str) -> None:
+        """Tell ``peer`` that ``region`` went, again and again until it has
+        heard (or it is forgotten: a new life holds nothing of ours, or
+        ``INVALIDATE_GIVE_UP_S`` passed)."""
+        key = (peer, region)
+        self.pending_invalidations[key] += 1
+        delay, give_up = INVALIDATE_RETRY_S[0], trio.current_time() + INVALIDATE_GIVE_UP_S
+        failures = 0
         try:
-            await self.peers.request(peer, "invalidate", region=region)
-        except P2PXferError as exc:
-            log.warning("region.invalidate_failed", peer=peer, region=region,
-                        error=bounded(str(exc)))
+            while peer in self.peers and key in self.pending_invalidations:
+                try:
+                    await self.peers.request(peer, "invalidate", region=region)
+                except P2PXferError as exc:
+                    failures += 1
+                    if failures == 1 or trio.current_time() > give_up:
+                        log.warning("region.invalidate_failed", peer=peer, region=region,
+                                    error=bounded(str(exc)), attempts=failures,
+                                    retrying=trio.current_time() <= give_up)
+                    if trio.current_time() > give_up:
+                        return
+                else:
+                    if failures:
+                        log.info("region.invalidated", peer=peer, region=region,
+                                 attempts=failures + 1)
+                    return
+                await trio.sleep(delay)
+                delay = min(2 * delay, INVALIDATE_RETRY_S[1])
+        finally:
+            if key in self.pending_invalidations:
+                self.pending_invalidations[key] -= 1
+                if self.pending_invalidations[key] <= 0:
+                    del self.pending_invalidations[key]
 
     def local_descriptor(self, region: str, *, for_peer: str = "") -> RegionDescriptor:
         """Our descriptor of ``region``; ``for_peer`` will be told when it goes."""
@@ -142,6 +181,8 @@ class Regions:
             self._kv.pop(key, None)
         for holders in self._resolved_by.values():
             holders.discard(peer)
+        for key in [k for k in self.pending_invalidations if k[0] == peer]:
+            del self.pending_invalidations[key]  # their tasks stop at the next attempt
 
     async def locate(self, region: str) -> list[str]:
         """Every node exporting ``region``: this node, and each reachable

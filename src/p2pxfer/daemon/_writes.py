@@ -122,6 +122,12 @@ class Writes:
                 pieces = await d.engine.write(src, desc, scatter,
                                               imm=self._imm(peer, region, imm),
                                               notify=notify)
+            except trio.Cancelled:
+                # Given up (its client cancelled or went away), perhaps stuck
+                # on a cut link, during which the region may have gone (its
+                # invalidate lost): resolve afresh next time.
+                d.regions.forget(peer, region)
+                raise
             except TransferError as exc:
                 log.warning("transfer.failed", client=client, peer=peer, region=region,
                             nbytes=scatter.nbytes, error=str(exc))
