@@ -222,7 +222,7 @@ def _int(key: str, v: Any, low: int) -> int:
 
 def _seconds(key: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 86400:
-        raise ConfigError(f"{key} must be a number of seconds > 0 (at most a day), got {v!r}")
+        raise ConfigError(f"{key} must be a number of seconds > 0, got {v!r} (at most a day)")
     return float(v)
 
 
