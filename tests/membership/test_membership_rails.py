@@ -254,12 +254,18 @@ def test_control_rail_cut_is_degraded_not_dead(tmp_path: Any) -> None:
             assert writer.ok("write", "h2", "r", plan, 2, True) > 0  # h1 resolves r now
 
             def never_dead(seconds: float) -> None:
+                # Suspect is allowed (and refuted): with rail 0 down the write
+                # loop fails over to rail 1 and keeps this 2-core VM busy, so a
+                # probe's answer can come late; dead never.
                 end = time.monotonic() + seconds
                 while time.monotonic() < end:
                     for n in ("h0", "h1"):
                         st = peer_states(ds[n])["h2"]["state"]
-                        assert st == "degraded", f"{n} sees h2 {st}"
+                        assert st in ("degraded", "suspect"), f"{n} sees h2 {st}"
                     time.sleep(0.1)
+                for n in ("h0", "h1"):
+                    wait_for(lambda n=n: peer_states(ds[n])["h2"]["state"] == "degraded",
+                             f"{n} to see h2 degraded", timeout=DEGRADED_WITHIN)
 
             # (1) The control port cut on h2's rail 0.
             block_port(hosts[2], hosts[2].interfaces[0], CONTROL_PORT)
