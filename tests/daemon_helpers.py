@@ -13,10 +13,11 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -47,9 +48,23 @@ from p2pxfer.testing import (
 # The daemon launcher lives in ``p2pxfer.testing`` (benches use it too); the
 # tests import it from here as before.
 __all__ = [
-    "LOOPBACK", "START_TIMEOUT", "STOP_TIMEOUT", "Agent", "DaemonProc", "Plan", "RawConn",
-    "describe_mismatch", "free_port", "p2pxfer_cmd", "spawn_daemon", "start_daemon",
-    "toml_value", "wait_accepting", "wait_for", "write_config",
+    "LOOPBACK",
+    "START_TIMEOUT",
+    "STOP_TIMEOUT",
+    "Agent",
+    "DaemonProc",
+    "Plan",
+    "RawConn",
+    "as_uid",
+    "describe_mismatch",
+    "free_port",
+    "p2pxfer_cmd",
+    "spawn_daemon",
+    "start_daemon",
+    "toml_value",
+    "wait_accepting",
+    "wait_for",
+    "write_config",
 ]
 
 OP_TIMEOUT = 30.0  # one agent command (inside the agent)
@@ -380,3 +395,28 @@ def daemon_pair(workdir: Any, **keys: Any) -> Iterator[tuple[DaemonProc, DaemonP
     finally:
         for d in daemons:
             d.stop()
+
+
+def as_uid(uid: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` run in a forked child under ``uid``; its result (or what it
+    raised, as ``("raised", "Type: text")``). Needs root."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out: Any = fn()
+        except BaseException as exc:
+            out = ("raised", f"{type(exc).__name__}: {exc}")
+        os.write(w, pickle.dumps(out))
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 1 << 16):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return pickle.loads(data)

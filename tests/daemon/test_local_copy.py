@@ -18,10 +18,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import pickle
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,16 @@ import pytest
 import trio
 
 import p2pxfer
-from daemon_helpers import LOOPBACK, Agent, DaemonProc, Plan, RawConn, free_port, start_daemon
+from daemon_helpers import (
+    LOOPBACK,
+    Agent,
+    DaemonProc,
+    Plan,
+    RawConn,
+    as_uid,
+    free_port,
+    start_daemon,
+)
 from p2pxfer.errors import InvalidArgument, ScatterError, UnknownRegion, WaitTimeout
 from p2pxfer.fabric import CopyStop, copy_scatter
 from p2pxfer.protocol import pack_scatter
@@ -373,28 +381,6 @@ async def test_local_copy_off_goes_through_the_engine(nocopy: DaemonProc) -> Non
 NOBODY = 65534
 
 
-def _as_nobody(fn: Callable[[], Any]) -> Any:
-    """``fn()`` in a forked child running as uid nobody; its result."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            out: Any = fn()
-        except BaseException as exc:
-            out = ("raised", f"{type(exc).__name__}: {exc}")
-        os.write(w, pickle.dumps(out))
-        os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 1 << 16):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return pickle.loads(data)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
@@ -430,7 +416,7 @@ def test_another_uid_cannot_copy_into_a_region() -> None:
                                        "scatter": scatter})["code"]
                             for i, peer in enumerate(("lc-iso", "me"))]
 
-            assert _as_nobody(intruder) == ["unknown_region", "unknown_region"]
+            assert as_uid(NOBODY, intruder) == ["unknown_region", "unknown_region"]
             assert d.status()["local_copy"]["writes"] == before
         assert d.alive()
     finally:

@@ -6,20 +6,20 @@ test failed before the fix it names."""
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import socket
 import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from daemon_helpers import as_uid
 from p2pxfer.kv import KVLayout
 from p2pxfer.memory import SharedBuffer
 from p2pxfer.protocol import SCHEMA_VERSION, encode_frame, pack_scatter
@@ -174,28 +174,6 @@ def test_shared_memory_cannot_shrink_under_the_daemon(tmp_path: Path,
 
 # -- local isolation between uids ----------------------------------------------------------
 
-def _as_uid(uid: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` run in a forked child under ``uid``; its result (or what it raised)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            out: Any = fn()
-        except BaseException as exc:
-            out = ("raised", f"{type(exc).__name__}: {exc}")
-        os.write(w, pickle.dumps(out))
-        os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 1 << 16):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return pickle.loads(data)
 
 
 @pytest.fixture
@@ -243,7 +221,7 @@ def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> N
         os.close(fd2)
         assert owner.request({"t": "kv_pool", "id": 8, "name": "kvroots", "mem": kvmem,
                               "layout": layout})["t"] == "ok"
-        assert _as_uid(NOBODY, intruder) == {"add_peer": "forbidden",
+        assert as_uid(NOBODY, intruder) == {"add_peer": "forbidden",
                                              "write": "unknown_region",
                                              "kv_push": "unknown_region"}
 
@@ -268,12 +246,12 @@ def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> N
                     out[region] = r["t"] if r["t"] == "ok" else r["code"]
                 return out
 
-        assert _as_uid(NOBODY, grantee) == {"granted": "ok", "roots": "unknown_region"}
+        assert as_uid(NOBODY, grantee) == {"granted": "ok", "roots": "unknown_region"}
         assert owner.request({"t": "unexport", "id": 5, "name": "granted"})["t"] == "ok"
         assert owner.request({"t": "export", "id": 6, "name": "granted", "mem": mem,
                               "offset": 0, "length": 1 << 16})["t"] == "ok"
         # the grant died with that export: a new one of the same name is the owner's alone
-        assert _as_uid(NOBODY, grantee)["granted"] == "unknown_region"
+        assert as_uid(NOBODY, grantee)["granted"] == "unknown_region"
 
         def stranger() -> Any:
             with RawConn(d.socket) as c:
@@ -283,7 +261,7 @@ def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> N
                     return None  # closed before the hello went out
                 return c.frame()
 
-        assert _as_uid(NOBODY - 1, stranger) is None  # not allowed: closed unanswered
+        assert as_uid(NOBODY - 1, stranger) is None  # not allowed: closed unanswered
     assert d.alive()
 
 
