@@ -204,16 +204,22 @@ LANDS_LATER = pytest.mark.xfail(raises=LandedLate, strict=True, reason=(
 
 
 @LANDS_LATER
-def test_a_write_given_up_at_its_deadline_lands_nothing_later(tmp_path: Path) -> None:
+@pytest.mark.parametrize("given_up_by", ["deadline", "rail_failed"])
+def test_a_write_given_up_at_its_deadline_lands_nothing_later(given_up_by: str,
+                                                              tmp_path: Path) -> None:
     """With ``delivery_complete`` (a piece counts as done once it landed), a
-    write stuck on a cut rail fails at its deadline naming the pieces that
-    landed; once the rail is back, not one more byte of it may land."""
+    write stuck on cut rails fails naming the pieces that landed: at its
+    deadline (both rails cut: nothing to fail over to), or when its rail pair
+    is taken down (one rail cut; its pieces carry immediates, so they are not
+    re-posted). Once the rails are back, not one more byte of it may land,
+    and the peer takes new writes again."""
     plan = ABANDON_PLAN
     agents: list[Agent] = []
     with two_hosts(rails=2) as (a, b), \
             rail_daemons(tmp_path, [a, b], write_timeout_s=ABANDON_DEADLINE_S,
                          delivery_complete=True) as (da, db):
         try:
+            cut = list(b.interfaces) if given_up_by == "deadline" else b.interfaces[1:]
             target = Agent("trio", db.socket, "target")
             agents.append(target)
             assert target.ok("export", "r", plan.region) == plan.region
@@ -222,13 +228,16 @@ def test_a_write_given_up_at_its_deadline_lands_nothing_later(tmp_path: Path) ->
             agents.append(writer)
             target.call("verify", "r", warm, 1, writer.ok("write", db.name, "r", warm, 1))
             target.call("nonzero", "r")  # both rails connected now
-            set_link(b, b.interfaces[1], False)
+            for dev in cut:
+                set_link(b, dev, False)
             reply = writer.call("write", db.name, "r", plan, 2,
                                 timeout=ABANDON_DEADLINE_S + 15)
-            assert reply[:2] == ("raised", "TransferError") and "deadline" in reply[3], reply
+            why = "deadline" if given_up_by == "deadline" else "a rail failed under it"
+            assert reply[:2] == ("raised", "TransferError") and why in reply[3], reply
             stuck = send_queue(a)
             landed = target.call("nonzero", "r")[1]
-            set_link(b, b.interfaces[1], True)
+            for dev in cut:
+                set_link(b, dev, True)
             wait_for(lambda: send_queue(a) == 0, "the writer's sockets to drain", timeout=60,
                      interval=0.2)
             time.sleep(2.0)
@@ -237,6 +246,11 @@ def test_a_write_given_up_at_its_deadline_lands_nothing_later(tmp_path: Path) ->
                 raise LandedLate(f"{later - landed} bytes of the failed write landed after it "
                                  f"failed ({stuck} bytes were in the writer's sockets): "
                                  f"{reply[3]}")
+            # The torn-down connections come back: new writes land, verified.
+            fresh = Plan(0xF2E5, pieces=256, min_len=4 << 10, max_len=64 << 10,
+                         region=plan.region)
+            pieces = writer.ok("write", db.name, "r", fresh, 7, timeout=ABANDON_DEADLINE_S + 15)
+            assert target.call("verify", "r", fresh, 7, pieces)[0] == "ok"
         finally:
             for agent in agents:
                 agent.kill()

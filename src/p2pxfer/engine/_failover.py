@@ -234,14 +234,15 @@ class Failover:
         label = self.label(key)
         self.health.mark_down(key, now, reason)
         self.failovers += 1
+        reset: list[str] = []
         try:
-            self._rails[key[0]].av.remove(key[1])
+            reset = self._rails[key[0]].disconnect(key[1])
         except Exception as exc:  # the writes move anyway; say what went wrong
             log.warning("rail.teardown_failed", connection=label, error=str(exc))
         moved = [tr for tr in list(self._inflight.values())
                  if self._move(tr, key, f"{label}: {reason}", now)]
         log.warning("rail.down", connection=label, reason=reason, shard=self._index,
-                    writes=[tr.w.tid for tr in moved])
+                    writes=[tr.w.tid for tr in moved], reset=reset)
         for tr in moved:
             self._finish(tr)
 
