@@ -104,8 +104,9 @@ class DestQueues:
                   ) -> tuple[list[TransferState], list[str], dict[int, int]]:
         """Give ``tr`` up (see ``Shard.abort``): disconnect its peer from
         the rails that carry its pieces (``Rail.disconnect``: their TCP
-        connections are reset, dropping what is queued on them), and with it every write in ``inflight`` to
-        the same destination that has pieces in flight on them. Returns the
+        connections are reset, dropping what is queued on them), and with it
+        every write in ``inflight`` to the same destination that has pieces
+        in flight on them. Returns the
         transfers now finished (``tr`` first), the connections torn down and
         the pieces abandoned per rail."""
         doomed = [tr] + [o for o in inflight if o is not tr and o.w.dest == tr.w.dest

@@ -140,7 +140,7 @@ class Rail:
             peer = parse_sockaddr(self.av.straddr(address))
             if ours is not None and peer is not None:
                 conns = reset_connections(ours, peer)
-                self._knocks.add(ours, peer, conns, time.monotonic())
+                self._knocks.add(conns, time.monotonic())
                 reset = [label(*c) for c in conns]
         self.av.remove(address)
         return reset
@@ -152,6 +152,8 @@ class Rail:
             self._knocks.run(now)
 
     def close(self) -> None:
+        if hasattr(self, "_knocks"):
+            self._knocks.close()
         for mr in list(getattr(self, "_mrs", ())):
             mr.close()
         errors = []

@@ -21,10 +21,13 @@ beyond addresses, or AV bookkeeping (``AddressVector``).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import re
+import select
 import socket
+import struct
 
 import structlog
 
@@ -137,64 +140,88 @@ def reset_connections(ours: Endpoint, peer: Endpoint) -> list[tuple[Endpoint, En
     return done
 
 
-def _connected(ours: Endpoint, peer: Endpoint) -> bool:
-    """This network namespace has a TCP connection between the two (either
-    way round): the provider connected to the peer anew."""
-    for local, remote in _connections().values():
-        if remote == peer or (local[1] == ours[1] and remote[0] == peer[0]
-                              and not _same_host(peer[0], ours[0])):
+class _Knock:
+    """One old connection's address pair, and the socket knocking from it."""
+
+    def __init__(self, local: Endpoint, remote: Endpoint, until: float) -> None:
+        self.local, self.remote, self.until = local, remote, until
+        self.sock: socket.socket | None = None
+        self.since = 0.0
+
+    def step(self, now: float) -> bool:
+        """Knock again or look how the last knock went; True once done: the
+        connection from this address pair was answered (the peer's listener,
+        so the peer's old end is gone), refused, the pair is in use again
+        (by a live connection), or it is too late."""
+        if self.sock is not None:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err == 0 and select.select([], [self.sock], [], 0)[1]:
+                return self.close()  # connected: answered by the listener
+            if err not in (0, errno.EINPROGRESS, errno.EALREADY, errno.ETIMEDOUT,
+                           errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN):
+                return self.close()  # refused (the peer is gone) or the like
+            if now - self.since < KNOCK_RETRY_S:
+                return False  # the kernel resends the SYN meanwhile
+            self.close()
+        if now >= self.until:
             return True
-    return False
+        family = socket.AF_INET6 if self.local[0].version == 6 else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.since = now
+        try:
+            self.sock.setblocking(False)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # Closing it resets it: the peer's listener drops what it accepted.
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.sock.bind((str(self.local[0]), self.local[1]))
+            self.sock.connect_ex((str(self.remote[0]), self.remote[1]))
+        except OSError:  # the address pair is taken again: a live connection
+            return self.close()
+        return False
+
+    def close(self) -> bool:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        return True
 
 
-def _knock(local: Endpoint, remote: Endpoint) -> None:
-    """Send one SYN from ``local`` to ``remote``, then forget the socket."""
-    family = socket.AF_INET6 if local[0].version == 6 else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setblocking(False)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((str(local[0]), local[1]))
-            s.connect_ex((str(remote[0]), remote[1]))
-    except OSError:  # the port is taken again (by a live connection): nothing to do
-        pass
+KNOCK_RETRY_S = 2.0  # a knock unanswered this long is sent anew
 
 
 class Knocks:
     """Connections we reset whose reset may not have reached the peer (its
-    link was cut): the peer's end then stays open, idle, for ever, and
-    ofi_rxm at the peer refuses our reconnection as a duplicate of it
-    ("simultaneous" connection from the same process). So, until a new
-    connection to that peer shows up (or ``KNOCK_FOR_S`` passed), send a SYN
-    from each old connection's own address every ``KNOCK_EVERY_S``: the
-    peer's end of it answers with an ACK, which our kernel (no socket there
-    now) answers with a reset that the peer accepts. Harmless where the
-    peer's end is gone: its listener's SYN-ACK is answered with a reset too."""
+    link was cut, or its packets dropped): the peer's end then stays open,
+    idle, for ever, and ofi_rxm at the peer refuses our new connections as
+    duplicates of it ("simultaneous" connection from the same process). So
+    each old connection's address pair is knocked from, a connection attempt
+    (a SYN) from its own local address to the peer's, until the peer's
+    listener answers (or ``KNOCK_FOR_S`` passed): the peer's old end answers
+    a SYN with an ACK, which our kernel (no socket of that pair any more)
+    answers with a reset the peer accepts, and the next SYN reaches its
+    listener; we reset what it accepted."""
 
     KNOCK_EVERY_S = 0.5
     KNOCK_FOR_S = 900.0
 
     def __init__(self) -> None:
-        self._pending: dict[tuple[Endpoint, Endpoint], tuple[list[tuple[Endpoint, Endpoint]],
-                                                             float]] = {}
+        self._knocks: list[_Knock] = []
         self._next = 0.0
 
     def __bool__(self) -> bool:
-        return bool(self._pending)
+        return bool(self._knocks)
 
-    def add(self, ours: Endpoint, peer: Endpoint, reset: list[tuple[Endpoint, Endpoint]],
-            now: float) -> None:
-        if reset:
-            old = self._pending.get((ours, peer), ([], now))[0]
-            self._pending[(ours, peer)] = (old + reset, now + self.KNOCK_FOR_S)
+    def add(self, reset: list[tuple[Endpoint, Endpoint]], now: float) -> None:
+        for local, remote in reset:
+            self._knocks.append(_Knock(local, remote, now + self.KNOCK_FOR_S))
 
     def run(self, now: float) -> None:
-        if not self._pending or now < self._next:
+        if not self._knocks or now < self._next:
             return
         self._next = now + self.KNOCK_EVERY_S
-        for key, (conns, until) in list(self._pending.items()):
-            if now >= until or _connected(*key):
-                del self._pending[key]
-                continue
-            for local, remote in conns:
-                _knock(local, remote)
+        self._knocks = [k for k in self._knocks if not k.step(now)]
+
+    def close(self) -> None:
+        for k in self._knocks:
+            k.close()
+        self._knocks.clear()
