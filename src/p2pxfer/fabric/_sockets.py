@@ -147,6 +147,7 @@ class _Knock:
         self.local, self.remote, self.until = local, remote, until
         self.sock: socket.socket | None = None
         self.since = 0.0
+        self.err = 0  # connect's own error, when it failed at once
 
     def step(self, now: float) -> bool:
         """Knock again or look how the last knock went; True once done: the
@@ -154,14 +155,15 @@ class _Knock:
         so the peer's old end is gone), refused, the pair is in use again
         (by a live connection), or it is too late."""
         if self.sock is not None:
-            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err == 0 and select.select([], [self.sock], [], 0)[1]:
-                return self.close()  # connected: answered by the listener
-            if err not in (0, errno.EINPROGRESS, errno.EALREADY, errno.ETIMEDOUT,
-                           errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN):
-                return self.close()  # refused (the peer is gone) or the like
-            if now - self.since < KNOCK_RETRY_S:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) or self.err
+            if err == 0 and self._connected():
+                return self.close()  # answered by the listener
+            if err == errno.ECONNREFUSED:
+                return self.close()  # the peer's endpoint is gone: nothing to knock on
+            if err == 0 and now - self.since < KNOCK_RETRY_S:
                 return False  # the kernel resends the SYN meanwhile
+            if err != 0 and now - self.since < Knocks.KNOCK_EVERY_S:
+                return False
             self.close()
         if now >= self.until:
             return True
@@ -174,10 +176,21 @@ class _Knock:
             # Closing it resets it: the peer's listener drops what it accepted.
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.sock.bind((str(self.local[0]), self.local[1]))
-            self.sock.connect_ex((str(self.remote[0]), self.remote[1]))
+            rc = self.sock.connect_ex((str(self.remote[0]), self.remote[1]))
         except OSError:  # the address pair is taken again: a live connection
             return self.close()
+        # Unreachable right away (the link is down here): knock again later.
+        self.err = 0 if rc in (0, errno.EINPROGRESS) else rc
         return False
+
+    def _connected(self) -> bool:
+        if self.sock is None or not select.select([], [self.sock], [], 0)[1]:
+            return False
+        try:
+            self.sock.getpeername()
+        except OSError:  # writable because it failed, not connected
+            return False
+        return True
 
     def close(self) -> bool:
         if self.sock is not None:
