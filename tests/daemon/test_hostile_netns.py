@@ -29,9 +29,11 @@ Two "hosts" (``netns.two_hosts``: namespaces joined by two veth pairs, one
   corrupt, every failure is a named error, and the daemons' fds and RSS stay
   flat. ``bench/soak.py`` runs the same (``delivery_complete`` off unless
   asked) and writes JSON.
-- **A write given up at its deadline lands nothing later**, and the soak:
-  both strict xfails today (only for ``LandedLate``): the engine's teardown
-  leaves a cut rail's queued pieces to go out once the link is back.
+- **A write given up at its deadline (or when its rail fails under it)
+  lands nothing later**, and the peer takes new writes after the heal; and
+  the soak: strict xfails (only for ``LandedLate``): the engine's teardown
+  resets the connections, but segments already handed to the cut veth are
+  delivered at the heal.
 
 Needs root (namespaces) and nftables; skipped otherwise. All addresses live
 inside the namespaces the tests create, deleted afterwards also on failure.
@@ -194,13 +196,12 @@ class LandedLate(AssertionError):
 
 
 LANDS_LATER = pytest.mark.xfail(raises=LandedLate, strict=True, reason=(
-    "engine: a write given up at its deadline is torn down with fi_av_remove, but its pieces "
-    "queued for the cut rail stay queued in the provider and go out once the link is back "
-    "(all 16 unacknowledged 1 MiB pieces land ~1 s after the heal; only ~100 KiB sat in the "
-    "kernel's socket), reading the writer's source buffer *then* (a client that refilled it "
-    "after the failure sees its new bytes land at the failed write's places), after the "
-    "writer was told the write failed; the teardown must drop them (reset the connection, "
-    "cancel the queued operations) -- a fix in src/p2pxfer/engine/, not here"))
+    "what had left the writer's host when the write was given up still lands: the engine's "
+    "teardown now resets the connections (the writer's sockets hold nothing after it, "
+    "asserted) and the provider drops its queued operations, but the veth holds the "
+    "segments it was handed while its peer end is down and delivers them at the heal, in "
+    "sequence, ahead of the reset: 1393 bytes (one segment) of a write given up at its "
+    "deadline, ~25 KB of one whose rail failed under it; only the target could refuse them"))
 
 
 @LANDS_LATER
@@ -235,6 +236,10 @@ def test_a_write_given_up_at_its_deadline_lands_nothing_later(given_up_by: str,
             why = "deadline" if given_up_by == "deadline" else "a rail failed under it"
             assert reply[:2] == ("raised", "TransferError") and why in reply[3], reply
             stuck = send_queue(a)
+            # The teardown reset the connections: no data of it waits in our
+            # sockets (a knock's SYN counts one byte; a 1 MiB piece's share,
+            # ~100 KiB and more, sat there before).
+            assert stuck < 64, f"{stuck} bytes wait in the writer's sockets"
             landed = target.call("nonzero", "r")[1]
             for dev in cut:
                 set_link(b, dev, True)

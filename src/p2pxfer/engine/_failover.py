@@ -5,9 +5,10 @@ cursors added or stopped after a write was planned.
 A pair (our rail, a peer's rail) fails when a piece on it completes with an
 error, or when it makes no progress for ``EngineConfig.rail_stall_s`` while
 another pair to the same peer does (``check``). Then (``fail_pair``) its
-peer address is removed from our rail's AV (tcp;ofi_rxm drops that
-connection and flushes its operations with FI_ECANCELED, ignored since the
-cursors that posted them are dead), and every write with a cursor on it:
+peer is disconnected from our rail (``Rail.disconnect``: the TCP connection
+reset, the address out of the AV; tcp;ofi_rxm closes the connection and
+flushes its operations with FI_ECANCELED, ignored since the cursors that
+posted them are dead), and every write with a cursor on it:
 
 - plain writes and notify-mode writes re-post the cursor's whole share on
   the peer's other usable pairs (``_replan``): a piece acknowledged without
