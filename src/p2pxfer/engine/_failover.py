@@ -199,7 +199,10 @@ class Failover:
     def check(self, now: float) -> None:
         """Take down every pair that stalled while another pair to the same
         peer still works. A peer whose every pair stalls is left to the
-        write's deadline: that is a slow or dead peer, not a rail."""
+        write's deadline: that is a slow or dead peer, not a rail. Also
+        lets each rail knock on the connections it reset (``Rail.knock``)."""
+        for rail in self._rails:
+            rail.knock(now)
         busy: dict[PairKey, int] = {}
         for tr in self._inflight.values():
             b = tr.w.batch

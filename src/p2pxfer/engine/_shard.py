@@ -299,8 +299,6 @@ class Shard(ShardMemory):
                 if now >= self._next_check:  # rail pairs that stalled: fail over
                     self._next_check = now + self._health.stall_s / 10
                     self._failover.check(now)
-                    for rail in self._group.rails:
-                        rail.knock(now)
             self._flush()
         self._shutdown()
 
