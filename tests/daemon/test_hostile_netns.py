@@ -122,7 +122,12 @@ def test_an_abandoned_write_never_lands_in_a_region_exported_later(given_up_by: 
                 reply = writer.wait_reply("the stuck write's end",
                                           timeout=ABANDON_DEADLINE_S + 15)
                 assert reply[:2] == ("raised", "TransferError"), reply
-                assert "deadline" in reply[3] or "timed out" in reply[3], reply
+                # Given up at its deadline, or sooner: the rails go down one
+                # after the other, and one stalling while the other still
+                # moved is a failed rail pair (its pieces carry immediates:
+                # the write fails rather than moving).
+                assert any(w in reply[3] for w in ("deadline", "timed out",
+                                                   "a rail failed under it")), reply
             else:
                 assert da.status()["transfers_in_flight"] == 1
             writer.kill()
