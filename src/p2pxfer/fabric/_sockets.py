@@ -1,5 +1,6 @@
 """Resetting the kernel TCP connections an IP provider keeps to one peer
-(``reset_connections``), for ``Rail.disconnect``.
+(``reset_connections``), for ``Rail.disconnect``, and knocking on them
+afterwards until the peer's end is gone too (``Knocks``).
 
 Why: libfabric 1.17's ``fi_av_remove`` on tcp;ofi_rxm leaves the peer's
 connection as it is (unless ``FI_AV_REMOVE_CLEANUP`` is set), and its queued
