@@ -52,6 +52,7 @@ int64_t p2p_now_ns(void);
 int64_t p2p_post_once(struct p2p_cursor *cur, int ncur);
 int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
                           int64_t src_size, int64_t dst_size, int32_t *what, int64_t *out);
+int p2p_tcp_reset(int fd);
 int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t src_size,
                          const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                          int64_t start, int64_t end, const int32_t *stop, int64_t *bad);

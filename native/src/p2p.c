@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -467,4 +468,20 @@ int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t s
         memmove(dst + d, src + s, (size_t)l);
     }
     return i - start;
+}
+
+/* Abort the TCP connection on socket fd (a provider's, found by the caller):
+ * connect() to an AF_UNSPEC address runs the kernel's tcp_disconnect, which
+ * drops the send queue (bytes never go out, even once a cut link is back),
+ * sends a reset and leaves the socket closed with ECONNRESET pending, so the
+ * provider's next look at it fails and it flushes what it had queued.
+ * Returns 0 or -errno. */
+int p2p_tcp_reset(int fd)
+{
+    struct sockaddr sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_family = AF_UNSPEC;
+    if (connect(fd, &sa, sizeof(sa)) != 0)
+        return -errno;
+    return 0;
 }

@@ -5,9 +5,10 @@ cursors added or stopped after a write was planned.
 A pair (our rail, a peer's rail) fails when a piece on it completes with an
 error, or when it makes no progress for ``EngineConfig.rail_stall_s`` while
 another pair to the same peer does (``check``). Then (``fail_pair``) its
-peer address is removed from our rail's AV (tcp;ofi_rxm drops that
-connection and flushes its operations with FI_ECANCELED, ignored since the
-cursors that posted them are dead), and every write with a cursor on it:
+peer is disconnected from our rail (``Rail.disconnect``: the TCP connection
+reset, the address out of the AV; tcp;ofi_rxm closes the connection and
+flushes its operations with FI_ECANCELED, ignored since the cursors that
+posted them are dead), and every write with a cursor on it:
 
 - plain writes and notify-mode writes re-post the cursor's whole share on
   the peer's other usable pairs (``_replan``): a piece acknowledged without
@@ -198,7 +199,10 @@ class Failover:
     def check(self, now: float) -> None:
         """Take down every pair that stalled while another pair to the same
         peer still works. A peer whose every pair stalls is left to the
-        write's deadline: that is a slow or dead peer, not a rail."""
+        write's deadline: that is a slow or dead peer, not a rail. Also
+        lets each rail knock on the connections it reset (``Rail.knock``)."""
+        for rail in self._rails:
+            rail.knock(now)
         busy: dict[PairKey, int] = {}
         for tr in self._inflight.values():
             b = tr.w.batch
@@ -234,14 +238,15 @@ class Failover:
         label = self.label(key)
         self.health.mark_down(key, now, reason)
         self.failovers += 1
+        reset: list[str] = []
         try:
-            self._rails[key[0]].av.remove(key[1])
+            reset = self._rails[key[0]].disconnect(key[1])
         except Exception as exc:  # the writes move anyway; say what went wrong
             log.warning("rail.teardown_failed", connection=label, error=str(exc))
         moved = [tr for tr in list(self._inflight.values())
                  if self._move(tr, key, f"{label}: {reason}", now)]
         log.warning("rail.down", connection=label, reason=reason, shard=self._index,
-                    writes=[tr.w.tid for tr in moved])
+                    writes=[tr.w.tid for tr in moved], reset=reset)
         for tr in moved:
             self._finish(tr)
 

@@ -11,7 +11,7 @@ operations per endpoint), which would stall every peer on that rail.
 
 Used by the poller thread (and the trio thread posting a small write
 directly), always under the shard's lock; ``tear_down`` removes a peer's
-addresses from the rails' AVs. What must not live here: posting, reading
+endpoint from the rails (``Rail.disconnect``). What must not live here: posting, reading
 CQs, or anything per piece.
 """
 
@@ -102,10 +102,11 @@ class DestQueues:
 
     def tear_down(self, tr: TransferState, inflight: list[TransferState],
                   ) -> tuple[list[TransferState], list[str], dict[int, int]]:
-        """Give ``tr`` up (see ``Shard.abort``): remove its peer's addresses
-        from the AVs of the rails that carry its pieces (tcp;ofi_rxm then
-        drops those connections), and with it every write in ``inflight`` to
-        the same destination that has pieces in flight on them. Returns the
+        """Give ``tr`` up (see ``Shard.abort``): disconnect its peer from
+        the rails that carry its pieces (``Rail.disconnect``: their TCP
+        connections are reset, dropping what is queued on them), and with it
+        every write in ``inflight`` to the same destination that has pieces
+        in flight on them. Returns the
         transfers now finished (``tr`` first), the connections torn down and
         the pieces abandoned per rail."""
         doomed = [tr] + [o for o in inflight if o is not tr and o.w.dest == tr.w.dest
@@ -116,10 +117,13 @@ class DestQueues:
         for rail, address in links:
             names.append(f"{rail.name}->{rail.av.straddr(address)}")
             try:
-                rail.av.remove(address)
+                reset = rail.disconnect(address)
             except Exception as exc:  # keep failing the transfers; say what went wrong
                 log.warning("transfer.teardown_failed", connection=names[-1],
                             error=str(exc))
+            else:
+                if reset:
+                    names[-1] += f" (reset {', '.join(reset)})"
         lost: dict[int, int] = {}
         for o in doomed:
             o.w.batch.cancel()

@@ -7,9 +7,19 @@ carrying the call name, the code and ``fi_strerror``'s words.
 
 from __future__ import annotations
 
+import os
 from typing import Any, NoReturn
 
 from p2pxfer.errors import FabricError
+
+# Read by libfabric once, when it first initialises (the first fi_getinfo),
+# so before anything here calls it: with it, fi_av_remove on tcp;ofi_rxm
+# closes the peer's connection and flushes the operations queued on it
+# (FI_ECANCELED); without it (1.17's default) the connection stays, its
+# queued writes go out whenever the link lets them, and a write posted after
+# the address is inserted again goes into that same connection
+# (``Rail.disconnect``). A value set by the user is kept.
+os.environ.setdefault("FI_AV_REMOVE_CLEANUP", "1")
 
 try:
     from p2pxfer._fabric import ffi, lib

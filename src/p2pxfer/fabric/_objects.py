@@ -187,6 +187,9 @@ class AddressVector(_Fid):
         self._by_addr[address] = int(fi_addr[0])
         return int(fi_addr[0])
 
+    def holds(self, address: bytes) -> bool:
+        return address in self._by_addr
+
     def remove(self, address: bytes) -> None:
         fi_addr = self._by_addr.pop(address, None)
         if fi_addr is None:

@@ -32,6 +32,7 @@ from ._objects import (
     MemoryRegion,
     check_shm_peer,
 )
+from ._sockets import Knocks, label, parse_sockaddr, reset_connections
 
 __all__ = [
     "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "StallWatch",
@@ -62,6 +63,7 @@ class Rail:
             self.close()
             raise
         self._mrs: set[MemoryRegion] = set()
+        self._knocks = Knocks()
         self.address: bytes = self.endpoint.address
         self.imm_bytes = info.cq_data_size
         #: writes to one peer are placed in order (``FabricInfo.ordered_writes``)
@@ -124,7 +126,34 @@ class Rail:
             check_shm_peer(address)
         return self.av.insert(address)
 
+    def disconnect(self, address: bytes) -> list[str]:
+        """Forget the peer endpoint at ``address`` and drop what is queued
+        for it: on an IP provider, this process's TCP connections to it are
+        reset first (``reset_connections``; ``fi_av_remove`` alone leaves
+        them and their queued writes, which go out whenever the link lets
+        them), then the address leaves the AV. The next write to the peer
+        (``peer`` inserts it again) connects anew. Returns the connections
+        reset."""
+        reset: list[str] = []
+        if not self.av.is_shm and self.av.holds(address):
+            ours = parse_sockaddr(self.av.straddr(self.address))
+            peer = parse_sockaddr(self.av.straddr(address))
+            if ours is not None and peer is not None:
+                conns = reset_connections(ours, peer)
+                self._knocks.add(conns, time.monotonic())
+                reset = [label(*c) for c in conns]
+        self.av.remove(address)
+        return reset
+
+    def knock(self, now: float) -> None:
+        """Help the peers of connections ``disconnect`` reset notice it once
+        their link is back (``Knocks``); call it every few 100 ms."""
+        if self._knocks:
+            self._knocks.run(now)
+
     def close(self) -> None:
+        if hasattr(self, "_knocks"):
+            self._knocks.close()
         for mr in list(getattr(self, "_mrs", ())):
             mr.close()
         errors = []
