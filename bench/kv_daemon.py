@@ -20,6 +20,7 @@ control round trip of a no-op request.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -30,7 +31,8 @@ from typing import Any
 
 import numpy as np
 import trio
-from _common import emit, parser
+
+from p2pxfer.bench import write_document
 
 
 def cpu_of(pid: int) -> float:
@@ -115,7 +117,7 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
                 x, y = bounds[k], bounds[k + 1]
                 transfers.append(await eng.submit(buf, dst.descriptor,  # type: ignore[arg-type]
                                                   ScatterList(so[x:y], do[x:y], ln[x:y]),
-                                                  imm=k, dry_run=True))
+                                                  imm=k, notify=True, dry_run=True))
             for t in transfers:
                 await t.wait()
             describe_cpu = time.process_time() - t_cpu
@@ -146,7 +148,10 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    ap = parser(__doc__, repeat=3)
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--providers", default="tcp;ofi_rxm,shm")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", help="write results here as JSON")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--block-kib", type=int, default=16)
@@ -156,7 +161,8 @@ def main() -> int:
     for provider in args.providers.split(","):
         with tempfile.TemporaryDirectory(prefix="p2pxfer-kvbench-") as tmp:
             results += trio.run(measure, Path(tmp), provider, args)
-    return emit("kv_daemon", results, args.json)
+    sys.stdout.write(write_document("kv_daemon", results, args.json))
+    return 0
 
 
 if __name__ == "__main__":

@@ -72,9 +72,11 @@ class Target(NamedTuple):
         ``landed``: its last completion must mean every piece of it is in the
         target's memory: the last piece goes delivery-complete where the
         provider places one peer's writes in order (tcp: the tail then covers
-        the pieces before it), every piece where it does not promise that
-        (shm's ``max_order_waw_size`` is 0)."""
-        dc = None if not landed else end - 1 if self.rail.ordered else start
+        the pieces before it) or where a completion means landed or queued in
+        order (shm: ``FabricInfo.completions_order_writes``; the notification
+        is posted only after every completion was read), every piece where
+        neither holds."""
+        dc = None if not landed else end - 1 if self.rail.completions_ordered else start
         return batch.add(self.ours, self.rail, self.rail.peer(self.address), start, end,
                          self.src_base, self.src_desc, self.dst_base, self.dst_key,
                          self.address, dc_from=dc, imm=imm, arrays=arrays)

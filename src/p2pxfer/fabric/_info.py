@@ -141,6 +141,19 @@ class FabricInfo:
         return int(self._raw.ep_attr.max_order_waw_size) >= self.max_msg_size
 
     @property
+    def completions_order_writes(self) -> bool:
+        """Once a write's completion is read, it has landed or sits ahead of
+        every write posted to the same peer afterwards: true where writes are
+        ordered (tcp), and for shm, which says ``max_order_waw_size`` 0 but
+        completes a write either once its bytes are in the target (CMA, SAR)
+        or once its command (inject) is in the peer's one FIFO command queue,
+        which the target works through in order. So a delivery-complete
+        write posted after reading every completion of earlier writes lands
+        after them. (Measured why it matters: delivery-complete on every
+        piece stalled shm at a few thousand small pieces in flight.)"""
+        return self.ordered_writes or self.provider == "shm"
+
+    @property
     def tx_size(self) -> int:
         return int(self._raw.tx_attr.size)
 

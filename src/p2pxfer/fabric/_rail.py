@@ -68,6 +68,8 @@ class Rail:
         self.imm_bytes = info.cq_data_size
         #: writes to one peer are placed in order (``FabricInfo.ordered_writes``)
         self.ordered = info.ordered_writes
+        #: a completion read means landed or queued ahead of later writes
+        self.completions_ordered = info.completions_order_writes
         log.debug(
             "rail.open", provider=info.provider, domain=info.domain_name,
             address=self.address.hex(), mr_mode=info.mr_mode.names(),
