@@ -205,6 +205,10 @@ def start_on_rails(host: Any, workdir: Any, name: str, seed: str) -> Any:
         "control": f"{host.addresses[0]}:{CONTROL_PORT}", "provider": "tcp;ofi_rxm",
         "interfaces": list(host.interfaces), "log_level": "INFO",
         "membership": "embedded", "cluster_token": DAEMON_TOKEN, "seeds": [seed],
+        # Three daemons, three agents and a write loop on two cores: 1.5 s
+        # without a completion once took a healthy pair down (its write's
+        # notification in flight there: the write failed, outcome unknown).
+        "rail_stall_s": 4.0,
     }, host.exec_argv)
 
 

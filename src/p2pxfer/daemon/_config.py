@@ -110,6 +110,11 @@ class DaemonConfig:
     #: and a link cut right after leaves an "ok" write's tail undelivered until
     #: the link heals, or for ever. Costs a round trip per write
     delivery_complete: bool = False
+    #: a rail pair with pieces in flight and no completion for this long,
+    #: while another pair to the same peer works, is taken down and its
+    #: notify and plain writes move to the other pairs (failover). On an
+    #: overloaded host a healthy pair can look stalled: raise it there
+    rail_stall_s: float = 1.5
     #: a write into a region exported by a client of this same daemon is a
     #: copy between the two shared mappings, not a trip through the provider
     #: (false: every write goes through the engine)
@@ -344,5 +349,6 @@ _CHECKS: dict[str, Any] = {
     "local_copy": _bool,
     "local_copy_threads": lambda k, v: _int(k, v, 0),
     "delivery_complete": _bool,
+    "rail_stall_s": _seconds,
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"

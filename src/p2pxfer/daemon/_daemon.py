@@ -262,6 +262,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
         interfaces=config.interfaces or None, node_name=config.node,
         incarnation=time.time_ns(), imm_bytes=config.imm_bytes,
         write_timeout_s=config.write_timeout_s, delivery_complete=config.delivery_complete,
+        rail_stall_s=config.rail_stall_s,
     )
     sock = None
     # Shielded: the deadline holds also when serve() itself is cancelled.
