@@ -37,6 +37,7 @@ from p2pxfer.testing import (
     RawConn,
     free_port,
     p2pxfer_cmd,
+    scatter_at_random,
     spawn_daemon,
     start_daemon,
     toml_value,
@@ -91,17 +92,8 @@ class Plan:
         n = self.pieces
         length = rng.integers(self.min_len, self.max_len + 1, n, dtype=np.int64)
         length[0], length[-1] = self.min_len, self.max_len
-        slack = self.region - int(length.sum())
-        assert slack > 0, "pieces do not fit the region"
-        gap = np.sort(rng.integers(0, slack + 1, n, dtype=np.int64))
-        gap[-1] = slack  # the last piece ends at the region's very end
-        dst = gap + np.cumsum(length) - length
-        order = rng.permutation(n)
-        length, dst = length[order], dst[order]
-        src_order = rng.permutation(n)
-        src = np.empty(n, np.int64)
-        src[src_order] = np.cumsum(length[src_order]) - length[src_order]
-        return src, dst, length
+        assert self.region > int(length.sum()), "pieces do not fit the region"
+        return scatter_at_random(rng, length, self.region, to_end=True)
 
     def scatter(self) -> Any:
         from p2pxfer.scatter import ScatterList

@@ -46,7 +46,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from p2pxfer.testing import DaemonProc, LaunchError, spawn_daemon
+from p2pxfer.testing import DaemonProc, LaunchError, scatter_at_random, spawn_daemon
 
 __all__ = ["Flapper", "HostLike", "LoopReport", "LoopSpec", "rail_daemons", "run_loop",
            "sample", "soak"]
@@ -126,16 +126,7 @@ def _random_write(rng: np.random.Generator, spec: LoopSpec
     n = int(rng.integers(spec.pieces[0], spec.pieces[1] + 1))
     length = rng.integers(spec.piece_bytes[0], spec.piece_bytes[1] + 1, n, dtype=np.int64)
     length = length[np.cumsum(length) <= spec.region * 3 // 4]
-    n = len(length)
-    slack = spec.region - int(length.sum())
-    gap = np.sort(rng.integers(0, slack + 1, n, dtype=np.int64))
-    dst = gap + np.cumsum(length) - length
-    order = rng.permutation(n)
-    length, dst = length[order], dst[order]
-    src_order = rng.permutation(n)
-    src = np.empty(n, np.int64)
-    src[src_order] = np.cumsum(length[src_order]) - length[src_order]
-    return src, dst, length
+    return scatter_at_random(rng, length, spec.region)
 
 
 class _Ledger:

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from p2pxfer.errors import P2PXferError
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame
 
@@ -35,6 +38,7 @@ __all__ = [
     "etcd_in",
     "free_port",
     "p2pxfer_cmd",
+    "scatter_at_random",
     "spawn_daemon",
     "start_daemon",
     "toml_value",
@@ -51,6 +55,31 @@ STOP_TIMEOUT = 5.0  # SIGINT, then SIGKILL after this
 class LaunchError(P2PXferError, AssertionError):
     """A daemon did not start, answer or stop as expected (an
     ``AssertionError`` too, so a test that meets one fails rather than errs)."""
+
+
+I64 = npt.NDArray[np.int64]
+
+
+def scatter_at_random(rng: np.random.Generator, length: I64, region: int, *,
+                      to_end: bool = False) -> tuple[I64, I64, I64]:
+    """Pieces of ``length`` bytes at random, non-overlapping places of a
+    ``region``-byte destination, in random order, their sources packed in
+    another random order: ``(src, dst, length)``. ``to_end``: the last of
+    them ends at the region's very end. For tests' and benches' scatter
+    lists (one numpy pass, whatever the number of pieces)."""
+    slack = region - int(length.sum())
+    if slack < 0:
+        raise ValueError(f"{int(length.sum())} bytes of pieces do not fit {region} bytes")
+    gap = np.sort(rng.integers(0, slack + 1, len(length), dtype=np.int64))
+    if to_end and len(gap):
+        gap[-1] = slack
+    dst = gap + np.cumsum(length) - length
+    order = rng.permutation(len(length))
+    length, dst = length[order], dst[order]
+    src_order = rng.permutation(len(length))
+    src = np.empty(len(length), np.int64)
+    src[src_order] = np.cumsum(length[src_order]) - length[src_order]
+    return src, dst, length
 
 
 def p2pxfer_cmd() -> list[str]:

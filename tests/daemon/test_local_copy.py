@@ -43,6 +43,7 @@ from p2pxfer.errors import InvalidArgument, ScatterError, UnknownRegion, WaitTim
 from p2pxfer.fabric import CopyStop, copy_scatter
 from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
+from p2pxfer.testing import scatter_at_random
 
 TIMEOUT = 60.0
 NODE = "solo"
@@ -72,16 +73,7 @@ def random_list(rng: np.random.Generator, n: int, region: int, max_len: int
     """``n`` pieces of random lengths at random, non-overlapping places of a
     ``region``-byte destination; sources packed in another random order."""
     length = rng.integers(1, max_len + 1, n, dtype=np.int64)
-    slack = region - int(length.sum())
-    assert slack >= 0
-    gaps = np.sort(rng.integers(0, slack + 1, n, dtype=np.int64))
-    dst = gaps + np.cumsum(length) - length
-    order = rng.permutation(n)
-    length, dst = length[order], dst[order]
-    src_order = rng.permutation(n)
-    src = np.empty(n, np.int64)
-    src[src_order] = np.cumsum(length[src_order]) - length[src_order]
-    return ScatterList(src, dst, length)
+    return ScatterList(*scatter_at_random(rng, length, region))
 
 
 def expected(image: np.ndarray, source: np.ndarray, sl: ScatterList) -> np.ndarray:

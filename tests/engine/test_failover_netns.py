@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_rails_netns import TESTS_DIR, Child, child
+from test_rails_netns import CHILD_PROTOCOL, TESTS_DIR, Child, child
 
 from netns import Host, block_port, two_hosts, unblock
 from p2pxfer.loopback import digest
@@ -62,15 +62,7 @@ from p2pxfer.loopback import digest
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
-def say(kind, value):
-    print("P2P", kind, value, flush=True)
-
-async def read_line():
-    line = await trio.to_thread.run_sync(sys.stdin.readline)
-    if not line:
-        raise SystemExit("stdin closed")
-    return line.strip()
-
+""" + CHILD_PROTOCOL + f"""\
 CONFIG = EngineConfig(provider="tcp;ofi_rxm", interfaces=tuple(sys.argv[1].split(",")),
                       rail_stall_s={STALL_S}, rail_retry_s={RETRY_S})
 """

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_rails_netns import Child, child
+from test_rails_netns import CHILD_PROTOCOL, Child, child
 
 from netns import ip, rails_lan
 
@@ -47,15 +47,7 @@ from p2pxfer.errors import TransferTimeout
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
-def say(kind, value):
-    print("P2P", kind, value, flush=True)
-
-async def read_line():
-    line = await trio.to_thread.run_sync(sys.stdin.readline)
-    if not line:
-        raise SystemExit("stdin closed")
-    return line.strip()
-
+""" + CHILD_PROTOCOL + """\
 CONFIG = EngineConfig(provider="tcp;ofi_rxm", interfaces=tuple(sys.argv[1].split(",")))
 """
 

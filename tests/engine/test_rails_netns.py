@@ -81,15 +81,9 @@ def expected_image(seed: int) -> npt.NDArray[np.uint8]:
 
 # -- the children -------------------------------------------------------------------
 
-_PRELUDE = f"""\
-import json, sys
-sys.path[:0] = [{str(TESTS_DIR)!r}, {str(TESTS_DIR.parent)!r}]
-import numpy as np
-import trio
-from p2pxfer.engine import EngineConfig, open_engine
-from p2pxfer.loopback import digest
-from p2pxfer.memory import RegionDescriptor
-
+#: the child's side of ``Child``'s line protocol (every child script has it):
+#: ``say`` writes a ``P2P <kind> <value>`` line, ``read_line`` reads one command
+CHILD_PROTOCOL = """\
 def say(kind, value):
     print("P2P", kind, value, flush=True)
 
@@ -99,6 +93,18 @@ async def read_line():
         raise SystemExit("stdin closed")
     return line.strip()
 
+"""
+
+_PRELUDE = f"""\
+import json, sys
+sys.path[:0] = [{str(TESTS_DIR)!r}, {str(TESTS_DIR.parent)!r}]
+import numpy as np
+import trio
+from p2pxfer.engine import EngineConfig, open_engine
+from p2pxfer.loopback import digest
+from p2pxfer.memory import RegionDescriptor
+
+""" + CHILD_PROTOCOL + f"""\
 CONFIG = EngineConfig(provider={PROVIDER!r}, interfaces=tuple(sys.argv[1].split(",")))
 """
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
-from test_rails_netns import child
+from test_rails_netns import CHILD_PROTOCOL, child
 
 from netns import two_hosts
 from p2pxfer.engine import EngineConfig
@@ -152,15 +152,7 @@ from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.memory import RailDescriptor, RegionDescriptor, numa_node_of
 from p2pxfer.scatter import ScatterList
 
-def say(kind, value):
-    print("P2P", kind, value, flush=True)
-
-async def read_line():
-    line = await trio.to_thread.run_sync(sys.stdin.readline)
-    if not line:
-        raise SystemExit("stdin closed")
-    return line.strip()
-
+""" + CHILD_PROTOCOL + """\
 NAMES = sys.argv[1].split(",")
 MODE = "@MODE@"
 """
