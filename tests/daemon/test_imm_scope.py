@@ -179,3 +179,4 @@ def test_notify_from_asyncio_and_blocking_callers(pair: tuple[DaemonProc, Daemon
         assert (dst.array == 8).all()
         with pytest.raises(WaitTimeout):
             owner.wait_imm(11, 1, region="notify-sync", timeout=0.3)
+

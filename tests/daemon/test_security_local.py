@@ -366,3 +366,32 @@ def test_a_client_that_never_says_hello_is_closed(monkeypatch: pytest.MonkeyPatc
         theirs.close()
 
     trio.run(main)
+
+
+def test_a_name_held_by_a_client_that_hung_up_is_taken_over(tmp_path: Path,
+                                                             daemons: list[DaemonProc]) -> None:
+    """A client exports a name right after the client that held it closed
+    its socket, before the daemon has released its 64 exports: the export
+    waits for that release instead of answering ``name_taken`` (it did, now
+    and then, to a client replacing another)."""
+    d = start_daemon(tmp_path, "handover")
+    daemons.append(d)
+    with RawConn(d.socket) as second:
+        second.hello()
+        fd = _sealable(1 << 16)
+        mem2 = _share(second, 1, fd, 1 << 16)["result"]["mem"]
+        os.close(fd)
+        first = RawConn(d.socket)
+        first.hello()
+        fd = _sealable(1 << 16)
+        mem1 = _share(first, 1, fd, 1 << 16)["result"]["mem"]
+        os.close(fd)
+        for i in range(64):
+            assert first.request({"t": "export", "id": 2 + i, "name": f"held-{i}", "mem": mem1,
+                                  "offset": 0, "length": 4096})["t"] == "ok"
+        first.close()
+        for i, name in enumerate(("held-63", "held-62")):
+            reply = second.request({"t": "export", "id": 2 + i, "name": name, "mem": mem2,
+                                    "offset": 0, "length": 4096})
+            assert reply["t"] == "ok", reply
+    assert d.alive()

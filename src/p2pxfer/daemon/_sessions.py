@@ -64,6 +64,8 @@ CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel", "kv_pu
 #: what a request stopped by the client's ``cancel`` is answered
 CANCELLED: dict[str, Any] = {"cancelled": True}
 HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed
+#: an export of a name whose owner has hung up waits this long for its release
+RELEASE_WAIT_S = 5.0
 #: requests a session serves before it yields to the rest of the daemon even
 #: when it never had to wait (reading, answering): a client that pipelines
 #: requests must not starve the others
@@ -108,6 +110,7 @@ class ClientSession:
         # Requests running as tasks, by id: ``cancel`` stops one (its scope)
         # and waits until it has been answered (its event).
         self.running: dict[int, tuple[trio.CancelScope, trio.Event]] = {}
+        self.released = trio.Event()  # its exports, registrations and mappings are gone
 
     async def run(self) -> None:
         log.info("client.connected", client=self.label)
@@ -130,6 +133,7 @@ class ClientSession:
                     log.warning("client.fd_flood", client=self.label,
                                 error="sent more file descriptors than share requests allow")
                 await self._release()
+                self.released.set()
                 await self.stream.aclose()
             log.info("client.gone", client=self.label)
 
@@ -291,6 +295,29 @@ class ClientSession:
         del self.mems[mem.id]
         mem.close()
 
+    def hung_up(self) -> bool:
+        """The client closed its end (its session may not have read the end
+        of the stream yet)."""
+        if self.released.is_set():
+            return True
+        try:  # a peek on a duplicate: the session's socket may be trio's (async recv)
+            with socket.socket(fileno=os.dup(self.stream.sock.fileno())) as peek:
+                return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    async def name_freed(self, name: str) -> None:
+        """Before exporting ``name``: if a client that has hung up still holds
+        it, wait (up to ``RELEASE_WAIT_S``) for its session to release it,
+        so a client that replaces another under the same name is not told
+        ``name_taken`` for the moment the daemon takes to notice."""
+        for other in list(self.daemon.sessions):  # sessions end while we wait
+            if other is not self and name in other.exports and other.hung_up():
+                with trio.move_on_after(RELEASE_WAIT_S):
+                    await other.released.wait()
+
     def export(self, name: str, mem_id: int, offset: int, length: int,
                writers: Any = None) -> dict[str, Any]:
         d = self.daemon
@@ -360,6 +387,7 @@ async def _unshare(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _export(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.name_freed(msg["name"])
     return {"descriptor": s.export(msg["name"], msg["mem"], msg["offset"], msg["length"],
                                    msg.get("writers"))}
 
@@ -419,6 +447,7 @@ async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.name_freed(msg["name"])
     return s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
                                 msg.get("receive", True), msg.get("writers"))
 
