@@ -247,6 +247,34 @@ int64_t p2p_post_once(struct p2p_cursor *cur, int ncur)
     return post_pass(cur, ncur);
 }
 
+/* Fill cursor i in one call (a Python attribute store per field cost a
+ * small write microseconds); err and bytes_posted start at 0. */
+void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t dest,
+                    const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                    int64_t start, int64_t end, uint64_t src_base, void *src_desc,
+                    uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
+                    uint64_t context, int64_t dc_from)
+{
+    struct p2p_cursor *c = &cur[i];
+    c->ep = ep;
+    c->dest = dest;
+    c->src_off = src_off;
+    c->dst_off = dst_off;
+    c->len = len;
+    c->next = start;
+    c->end = end;
+    c->src_base = src_base;
+    c->src_desc = src_desc;
+    c->dst_base = dst_base;
+    c->dst_key = dst_key;
+    c->imm = imm;
+    c->with_imm = with_imm;
+    c->context = context;
+    c->err = 0;
+    c->bytes_posted = 0;
+    c->dc_from = dc_from;
+}
+
 /* Validate a scatter list in one pass: offsets >= 0, lengths > 0, every piece
  * inside [0, src_size) and [0, dst_size) (written so nothing overflows).
  * Returns -1 when all fit, else the first bad index with *what set:

@@ -87,6 +87,11 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
 
 int64_t p2p_now_ns(void);
 int64_t p2p_post_once(struct p2p_cursor *cur, int ncur);
+void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t dest,
+                    const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                    int64_t start, int64_t end, uint64_t src_base, void *src_desc,
+                    uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
+                    uint64_t context, int64_t dc_from);
 int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
                           int64_t src_size, int64_t dst_size, int32_t *what, int64_t *out);
 int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t src_size,

@@ -19,8 +19,8 @@ import mmap
 import os
 import platform
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -54,14 +54,14 @@ log = structlog.get_logger("p2pxfer.memory")
 DESCRIPTOR_VERSION = 1
 
 
-@dataclass(frozen=True)
-class BufferSpan:
-    """Where a buffer's bytes live. ``owner`` keeps the object alive."""
+class BufferSpan(NamedTuple):
+    """Where a buffer's bytes live. ``owner`` keeps the object alive. (A
+    tuple: one is made per write, and a frozen dataclass costs more.)"""
 
     address: int
     nbytes: int
     readonly: bool
-    owner: Any = field(repr=False, compare=False)
+    owner: Any
 
 
 def buffer_span(obj: Any) -> BufferSpan:

@@ -12,6 +12,7 @@ shard's, ``_shard.py``), trio, and any Python loop over pieces.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -38,6 +39,8 @@ PairKey = tuple[int, bytes]
 
 # Destinations (sets of peer rail addresses) whose rail pairing is remembered.
 MAX_PAIRINGS = 4096
+# (destination, source registration) routes remembered (``RailGroup.route``).
+MAX_ROUTES = 1024
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,18 @@ class Target(NamedTuple):
         return batch.add(self.ours, self.rail, self.rail.peer(self.address), start, end,
                          self.src_base, self.src_desc, self.dst_base, self.dst_key,
                          self.address, dc_from=dc, imm=imm, arrays=arrays)
+
+
+class Route(NamedTuple):
+    """What every write from one source registration to one destination
+    shares, worked out once (``RailGroup.route``): the rail pairs with what
+    a cursor on each needs, and the destination's rail addresses. Holds the
+    registration weakly: a route must never keep a buffer alive."""
+
+    dst: RegionDescriptor
+    region: weakref.ref[LocalRegion]
+    targets: tuple[Target, ...]
+    dest: tuple[bytes, ...]
 
 
 @dataclass(slots=True)
@@ -166,6 +181,7 @@ class RailGroup:
         self.numa_node = numa_node
         self._exports: dict[str, tuple[ExportedRegion, LocalRegion | None]] = {}
         self._pairs: dict[tuple[bytes, ...], list[tuple[int, int]]] = {}
+        self._routes: dict[tuple[int, int], Route] = {}
         self.max_msg = min(INT64_MAX, *(r.info.max_msg_size for r in rails))
         #: the widest immediate every rail carries (EFA and verbs: 32 bits)
         self.imm_bits = 8 * min(r.imm_bytes for r in rails)
@@ -263,6 +279,25 @@ class RailGroup:
             self._pairs[key] = pairs
         return pairs
 
+    def route(self, dst: RegionDescriptor, region: LocalRegion) -> Route:
+        """The route from ``region`` to ``dst`` (checked and paired on first
+        use, then one dict lookup: a small write's cost is mostly such setup).
+        Keyed by identity, so a descriptor received anew is checked anew."""
+        key = (id(dst), id(region))
+        r = self._routes.get(key)
+        if r is not None and r.dst is dst and r.region() is region:
+            return r
+        self.check_destination(dst)
+        targets = tuple(
+            Target(ours, self.rails[ours], rd.address, rd.base, rd.key, region.address,
+                   region.mrs[ours].desc)
+            for ours, rd in ((ours, dst.rails[theirs]) for ours, theirs in self.pairs(dst)))
+        r = Route(dst, weakref.ref(region), targets, tuple(rd.address for rd in dst.rails))
+        if len(self._routes) >= MAX_ROUTES:
+            self._routes.clear()  # many regions or peers came and went: start over
+        self._routes[key] = r
+        return r
+
     def prepare(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
                 imm: int | Callable[[int], int] | None, tid: int, *, notify: bool = False,
                 usable: Callable[[PairKey, bool], bool] | None = None) -> PreparedWrite:
@@ -283,15 +318,14 @@ class RailGroup:
             raise InvalidArgument("notify=True needs an immediate (imm=) to notify with")
         if imm is not None and not callable(imm):
             self.check_imm(imm)
-        self.check_destination(dst)
         region, base, size = self.source(src)
+        route = self.route(dst, region)
         scatter.check_bounds(size, dst.length)
-        targets = tuple(
-            Target(ours, self.rails[ours], rd.address, rd.base, rd.key, base,
-                   region.mrs[ours].desc)
-            for ours, rd in ((ours, dst.rails[theirs]) for ours, theirs in self.pairs(dst)))
-        live = list(targets) if usable is None or len(targets) == 1 else [
-            t for t in targets if usable(t.key, imm is not None and not notify)] or list(targets)
+        targets = route.targets
+        if base != region.address:  # a source inside a larger registration
+            targets = tuple(t._replace(src_base=base) for t in targets)
+        live = targets if usable is None or len(targets) == 1 else [
+            t for t in targets if usable(t.key, imm is not None and not notify)] or targets
         sl, stripes = plan_stripes(scatter, len(live), self.max_msg)
         if callable(imm):
             imm = imm(len(sl))
@@ -301,7 +335,7 @@ class RailGroup:
         for st in stripes:
             live[st.rail].add_to(batch, st.start, st.end, landed=notify)
         return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name,
-                             tuple(r.address for r in dst.rails), dst.node, targets,
+                             route.dest, dst.node, targets,
                              imm if notify else None, (sl.src, sl.dst, sl.length))
 
     def close(self) -> None:

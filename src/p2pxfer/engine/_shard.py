@@ -244,9 +244,7 @@ class Shard(ShardMemory):
             # The slot goes back when the transfer ends, not when someone
             # awaits it: a caller may submit many before waiting for any.
             self.slots.release()
-            if tr.closed or any(x is not None for x in (tr.error, tr.gone, tr.aborted,
-                                                         tr.exhausted, tr.rail_lost,
-                                                         tr.notify_lost)):
+            if tr.failed:
                 self.failed += 1
             elif tr.w.batch.unposted_at_cancel:
                 self.cancelled += 1

@@ -6,7 +6,7 @@ decision about a transfer (``_shard.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
@@ -56,15 +56,16 @@ class NicStats:
     pairs: tuple[PairStats, ...] = ()
 
 
-@dataclass(eq=False)
 class TransferState:
     """A transfer between submission and its waiter waking. ``remaining``,
     ``error``, ``completed`` and the piece counts are written under the
-    shard's lock; ``done`` is set in trio."""
+    shard's lock; ``done`` is set in trio.
 
-    w: PreparedWrite
-    dry_run: bool = False
-    remaining: int = 0
+    A plain class: the fields below that are rarely set are read from the
+    class until a thread sets them, so making one (once per write) costs a
+    handful of stores, not two dozen."""
+
+    #: why a piece failed (the provider's words)
     error: str | None = None
     closed: bool = False
     cancel_requested: bool = False
@@ -79,12 +80,6 @@ class TransferState:
     timed_out: bool = False
     #: pieces acknowledged (completed without error)
     completed: int = 0
-    #: per cursor, pieces posted as last counted (``DestQueues.note_posted``)
-    seen: list[int] = field(default_factory=list)
-    #: per rail index, pieces posted and not yet completed or failed
-    outstanding: dict[int, int] = field(default_factory=dict)
-    #: per cursor, pieces completed or failed
-    cdone: list[int] = field(default_factory=list)
     #: notify mode: the notification's cursor once added (-1: not yet)
     notify_cursor: int = -1
     #: why its rail pairs all failed (``RailsExhausted``), and the piece
@@ -97,8 +92,33 @@ class TransferState:
     notify_lost: str | None = None
     #: times its pieces moved to other rail pairs
     failovers: int = 0
-    stall: StallWatch = field(default_factory=StallWatch)
-    done: trio.Event = field(default_factory=trio.Event)
+    #: per cursor, pieces posted as last counted (``DestQueues.note_posted``)
+    #: and pieces completed or failed: set when it is submitted
+    seen: list[int]
+    cdone: list[int]
+
+    def __init__(self, w: PreparedWrite, dry_run: bool = False, remaining: int = 0) -> None:
+        self.w = w
+        self.dry_run = dry_run
+        self.remaining = remaining
+        #: per rail index, pieces posted and not yet completed or failed
+        self.outstanding: dict[int, int] = {}
+        self.done = trio.Event()
+        self._stall: StallWatch | None = None
+
+    @property
+    def stall(self) -> StallWatch:
+        """Watches its posting for a peer that refuses (made on first use)."""
+        if self._stall is None:
+            self._stall = StallWatch()
+        return self._stall
+
+    @property
+    def failed(self) -> bool:
+        """It ended with an error of any kind (not cancelled, not ok)."""
+        return (self.closed or self.error is not None or self.gone is not None
+                or self.aborted is not None or self.exhausted is not None
+                or self.rail_lost is not None or self.notify_lost is not None)
 
     @property
     def peer(self) -> str:

@@ -89,24 +89,17 @@ class WriteBatch:
             raise ValueError(f"a write cannot have more than {MAX_CURSORS} cursors")
         if i >= self._capacity:
             self._grow(max(2 * self._capacity, i + 1))
-        c = self._c[i]
-        c.ep = rail.endpoint.handle
-        c.dest = dest
         if arrays is None:
-            c.src_off, c.dst_off, c.len = self._ptrs
+            ptrs = self._ptrs
         else:
             ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in arrays)
             self._keep.extend((*arrays, *ptrs))
-            c.src_off, c.dst_off, c.len = ptrs
-        c.next, c.end = start, end
-        c.src_base, c.src_desc = src_base, src_desc
-        c.dst_base, c.dst_key = dst_base, dst_key
         if imm is None:
             imm = self.imm
-        if imm is not None:
-            c.imm, c.with_imm = imm, 1
-        c.context = self.context | (i << CURSOR_SHIFT)  # err, bytes_posted: zeroed by ffi.new
-        c.dc_from = _NO_DC if dc_from is None else dc_from
+        lib.p2p_cursor_set(self._c, i, rail.endpoint.handle, dest, *ptrs, start, end,
+                           src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
+                           self.context | (i << CURSOR_SHIFT),
+                           _NO_DC if dc_from is None else dc_from)
         self.rails.append(rail_index)
         self.starts.append(start)
         self.ends.append(end)
