@@ -29,6 +29,7 @@ import p2pxfer
 from conftest import engine_config, wait_until
 from conftest import engine_pair as pair
 from p2pxfer.engine import Engine, open_engine
+from p2pxfer.engine._engine import INLINE_NS_PER_KIB
 from p2pxfer.errors import (
     DescriptorError,
     EngineClosed,
@@ -604,6 +605,41 @@ async def test_small_write_completes_inline_poller_keeps_off(provider: str) -> N
             await b.wait_imm(2, len(sl))
         assert a.statistics().read_by_pollers > background
         assert_image(region[:512 * 2048], source[:512 * 2048])
+
+
+async def test_a_large_write_alone_is_polled_inline_for_its_size(provider: str) -> None:
+    """A write alone in flight polls inline for about as long as its bytes
+    take (``INLINE_NS_PER_KIB``, up to ``inline_poll_max_ns``), not just
+    ``inline_poll_ns``, so a 1 MiB write can complete in the trio thread with
+    no hop through the poller thread; with another write in flight, or
+    ``inline_poll_max_ns = 0``, the budget is ``inline_poll_ns``."""
+    source = random_bytes(22, 8 << 20)
+    region = np.zeros(8 << 20, np.uint8)
+    async with pair(provider, inline_poll_ns=1_000, inline_poll_max_ns=2_000_000) as (a, b):
+        desc = b.export(region, "r")
+        a.register(source)
+        shard = a.shards[0]
+        one = shard.prepare(source, desc, ScatterList.contiguous(1 << 20), None, dry_run=True)
+        assert a._inline_budget(shard, one) == 1_000 + 1024 * INLINE_NS_PER_KIB
+        other = shard.prepare(source, desc, ScatterList.contiguous(4096), None, dry_run=True)
+        shard._inflight[other.w.tid] = other  # as if in flight (never posted)
+        assert a._inline_budget(shard, one) == 1_000
+        del shard._inflight[other.w.tid]
+        with trio.fail_after(STEP):
+            await a.write(source, desc, ScatterList.contiguous(4096), imm=1)  # connects
+            inline = a.statistics().read_inline
+            for k in range(8):
+                await a.write(source, desc, ScatterList.contiguous(1 << 20, k << 20, k << 20))
+        # Each 1 MiB write has ~0.5 ms: at least some complete inline even
+        # on a busy machine (with inline_poll_ns alone, none would).
+        assert a.statistics().read_inline > inline
+        assert_image(region, source)
+    async with pair(provider, inline_poll_ns=1_000, inline_poll_max_ns=0) as (a, b):
+        desc = b.export(region, "r2")
+        a.register(source)
+        shard = a.shards[0]
+        tr = shard.prepare(source, desc, ScatterList.contiguous(4 << 20), None, dry_run=True)
+        assert a._inline_budget(shard, tr) == 1_000
 
 
 def test_a_held_poller_reads_no_cq(provider: str) -> None:

@@ -47,6 +47,10 @@ class EngineConfig:
     #: long (blocking the event loop) before handing over to the poller thread;
     #: 0 turns it off
     inline_poll_ns: int = 50_000
+    #: ... and a larger one, alone in flight on its shard, that long more per
+    #: byte (``INLINE_NS_PER_KIB`` per KiB) up to this in all: a thread hop
+    #: costs a 1 MiB write more than its transfer. 0: never beyond ``inline_poll_ns``
+    inline_poll_max_ns: int = 1_000_000
     #: longest back-off nap where a CQ has no wait fd (shm)
     backoff_max_ns: int = 4_000_000
     #: a write completes only once the target placed it (FI_DELIVERY_COMPLETE):

@@ -206,6 +206,11 @@ class Shard(ShardMemory):
             # fight us for the GIL.)
             os.eventfd_write(self.wake_fd, 1)
 
+    def alone(self, tr: TransferState) -> bool:
+        """No transfer but ``tr`` is in flight or queued on this shard."""
+        n = len(self._inflight)
+        return not self._inbox and (n == 0 or (n == 1 and tr.w.tid in self._inflight))
+
     def cancel(self, tr: TransferState) -> None:
         tr.cancel_requested = True
         self._send("cancel", tr)
