@@ -96,3 +96,7 @@ class EngineStats:
     failovers: int = 0
     #: pieces posted again on another pair after theirs went down
     pieces_reposted: int = 0
+    #: writes that took the express path (``engine/_express.py``) and
+    #: completed on it, and those that became regular transfers on the way
+    express: int = 0
+    express_handed_over: int = 0

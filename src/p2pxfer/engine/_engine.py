@@ -318,6 +318,22 @@ class Engine:
         ``YIELD_EVERY_NS`` (1 ms): a deadline may be noticed that much late.
         """
         inline = self.config.inline_poll_ns > 0
+        if inline and not notify and not dry_run and len(self.shards) == 1:
+            # The express path (``_express.py``): a small write on a quiet shard.
+            self._check_open()
+            capped = self._capped(imm)
+            deadline = self._deadline(timeout)
+            await trio.lowlevel.checkpoint_if_cancelled()
+            shard = self.shards[0]
+            if not callable(capped):
+                out = shard.express.write(src, dst, scatter, capped, deadline,
+                                          self._express_budget)
+                if isinstance(out, int):
+                    await self._clock.maybe_yield()
+                    return out
+                if out is not None:
+                    return await Transfer(self._clock, shard, out, dst,
+                                          self.config.cancel_grace_s).wait()
         shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=inline,
                                        timeout=timeout, notify=notify)
         if inline and tr.direct:
@@ -325,6 +341,12 @@ class Engine:
         t = Transfer(self._clock, shard, tr, dst, self.config.cancel_grace_s)
         pieces = await t.wait()
         return t.imms if notify else pieces
+
+    def _express_budget(self, nbytes: int) -> int:
+        """The inline budget of a write alone in flight (``_inline_budget``)."""
+        cfg = self.config
+        return max(cfg.inline_poll_ns, min(cfg.inline_poll_max_ns,
+                                           cfg.inline_poll_ns + (nbytes >> 10) * INLINE_NS_PER_KIB))
 
     def _inline_budget(self, shard: Shard, tr: TransferState) -> int:
         """How long the trio thread polls for ``tr`` before handing it to the
@@ -334,12 +356,9 @@ class Engine:
         416 -> 120 us p50 (the hop to the poller thread and back into trio
         was most of it). Not with others in flight: they keep the event loop
         and the poller thread pipelining."""
-        cfg = self.config
-        budget = cfg.inline_poll_ns
-        if cfg.inline_poll_max_ns > budget and shard.alone(tr):
-            budget = min(cfg.inline_poll_max_ns,
-                         budget + (tr.w.nbytes >> 10) * INLINE_NS_PER_KIB)
-        return budget
+        if shard.alone(tr):
+            return self._express_budget(tr.w.nbytes)
+        return self.config.inline_poll_ns
 
     async def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:
         """Return once ``count`` pieces carrying ``imm`` have landed here (and
@@ -424,7 +443,9 @@ class Engine:
                            sum(s.read_by_poller for s in self.shards),
                            len(self._imm_waiters),
                            sum(s.failover_counts()[0] for s in self.shards),
-                           sum(s.failover_counts()[1] for s in self.shards))
+                           sum(s.failover_counts()[1] for s in self.shards),
+                           sum(s.express.completed for s in self.shards),
+                           sum(s.express.handed_over for s in self.shards))
 
     def _check_open(self) -> None:
         if self._closed:

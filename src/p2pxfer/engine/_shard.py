@@ -34,6 +34,7 @@ from p2pxfer.fabric import (
     CURSOR_SHIFT,
     FLAG_REMOTE_CQ_DATA,
     TID_MASK,
+    CompletionError,
     Completions,
     Poller,
     Rail,
@@ -41,6 +42,7 @@ from p2pxfer.fabric import (
 )
 from p2pxfer.topology import Shard as ShardTopology
 
+from ._express import Express
 from ._failover import Failover
 from ._health import RailHealth
 from ._plan import RailGroup
@@ -120,6 +122,7 @@ class Shard(ShardMemory):
                                   self.wake_fd)
         self._next_check = 0.0
         self.queued = self.completed = self.failed = self.cancelled = 0
+        self.express = Express(self, DIRECT_POST_MAX)
 
     # -- trio side ------------------------------------------------------------
 
@@ -146,12 +149,17 @@ class Shard(ShardMemory):
 
     # -- transfers (trio thread) ---------------------------------------------------
 
+    def new_tid(self) -> int:
+        tid, self._next_id = self._next_id, self._next_id + 1
+        return tid
+
     def prepare(self, src: Any, dst: Any, scatter: Any, imm: Any,
-                dry_run: bool, notify: bool = False) -> TransferState:
+                dry_run: bool, notify: bool = False, *, tid: int | None = None) -> TransferState:
         """Validate and lay out (raises on bad input; nothing queued), over
         the rail pairs that are up (and, for a write that can fail over,
-        those due for a retry)."""
-        tid, self._next_id = self._next_id, self._next_id + 1
+        those due for a retry). ``tid``: an id taken already (``new_tid``)."""
+        if tid is None:
+            tid = self.new_tid()
         w = self._group.prepare(src, dst, scatter, imm, tid, notify=notify,
                                 usable=self._health.chooser(time.monotonic()))
         w.region.pins += 1
@@ -442,28 +450,41 @@ class Shard(ShardMemory):
                 # Else one given up (``_abort``) already counted; a dead
                 # cursor's pieces moved to another rail pair.
                 if tr is not None and cur not in tr.w.batch.dead:
-                    self.pieces_done[rail] += cnt
-                    self._queues.note_done(tr, rail, cnt)
-                    self._health.touch((rail, tr.w.batch.peers[cur][1]), now)
-                    tr.cdone[cur] += cnt
-                    if cur != tr.notify_cursor:
-                        tr.completed += cnt
-                    tr.remaining -= cnt
-                    self._finish_if_done(tr)
+                    self.count_done(tr, cur, rail, cnt, now)
+                elif tr is None and ctx == self.express.tid:
+                    self.express.stolen += cnt  # read before its hold took effect
             if imms:
                 self._imms.append(imms)
         if (e := c.error) is not None:
-            tid, cur = split_context(e.context)
-            tr = self._inflight.get(tid)
-            if tr is None or cur in tr.w.batch.dead:
-                # Flushed from a connection ``_abort`` or a failover tore down.
-                log.debug("transfer.piece_flushed", transfer_id=tid, error=e.text,
-                          shard=self.index)
-            else:
-                log.warning("transfer.piece_failed", transfer_id=tid, code=e.code,
-                            error=e.text, shard=self.index)
-                self.errors[e.rail] += 1
-                self._failover.piece_failed(tr, cur, e.text)
+            self.piece_error(e)
+
+    def count_done(self, tr: TransferState, cur: int, rail: int, cnt: int, now: float) -> None:
+        """``cnt`` of ``tr``'s pieces on cursor ``cur`` (on ``rail``) completed
+        (under the lock)."""
+        self.pieces_done[rail] += cnt
+        self._queues.note_done(tr, rail, cnt)
+        self._health.touch((rail, tr.w.batch.peers[cur][1]), now)
+        tr.cdone[cur] += cnt
+        if cur != tr.notify_cursor:
+            tr.completed += cnt
+        tr.remaining -= cnt
+        self._finish_if_done(tr)
+
+    def piece_error(self, e: CompletionError) -> None:
+        """A piece failed (an error entry; under the lock)."""
+        tid, cur = split_context(e.context)
+        tr = self._inflight.get(tid)
+        if tr is None and e.context == self.express.tid:
+            self.express.stolen_error = e  # read before its hold took effect
+        elif tr is None or cur in tr.w.batch.dead:
+            # Flushed from a connection ``_abort`` or a failover tore down.
+            log.debug("transfer.piece_flushed", transfer_id=tid, error=e.text,
+                      shard=self.index)
+        else:
+            log.warning("transfer.piece_failed", transfer_id=tid, code=e.code,
+                        error=e.text, shard=self.index)
+            self.errors[e.rail] += 1
+            self._failover.piece_failed(tr, cur, e.text)
 
     def _finish_if_done(self, tr: TransferState) -> None:
         if tr.w.tid not in self._inflight:

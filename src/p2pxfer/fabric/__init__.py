@@ -7,6 +7,7 @@ drains completions in batches; it holds no per-transfer bookkeeping.
 
 from ._batch import CURSOR_SHIFT as CURSOR_SHIFT
 from ._batch import TID_MASK as TID_MASK
+from ._batch import ExpressCursor as ExpressCursor
 from ._batch import WriteBatch as WriteBatch
 from ._batch import context_of as context_of
 from ._batch import split_context as split_context

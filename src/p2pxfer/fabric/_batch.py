@@ -23,8 +23,8 @@ from ._binding import ffi, fi_strerror, lib
 if TYPE_CHECKING:
     from ._rail import Rail
 
-__all__ = ["CURSOR_SHIFT", "MAX_CURSORS", "TID_MASK", "WriteBatch", "context_of",
-           "split_context"]
+__all__ = ["CURSOR_SHIFT", "MAX_CURSORS", "TID_MASK", "ExpressCursor", "WriteBatch",
+           "context_of", "split_context"]
 
 I64 = npt.NDArray[np.int64]
 #: a cursor's index sits above this bit of its operation context; cursor 0's
@@ -197,3 +197,31 @@ class WriteBatch:
             c.end = c.next
             self.ends[i] = int(c.next)
         return n
+
+
+class ExpressCursor:
+    """The one cursor a shard's express writes (``engine/_express.py``) are
+    posted from: filled and posted in two C calls, no ``WriteBatch`` made.
+    Used by the trio thread only, one write at a time."""
+
+    def __init__(self) -> None:
+        self._c = ffi.new("struct p2p_cursor[1]")
+        self._keep: tuple[Any, ...] = ()
+
+    def post(self, rail: Rail, dest: int, src_off: I64, dst_off: I64, length: I64,
+             src_base: int, src_desc: Any, dst_base: int, dst_key: int, imm: int | None,
+             context: int) -> bool:
+        """Post every piece; True if some are left (a full TX queue) or one
+        failed to post (``failed``)."""
+        ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in (src_off, dst_off, length))
+        self._keep = ptrs  # the C cursor points into them until the next write
+        lib.p2p_cursor_set(self._c, 0, rail.endpoint.handle, dest, *ptrs, 0, len(length),
+                           src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
+                           context, _NO_DC)
+        return bool(lib.p2p_post_once(self._c, 1)) or bool(self._c[0].err)
+
+    def hand_to(self, batch: WriteBatch) -> None:
+        """Carry how far posting got into ``batch``'s cursor 0, which covers
+        the same pieces: the write goes on as a regular one."""
+        mine, theirs = self._c[0], batch._c[0]
+        theirs.next, theirs.err, theirs.bytes_posted = mine.next, mine.err, mine.bytes_posted

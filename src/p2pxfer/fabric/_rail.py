@@ -317,6 +317,30 @@ class Poller:
         return self._completions(lib.p2p_poller_progress(self._p, max_entries, min_entries,
                                                          spin_ns, timeout_ns))
 
+    def poll(self, spin_ns: int, min_entries: int) -> int:
+        """``progress(spin_ns=..., min_entries=...)`` that builds nothing: how
+        many runs it found, read with ``runs``; where ``failed``, read them
+        with ``completions`` instead (it fetches the error entry)."""
+        n = lib.p2p_poller_progress(self._p, 1 << 16, min_entries, spin_ns, 0)
+        if n < 0:
+            raise_fabric_error("fi_cq_read", n, "poller")
+        return int(n)
+
+    @property
+    def failed(self) -> bool:
+        """The last poll stopped at an error entry."""
+        return bool(self._p.err_cq >= 0)
+
+    def runs(self, n: int) -> list[tuple[int, int, int, int, int]]:
+        """The last poll's ``n`` runs: (rail, context, flags, data, count)."""
+        return list(zip(self._rail[:n].tolist(), self._ctx[:n].tolist(),
+                        self._flags[:n].tolist(), self._data[:n].tolist(),
+                        self._count[:n].tolist(), strict=True))
+
+    def completions(self, n: int) -> Completions:
+        """The last poll's ``n`` runs (and its error entry) as ``Completions``."""
+        return self._completions(n)
+
     def _completions(self, n: int) -> Completions:
         if n < 0:
             raise_fabric_error("fi_cq_read", n, "poller")

@@ -1,0 +1,170 @@
+"""The express path (``engine/_express.py``) on real providers: a small write
+on a quiet shard, posted and polled for by the trio thread without a
+transfer's objects, and the moment it has to become a regular transfer
+(budget spent, a piece failed, a completion the poller thread read first).
+
+Two engines in this process over ``tcp;ofi_rxm`` on 127.0.0.1 and ``shm``;
+every byte written is checked, every immediate counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from conftest import engine_pair as pair
+from p2pxfer.errors import TransferError
+from p2pxfer.fabric import CompletionError, Completions
+from p2pxfer.scatter import ScatterList
+
+PROVIDERS = ["tcp;ofi_rxm", "shm"]
+STEP = 20.0
+SIZE = 1 << 20
+
+
+@pytest.fixture(params=PROVIDERS)
+def provider(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def pages(rng: np.random.Generator, n: int, page: int = 4096) -> ScatterList:
+    """``n`` random pages of ``page`` bytes from and to random slots."""
+    slots = SIZE // page
+    return ScatterList(rng.choice(slots, n, replace=False).astype(np.int64) * page,
+                       rng.choice(slots, n, replace=False).astype(np.int64) * page,
+                       np.full(n, page, np.int64))
+
+
+def apply(image: np.ndarray, src: np.ndarray, sl: ScatterList) -> None:
+    for s, d, n in zip(sl.src.tolist(), sl.dst.tolist(), sl.length.tolist(), strict=True):
+        image[d:d + n] = src[s:s + n]
+
+
+async def test_small_writes_on_a_quiet_shard_complete_express(provider: str) -> None:
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, SIZE, dtype=np.uint8)
+    region, want = np.zeros(SIZE, np.uint8), np.zeros(SIZE, np.uint8)
+    async with pair(provider) as (a, b):
+        desc = b.export(region, "r")
+        a.register(src)
+        before = a.statistics()
+        total = 0
+        with trio.fail_after(STEP):
+            for k in range(40):
+                sl = pages(rng, 1 + k % 64)
+                total += await a.write(src, desc, sl, imm=7)
+                apply(want, src, sl)
+            await b.wait_imm(7, total)
+        st = a.statistics()
+        assert st.express - before.express >= 35  # the first may connect on the regular path
+        assert st.completed - before.completed == 40 and st.failed == 0
+        assert sum(n.pieces for n in st.nics) - sum(n.pieces for n in before.nics) == total
+        assert sum(n.completed for n in st.nics) == sum(n.pieces for n in st.nics)
+        assert [n.inflight for n in st.nics] == [0] * len(st.nics)
+        assert st.queue_depth == (0,)
+        np.testing.assert_array_equal(region, want)
+
+
+async def test_an_express_write_past_its_budget_finishes_as_a_regular_one(
+        provider: str) -> None:
+    """A 1 ns budget: nearly every write becomes a regular transfer with its
+    posts and completions so far carried over; none may hang, none may be
+    counted twice."""
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 256, SIZE, dtype=np.uint8)
+    region, want = np.zeros(SIZE, np.uint8), np.zeros(SIZE, np.uint8)
+    async with pair(provider, inline_poll_ns=1, inline_poll_max_ns=0) as (a, b):
+        desc = b.export(region, "r")
+        a.register(src)
+        total = 0
+        with trio.fail_after(STEP):
+            for k in range(200):
+                sl = pages(rng, 1 + k % 8)
+                total += await a.write(src, desc, sl, imm=9)
+                apply(want, src, sl)
+            await b.wait_imm(9, total)
+        st = a.statistics()
+        assert st.express_handed_over > 0
+        assert st.completed == 200 and st.failed == 0
+        assert sum(n.completed for n in st.nics) == sum(n.pieces for n in st.nics) == total
+        assert [n.inflight for n in st.nics] == [0] * len(st.nics)
+        np.testing.assert_array_equal(region, want)
+
+
+async def test_a_write_behind_another_in_flight_takes_the_regular_path(provider: str) -> None:
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, SIZE, dtype=np.uint8)
+    region = np.zeros(SIZE, np.uint8)
+    async with pair(provider) as (a, b):
+        desc = b.export(region, "r")
+        a.register(src)
+        with trio.fail_after(STEP):
+            await a.write(src, desc, ScatterList.contiguous(4096), imm=1)
+            express = a.statistics().express
+            long = await a.submit(src, desc, ScatterList.contiguous(SIZE // 2), imm=2)
+            short = ScatterList.contiguous(4096, SIZE // 2, SIZE // 2)
+            assert await a.write(src, desc, short, imm=3) == 1
+            await long.wait()
+            for imm in (1, 2, 3):  # landed (a completion means sent, not placed)
+                await b.wait_imm(imm, 1)
+        assert a.statistics().express == express  # neither went express
+        np.testing.assert_array_equal(region[:SIZE // 2 + 4096], src[:SIZE // 2 + 4096])
+
+
+async def test_a_failed_express_write_raises_and_leaves_nothing_in_flight() -> None:
+    """Delivery-complete writes into a region the target unexported fail
+    piece by piece (tcp; shm never answers them): the error entry ends the
+    express poll, the write becomes a regular one and fails as such."""
+    src = np.ones(SIZE, np.uint8)
+    async with pair("tcp;ofi_rxm", delivery_complete=True) as (a, b):
+        a.register(src)
+        desc = b.export(np.zeros(SIZE, np.uint8), "r")
+        with trio.fail_after(STEP):
+            await a.write(src, desc, ScatterList.contiguous(4096))
+        b.unexport("r")
+        handed = a.statistics().express_handed_over
+        with trio.fail_after(STEP), pytest.raises(TransferError):
+            await a.write(src, desc, pages(np.random.default_rng(4), 16))
+        st = a.statistics()
+        assert st.express_handed_over > handed and st.failed == 1
+        assert sum(n.errors for n in st.nics) > 0
+        assert [n.inflight for n in st.nics] == [0] * len(st.nics)
+
+
+async def test_a_cancelled_express_write_posts_nothing(provider: str) -> None:
+    src = np.ones(SIZE, np.uint8)
+    region = np.zeros(SIZE, np.uint8)
+    async with pair(provider) as (a, b):
+        a.register(src)
+        desc = b.export(region, "r")
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            await a.write(src, desc, ScatterList.contiguous(4096), imm=5)
+        st = a.statistics()
+        assert st.completed == st.express == 0
+        assert sum(n.pieces for n in st.nics) == 0
+        assert not region.any()
+
+
+async def test_completions_the_poller_thread_reads_first_are_kept() -> None:
+    """The poller thread can be inside a CQ read as the hold goes up and take
+    an express write's completion (or its error): ``_absorb`` keeps them for
+    the write, which counts them once it is handed over."""
+    async with pair("tcp;ofi_rxm") as (a, _):
+        shard = a.shards[0]
+        ex = shard.express
+        ex.tid = 12345
+        one = np.array
+        c = Completions(one([0], np.int32), one([12345], np.uint64), one([0], np.uint64),
+                        one([0], np.uint64), one([3], np.int64), one([3 * 4096], np.int64))
+        with shard._lock:
+            shard._absorb(c)
+            assert ex.stolen == 3
+            err = CompletionError(0, 12345, 0, 5, "Input/output error")
+            shard.piece_error(err)
+            assert ex.stolen_error is err
+            other = CompletionError(0, 777, 0, 5, "Input/output error")
+            shard.piece_error(other)  # nobody's: dropped, as before
+            assert ex.stolen_error is err
+        ex.tid = -1
