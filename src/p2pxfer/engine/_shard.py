@@ -57,6 +57,7 @@ log = structlog.get_logger("p2pxfer.engine")
 DIRECT_POST_MAX = 64  # writes of at most this many pieces: posted from the trio thread
 INFLIGHT_SPIN_NS = 500_000  # with transfers in flight, spin this long on CQs without fds
 LINGER_S = 0.005  # ... and this long after the last completion read, in flight or not
+FD_LINGER_SPIN_NS = 200_000  # where CQs have wait fds: spin this long after each, meanwhile
 # With transfers in flight, never sleep longer than this even on CQ wait fds:
 # tcp's wait fd signals arrivals, not that a half-sent message may go on (the
 # socket became writable): a large write could sit out the whole idle timeout.
@@ -294,12 +295,19 @@ class Shard(ShardMemory):
             # arrival: with transfers in flight, or within LINGER_S of the last
             # arrival (a writer's loop; 64 KiB shm write p50 452 -> 61 us), spin
             # longer first. An idle shm shard still naps (idle bench < 1%).
+            # With wait fds (tcp) the same holds for a target in a writer's
+            # loop: a thread woken from ppoll answers tens of microseconds
+            # late, so within LINGER_S of the last completion it spins
+            # FD_LINGER_SPIN_NS after each (one 4 KiB write at a time, mean
+            # 31 -> 20 us); an idle one sleeps on the fds as before.
             spin, nap = self._spin_ns, self._idle_ns
             if self._inflight:
                 nap = min(nap, INFLIGHT_NAP_NS)
-            if not self._blocks_on_fds and (
-                    self._inflight or time.monotonic() - self._recent < LINGER_S):
+            recent = time.monotonic() - self._recent < LINGER_S
+            if not self._blocks_on_fds and (self._inflight or recent):
                 spin = max(spin, INFLIGHT_SPIN_NS)
+            elif recent:
+                spin = max(spin, FD_LINGER_SPIN_NS)
             c = poller.progress(spin_ns=0 if busy else spin,
                                 timeout_ns=0 if busy else nap, min_entries=need)
             with self._lock:
