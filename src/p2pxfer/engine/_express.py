@@ -160,6 +160,7 @@ class Express:
                 s.piece_error(self.stolen_error)
             if failed is not None:
                 s._absorb(failed)  # its runs were not counted above
+        s._poller.hold(False)  # before waking it: woken while held, it naps again
         if left:
             s._send("write", tr)  # the poller posts the rest, or reports the failed post
         elif not tr.done.is_set():

@@ -343,7 +343,9 @@ class Shard(ShardMemory):
                 if time.perf_counter_ns() > deadline:
                     if not tr.done.is_set():
                         # Our reads may have left the provider mid-message with
-                        # the socket drained: no fd would wake the poller. Wake it.
+                        # the socket drained: no fd would wake the poller. Wake
+                        # it, let go first (woken while held, it naps again).
+                        self._poller.hold(False)
                         os.eventfd_write(self.wake_fd, 1)
                     return
         finally:
