@@ -373,6 +373,7 @@ class Engine:
         self._check_imm_cap(imm)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
+        self._pull_imms()
         if self._imm[imm] >= count and not self._imm_waiters.get(imm):
             self._take(imm, count)
             await trio.lowlevel.checkpoint()
@@ -380,6 +381,8 @@ class Engine:
         ev = trio.Event()
         entry = (count, ev)
         self._imm_waiters.setdefault(imm, []).append(entry)
+        # Arrivals the poller thread held back before it could see this waiter.
+        self._pull_imms()
         with trio.move_on_after(limit) as scope:
             try:
                 await ev.wait()
@@ -398,6 +401,15 @@ class Engine:
         if self._closed:
             raise EngineClosed(f"engine closed while waiting for immediate {imm}")
 
+    def _imms_wanted(self) -> bool:
+        """Someone waits for immediates, or routes them (any thread: two
+        plain reads)."""
+        return bool(self._imm_waiters) or bool(self._routes)
+
+    def _pull_imms(self) -> None:
+        for shard in self.shards:
+            shard.pull_imms()
+
     def _take(self, imm: int, count: int) -> None:
         self._imm[imm] -= count
         if self._imm[imm] == 0:
@@ -407,6 +419,7 @@ class Engine:
         """Send arrivals whose ``imm >> shift == tag`` to ``handler(imm, count)``
         (called in trio) instead of counting them for :meth:`wait_imm`: for
         protocols that encode more than a counter in the immediate (KV pages)."""
+        self._pull_imms()  # what arrived before goes where it went then
         self._routes[(shift, tag)] = handler
 
     def _deliver_imms(self, arrivals: list[tuple[int, int]]) -> None:
@@ -428,6 +441,7 @@ class Engine:
 
     def imm_count(self, imm: int) -> int:
         """Pieces with ``imm`` that landed and no waiter has consumed yet."""
+        self._pull_imms()
         return self._imm[imm]
 
     def statistics(self) -> EngineStats:
@@ -505,6 +519,7 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
                 raise
             shards.append(Shard(
                 i, st, rails, token=token, deliver_imms=engine._deliver_imms,
+                imms_wanted=engine._imms_wanted,
                 max_inflight=config.max_inflight,
                 spin_ns=config.spin_ns, idle_timeout_ns=config.idle_timeout_ns,
                 pin=config.pin_threads, cache_entries=config.cache_entries,

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -62,6 +63,7 @@ FD_LINGER_SPIN_NS = 200_000  # where CQs have wait fds: spin this long after eac
 # tcp's wait fd signals arrivals, not that a half-sent message may go on (the
 # socket became writable): a large write could sit out the whole idle timeout.
 INFLIGHT_NAP_NS = 1_000_000  # a wake-up costs tens of microseconds; 1 kHz is cheap
+IMM_BACKLOG = 64  # batches of immediates nobody waits for, held before a delivery
 CLOSE_DRAIN_NS = 20_000_000  # at close, progress this long first (``_shutdown``)
 
 
@@ -72,7 +74,8 @@ class Shard(ShardMemory):
     trio thread's inline one."""
 
     def __init__(self, index: int, topo: ShardTopology, rails: list[Rail], *,
-                 token: trio.lowlevel.TrioToken, deliver_imms: Any, max_inflight: int,
+                 token: trio.lowlevel.TrioToken, deliver_imms: Any,
+                 imms_wanted: Callable[[], bool], max_inflight: int,
                  spin_ns: int, idle_timeout_ns: int, pin: bool, cache_entries: int,
                  backoff_max_ns: int, peer_pieces: int = 512, rail_stall_s: float = 1.5,
                  rail_retry_s: float = 3.0, rail_retry_max_s: float = 60.0) -> None:
@@ -98,6 +101,7 @@ class Shard(ShardMemory):
         self._recent = 0.0  # when this shard's poller last read a completion
         self._token = token
         self._deliver_imms = deliver_imms
+        self._imms_wanted: Callable[[], bool] = imms_wanted
         self._spin_ns = spin_ns
         self._idle_ns = idle_timeout_ns
         self._pin = pin
@@ -352,8 +356,19 @@ class Shard(ShardMemory):
             self._poller.hold(False)
 
     def _flush(self) -> None:
-        if self._finished or self._imms:
+        # Immediates nobody waits for yet stay here (up to IMM_BACKLOG
+        # batches) until someone asks (``pull_imms``): a target in a writer's
+        # loop woke its trio thread for every arrival: a third busy thread on
+        # two cores, beside the writer and this poller. Finished transfers
+        # always go at once.
+        if self._finished or (self._imms and (len(self._imms) >= IMM_BACKLOG
+                                              or self._imms_wanted())):
             self._token.run_sync_soon(self._deliver, idempotent=True)
+
+    def pull_imms(self) -> None:
+        """In trio: pass on the immediates that arrived and wait here."""
+        while self._imms:
+            self._deliver_imms(self._imms.popleft())
 
     def _take_commands(self) -> bool:
         while self._inbox:
