@@ -296,6 +296,15 @@ class Poller:
         self._p.hold = 1 if on else 0
 
     @property
+    def backoff_max_ns(self) -> int:
+        """Longest nap where a CQ has no wait fd (settable: a plain store)."""
+        return int(self._p.backoff_max_ns)
+
+    @backoff_max_ns.setter
+    def backoff_max_ns(self, ns: int) -> None:
+        self._p.backoff_max_ns = ns
+
+    @property
     def entries(self) -> int:
         """Completions seen over the poller's life."""
         return int(self._p.entries)
