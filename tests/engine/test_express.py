@@ -9,11 +9,14 @@ every byte written is checked, every immediate counted.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import trio
 
 from conftest import engine_pair as pair
+from p2pxfer.engine import EngineStats
 from p2pxfer.errors import TransferError
 from p2pxfer.fabric import CompletionError, Completions
 from p2pxfer.scatter import ScatterList
@@ -41,29 +44,36 @@ def apply(image: np.ndarray, src: np.ndarray, sl: ScatterList) -> None:
         image[d:d + n] = src[s:s + n]
 
 
-async def test_small_writes_on_a_quiet_shard_complete_express(provider: str) -> None:
-    rng = np.random.default_rng(1)
+async def write_loop(provider: str, seed: int, writes: int, most: int,
+                     **config: Any) -> EngineStats:
+    """``writes`` writes of 1..``most`` random pages one at a time, each
+    counted at the target and the whole region checked; the writer's
+    statistics after."""
+    rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, SIZE, dtype=np.uint8)
     region, want = np.zeros(SIZE, np.uint8), np.zeros(SIZE, np.uint8)
-    async with pair(provider) as (a, b):
+    async with pair(provider, **config) as (a, b):
         desc = b.export(region, "r")
         a.register(src)
-        before = a.statistics()
         total = 0
         with trio.fail_after(STEP):
-            for k in range(40):
-                sl = pages(rng, 1 + k % 64)
-                total += await a.write(src, desc, sl, imm=7)
+            for k in range(writes):
+                sl = pages(rng, 1 + k % most)
+                total += await a.write(src, desc, sl, imm=seed)
                 apply(want, src, sl)
-            await b.wait_imm(7, total)
+            await b.wait_imm(seed, total)
         st = a.statistics()
-        assert st.express - before.express >= 35  # the first may connect on the regular path
-        assert st.completed - before.completed == 40 and st.failed == 0
-        assert sum(n.pieces for n in st.nics) - sum(n.pieces for n in before.nics) == total
-        assert sum(n.completed for n in st.nics) == sum(n.pieces for n in st.nics)
-        assert [n.inflight for n in st.nics] == [0] * len(st.nics)
-        assert st.queue_depth == (0,)
-        np.testing.assert_array_equal(region, want)
+    assert st.completed == writes and st.failed == 0
+    assert sum(n.completed for n in st.nics) == sum(n.pieces for n in st.nics) == total
+    assert [n.inflight for n in st.nics] == [0] * len(st.nics)
+    assert st.queue_depth == (0,)
+    np.testing.assert_array_equal(region, want)
+    return st
+
+
+async def test_small_writes_on_a_quiet_shard_complete_express(provider: str) -> None:
+    st = await write_loop(provider, 1, 40, 64)
+    assert st.express >= 35  # the first may connect on the regular path
 
 
 async def test_an_express_write_past_its_budget_finishes_as_a_regular_one(
@@ -71,25 +81,8 @@ async def test_an_express_write_past_its_budget_finishes_as_a_regular_one(
     """A 1 ns budget: nearly every write becomes a regular transfer with its
     posts and completions so far carried over; none may hang, none may be
     counted twice."""
-    rng = np.random.default_rng(2)
-    src = rng.integers(0, 256, SIZE, dtype=np.uint8)
-    region, want = np.zeros(SIZE, np.uint8), np.zeros(SIZE, np.uint8)
-    async with pair(provider, inline_poll_ns=1, inline_poll_max_ns=0) as (a, b):
-        desc = b.export(region, "r")
-        a.register(src)
-        total = 0
-        with trio.fail_after(STEP):
-            for k in range(200):
-                sl = pages(rng, 1 + k % 8)
-                total += await a.write(src, desc, sl, imm=9)
-                apply(want, src, sl)
-            await b.wait_imm(9, total)
-        st = a.statistics()
-        assert st.express_handed_over > 0
-        assert st.completed == 200 and st.failed == 0
-        assert sum(n.completed for n in st.nics) == sum(n.pieces for n in st.nics) == total
-        assert [n.inflight for n in st.nics] == [0] * len(st.nics)
-        np.testing.assert_array_equal(region, want)
+    st = await write_loop(provider, 2, 200, 8, inline_poll_ns=1, inline_poll_max_ns=0)
+    assert st.express_handed_over > 0
 
 
 async def test_a_write_behind_another_in_flight_takes_the_regular_path(provider: str) -> None:
