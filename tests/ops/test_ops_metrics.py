@@ -96,6 +96,29 @@ def test_metrics_during_a_transfer(pair: tuple[DaemonProc, DaemonProc, str]) -> 
     assert a.alive() and b.alive()
 
 
+def test_small_client_writes_take_the_express_path(
+        pair: tuple[DaemonProc, DaemonProc, str]) -> None:
+    """A client's writes of a few pieces, one at a time, run on the sending
+    daemon's express path (``engine/_express.py``): counted in ``status``
+    and the metrics, every byte checked by the agent."""
+    a, b, metrics = pair
+    plan = Plan(seed=8, pieces=16, min_len=4 << 10, max_len=8 << 10, region=1 << 20)
+    target = Agent("trio", b.socket, "target")
+    initiator = Agent("trio", a.socket, "initiator")
+    try:
+        target.ok("export", "small", plan.region)
+        for _ in range(20):
+            assert initiator.ok("write", "node-b", "small", plan, 0x52) == plan.pieces
+        target.ok("verify", "small", plan, 0x52, 20 * plan.pieces)
+        express = {lb["outcome"]: v for lb, v in scrape(metrics)["p2pxfer_express_writes_total"]}
+        assert express["completed"] + express["handed_over"] >= 20, express
+        assert express["completed"] >= 10, express
+    finally:
+        initiator.close()
+        target.close()
+    assert a.alive() and b.alive()
+
+
 def test_metrics_paths_and_bad_scrapers(pair: tuple[DaemonProc, DaemonProc, str]) -> None:
     a, _, metrics = pair
     assert http_get(metrics, "/nope")[0] == 404

@@ -221,6 +221,8 @@ class Daemon:
             "nics": [asdict(n) for n in stats.nics],  # with each NIC's rail pairs' state
             "failovers": stats.failovers,
             "pieces_reposted": stats.pieces_reposted,
+            # small writes on a quiet engine: completed inline, or handed over
+            "express": {"completed": stats.express, "handed_over": stats.express_handed_over},
             "local_copy": self.writes.local.statistics(),
             "rails": rails(self.engine),
             "links": self.peers.link_states(),

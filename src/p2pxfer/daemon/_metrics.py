@@ -123,6 +123,13 @@ class DaemonMetrics(Collector):
                                   "writes moved to other pairs", value=stats.failovers)
         yield CounterMetricFamily("p2pxfer_rail_pieces_reposted", "Pieces posted again on "
                                   "another rail pair", value=stats.pieces_reposted)
+        express = CounterMetricFamily("p2pxfer_express_writes", "Small writes on a quiet "
+                                      "engine posted and polled for inline: completed so, "
+                                      "or handed over as regular transfers",
+                                      labels=["outcome"])
+        express.add_metric(["completed"], stats.express)
+        express.add_metric(["handed_over"], stats.express_handed_over)
+        yield express
 
     def _cache(self, d: Daemon) -> Iterator[Metric]:
         names = {"hits": "lookups that found a registration",
