@@ -146,7 +146,10 @@ class Failover:
         batch = tr.w.batch
         batch.refresh()
         left = True
-        if batch.window(self._queues.room(tr)):
+        # Not ahead of an earlier write's notification still queued (its
+        # peer's bound was full then, and may have room now): notifications
+        # to one peer go out in the order their writes finished.
+        if not self._queues.under_way(tr.w.dest) and batch.window(self._queues.room(tr)):
             left = batch.post_once()
             self._queues.note_posted(tr)
         if (left or not batch.posted or batch.failures()) and not self._queues.holds(tr):

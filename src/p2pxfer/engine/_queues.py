@@ -50,10 +50,22 @@ class DestQueues:
         self._queues.setdefault(tr.w.dest, deque()).append(tr)
 
     def push_front(self, tr: TransferState) -> None:
-        """Queue ``tr`` ahead of its destination's others: pieces of a write
-        already under way (its notification, pieces moved off a failed rail
-        pair) go before writes that have not started."""
-        self._queues.setdefault(tr.w.dest, deque()).appendleft(tr)
+        """Queue ``tr`` ahead of its destination's writes that have not
+        started, behind those already under way (their notification, pieces
+        moved off a failed rail pair): two KV layers' notifications queued
+        this way went out last-first, and layer 6 was seen before layer 5."""
+        q = self._queues.setdefault(tr.w.dest, deque())
+        i = 0
+        while i < len(q) and q[i].under_way:
+            i += 1
+        q.insert(i, tr)
+        tr.under_way = True
+
+    def under_way(self, dest: Dest) -> bool:
+        """A write to ``dest`` already under way waits to be posted: what
+        follows it (another notification) must wait too."""
+        q = self._queues.get(dest)
+        return q is not None and bool(q) and q[0].under_way
 
     def is_head(self, tr: TransferState) -> bool:
         q = self._queues.get(tr.w.dest)

@@ -92,6 +92,8 @@ class TransferState:
     notify_lost: str | None = None
     #: times its pieces moved to other rail pairs
     failovers: int = 0
+    #: queued ahead of writes not started (``DestQueues.push_front``)
+    under_way: bool = False
     #: per cursor, pieces posted as last counted (``DestQueues.note_posted``)
     #: and pieces completed or failed: set when it is submitted
     seen: list[int]
