@@ -66,6 +66,15 @@ def _share(c: RawConn, rid: int, fd: int, size: int) -> dict[str, Any]:
     return c.request({"t": "share", "id": rid, "size": size}, fds=[fd])
 
 
+def _shared_mem(c: RawConn, rid: int, size: int = 1 << 16) -> Any:
+    """Share a fresh memfd of ``size`` bytes; the daemon's handle for it."""
+    fd = _sealable(size)
+    try:
+        return _share(c, rid, fd, size)["result"]["mem"]
+    finally:
+        os.close(fd)
+
+
 # -- descriptors and memory a client makes the daemon hold -----------------------------
 
 def test_descriptors_sent_without_share_are_capped(tmp_path: Path,
@@ -191,9 +200,7 @@ def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> N
     daemons.append(d)
     with RawConn(d.socket) as owner:
         owner.hello()
-        fd = _sealable(1 << 16)
-        mem = _share(owner, 1, fd, 1 << 16)["result"]["mem"]
-        os.close(fd)
+        mem = _shared_mem(owner, 1)
         assert owner.request({"t": "export", "id": 2, "name": "roots", "mem": mem,
                               "offset": 0, "length": 1 << 16})["t"] == "ok"
 
@@ -202,8 +209,7 @@ def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> N
                 c.hello()
                 out = {"add_peer": c.request({"t": "add_peer", "id": 1, "name": "evil",
                                               "address": f"{LOOPBACK}:9"})["code"]}
-                fd = _sealable(1 << 16)
-                mem = _share(c, 2, fd, 1 << 16)["result"]["mem"]
+                mem = _shared_mem(c, 2)
                 scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
                 out["write"] = c.request({"t": "write", "id": 3, "peer": "iso",
                                           "region": "roots", "mem": mem, "offset": 0,
@@ -217,8 +223,7 @@ def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> N
                 return out
 
         layout = KVLayout(1, 4, 4096).to_wire()
-        kvmem = _share(owner, 7, fd2 := _sealable(1 << 16), 1 << 16)["result"]["mem"]
-        os.close(fd2)
+        kvmem = _shared_mem(owner, 7)
         assert owner.request({"t": "kv_pool", "id": 8, "name": "kvroots", "mem": kvmem,
                               "layout": layout})["t"] == "ok"
         assert as_uid(NOBODY, intruder) == {"add_peer": "forbidden",
@@ -236,8 +241,7 @@ def test_other_uids_are_isolated(open_dir: Path, daemons: list[DaemonProc]) -> N
         def grantee() -> dict[str, Any]:
             with RawConn(d.socket) as c:
                 c.hello()
-                fd = _sealable(1 << 16)
-                mem = _share(c, 2, fd, 1 << 16)["result"]["mem"]
+                mem = _shared_mem(c, 2)
                 scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
                 out = {}
                 for i, region in enumerate(("granted", "roots")):
@@ -378,14 +382,10 @@ def test_a_name_held_by_a_client_that_hung_up_is_taken_over(tmp_path: Path,
     daemons.append(d)
     with RawConn(d.socket) as second:
         second.hello()
-        fd = _sealable(1 << 16)
-        mem2 = _share(second, 1, fd, 1 << 16)["result"]["mem"]
-        os.close(fd)
+        mem2 = _shared_mem(second, 1)
         first = RawConn(d.socket)
         first.hello()
-        fd = _sealable(1 << 16)
-        mem1 = _share(first, 1, fd, 1 << 16)["result"]["mem"]
-        os.close(fd)
+        mem1 = _shared_mem(first, 1)
         for i in range(64):
             assert first.request({"t": "export", "id": 2 + i, "name": f"held-{i}", "mem": mem1,
                                   "offset": 0, "length": 4096})["t"] == "ok"

@@ -30,7 +30,8 @@ import shutil
 import subprocess
 import textwrap
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,21 @@ def source_digest(off: int, n: int) -> str:
     return digest(src[off:off + n])
 
 
+@contextmanager
+def cluster(tmp_path: Path) -> Iterator[tuple[Host, Cluster]]:
+    """Two hosts with two rails: a target on the first, an initiator on the
+    second (slowed down, see ``slow_down``) that holds the target's
+    descriptor. Yields the initiator's host and the pair."""
+    with two_hosts(rails=2) as (a, b), ExitStack() as stack:
+        slow_down(b)
+        deadline = time.monotonic() + TEST_TIMEOUT
+        target = stack.enter_context(child("target", a, TARGET, tmp_path))
+        descriptor = target.expect("descriptor", deadline)
+        initiator = stack.enter_context(child("initiator", b, INITIATOR, tmp_path))
+        initiator.send(descriptor)
+        yield b, Cluster(target, initiator, deadline)
+
+
 def slow_down(host: Host) -> None:
     """Cap every veth of ``host`` at ``RATE`` going out, so a large write
     takes long enough to cut a rail under it."""
@@ -153,6 +169,13 @@ def slow_down(host: Host) -> None:
 class Cluster:
     def __init__(self, target: Child, initiator: Child, deadline: float) -> None:
         self.target, self.initiator, self.deadline = target, initiator, deadline
+
+    def finish(self) -> None:
+        """Both children say goodbye and exit cleanly."""
+        for x in (self.target, self.initiator):
+            x.send("bye")
+        for x in (self.target, self.initiator):
+            x.finish(self.deadline)
 
     def submit(self, mode: str, n: int, dst: int, imm: int, src: int = 0) -> int:
         self.initiator.send(f"write {mode} {n} {dst} {imm} {src}")
@@ -181,14 +204,7 @@ def delta(after: dict[str, Any], before: dict[str, Any]) -> list[int]:
 
 
 def test_a_rail_cut_mid_write_fails_over_and_comes_back(tmp_path: Path) -> None:
-    with two_hosts(rails=2) as (a, b), ExitStack() as stack:
-        slow_down(b)
-        deadline = time.monotonic() + TEST_TIMEOUT
-        target = stack.enter_context(child("target", a, TARGET, tmp_path))
-        descriptor = target.expect("descriptor", deadline)
-        initiator = stack.enter_context(child("initiator", b, INITIATOR, tmp_path))
-        initiator.send(descriptor)
-        c = Cluster(target, initiator, deadline)
+    with cluster(tmp_path) as (b, c):
         warm = c.write("notify", 1 << 20, 40 << 20, 1)  # both connections up
         assert warm["result"] == "completed" and all(x > 0 for x in warm["bytes"]), warm
         assert c.count(1, 1) == 0
@@ -259,10 +275,7 @@ def test_a_rail_cut_mid_write_fails_over_and_comes_back(tmp_path: Path) -> None:
         assert final["result"] == "completed", final
         assert c.count(8, 1) == 0
         time.sleep(1.0)
-        for x in (target, initiator):
-            x.send("bye")
-        for x in (target, initiator):
-            x.finish(deadline)
+        c.finish()
 
 
 @pytest.mark.slow
@@ -277,14 +290,7 @@ def test_a_flapping_rail_under_a_loop_of_writes(tmp_path: Path) -> None:
     back, and land late, over whatever was written there since (seen here
     when every write went to offset 0; docs/architecture.md, "Known gaps").
     Here they can only land where they belong."""
-    with two_hosts(rails=2) as (a, b), ExitStack() as stack:
-        slow_down(b)
-        deadline = time.monotonic() + TEST_TIMEOUT
-        target = stack.enter_context(child("target", a, TARGET, tmp_path))
-        descriptor = target.expect("descriptor", deadline)
-        initiator = stack.enter_context(child("initiator", b, INITIATOR, tmp_path))
-        initiator.send(descriptor)
-        c = Cluster(target, initiator, deadline)
+    with cluster(tmp_path) as (b, c):
         t0 = time.monotonic()
         cut, flip, n = False, t0 + 2, 0
         results = []
@@ -315,10 +321,7 @@ def test_a_flapping_rail_under_a_loop_of_writes(tmp_path: Path) -> None:
         final = c.write("notify", 8 << 20, 0, 99)
         assert final["result"] == "completed" and c.count(99, 1) == 0, final
         time.sleep(1.0)
-        for x in (target, initiator):
-            x.send("bye")
-        for x in (target, initiator):
-            x.finish(deadline)
+        c.finish()
 
 
 def reset_rail(host: Host, dev: str) -> None:
@@ -342,14 +345,7 @@ def test_rails_that_fail_with_errors(tmp_path: Path) -> None:
     """Connections reset on rail 0 (errors, not silence) under a notify
     write: it fails over at once and verifies. Then every rail resets: the
     write fails with ``RailsExhausted`` (a ``RemoteClosed``), never counted."""
-    with two_hosts(rails=2) as (a, b), ExitStack() as stack:
-        slow_down(b)
-        deadline = time.monotonic() + TEST_TIMEOUT
-        target = stack.enter_context(child("target", a, TARGET, tmp_path))
-        descriptor = target.expect("descriptor", deadline)
-        initiator = stack.enter_context(child("initiator", b, INITIATOR, tmp_path))
-        initiator.send(descriptor)
-        c = Cluster(target, initiator, deadline)
+    with cluster(tmp_path) as (b, c):
         warm = c.write("notify", 1 << 20, 40 << 20, 1)
         assert warm["result"] == "completed" and c.count(1, 1) == 0, warm
 
@@ -374,7 +370,7 @@ def test_rails_that_fail_with_errors(tmp_path: Path) -> None:
         assert r["result"] == "RailsExhausted", r
         assert "no rail pair to the peer is left" in r["message"], r
         assert r["inflight"] == [0, 0], r
-        target.send("count 3")
-        assert int(target.expect("count", deadline)) == 0, "a failed write was counted"
+        c.target.send("count 3")
+        assert int(c.target.expect("count", c.deadline)) == 0, "a failed write was counted"
         # The children are killed on the way out: with their connections
         # reset mid-write, a clean close could crash in libfabric (Known gaps).

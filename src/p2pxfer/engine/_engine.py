@@ -15,7 +15,6 @@ poller (ask the shard).
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,7 +27,6 @@ from p2pxfer.errors import (
     InvalidArgument,
     TransferTimeout,
     UnregisteredMemory,
-    WaitTimeout,
 )
 from p2pxfer.fabric import DELIVERY_COMPLETE, Rail
 from p2pxfer.memory import (
@@ -42,6 +40,7 @@ from p2pxfer.scatter import ScatterList
 from p2pxfer.topology import Topology, discover
 
 from ._config import EngineConfig, EngineStats
+from ._imms import Immediates
 from ._plan import Source
 from ._shard import Shard
 from ._state import NicStats, TransferState
@@ -64,10 +63,8 @@ class Engine:
         self.config = config
         self.topology = topology
         self.shards: list[Shard] = []
-        self._imm = Counter[int]()
-        self._imm_waiters: dict[int, list[tuple[int, trio.Event]]] = {}
+        self._imms = Immediates(self._pull_imms)
         self._exports: dict[str, Any] = {}
-        self._routes: dict[tuple[int, int], Any] = {}
         #: per-engine state of layers above (e.g. the KV receiver), by name
         self.attachments: dict[str, Any] = {}
         self._closed = False
@@ -373,76 +370,21 @@ class Engine:
         self._check_imm_cap(imm)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
-        self._pull_imms()
-        if self._imm[imm] >= count and not self._imm_waiters.get(imm):
-            self._take(imm, count)
-            await trio.lowlevel.checkpoint()
-            return
-        ev = trio.Event()
-        entry = (count, ev)
-        self._imm_waiters.setdefault(imm, []).append(entry)
-        # Arrivals the poller thread held back before it could see this waiter.
-        self._pull_imms()
-        with trio.move_on_after(limit) as scope:
-            try:
-                await ev.wait()
-            except trio.Cancelled:
-                waiters = self._imm_waiters.get(imm, [])
-                if entry in waiters:
-                    waiters.remove(entry)
-                    if not waiters:
-                        self._imm_waiters.pop(imm, None)
-                elif ev.is_set() and not self._closed:
-                    self._imm[imm] += count  # satisfied as we were cancelled: give it back
-                raise
-        if scope.cancelled_caught:
-            raise WaitTimeout(f"only {self._imm[imm]} of {count} pieces with immediate {imm} "
-                              f"arrived within {timeout:g} s")
-        if self._closed:
-            raise EngineClosed(f"engine closed while waiting for immediate {imm}")
-
-    def _imms_wanted(self) -> bool:
-        """Someone waits for immediates, or routes them (any thread: two
-        plain reads)."""
-        return bool(self._imm_waiters) or bool(self._routes)
+        await self._imms.wait(imm, count, timeout, limit)
 
     def _pull_imms(self) -> None:
         for shard in self.shards:
             shard.pull_imms()
 
-    def _take(self, imm: int, count: int) -> None:
-        self._imm[imm] -= count
-        if self._imm[imm] == 0:
-            del self._imm[imm]
-
     def route_imms(self, shift: int, tag: int, handler: Any) -> None:
         """Send arrivals whose ``imm >> shift == tag`` to ``handler(imm, count)``
         (called in trio) instead of counting them for :meth:`wait_imm`: for
         protocols that encode more than a counter in the immediate (KV pages)."""
-        self._pull_imms()  # what arrived before goes where it went then
-        self._routes[(shift, tag)] = handler
-
-    def _deliver_imms(self, arrivals: list[tuple[int, int]]) -> None:
-        for imm, cnt in arrivals:
-            if self._routes:
-                handler = next((h for (sh, tg), h in self._routes.items() if imm >> sh == tg),
-                               None)
-                if handler is not None:
-                    handler(imm, cnt)
-                    continue
-            self._imm[imm] += cnt
-            waiters = self._imm_waiters.get(imm)
-            while waiters and self._imm[imm] >= waiters[0][0]:
-                count, ev = waiters.pop(0)
-                self._take(imm, count)
-                ev.set()
-            if waiters == []:
-                del self._imm_waiters[imm]
+        self._imms.route(shift, tag, handler)
 
     def imm_count(self, imm: int) -> int:
         """Pieces with ``imm`` that landed and no waiter has consumed yet."""
-        self._pull_imms()
-        return self._imm[imm]
+        return self._imms.count(imm)
 
     def statistics(self) -> EngineStats:
         """A frozen snapshot: per NIC what was posted, completed, received and
@@ -455,7 +397,7 @@ class Engine:
                            tuple(s.registrations() for s in self.shards),
                            sum(s.read_inline for s in self.shards),
                            sum(s.read_by_poller for s in self.shards),
-                           len(self._imm_waiters),
+                           self._imms.awaited,
                            sum(s.failover_counts()[0] for s in self.shards),
                            sum(s.failover_counts()[1] for s in self.shards),
                            sum(s.express.completed for s in self.shards),
@@ -475,10 +417,7 @@ class Engine:
                 shard.stop()
             for shard in self.shards:
                 await shard.thread_done.wait()
-        for waiters in self._imm_waiters.values():
-            for _, ev in waiters:
-                ev.set()
-        self._imm_waiters.clear()
+        self._imms.close()
         for shard in self.shards:
             shard.close()
         log.info("engine.closed", shards=len(self.shards))
@@ -518,8 +457,8 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
                     r.close()
                 raise
             shards.append(Shard(
-                i, st, rails, token=token, deliver_imms=engine._deliver_imms,
-                imms_wanted=engine._imms_wanted,
+                i, st, rails, token=token, deliver_imms=engine._imms.deliver,
+                imms_wanted=engine._imms.wanted,
                 max_inflight=config.max_inflight,
                 spin_ns=config.spin_ns, idle_timeout_ns=config.idle_timeout_ns,
                 pin=config.pin_threads, cache_entries=config.cache_entries,

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, CompletionError, ExpressCursor
+from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, CompletionError, Completions, ExpressCursor
 from p2pxfer.scatter import ScatterList
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class Express:
         self.completed = self.handed_over = 0
 
     def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, imm: int | None,
-              deadline: float, budget_of: Any) -> int | TransferState | None:
+              deadline: float, budget_of: Callable[[int], int]) -> int | TransferState | None:
         """Write ``scatter`` if it can go the express way: the piece count
         once it completed, else its ``TransferState`` (a regular transfer now,
         in flight: wait for it as usual). None when it cannot go this way;
@@ -81,7 +82,7 @@ class Express:
         poller = s._inline_poller
         received: list[tuple[int, int]] = []
         imms: list[tuple[int, int]] = []
-        got, failed = 0, None
+        got, failed = 0, None  # failed: the poll that met an error entry
         s._poller.hold(True)
         try:
             with s._lock:
@@ -133,7 +134,7 @@ class Express:
 
     def _hand_over(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
                    imm: int | None, tid: int, deadline: float, got: int, left: bool,
-                   failed: Any, received: list[tuple[int, int]],
+                   failed: Completions | None, received: list[tuple[int, int]],
                    imms: list[tuple[int, int]]) -> TransferState:
         """Make the write a regular transfer with what it has done so far."""
         s = self._shard

@@ -9,17 +9,19 @@ Two shortcuts for small writes, both because a thread hop into trio costs
 FI_THREAD_SAFE), and polls the CQs for a few microseconds with a poller of its
 own; whichever thread reads a completion absorbs it under ``_lock``.
 Operation contexts are integers (transfer id, cursor index); no Python object
-crosses into C. Failover and notify-mode notifications: ``_failover.py``.
+crosses into C. The shard's other parts, each a module of its own: the
+poller thread's loop (``_poller_loop.py``), the express path for small writes
+on a quiet shard (``_express.py``), failover and notify-mode notifications
+(``_failover.py``).
 
-This is the only place that posts writes and counts completions (ours and
-the immediates peers' writes carry); ``Engine`` asks the shard, never its
-rails, cache or poller. What must not live here: validation (done by
+The shard and those parts are the only code that posts writes and counts
+completions (ours and the immediates peers' writes carry); ``Engine`` asks
+the shard, never its rails, cache or poller. What must not live here: validation (done by
 ``RailGroup.prepare``, in the trio thread) and any Python loop over pieces.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -30,7 +32,6 @@ from typing import Any
 import structlog
 import trio
 
-from p2pxfer.errors import P2PXferError
 from p2pxfer.fabric import (
     CURSOR_SHIFT,
     FLAG_REMOTE_CQ_DATA,
@@ -47,6 +48,7 @@ from ._express import Express
 from ._failover import Failover
 from ._health import RailHealth
 from ._plan import RailGroup
+from ._poller_loop import PollerLoop
 from ._queues import DestQueues
 from ._shard_memory import ShardMemory
 from ._state import NicStats, TransferState
@@ -56,18 +58,7 @@ __all__ = ["Shard"]
 log = structlog.get_logger("p2pxfer.engine")
 
 DIRECT_POST_MAX = 64  # writes of at most this many pieces: posted from the trio thread
-INFLIGHT_SPIN_NS = 500_000  # with transfers in flight, spin this long on CQs without fds
-LINGER_S = 0.005  # ... and this long after the last completion read, in flight or not
-FD_LINGER_SPIN_NS = 200_000  # where CQs have wait fds: spin this long after each, meanwhile
-# With transfers in flight, never sleep longer than this even on CQ wait fds:
-# tcp's wait fd signals arrivals, not that a half-sent message may go on (the
-# socket became writable): a large write could sit out the whole idle timeout.
-INFLIGHT_NAP_NS = 1_000_000  # a wake-up costs tens of microseconds; 1 kHz is cheap
-DEEP_IDLE_S = 2.0  # no completion for this long (and none in flight): deep idle
-DEEP_IDLE_NAP_NS = 16_000_000  # ... where a nap without wait fds may last this long
-DEEP_IDLE_RETURN_NS = 250_000_000  # ... and the poller returns to Python this seldom
 IMM_BACKLOG = 64  # batches of immediates nobody waits for, held before a delivery
-CLOSE_DRAIN_NS = 20_000_000  # at close, progress this long first (``_shutdown``)
 
 
 class Shard(ShardMemory):
@@ -114,8 +105,6 @@ class Shard(ShardMemory):
         self._finished: deque[TransferState] = deque()
         self._imms: deque[list[tuple[int, int]]] = deque()
         self._inflight: dict[int, TransferState] = {}
-        #: notify-mode writes per destination, in submission order (``_notify_turn``)
-        self._notify_order: dict[tuple[bytes, ...], deque[TransferState]] = {}
         # Writes not fully posted yet: FIFO per destination (poller thread).
         self._queues = DestQueues(peer_pieces)
         self.thread_done = trio.Event()
@@ -138,7 +127,7 @@ class Shard(ShardMemory):
     # -- trio side ------------------------------------------------------------
 
     def start(self) -> None:
-        trio.lowlevel.start_thread_soon(self._thread_main, self._thread_exited,
+        trio.lowlevel.start_thread_soon(PollerLoop(self).run, self._thread_exited,
                                         name=f"p2pxfer-poller-{self.index}")
 
     def _thread_exited(self, outcome: Any) -> None:
@@ -190,7 +179,7 @@ class Shard(ShardMemory):
             with self._lock:  # nothing of it was posted: it was never here
                 if self._inflight.pop(tr.w.tid, None) is not None:
                     self.queued -= 1
-                self._notify_release(tr)
+                self._notified(tr)
             raise
 
     def _submit(self, tr: TransferState, inline: bool) -> None:
@@ -200,7 +189,8 @@ class Shard(ShardMemory):
         # Registered before the first post, so no completion can miss it.
         self._inflight[tr.w.tid] = tr
         if tr.w.notify_imm is not None and not tr.dry_run:
-            self._notify_order.setdefault(tr.w.dest, deque()).append(tr)
+            with self._lock:  # the poller thread reads the order under it
+                self._queues.will_notify(tr)
         # Only small writes are posted here (a long list posted from two threads
         # would have them fight over the provider's locks), and only while no
         # earlier write waits for the poller: writes go out in order.
@@ -281,8 +271,7 @@ class Shard(ShardMemory):
             else:
                 self.completed += 1
             tr.done.set()
-        while self._imms:
-            self._deliver_imms(self._imms.popleft())
+        self.pull_imms()
 
     def close(self) -> None:
         """Deregister everything and close the rails (the poller thread has stopped)."""
@@ -290,66 +279,6 @@ class Shard(ShardMemory):
         os.close(self.wake_fd)
 
     # -- poller thread --------------------------------------------------------
-
-    def _thread_main(self) -> None:
-        if self._pin and self.topo.cpus:  # the node's CPUs, not one core
-            os.sched_setaffinity(0, self.topo.cpus)
-        poller = self._poller
-        while True:
-            with self._lock:
-                if self._inbox and self._take_commands():
-                    break
-            busy = self._post_pending()
-            with self._lock:
-                need = min((tr.remaining for tr in self._inflight.values()), default=1)
-                if self._queues:  # room to post opens with half a peer's bound back
-                    need = max(1, min(need, self._queues.bound // 2))
-            self._flush()
-            # Outside the lock: spin, then sleep, gathering in C what the closest
-            # transfer still needs (each return to Python is a GIL round with
-            # trio). Without CQ wait fds (shm) a nap delays every completion and
-            # arrival: with transfers in flight, or within LINGER_S of the last
-            # arrival (a writer's loop; 64 KiB shm write p50 452 -> 61 us), spin
-            # longer first. An idle shm shard still naps (idle bench < 1%).
-            # With wait fds (tcp) the same holds for a target in a writer's
-            # loop: a thread woken from ppoll answers tens of microseconds
-            # late, so within LINGER_S of the last completion it spins
-            # FD_LINGER_SPIN_NS after each (one 4 KiB write at a time, mean
-            # 31 -> 20 us); an idle one sleeps on the fds as before.
-            spin, nap = self._spin_ns, self._idle_ns
-            if self._inflight:
-                nap = min(nap, INFLIGHT_NAP_NS)
-            quiet = time.monotonic() - self._recent
-            recent = quiet < LINGER_S
-            if not self._blocks_on_fds:
-                if self._inflight or recent:
-                    spin = max(spin, INFLIGHT_SPIN_NS)
-                # Long idle: nap longer (each wake-up costs ~30 us here; an
-                # idle shm daemon with membership used 1.4% of a core, the
-                # poller 0.8% of it); the first arrival after such a pause
-                # waits up to DEEP_IDLE_NAP_NS.
-                deep = not self._inflight and quiet > DEEP_IDLE_S
-                poller.backoff_max_ns = (max(self._backoff_max_ns, DEEP_IDLE_NAP_NS) if deep
-                                         else self._backoff_max_ns)
-            elif recent:
-                spin = max(spin, FD_LINGER_SPIN_NS)
-            if not self._inflight and quiet > DEEP_IDLE_S:
-                # Come back to Python seldom (the fds and the wake fd still
-                # wake it at once; reset connections' knocks wait that long).
-                nap = max(nap, DEEP_IDLE_RETURN_NS)
-            c = poller.progress(spin_ns=0 if busy else spin,
-                                timeout_ns=0 if busy else nap, min_entries=need)
-            with self._lock:
-                self._absorb(c)
-                now = time.monotonic()
-                if len(c):
-                    self._recent = now
-                self._failover.run_pending(now)  # pairs pieces failed on: fail over
-                if now >= self._next_check:  # rail pairs that stalled: fail over
-                    self._next_check = now + self._health.stall_s / 10
-                    self._failover.check(now)
-            self._flush()
-        self._shutdown()
 
     def poll_inline(self, tr: TransferState, budget_ns: int) -> None:
         """In the trio thread, right after posting a small write: poll the CQs
@@ -394,71 +323,6 @@ class Shard(ShardMemory):
         """In trio: pass on the immediates that arrived and wait here."""
         while self._imms:
             self._deliver_imms(self._imms.popleft())
-
-    def _take_commands(self) -> bool:
-        while self._inbox:
-            # Peek, act, then pop: the trio thread (checking both before
-            # posting directly) never sees inbox and queue empty while a write
-            # is due: writes go out in submission order.
-            what, tr = self._inbox[0]
-            if what == "stop":
-                self._inbox.popleft()
-                return True
-            assert tr is not None
-            if what == "write":
-                if tr.dry_run:
-                    tr.remaining -= tr.w.batch.cancel()
-                    self._finish_if_done(tr)
-                else:
-                    self._queues.push(tr)
-            elif what == "cancel" and self._queues.remove(tr):
-                never = tr.w.batch.cancel()
-                tr.w.batch.unposted_at_cancel = never
-                tr.remaining -= never
-                self._finish_if_done(tr)
-            elif what == "abort":
-                self._failover.abort(tr)
-            self._inbox.popleft()
-        return False
-
-    def _post_pending(self) -> bool:
-        """Post what waits, per destination in submission order (KV layers
-        must land in order), destinations in turn, each within its bound of
-        pieces in flight (``DestQueues``). True if some write could post more
-        right now (a TX queue was full); False when every waiting write waits
-        for its peer's completions. The C call runs outside the lock."""
-        poller, busy = self._poller, False
-        for head in self._queues.heads():
-            tr: TransferState | None = head
-            while tr is not None:
-                batch = tr.w.batch
-                with self._lock:
-                    batch.refresh()  # after a teardown, post to the new connection
-                    can = batch.window(self._queues.room(tr))
-                c = poller.post(batch) if can else None
-                # Outside the lock: asking a stalled peer may take a moment.
-                gone = None if batch.posted else tr.stall.check(batch)
-                with self._lock:
-                    self._queues.note_posted(tr)
-                    if c is not None:
-                        self._absorb(c)
-                    if tr.error is not None:
-                        tr.remaining -= batch.cancel()  # stop posting after a failure
-                    if not batch.posted:
-                        if gone is None:
-                            busy = busy or batch.window(self._queues.room(tr))
-                            break
-                        # Its peer is gone: what is not posted never will be.
-                        tr.gone = gone
-                        tr.remaining -= batch.cancel()
-                    nxt = self._queues.next_after(tr)
-                    if failures := batch.failures():
-                        tr.error = tr.error or "; ".join(failures)
-                        # A failed post counts in what cancel() reports as never posted.
-                        tr.remaining -= batch.cancel()
-                    self._finish_if_done(tr)
-                tr = nxt
-        return busy
 
     def nic_stats(self) -> list[NicStats]:
         """A snapshot per rail, in trio. Bytes and pieces count delivered
@@ -548,55 +412,20 @@ class Shard(ShardMemory):
                 tr.error = tr.error or "it was cancelled before its notification was sent"
             elif not tr.cancel_requested and all(x is None for x in (
                     tr.error, tr.gone, tr.aborted, tr.exhausted, tr.rail_lost)):
-                if not self._notify_turn(tr):
+                if not self._queues.notify_turn(tr):
                     return  # an earlier write to its peer notifies first; it calls back
                 t = self._failover.notify_pair(tr, time.monotonic())
                 if t is not None:
                     self._failover.notify(tr, t, self.wake_fd)
             if tr.notify_cursor >= 0:
-                self._notify_release(tr)
+                self._notified(tr)
         if tr.remaining <= 0 and not self._queues.holds(tr):
             del self._inflight[tr.w.tid]
             self._finished.append(tr)
-            self._notify_release(tr)
+            self._notified(tr)
 
-    # Notifications to one peer go out in the order their writes were
-    # submitted: each write's goes once its data is acknowledged, and with
-    # several in flight on a fresh tcp;ofi_rxm connection the acknowledgements
-    # came out of order now and then (KV layer 6 was counted before layer 5:
-    # ``test_layers_land_in_order``, 3 runs in 15). A write that finished
-    # without one (failed, cancelled) lets the next go.
-
-    def _notify_turn(self, tr: TransferState) -> bool:
-        q = self._notify_order.get(tr.w.dest)
-        return q is None or q[0] is tr
-
-    def _notify_release(self, tr: TransferState) -> None:
-        q = self._notify_order.get(tr.w.dest)
-        if q is None or tr not in q:
-            return
-        head = q[0] is tr
-        q.remove(tr)
-        if not q:
-            del self._notify_order[tr.w.dest]
-        elif head:
-            self._finish_if_done(q[0])  # its turn may have come
-
-    def _shutdown(self) -> None:
-        """Fail everything still queued or in flight: the engine is closing.
-        Then progress a moment (what it reads is dropped): fi_close crashed on a
-        tcp;ofi_rxm endpoint whose peer had just dropped a connection mid-write."""
-        for tr in list(self._inflight.values()):
-            tr.w.batch.cancel()
-            tr.closed = True
-            self._finished.append(tr)
-        self._inflight.clear()
-        self._notify_order.clear()
-        self._queues.clear()
-        while self._inbox:
-            what, queued = self._inbox.popleft()
-            if what == "write" and queued is not None:
-                queued.closed = True
-                self._finished.append(queued)
-        with contextlib.suppress(P2PXferError):  # closing anyway
-            self._poller.progress(spin_ns=0, timeout_ns=CLOSE_DRAIN_NS, min_entries=1 << 30)
+    def _notified(self, tr: TransferState) -> None:
+        """``tr`` notified or ended: the next write to its peer may notify."""
+        nxt = self._queues.notified(tr)
+        if nxt is not None:
+            self._finish_if_done(nxt)  # its turn may have come

@@ -1,0 +1,201 @@
+"""The poller thread of one shard: its loop, the commands it takes from the
+trio thread, posting what waits, and how long it spins and sleeps.
+
+It owns the shard's CQs (pplx-garden's worker model): each turn takes the
+inbox's commands, posts the destinations' queue heads within their bounds,
+then drains the CQs in one C call (spinning, then sleeping on the wait fds or
+a back-off) and absorbs what it read under the shard's lock. Completions and
+immediates go back to trio through the shard (``Shard._flush``).
+
+What must not live here: validation, the trio side (``Shard``), deciding
+failover (``Failover``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import TYPE_CHECKING
+
+from p2pxfer.errors import P2PXferError
+
+if TYPE_CHECKING:
+    from ._shard import Shard
+    from ._state import TransferState
+
+__all__ = ["PollerLoop"]
+
+INFLIGHT_SPIN_NS = 500_000  # with transfers in flight, spin this long on CQs without fds
+LINGER_S = 0.005  # ... and this long after the last completion read, in flight or not
+FD_LINGER_SPIN_NS = 200_000  # where CQs have wait fds: spin this long after each, meanwhile
+# With transfers in flight, never sleep longer than this even on CQ wait fds:
+# tcp's wait fd signals arrivals, not that a half-sent message may go on (the
+# socket became writable): a large write could sit out the whole idle timeout.
+INFLIGHT_NAP_NS = 1_000_000  # a wake-up costs tens of microseconds; 1 kHz is cheap
+DEEP_IDLE_S = 2.0  # no completion for this long (and none in flight): deep idle
+DEEP_IDLE_NAP_NS = 16_000_000  # ... where a nap without wait fds may last this long
+DEEP_IDLE_RETURN_NS = 250_000_000  # ... and the poller returns to Python this seldom
+CLOSE_DRAIN_NS = 20_000_000  # at close, progress this long first (``_shutdown``)
+
+
+class PollerLoop:
+    """The poller thread of ``shard`` (``run`` is the thread's body)."""
+
+    def __init__(self, shard: Shard) -> None:
+        self._s = shard
+
+    def run(self) -> None:
+        """The thread's body: commands, posting, polling, until ``stop``."""
+        s = self._s
+        if s._pin and s.topo.cpus:  # the node's CPUs, not one core
+            os.sched_setaffinity(0, s.topo.cpus)
+        poller = s._poller
+        while True:
+            with s._lock:
+                if s._inbox and self._take_commands():
+                    break
+            busy = self._post_pending()
+            with s._lock:
+                need = min((tr.remaining for tr in s._inflight.values()), default=1)
+                if s._queues:  # room to post opens with half a peer's bound back
+                    need = max(1, min(need, s._queues.bound // 2))
+            s._flush()
+            # Outside the lock: spin, then sleep, gathering in C what the closest
+            # transfer still needs (each return to Python is a GIL round with trio).
+            spin, nap = self._pace()
+            c = poller.progress(spin_ns=0 if busy else spin,
+                                timeout_ns=0 if busy else nap, min_entries=need)
+            with s._lock:
+                s._absorb(c)
+                now = time.monotonic()
+                if len(c):
+                    s._recent = now
+                s._failover.run_pending(now)  # pairs pieces failed on: fail over
+                if now >= s._next_check:  # rail pairs that stalled: fail over
+                    s._next_check = now + s._health.stall_s / 10
+                    s._failover.check(now)
+            s._flush()
+        self._shutdown()
+
+    def _pace(self) -> tuple[int, int]:
+        """How long the next poll spins after the last activity, and how long
+        it may last in all; sets the back-off cap where CQs have no wait fd.
+
+        Without CQ wait fds (shm) a nap delays every completion and arrival:
+        with transfers in flight, or within LINGER_S of the last arrival (a
+        writer's loop; 64 KiB shm write p50 452 -> 61 us), spin longer first.
+        With wait fds (tcp) the same holds for a target in a writer's loop: a
+        thread woken from ppoll answers tens of microseconds late, so within
+        LINGER_S of the last completion it spins FD_LINGER_SPIN_NS after each
+        (one 4 KiB write at a time, mean 31 -> 20 us). Deep idle (no
+        completion for DEEP_IDLE_S, nothing in flight): it comes back to
+        Python seldom (the fds and the wake fd still wake it at once; reset
+        connections' knocks wait that long) and, without wait fds, naps up to
+        DEEP_IDLE_NAP_NS, which the first arrival after such a pause may wait
+        (each wake-up costs ~30 us here: an idle shm daemon with membership
+        used 1.4% of a core, its poller 0.8% of it)."""
+        s = self._s
+        spin, nap = s._spin_ns, s._idle_ns
+        quiet = time.monotonic() - s._recent
+        recent = quiet < LINGER_S
+        deep = not s._inflight and quiet > DEEP_IDLE_S
+        if s._inflight:
+            nap = min(nap, INFLIGHT_NAP_NS)
+        elif deep:
+            nap = max(nap, DEEP_IDLE_RETURN_NS)
+        if s._blocks_on_fds:
+            if recent:
+                spin = max(spin, FD_LINGER_SPIN_NS)
+        else:
+            if s._inflight or recent:
+                spin = max(spin, INFLIGHT_SPIN_NS)
+            s._poller.backoff_max_ns = (max(s._backoff_max_ns, DEEP_IDLE_NAP_NS) if deep
+                                        else s._backoff_max_ns)
+        return spin, nap
+
+    def _take_commands(self) -> bool:
+        s = self._s
+        while s._inbox:
+            # Peek, act, then pop: the trio thread (checking both before
+            # posting directly) never sees inbox and queue empty while a write
+            # is due: writes go out in submission order.
+            what, tr = s._inbox[0]
+            if what == "stop":
+                s._inbox.popleft()
+                return True
+            assert tr is not None
+            if what == "write":
+                if tr.dry_run:
+                    tr.remaining -= tr.w.batch.cancel()
+                    s._finish_if_done(tr)
+                else:
+                    s._queues.push(tr)
+            elif what == "cancel" and s._queues.remove(tr):
+                never = tr.w.batch.cancel()
+                tr.w.batch.unposted_at_cancel = never
+                tr.remaining -= never
+                s._finish_if_done(tr)
+            elif what == "abort":
+                s._failover.abort(tr)
+            s._inbox.popleft()
+        return False
+
+    def _post_pending(self) -> bool:
+        """Post what waits, per destination in submission order (KV layers
+        must land in order), destinations in turn, each within its bound of
+        pieces in flight (``DestQueues``). True if some write could post more
+        right now (a TX queue was full); False when every waiting write waits
+        for its peer's completions. The C call runs outside the lock."""
+        s = self._s
+        poller, busy = s._poller, False
+        for head in s._queues.heads():
+            tr: TransferState | None = head
+            while tr is not None:
+                batch = tr.w.batch
+                with s._lock:
+                    batch.refresh()  # after a teardown, post to the new connection
+                    can = batch.window(s._queues.room(tr))
+                c = poller.post(batch) if can else None
+                # Outside the lock: asking a stalled peer may take a moment.
+                gone = None if batch.posted else tr.stall.check(batch)
+                with s._lock:
+                    s._queues.note_posted(tr)
+                    if c is not None:
+                        s._absorb(c)
+                    if tr.error is not None:
+                        tr.remaining -= batch.cancel()  # stop posting after a failure
+                    if not batch.posted:
+                        if gone is None:
+                            busy = busy or batch.window(s._queues.room(tr))
+                            break
+                        # Its peer is gone: what is not posted never will be.
+                        tr.gone = gone
+                        tr.remaining -= batch.cancel()
+                    nxt = s._queues.next_after(tr)
+                    if failures := batch.failures():
+                        tr.error = tr.error or "; ".join(failures)
+                        # A failed post counts in what cancel() reports as never posted.
+                        tr.remaining -= batch.cancel()
+                    s._finish_if_done(tr)
+                tr = nxt
+        return busy
+
+    def _shutdown(self) -> None:
+        """Fail everything still queued or in flight: the engine is closing.
+        Then progress a moment (what it reads is dropped): fi_close crashed on a
+        tcp;ofi_rxm endpoint whose peer had just dropped a connection mid-write."""
+        s = self._s
+        for tr in list(s._inflight.values()):
+            tr.w.batch.cancel()
+            tr.closed = True
+            s._finished.append(tr)
+        s._inflight.clear()
+        s._queues.clear()
+        while s._inbox:
+            what, queued = s._inbox.popleft()
+            if what == "write" and queued is not None:
+                queued.closed = True
+                s._finished.append(queued)
+        with contextlib.suppress(P2PXferError):  # closing anyway
+            s._poller.progress(spin_ns=0, timeout_ns=CLOSE_DRAIN_NS, min_entries=1 << 30)
