@@ -350,6 +350,7 @@ class Failover:
             self._finish(o)  # nothing left in flight nor queued: it ends
         log.warning("transfer.aborted", transfer_id=tr.w.tid, peer=tr.peer,
                     reason=tr.aborted, completed=tr.completed, pieces=tr.w.pieces,
+                    posted=sum(tr.w.batch.posted_by_cursor()),
                     also_failed=[o.w.tid for o in doomed[1:]], connections=links,
                     shard=self._index)
 

@@ -204,8 +204,12 @@ class Shard(ShardMemory):
             with self._lock:
                 tr.w.batch.refresh()
                 if tr.w.batch.window(self._queues.room(tr)):
-                    left = tr.w.batch.post_once()
+                    tr.w.batch.post_once()
                     self._queues.note_posted(tr)
+                    # Pieces are left when the TX queue pushed back *or* the
+                    # peer's bound held the cursor short of its end: either
+                    # way the poller must post the rest.
+                    left = not tr.w.batch.posted
                     if tr.w.notify_imm is not None and not left:
                         self._finish_if_done(tr)  # its notification may go right behind
                 else:
