@@ -180,6 +180,43 @@ async def test_64_concurrent_writers(provider: str) -> None:
         assert pinned(a) == 0
 
 
+@pytest.mark.parametrize("notify", [False, True])
+async def test_small_writes_past_the_peer_bound_all_complete(provider: str,
+                                                             notify: bool) -> None:
+    # A write small enough to be posted from the trio thread, while the
+    # per-peer bound has room for only part of it: the rest must still go
+    # out once room opens (scattered KV pushes with over 512 pieces in flight
+    # to one peer left such pieces unposted until their deadline). The
+    # target is held off its CQs, so nothing completes until every write is
+    # submitted, whatever the machine's load.
+    source = random_bytes(3, SRC_SIZE)
+    rng = np.random.default_rng(4)
+    lists = [random_scatter(rng, 3, SRC_SIZE, t * 4096 * 8, 4096 * 8, 4096) for t in range(8)]
+    region = np.zeros(len(lists) * 4096 * 8, np.uint8)
+    async with pair(provider, peer_pieces=4) as (a, b):
+        desc = b.export(region, "kv")
+        a.register(source)
+        with trio.fail_after(STEP):
+            await a.write(source, desc, ScatterList.contiguous(64))  # connected
+        for shard in b.shards:
+            shard._poller.hold(True)  # test-only reach: a target that reads nothing yet
+        try:
+            transfers = [await a.submit(source, desc, sl, imm=0x2000 + t, notify=notify)
+                         for t, sl in enumerate(lists)]
+        finally:
+            for shard in b.shards:
+                shard._poller.hold(False)
+        with trio.fail_after(STEP):
+            for t, tr in enumerate(transfers):
+                assert await tr.wait() == len(lists[t])
+                await b.wait_imm(0x2000 + t, tr.imms)
+    expected = np.zeros_like(region)
+    expected[:64] = source[:64]
+    for sl in lists:
+        apply_pieces(expected, source, sl)
+    assert_image(region, expected)
+
+
 async def test_nic_completed_counts_only_own_writes(provider: str) -> None:
     """Both engines write to each other: a NIC's ``completed`` (and so its
     ``inflight``) must describe the pieces it posted, not the writes that
