@@ -21,8 +21,13 @@ from p2pxfer.errors import FabricError
 # (``Rail.disconnect``). A value set by the user is kept.
 os.environ.setdefault("FI_AV_REMOVE_CLEANUP", "1")
 
+from ._signals import kept_signals
+
 try:
-    from p2pxfer._fabric import ffi, lib
+    # Loading libfabric loads libinfinipath, which takes SIGINT, SIGTERM,
+    # SIGSEGV & co. for itself (see ``_signals``): they are given back.
+    with kept_signals():
+        from p2pxfer._fabric import ffi, lib
 except ImportError as exc:  # pragma: no cover - only on a broken install
     raise ImportError(
         "p2pxfer's native binding is not built: install the package with "
