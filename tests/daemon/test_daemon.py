@@ -729,6 +729,21 @@ def _packed(src: list[int], dst: list[int], length: list[int]) -> bytes:
     return b"".join(np.asarray(x, "<i8").tobytes() for x in (src, dst, length))
 
 
+async def test_errors_leave_the_connect_block_as_themselves(
+        live: tuple[DaemonProc, DaemonProc]) -> None:
+    """What a call inside ``async with p2pxfer.connect(...)`` raises reaches
+    the caller as itself, not wrapped in an ``ExceptionGroup``: ``except
+    p2pxfer.WaitTimeout`` around the block catches it."""
+    a, _ = live
+    with trio.fail_after(TRANSFER_TIMEOUT):
+        with pytest.raises(p2pxfer.WaitTimeout):
+            async with p2pxfer.connect(a.socket) as ca:
+                await ca.wait_imm(0x77, 1, timeout=0.2)
+        with pytest.raises(KeyError):
+            async with p2pxfer.connect(a.socket):
+                raise KeyError("the caller's own")
+
+
 async def test_semantic_errors_through_the_client(live: tuple[DaemonProc, DaemonProc]) -> None:
     """Refusals through the client library arrive as the matching exception
     with the protocol's code; none of them disturbs the connection."""

@@ -21,7 +21,13 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from p2pxfer.errors import ConnectionLost, DaemonError, InvalidArgument, WaitTimeout
+from p2pxfer.errors import (
+    ConnectionLost,
+    DaemonError,
+    InvalidArgument,
+    P2PXferError,
+    WaitTimeout,
+)
 from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor, SharedBuffer
 from p2pxfer.protocol import pack_scatter
@@ -254,12 +260,39 @@ async def connect(path: str, *, max_frame: int = 16 << 20) -> AsyncIterator[Clie
     client = Client(stream, max_frame, path)
     try:
         await client._handshake()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(client._reader)
-            try:
-                yield client
-            finally:
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client._reader)
+                try:
+                    yield client
+                finally:
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The reader's task group wraps what the caller's block raised:
+            # ``except WaitTimeout`` around the block must still catch it.
+            raise _one_of(group) from None
     finally:
         with anyio.CancelScope(shield=True):
             await client.aclose()
+
+
+def _one_of(group: BaseExceptionGroup) -> BaseException:  # type: ignore[type-arg]
+    """The exception a caller should see for ``group``: its only leaf, else
+    the first that is not a cancellation (ours before others), else the
+    group itself."""
+    found: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for sub in exc.exceptions:
+                walk(sub)
+        else:
+            found.append(exc)
+
+    walk(group)
+    if len(found) == 1:
+        return found[0]
+    cancelled = anyio.get_cancelled_exc_class()
+    real = [e for e in found if not isinstance(e, cancelled)]
+    ours = [e for e in real if isinstance(e, P2PXferError)]
+    return (ours or real or [group])[0]
