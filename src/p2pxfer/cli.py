@@ -173,27 +173,48 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
         raise click.ClickException(one_line(exc, cfg)) from None
 
 
-def _client_call(socket_path: str, method: str) -> object:
-    from p2pxfer.client import SyncClient
+def _client_call(socket_path: str, method: str, wait_s: float = 0.0) -> object:
+    """``method`` of a ``SyncClient`` on ``socket_path``; with ``wait_s``, a
+    daemon that is not accepting yet (no socket, refused, closed during the
+    hello) is tried again until it answers or ``wait_s`` has passed."""
+    import time
 
-    try:
-        with SyncClient(socket_path) as client:
-            return getattr(client, method)()
-    except P2PXferError as exc:
-        raise click.ClickException(str(exc)) from exc
+    from p2pxfer.client import SyncClient
+    from p2pxfer.errors import ConnectionLost
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with SyncClient(socket_path) as client:
+                return getattr(client, method)()
+        except ConnectionLost as exc:
+            if time.monotonic() >= deadline:
+                hint = f" (waited {wait_s:g} s)" if wait_s else ""
+                raise click.ClickException(f"{exc}{hint}") from exc
+            time.sleep(0.1)
+        except P2PXferError as exc:
+            raise click.ClickException(str(exc)) from exc
 
 
 @main.command()
 @click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
-def status(socket_path: str, as_json: bool) -> None:
-    """Regions, peers, transfers in flight and bytes per NIC of a running daemon."""
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=0.0,
+              metavar="SECONDS",
+              help="wait up to SECONDS for a daemon that is still starting to answer")
+@click.option("--quiet", "-q", is_flag=True, help="print nothing: the exit status says it all")
+def status(socket_path: str, as_json: bool, wait_s: float, quiet: bool) -> None:
+    """Regions, peers, transfers in flight and bytes per NIC of a running daemon.
+    With --wait, also the way to wait for a daemon started in the background
+    (exit status 0 once it answers, 1 if it did not in time)."""
     import json
 
     from p2pxfer._views import print_status
 
-    st = _client_call(socket_path, "status")
+    st = _client_call(socket_path, "status", wait_s)
     assert isinstance(st, dict)
+    if quiet:
+        return
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return

@@ -1113,6 +1113,18 @@ def test_cli_missing_socket(tmp_path: Path) -> None:
     assert r.exit_code != 0 and "cannot reach the p2pxfer daemon" in r.output, r.output
 
 
+def test_cli_status_wait(tmp_path: Path, live: tuple[DaemonProc, DaemonProc]) -> None:
+    """``status --wait``: gives up after its time on a socket nobody serves,
+    answers at once (``-q``: silently) where a daemon runs."""
+    missing = str(tmp_path / "not-yet.sock")
+    t0 = time.monotonic()
+    r = run_cli("status", "--socket", missing, "--wait", "0.5", timeout=20)
+    assert r.returncode == 1 and time.monotonic() - t0 >= 0.5
+    assert "waited 0.5 s" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_cli("status", "--socket", live[0].socket, "--wait", "30", "-q", timeout=40)
+    assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
+
+
 async def test_lost_daemon_connection_is_connection_lost(tmp_path: Path) -> None:
     """A daemon that goes away while a request waits: the request (and every
     later one) raises ``ConnectionLost``, not a bare ``EngineClosed`` of the

@@ -3,7 +3,9 @@ file), a write from one to the other, the bytes checked."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,3 +56,31 @@ def test_two_nodes_from_flags(tmp_path: Path) -> None:
         assert a.stop() == 0
     finally:
         a.stop()
+
+
+def readme_two_node_block() -> str:
+    """The shell block of README.md's "Two nodes in a handful of commands"."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Two nodes in a handful of commands", 1)[1]
+    return section.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_two_node_block_works_when_pasted(tmp_path: Path) -> None:
+    """The block as a reader pastes it (backgrounded daemons, then the client
+    straight away), on free ports and sockets of this test's own."""
+    block = readme_two_node_block()
+    ports = {"7700": str(free_port()), "7701": str(free_port()), "9464": str(free_port())}
+    for old, new in [*ports.items(), ("/tmp/a.sock", str(tmp_path / "a.sock")),
+                     ("/tmp/b.sock", str(tmp_path / "b.sock")),
+                     (".venv/bin/", str(Path(sys.executable).parent) + "/")]:
+        assert old in block, f"the README's block no longer uses {old}"
+        block = block.replace(old, new)
+    # Daemons write to their own logs, so the block's output pipe closes with it.
+    block = block.replace(" &\n", f" >>{tmp_path}/daemons.log 2>&1 &\n")
+    block = block.replace("kill %1 %2", "kill %1 %2; wait")
+    done = subprocess.run(["bash", "-c", block], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, check=False)
+    log = (tmp_path / "daemons.log").read_text(errors="replace")[-3000:]
+    assert "landed: True" in done.stdout, (done.stdout[-3000:], done.stderr[-3000:], log)
+    assert "p2pxfer_rail_bytes_total" in done.stdout or shutil.which("curl") is None
+    assert done.returncode == 0, (done.stderr[-3000:], log)

@@ -276,7 +276,7 @@ async def connect(path: str, *, max_frame: int = 16 << 20) -> AsyncIterator[Clie
             await client.aclose()
 
 
-def _one_of(group: BaseExceptionGroup) -> BaseException:  # type: ignore[type-arg]
+def _one_of(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The exception a caller should see for ``group``: its only leaf, else
     the first that is not a cancellation (ours before others), else the
     group itself."""
