@@ -339,13 +339,14 @@ class KV:
 
     # -- pushing -------------------------------------------------------------------------
 
-    async def _ask(self, peer: str, kind: str, **fields: Any) -> dict[str, Any]:
+    async def _ask(self, peer: str, kind: str, until: float,
+                   **fields: Any) -> dict[str, Any]:
         if peer == self.d.node:  # into a pool of this node: no control link needed
             if kind == "kv_begin":
                 return self.begin(peer, fields["pool"], fields["request"], fields["layers"],
                                   fields["deadline_ms"])
             return self.expect(peer, fields["slot"], fields["pieces"], fields["first"])
-        return await self.d.peers.request(peer, kind, **fields)
+        return await self.d.peers.request(peer, kind, until=until, **fields)
 
     async def push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
         d = self.d
@@ -358,8 +359,11 @@ class KV:
         d.follower.check_peer(peer)
         if peer == d.node:
             s.may_write_into(pool)  # a local pool: the same uid rules as a local write
+        # One deadline for the whole push, as for a write: asking the peer
+        # (resolve, kv_begin, kv_expect) spends the same time as the layers.
+        until = trio.current_time() + (d.config.write_timeout_s or math.inf)
         with self._tracked(peer):
-            desc = await d.regions.resolve(peer, pool)
+            desc = await d.regions.resolve(peer, pool, until=until)
             layout_wire = d.regions.kv_layout(peer, pool) if peer != d.node \
                 else self.layout_of(pool)
             if layout_wire is None:
@@ -376,13 +380,14 @@ class KV:
                 None if layers is None else unpack_i64(layers, "layers").tolist(),
                 src_size=len(src.view), dst_size=desc.length)
             t0 = time.perf_counter()
-            begun = await self._ask(peer, "kv_begin", pool=pool, request=request,
+            begun = await self._ask(peer, "kv_begin", until, pool=pool, request=request,
                                     layers=pack_i64(lays),
                                     deadline_ms=msg.get("deadline_ms", DEFAULT_DEADLINE_MS))
             slot = begun.get("slot")
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
-            pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln, counts)
+            pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln, counts,
+                                             until)
         seconds = time.perf_counter() - t0
         nbytes = int(ln.sum())
         log.debug("kv.push_complete", client=s.label, peer=peer, pool=pool, request=request,
@@ -391,7 +396,8 @@ class KV:
                 "seconds": seconds, "first_layer_s": first - t0}
 
     async def _post(self, src: Pool, desc: Any, peer: str, slot: int, lays: list[int],
-                    so: I64, do: I64, ln: I64, counts: I64) -> tuple[list[int], float]:
+                    so: I64, do: I64, ln: I64, counts: I64,
+                    until: float) -> tuple[list[int], float]:
         """One transfer per layer, in layer order, submitted before any is
         awaited; the receiver hears the first layer's piece count as soon as
         it is known (so layer 0 can complete there while later layers are
@@ -406,12 +412,14 @@ class KV:
                 a, b = bounds[k], bounds[k + 1]
                 transfers.append(await d.engine.submit(
                     src.view, desc, ScatterList(so[a:b], do[a:b], ln[a:b]),
-                    imm=d.imms.compose(slot, layer), notify=True))
+                    imm=d.imms.compose(slot, layer), notify=True,
+                    timeout=None if until == math.inf else max(until - trio.current_time(),
+                                                               1e-3)))
                 if k == 0:
-                    await self._ask(peer, "kv_expect", slot=slot, first=0,
+                    await self._ask(peer, "kv_expect", until, slot=slot, first=0,
                                     pieces=pack_i64([transfers[0].imms]))
             if len(transfers) > 1:
-                await self._ask(peer, "kv_expect", slot=slot, first=1,
+                await self._ask(peer, "kv_expect", until, slot=slot, first=1,
                                 pieces=pack_i64([t.imms for t in transfers[1:]]))
             for k, t in enumerate(transfers):
                 await t.wait()

@@ -12,6 +12,7 @@ the answers mean (regions, membership).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -65,16 +66,29 @@ class PeerLink:
         """Connected, and not in use right now."""
         return self._pump is not None and not self._lock.locked()
 
-    async def request(self, kind: str, **fields: Any) -> dict[str, Any]:
+    async def request(self, kind: str, *, until: float | None = None,
+                      **fields: Any) -> dict[str, Any]:
         """One request and its result. ``RemoteClosed`` when the peer cannot
-        be asked (within ``PEER_TIMEOUT_S``); ``AuthenticationFailed`` when
+        be asked within ``PEER_TIMEOUT_S``, or by ``until`` (trio time: the
+        deadline of the write the request is made for, however far);
+        ``AuthenticationFailed`` when
         the two of us cannot prove the token (or TLS refused a certificate);
         the peer's error answers as their exceptions (a fatal one also drops
         the connection)."""
         self.last_used = trio.current_time()
-        async with self._lock:
+        # A write's deadline also bounds its wait for the link (another
+        # request in turn); a plain request waits its turn, then has its time.
+        with trio.move_on_at(math.inf if until is None else until) as queued:
+            await self._lock.acquire()
+        if until is None:
+            until = trio.current_time() + PEER_TIMEOUT_S
+        if queued.cancelled_caught:
+            raise RemoteClosed(f"peer {self.peer.name} at {bounded(self.address, 100)}: no "
+                               "turn on its control connection in time (others' requests "
+                               "held it)")
+        try:
             try:
-                with trio.fail_after(PEER_TIMEOUT_S):
+                with trio.fail_at(until):
                     msg = await self._exchange(kind, fields)
             except AuthenticationFailed as exc:
                 self.last_heard = trio.current_time()  # an answer, if a refusal
@@ -97,6 +111,8 @@ class PeerLink:
             if msg.kind == "error":
                 raise error_from_wire(msg["code"], msg["message"], self.peer.name)
             return dict(msg.get("result") or {})
+        finally:
+            self._lock.release()
 
     def state(self) -> dict[str, Any]:
         """For ``status``: the control connection's state and when the peer
@@ -176,8 +192,10 @@ class PeerTable:
             link = self._links[peer] = PeerLink(self, self.peers[peer])
         return link
 
-    async def request(self, peer: str, kind: str, **fields: Any) -> dict[str, Any]:
-        return await self.link(peer).request(kind, **fields)
+    async def request(self, peer: str, kind: str, *, until: float | None = None,
+                      **fields: Any) -> dict[str, Any]:
+        """``PeerLink.request`` on ``peer``'s link."""
+        return await self.link(peer).request(kind, until=until, **fields)
 
     def add(self, name: str, address: str) -> None:
         """A peer at ``address`` (``host:port``, checked: ``InvalidArgument``

@@ -129,13 +129,16 @@ class Regions:
 
     # -- theirs -----------------------------------------------------------------
 
-    async def resolve(self, peer: str, region: str) -> RegionDescriptor:
+    async def resolve(self, peer: str, region: str, *,
+                      until: float | None = None) -> RegionDescriptor:
+        """``region`` of ``peer`` (cached). ``until``: the deadline (trio
+        time) of the write that asks, which bounds asking the peer."""
         if peer == self.node:
             return self.local_descriptor(region)
         key = (peer, region)
         if (hit := self._resolved.get(key)) is not None:
             return hit
-        result = await self.peers.request(peer, "resolve", region=region)
+        result = await self.peers.request(peer, "resolve", region=region, until=until)
         try:
             desc = RegionDescriptor.from_wire(result.get("descriptor"))
         except P2PXferError as exc:

@@ -15,6 +15,7 @@ posting or completions (``p2pxfer.engine``), the copy itself (``_local``).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -68,21 +69,24 @@ class Writes:
                                   "write landed")
         if peer == d.node and session is not None and self.local.enabled:
             return await self._copy(session, src, scatter, region, imm, notify)
+        # One deadline for all of the write: asking the peer for the region
+        # (or why it failed) spends the same time as posting and completing.
+        until = trio.current_time() + (d.config.write_timeout_s or math.inf)
         follower = d.follower
         if not follower.enabled:
-            desc = await d.regions.resolve(peer, region)
+            desc = await d.regions.resolve(peer, region, until=until)
             return await self._run(client, src, scatter, peer, region, desc, imm, session,
-                                   notify)
+                                   notify, until)
         follower.check_peer(peer)
         with follower.track_write(peer):
-            desc = await d.regions.resolve(peer, region)
+            desc = await d.regions.resolve(peer, region, until=until)
             try:
                 follower.check_descriptor(desc)
             except PeerLost:
                 d.regions.forget(peer, region)
                 raise
             return await self._run(client, src, scatter, peer, region, desc, imm, session,
-                                   notify)
+                                   notify, until)
         raise AssertionError("unreachable")  # track_write raised PeerLost
 
     async def _copy(self, session: ClientSession, src: memoryview, scatter: ScatterList,
@@ -105,7 +109,8 @@ class Writes:
 
     async def _run(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
                    region: str, desc: RegionDescriptor, imm: int | None,
-                   session: ClientSession | None = None, notify: bool = False) -> int:
+                   session: ClientSession | None = None, notify: bool = False,
+                   until: float = math.inf) -> int:
         d = self.d
         if session is not None and self.local.enabled and desc.node == d.node \
                 and desc.incarnation == d.incarnation:
@@ -121,7 +126,7 @@ class Writes:
             try:
                 pieces = await d.engine.write(src, desc, scatter,
                                               imm=self._imm(peer, region, imm),
-                                              notify=notify)
+                                              notify=notify, timeout=_left(until))
             except trio.Cancelled:
                 # Given up (its client cancelled or went away), perhaps stuck
                 # on a cut link, during which the region may have gone (its
@@ -137,7 +142,7 @@ class Writes:
                     # break it. The next write resolves afresh.
                     d.regions.forget(peer, region)
                     raise
-                fresh = await self._why_failed(peer, region, exc)
+                fresh = await self._why_failed(peer, region, exc, until)
                 if fresh is None or fresh.incarnation == desc.incarnation:
                     raise
                 # The peer restarted since we resolved the region: nothing of
@@ -148,7 +153,7 @@ class Writes:
                          incarnation=fresh.incarnation)
                 pieces = await d.engine.write(src, fresh, scatter,
                                               imm=self._imm(peer, region, imm),
-                                              notify=notify)
+                                              notify=notify, timeout=_left(until))
             ok = True
         finally:
             self.in_flight -= 1
@@ -163,8 +168,8 @@ class Writes:
             return None
         return self.d.imms.compose(self.d.regions.slot(peer, region), value)
 
-    async def _why_failed(self, peer: str, region: str,
-                          failure: TransferError) -> RegionDescriptor | None:
+    async def _why_failed(self, peer: str, region: str, failure: TransferError,
+                          until: float) -> RegionDescriptor | None:
         """A transfer failed: the region (or its owner) may be gone. Look it
         up afresh (raising ``unknown_region`` if it went) and return what the
         peer says now; with membership, a peer whose daemon is unreachable
@@ -176,9 +181,11 @@ class Writes:
         d.follower.check_peer(peer)
         unreachable = False
         fresh = None
-        with trio.move_on_after(PEER_TIMEOUT_S) as asking:
+        # Up to PEER_TIMEOUT_S, or what is left of the write's time if more.
+        until = max(until, trio.current_time() + PEER_TIMEOUT_S)
+        with trio.move_on_at(until) as asking:
             try:
-                fresh = await d.regions.resolve(peer, region)
+                fresh = await d.regions.resolve(peer, region, until=until)
             except RemoteClosed as exc:
                 if backend is None:
                     # Say what failed first, then why the peer's daemon was no help.
@@ -194,6 +201,14 @@ class Writes:
             backend.suspect(peer)
             await trio.sleep(backend.detection_bound())
         return fresh
+
+
+def _left(until: float) -> float | None:
+    """Seconds from now to ``until`` for the engine (None: no deadline); a
+    deadline already past leaves the engine a moment to say so itself."""
+    if until == math.inf:
+        return None
+    return max(until - trio.current_time(), 1e-3)
 
 
 def _node_cpus(engine: Any) -> tuple[int, ...]:

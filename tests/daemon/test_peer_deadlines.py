@@ -1,0 +1,79 @@
+"""Control requests made for a write are bounded by that write's deadline,
+not by a fixed timeout (a write with 15 s of its 20 s left failed after
+exactly ``PEER_TIMEOUT_S`` when its peer's control connection was slow);
+requests made for nobody in particular keep ``PEER_TIMEOUT_S``.
+
+The peer is a real TCP listener on loopback that accepts and never answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import pytest
+import trio
+
+from p2pxfer.daemon import _peers
+from p2pxfer.daemon._peers import PeerTable
+from p2pxfer.errors import RemoteClosed
+from p2pxfer.testing import LOOPBACK
+
+
+@asynccontextmanager
+async def silent_peer() -> AsyncIterator[str]:
+    """``host:port`` of a listener that accepts and then says nothing."""
+    async def hold(stream: trio.SocketStream) -> None:
+        async with stream:
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, hold, 0, host=LOOPBACK))
+        port = listeners[0].socket.getsockname()[1]
+        yield f"{LOOPBACK}:{port}"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_for_a_write_has_the_writes_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_peers, "PEER_TIMEOUT_S", 0.3)
+    async with silent_peer() as address:
+        table = PeerTable("me", (), auth=None, max_frame=1 << 20)
+        table.add("slow", address)
+        with trio.fail_after(20):
+            t0 = trio.current_time()
+            with pytest.raises(RemoteClosed, match="slow"):
+                await table.request("slow", "resolve", region="kv")
+            plain = trio.current_time() - t0
+            t0 = trio.current_time()
+            with pytest.raises(RemoteClosed, match="slow"):
+                await table.request("slow", "resolve", region="kv", until=t0 + 1.5)
+            for_write = trio.current_time() - t0
+    assert 0.25 <= plain < 1.2, plain
+    assert 1.45 <= for_write < 3.0, for_write
+
+
+async def test_a_write_waiting_its_turn_on_a_busy_link_keeps_its_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another request holds the link (the peer says nothing): a request made
+    # for a write with little time left fails when that time is up, not
+    # after the other's.
+    monkeypatch.setattr(_peers, "PEER_TIMEOUT_S", 5.0)
+    async with silent_peer() as address:
+        table = PeerTable("me", (), auth=None, max_frame=1 << 20)
+        table.add("slow", address)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                async def hog() -> None:
+                    with pytest.raises(RemoteClosed):
+                        await table.request("slow", "resolve", region="a")
+
+                nursery.start_soon(hog)
+                await trio.sleep(0.1)
+                t0 = trio.current_time()
+                with pytest.raises(RemoteClosed, match="no turn"):
+                    await table.request("slow", "resolve", region="b", until=t0 + 0.5)
+                took = trio.current_time() - t0
+                nursery.cancel_scope.cancel()
+    assert 0.45 <= took < 2.0, took
