@@ -386,8 +386,14 @@ class KV:
             slot = begun.get("slot")
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
-            pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln, counts,
-                                             until)
+            try:
+                pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln,
+                                                 counts, until)
+            except (trio.Cancelled, P2PXferError):
+                # As for a failed write: the pool (or its owner's life) may be
+                # what went; the next push resolves it afresh.
+                d.regions.forget(peer, pool)
+                raise
         seconds = time.perf_counter() - t0
         nbytes = int(ln.sum())
         log.debug("kv.push_complete", client=s.label, peer=peer, pool=pool, request=request,

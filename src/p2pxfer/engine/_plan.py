@@ -80,9 +80,14 @@ class Target(NamedTuple):
         is posted only after every completion was read), every piece where
         neither holds."""
         dc = None if not landed else end - 1 if self.rail.completions_ordered else start
+        # The AV's epoch before the lookup: if the poller thread removes the
+        # address after it, the cursor sees a newer epoch and looks it up
+        # again before posting (``WriteBatch.refresh``), never posting to a
+        # removed ``fi_addr_t``.
+        epoch = self.rail.av.epoch
         return batch.add(self.ours, self.rail, self.rail.peer(self.address), start, end,
                          self.src_base, self.src_desc, self.dst_base, self.dst_key,
-                         self.address, dc_from=dc, imm=imm, arrays=arrays)
+                         self.address, dc_from=dc, imm=imm, arrays=arrays, epoch=epoch)
 
 
 class Route(NamedTuple):
@@ -226,10 +231,17 @@ class RailGroup:
             self.cache.unpin(region)
 
     def deregister(self, obj: Any) -> None:
-        """Deregister whatever covers ``obj`` now, pinned or not."""
+        """Deregister whatever covers ``obj`` now. Refused (``InvalidArgument``)
+        while it is pinned: the source of a write in flight, whose pieces the
+        provider may still be reading from it, or exported."""
         span = buffer_span(obj)
         region = self.cache.lookup(span.address, span.nbytes)
         if region is not None:
+            if region.pins:
+                raise InvalidArgument(
+                    f"cannot deregister {span.nbytes} bytes at {span.address:#x}: they are "
+                    f"the source of writes in flight or exported ({region.pins} "
+                    "in use); wait for the writes, or unexport, first")
             self.cache.release(region)
 
     def source(self, src: Any) -> tuple[LocalRegion, int, int]:

@@ -48,8 +48,19 @@ class PollerLoop:
     def run(self) -> None:
         """The thread's body: commands, posting, polling, until ``stop``."""
         s = self._s
+        # The thread comes from trio's cache and goes back to it: pinned for
+        # our loop only, then as it was.
+        before = os.sched_getaffinity(0)
         if s._pin and s.topo.cpus:  # the node's CPUs, not one core
             os.sched_setaffinity(0, s.topo.cpus)
+        try:
+            self._loop()
+        finally:
+            if s._pin and s.topo.cpus:
+                os.sched_setaffinity(0, before)
+
+    def _loop(self) -> None:
+        s = self._s
         poller = s._poller
         while True:
             with s._lock:

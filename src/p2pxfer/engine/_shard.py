@@ -186,10 +186,12 @@ class Shard(ShardMemory):
         self.queued += 1
         n = len(tr.w.batch.rails)
         tr.seen, tr.cdone = [0] * n, [0] * n
-        # Registered before the first post, so no completion can miss it.
-        self._inflight[tr.w.tid] = tr
-        if tr.w.notify_imm is not None and not tr.dry_run:
-            with self._lock:  # the poller thread reads the order under it
+        # Registered before the first post, so no completion can miss it;
+        # under the lock, which the poller thread holds while it walks the
+        # in-flight table and the notification order.
+        with self._lock:
+            self._inflight[tr.w.tid] = tr
+            if tr.w.notify_imm is not None and not tr.dry_run:
                 self._queues.will_notify(tr)
         # Only small writes are posted here (a long list posted from two threads
         # would have them fight over the provider's locks), and only while no
@@ -333,10 +335,13 @@ class Shard(ShardMemory):
         transfers; ``inflight`` adds what undelivered ones posted so far;
         ``pairs`` says how each (rail, peer rail) pair is doing."""
         posting = [0] * len(self._group.rails)
-        for tr in list(self._inflight.values()) + list(self._finished):
-            for r, pieces, _ in tr.w.batch.progress():
-                posting[r] += pieces
-        pairs = self._failover.pair_stats(time.monotonic())
+        # A consistent snapshot: the poller thread adds to and removes from
+        # both tables (and the health table) under the lock.
+        with self._lock:
+            for tr in list(self._inflight.values()) + list(self._finished):
+                for r, pieces, _ in tr.w.batch.progress():
+                    posting[r] += pieces
+            pairs = self._failover.pair_stats(time.monotonic())
         # Failed and abandoned pieces are out of flight too.
         return [NicStats(self.index, rail.name, rail.provider, self._bytes_posted[r],
                          self._pieces_posted[r], self.pieces_done[r],

@@ -78,12 +78,14 @@ class WriteBatch:
     def add(self, rail_index: int, rail: Rail, dest: int, start: int, end: int,
             src_base: int, src_desc: Any, dst_base: int, dst_key: int,
             address: bytes = b"", *, dc_from: int | None = None, imm: int | None = None,
-            arrays: tuple[I64, I64, I64] | None = None) -> int:
+            arrays: tuple[I64, I64, I64] | None = None, epoch: int | None = None) -> int:
         """One rail's share; returns the cursor's index. ``address`` is the
         peer endpoint's (to reconnect after a teardown, and for
         ``StallWatch``). Pieces from index ``dc_from`` on are posted with
         FI_DELIVERY_COMPLETE; ``imm`` overrides the batch's immediate;
-        ``arrays`` (src, dst, length) replace the batch's for this cursor."""
+        ``arrays`` (src, dst, length) replace the batch's for this cursor;
+        ``epoch``: the rail's AV epoch read before ``dest`` was looked up
+        (default: now)."""
         i = len(self.rails)
         if i >= MAX_CURSORS:
             raise ValueError(f"a write cannot have more than {MAX_CURSORS} cursors")
@@ -105,7 +107,7 @@ class WriteBatch:
         self.ends.append(end)
         self.tails.append(end)
         self.peers.append((rail, address))
-        self._epochs.append(rail.av.epoch)
+        self._epochs.append(rail.av.epoch if epoch is None else epoch)
         return i
 
     def _grow(self, capacity: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from types import TracebackType
 from typing import Any, Self
 
@@ -173,30 +174,40 @@ class AddressVector(_Fid):
         #: counts removals: a ``WriteBatch`` made before one re-inserts its peers
         self.epoch = 0
         self.is_shm = domain.info.provider == "shm"
+        # Both the trio thread (a write's first lookup) and a shard's poller
+        # thread (teardown, re-insertion) use the AV, and the libfabric calls
+        # drop the GIL: a lookup-then-insert or a remove is one step under it.
+        self._lock = threading.Lock()
 
     def insert(self, address: bytes) -> int:
         hit = self._by_addr.get(address)
         if hit is not None:
             return hit
-        if self.is_shm:
-            check_shm_peer(address)
-        fi_addr = ffi.new("fi_addr_t *")
-        n = lib.fi_av_insert(self.handle, address, 1, fi_addr, 0, ffi.NULL)
-        if n != 1:
-            raise_fabric_error("fi_av_insert", n if n < 0 else -int(lib.FI_EINVAL), address.hex())
-        self._by_addr[address] = int(fi_addr[0])
-        return int(fi_addr[0])
+        with self._lock:
+            hit = self._by_addr.get(address)  # inserted while we waited
+            if hit is not None:
+                return hit
+            if self.is_shm:
+                check_shm_peer(address)
+            fi_addr = ffi.new("fi_addr_t *")
+            n = lib.fi_av_insert(self.handle, address, 1, fi_addr, 0, ffi.NULL)
+            if n != 1:
+                raise_fabric_error("fi_av_insert", n if n < 0 else -int(lib.FI_EINVAL),
+                                   address.hex())
+            self._by_addr[address] = int(fi_addr[0])
+            return int(fi_addr[0])
 
     def holds(self, address: bytes) -> bool:
         return address in self._by_addr
 
     def remove(self, address: bytes) -> None:
-        fi_addr = self._by_addr.pop(address, None)
-        if fi_addr is None:
-            return
-        self.epoch += 1
-        arr = ffi.new("fi_addr_t[1]", [fi_addr])
-        check(lib.fi_av_remove(self.handle, arr, 1, 0), "fi_av_remove")
+        with self._lock:
+            fi_addr = self._by_addr.pop(address, None)
+            if fi_addr is None:
+                return
+            self.epoch += 1
+            arr = ffi.new("fi_addr_t[1]", [fi_addr])
+            check(lib.fi_av_remove(self.handle, arr, 1, 0), "fi_av_remove")
 
     def straddr(self, address: bytes) -> str:
         buf = ffi.new("char[128]")
