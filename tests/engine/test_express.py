@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from conftest import engine_pair as pair
 from p2pxfer.engine import EngineStats
@@ -95,9 +96,32 @@ async def test_a_write_behind_another_in_flight_takes_the_regular_path(provider:
         with trio.fail_after(STEP):
             await a.write(src, desc, ScatterList.contiguous(4096), imm=1)
             express = a.statistics().express
-            long = await a.submit(src, desc, ScatterList.contiguous(SIZE // 2), imm=2)
-            short = ScatterList.contiguous(4096, SIZE // 2, SIZE // 2)
-            assert await a.write(src, desc, short, imm=3) == 1
+            # The target reads nothing until the short write is posted, and
+            # the long one ends only once the target acknowledged its
+            # notification: it is surely in flight then, however the
+            # machine's load falls.
+            for shard in b.shards:
+                shard._poller.hold(True)  # test-only reach: a mute target
+            try:
+                long = await a.submit(src, desc, ScatterList.contiguous(SIZE // 2), imm=2,
+                                      notify=True)
+                short = ScatterList.contiguous(4096, SIZE // 2, SIZE // 2)
+                assert not long.done
+                got: list[int] = []
+                async with trio.open_nursery() as nursery:
+                    async def short_write() -> None:
+                        got.append(await a.write(src, desc, short, imm=3))
+
+                    nursery.start_soon(short_write)
+                    # Decided and posted as the task starts; the target may
+                    # read again once it waits for its completion.
+                    await trio.testing.wait_all_tasks_blocked()
+                    for shard in b.shards:
+                        shard._poller.hold(False)
+            finally:
+                for shard in b.shards:
+                    shard._poller.hold(False)
+            assert got == [1]
             await long.wait()
             for imm in (1, 2, 3):  # landed (a completion means sent, not placed)
                 await b.wait_imm(imm, 1)
