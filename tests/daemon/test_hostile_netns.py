@@ -201,7 +201,10 @@ class LandedLate(AssertionError):
     newer write: the engine's bug below (the xfails expect this one only)."""
 
 
-LANDS_LATER = pytest.mark.xfail(raises=LandedLate, strict=True, reason=(
+# Not strict: whether the link holds segments at the cut depends on timing (on
+# a host busy with two CPU hogs none were held, and nothing landed late). Any
+# failure other than LandedLate still fails the test.
+LANDS_LATER = pytest.mark.xfail(raises=LandedLate, strict=False, reason=(
     "what had left the writer's host when the write was given up still lands: the engine's "
     "teardown now resets the connections (the writer's sockets hold nothing after it, "
     "asserted) and the provider drops its queued operations, but the veth holds the "
@@ -247,21 +250,36 @@ def test_a_write_given_up_at_its_deadline_lands_nothing_later(given_up_by: str,
             # ~100 KiB and more, sat there before).
             assert stuck < 64, f"{stuck} bytes wait in the writer's sockets"
             landed = target.call("nonzero", "r")[1]
+            before = target.call("digest", "r")[1]
             for dev in cut:
                 set_link(b, dev, True)
             wait_for(lambda: send_queue(a) == 0, "the writer's sockets to drain", timeout=60,
                      interval=0.2)
-            time.sleep(2.0)
-            later = target.call("nonzero", "r")[1]
-            if later != landed:
-                raise LandedLate(f"{later - landed} bytes of the failed write landed after it "
-                                 f"failed ({stuck} bytes were in the writer's sockets): "
-                                 f"{reply[3]}")
-            # The torn-down connections come back: new writes land, verified.
+            # What the link held is delivered once it is back, but on a busy
+            # host that takes a while: watch for it for longer than a moment,
+            # by digest (late bytes may land where the region was not zero).
+            give_up = time.monotonic() + 10.0
+            while target.call("digest", "r")[1] == before and time.monotonic() < give_up:
+                time.sleep(0.5)
+
+            def landed_late() -> None:
+                if target.call("digest", "r")[1] != before:
+                    later = target.call("nonzero", "r")[1]
+                    raise LandedLate(f"bytes of the failed write landed after it failed "
+                                     f"({later - landed} more not zero; {stuck} bytes were "
+                                     f"in the writer's sockets): {reply[3]}")
+
+            landed_late()
+            # The torn-down connections come back: new writes land, verified
+            # (in a region of their own: late bytes of the failed one land in
+            # "r", and are caught there, not taken for a corrupt new write).
+            assert target.ok("export", "r2", plan.region) == plan.region
             fresh = Plan(0xF2E5, pieces=256, min_len=4 << 10, max_len=64 << 10,
                          region=plan.region)
-            pieces = writer.ok("write", db.name, "r", fresh, 7, timeout=ABANDON_DEADLINE_S + 15)
-            assert target.call("verify", "r", fresh, 7, pieces)[0] == "ok"
+            pieces = writer.ok("write", db.name, "r2", fresh, 7,
+                               timeout=ABANDON_DEADLINE_S + 15)
+            assert target.call("verify", "r2", fresh, 7, pieces)[0] == "ok"
+            landed_late()
         finally:
             for agent in agents:
                 agent.kill()

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 
 import pytest
 
-from p2pxfer.fabric._sockets import _proc_endpoint, parse_sockaddr, reset_connections
+from p2pxfer.fabric._sockets import (
+    _proc_endpoint,
+    link_carries,
+    parse_sockaddr,
+    reset_connections,
+)
 
 LO = ipaddress.ip_address("127.0.0.1")
 
@@ -51,3 +57,40 @@ def test_a_peer_endpoints_connections_are_reset_and_no_other() -> None:
         finally:
             for s in (to_peer, at_peer, to_other, at_other):
                 s.close()
+
+
+def test_the_kernel_says_whether_a_link_carries() -> None:
+    # A peer that reads nothing for a while (a starved process) still has a
+    # link that carries: its kernel ACKs what arrives, and once its buffer is
+    # full it answers window probes. That must never read as a broken rail;
+    # only a link with no ACK for that long does (a cut cable: the namespace
+    # tests cut one).
+    with socket.create_server(("127.0.0.1", 0)) as peer:
+        to_peer, at_peer = _pair(peer)
+        try:
+            ours = (LO, to_peer.getsockname()[1])
+            there = (LO, peer.getsockname()[1])
+            assert link_carries(ours, there, 1.5) is True  # the handshake's ACK, just now
+            to_peer.setblocking(False)
+            sent = 0
+            with pytest.raises(BlockingIOError):
+                for _ in range(100_000):  # until both buffers are full: bounded
+                    sent += to_peer.send(b"x" * 65536)
+            assert sent > 0
+            assert link_carries(ours, there, 1.5) is True  # the peer is slow, not gone
+            assert link_carries(ours, (LO, 1), 1.5) is None  # no connection to judge by
+            time.sleep(0.5)  # window probes go on, and are answered
+            assert link_carries(ours, there, 1.5) is True
+        finally:
+            to_peer.close()
+            at_peer.close()
+        # A connection that heard no ACK for longer than asked: no evidence
+        # that the link carries (a cut one looks like this).
+        to_peer, at_peer = _pair(peer)
+        try:
+            time.sleep(0.3)
+            ours = (LO, to_peer.getsockname()[1])
+            assert link_carries(ours, there, 0.1) is False
+        finally:
+            to_peer.close()
+            at_peer.close()

@@ -221,8 +221,20 @@ class Failover:
                     busy[key] = busy.get(key, 0) + tr.seen[i]
         stalled = set(self.health.stalled(busy, now))
         for key in stalled:
-            if self._alternative(key, stalled, now):
-                self.fail_pair(key, f"no progress for {self.health.stall_s:g} s", now)
+            if not self._alternative(key, stalled, now):
+                continue
+            # No completion for stall_s is evidence enough only where nothing
+            # else knows better: a starved process (ours or the peer's) reads
+            # nothing for seconds on a busy host while its rail is fine. Where
+            # the kernel sees the link carry (ACKs arriving, nothing
+            # outstanding), the pair is slow, not broken: the writes'
+            # deadlines rule.
+            if self._rails[key[0]].link_carries(key[1], self.health.stall_s):
+                self.health.spare(key, now)
+                log.info("rail.slow_not_stalled", connection=self.label(key),
+                         quiet_s=self.health.stall_s, shard=self._index)
+                continue
+            self.fail_pair(key, f"no progress for {self.health.stall_s:g} s", now)
 
     def _alternative(self, key: PairKey, stalled: set[PairKey], now: float) -> bool:
         for tr in self._inflight.values():

@@ -2,7 +2,8 @@
 
 A pair goes down when its pieces fail, or when it has pieces in flight and
 no completion (nor posting) progress for ``stall_s`` while another pair to
-the same peer still works (``Shard`` decides; see ``_failover.py``). A down
+the same peer still works and the kernel does not see its link carry
+(``Shard`` decides; see ``_failover.py``). A down
 pair is left alone for ``retry_s``, doubling up to ``retry_max_s`` while it
 keeps failing; after that, writes that can fail over may use it again (it is
 *probing*), and the first completion on it brings it back up.
@@ -102,6 +103,18 @@ class RailHealth:
             p.retry_s = min(2 * p.retry_s, self.retry_max_s)
         p.up, p.reason, p.downs, p.busy = False, reason, p.downs + 1, False
         p.retry_at = now + p.retry_s
+
+    def forgive(self, seconds: float) -> None:
+        """This process could not poll for ``seconds`` (starved of CPU): that
+        time does not count against any pair's progress."""
+        for p in self.pairs.values():
+            if p.busy:
+                p.last_progress += seconds
+
+    def spare(self, key: PairKey, now: float) -> None:
+        """``key`` looked stalled but its link carries: its clock starts again."""
+        p = self._get(key)
+        p.last_progress = now
 
     def stalled(self, busy: dict[PairKey, int], now: float) -> list[PairKey]:
         """Pairs with work on them (``busy``: pair -> pieces posted on it by

@@ -37,6 +37,8 @@ DEEP_IDLE_S = 2.0  # no completion for this long (and none in flight): deep idle
 DEEP_IDLE_NAP_NS = 16_000_000  # ... where a nap without wait fds may last this long
 DEEP_IDLE_RETURN_NS = 250_000_000  # ... and the poller returns to Python this seldom
 CLOSE_DRAIN_NS = 20_000_000  # at close, progress this long first (``_shutdown``)
+# A turn this much longer than its nap means the thread was not scheduled.
+STARVED_SLACK_S = 0.05
 
 
 class PollerLoop:
@@ -62,6 +64,7 @@ class PollerLoop:
     def _loop(self) -> None:
         s = self._s
         poller = s._poller
+        turn = time.monotonic()  # when the last turn ended
         while True:
             with s._lock:
                 if s._inbox and self._take_commands():
@@ -80,6 +83,13 @@ class PollerLoop:
             with s._lock:
                 s._absorb(c)
                 now = time.monotonic()
+                # A turn that took far longer than its nap: this thread was
+                # not scheduled (a busy host) and read nothing meanwhile. No
+                # rail pair is blamed for that time.
+                lost = now - turn - (0 if busy else nap) / 1e9 - STARVED_SLACK_S
+                if lost > 0:
+                    s._health.forgive(lost)
+                turn = now
                 if len(c):
                     s._recent = now
                 s._failover.run_pending(now)  # pairs pieces failed on: fail over

@@ -32,7 +32,7 @@ from ._objects import (
     MemoryRegion,
     check_shm_peer,
 )
-from ._sockets import Knocks, label, parse_sockaddr, reset_connections
+from ._sockets import Knocks, label, link_carries, parse_sockaddr, reset_connections
 
 __all__ = [
     "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "StallWatch",
@@ -146,6 +146,19 @@ class Rail:
                 reset = [label(*c) for c in conns]
         self.av.remove(address)
         return reset
+
+    def link_carries(self, address: bytes, quiet_s: float) -> bool | None:
+        """The kernel's word on the link to the peer endpoint at ``address``
+        (``_sockets.link_carries``): True if it carries, False if it has
+        been silent with data outstanding for ``quiet_s``, None where there
+        is no TCP connection to ask (shm, RDMA providers, none yet)."""
+        if self.av.is_shm or not self.av.holds(address):
+            return None
+        ours = parse_sockaddr(self.av.straddr(self.address))
+        peer = parse_sockaddr(self.av.straddr(address))
+        if ours is None or peer is None:
+            return None
+        return link_carries(ours, peer, quiet_s)
 
     def knock(self, now: float) -> None:
         """Help the peers of connections ``disconnect`` reset notice it once

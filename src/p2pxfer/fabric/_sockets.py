@@ -29,12 +29,13 @@ import re
 import select
 import socket
 import struct
+from collections.abc import Iterator
 
 import structlog
 
 from ._binding import lib
 
-__all__ = ["Knocks", "parse_sockaddr", "reset_connections"]
+__all__ = ["Knocks", "link_carries", "parse_sockaddr", "reset_connections"]
 
 log = structlog.get_logger("p2pxfer.fabric")
 
@@ -112,15 +113,14 @@ def label(local: Endpoint, remote: Endpoint) -> str:
     return f"{local[0]}:{local[1]}->{remote[0]}:{remote[1]}"
 
 
-def reset_connections(ours: Endpoint, peer: Endpoint) -> list[tuple[Endpoint, Endpoint]]:
-    """Reset this process's TCP connections between our endpoint ``ours``
-    (its listening address) and the peer endpoint ``peer`` (see the module
-    doc); returns (local, remote) of each one reset."""
+def _pair_sockets(ours: Endpoint, peer: Endpoint) -> Iterator[tuple[int, Endpoint, Endpoint]]:
+    """(fd, local, remote) of this process's TCP connections between our
+    endpoint ``ours`` (its listening address) and the peer endpoint ``peer``
+    (see the module doc)."""
     ours_ip, ours_port = ours
     peer_ip, _ = peer
     accepted_too = not _same_host(peer_ip, ours_ip)
     fds = _socket_fds()
-    done = []
     for inode, (local, remote) in _connections().items():
         fd = fds.get(inode)
         if fd is None:
@@ -132,13 +132,50 @@ def reset_connections(ours: Endpoint, peer: Endpoint) -> list[tuple[Endpoint, En
                     continue
             except OSError:
                 continue
-            rc = lib.p2p_tcp_reset(fd)
-            if rc:
-                log.warning("rail.reset_failed", connection=label(local, remote),
-                            error=os.strerror(-rc))
-            else:
-                done.append((local, remote))
+            yield fd, local, remote
+
+
+def reset_connections(ours: Endpoint, peer: Endpoint) -> list[tuple[Endpoint, Endpoint]]:
+    """Reset this process's TCP connections between ``ours`` and ``peer``;
+    returns (local, remote) of each one reset."""
+    done = []
+    for fd, local, remote in _pair_sockets(ours, peer):
+        rc = lib.p2p_tcp_reset(fd)
+        if rc:
+            log.warning("rail.reset_failed", connection=label(local, remote),
+                        error=os.strerror(-rc))
+        else:
+            done.append((local, remote))
     return done
+
+
+# struct tcp_info (linux/tcp.h): offsets of the fields read below.
+_TCPI_STATE, _TCPI_LAST_ACK_RECV = 0, 56
+_TCPI_BYTES = 64
+_TCP_ESTABLISHED = 1
+
+
+def link_carries(ours: Endpoint, peer: Endpoint, quiet_s: float) -> bool | None:
+    """What the kernel knows of the link under our connections to ``peer``:
+    True when one of them is established and heard an ACK within
+    ``quiet_s`` (the link carries: ACKs of our data, or of the window
+    probes a peer that reads nothing gets, arrive; a pair without
+    completions then waits on a busy or slow process, not on the rail);
+    False when none did; None without any connection to judge by."""
+    verdict: bool | None = None
+    for fd, _, _ in _pair_sockets(ours, peer):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_BYTES)
+        except OSError:
+            continue
+        if len(info) < _TCPI_BYTES:
+            continue
+        last_ack_ms, = struct.unpack_from("I", info, _TCPI_LAST_ACK_RECV)
+        if info[_TCPI_STATE] == _TCP_ESTABLISHED and last_ack_ms < quiet_s * 1000:
+            return True
+        verdict = False
+    return verdict
 
 
 class _Knock:
