@@ -27,7 +27,15 @@ import pytest
 import trio
 
 import p2pxfer
-from daemon_helpers import LOOPBACK, DaemonProc, daemon_pair, free_port, spawn_daemon, start_daemon
+from daemon_helpers import (
+    LOOPBACK,
+    DaemonProc,
+    RawControl,
+    daemon_pair,
+    free_port,
+    spawn_daemon,
+    start_daemon,
+)
 from p2pxfer.client import KVPool
 from p2pxfer.errors import InvalidArgument, TransferError, UnknownRegion, WaitTimeout
 from p2pxfer.kv import KVLayout
@@ -239,6 +247,44 @@ def test_sync_client_push(pair: tuple[DaemonProc, DaemonProc]) -> None:
         assert result.layers == (0, 1, 2, 3) and result.nbytes == 4 * 20 * 8192
         decode.wait_layers(dst, 3, 3, timeout=20)
         assert np.array_equal(pool_view(dst.array, lay)[:, :, dst_blocks], want)
+
+
+def test_a_sender_asks_whether_a_layer_was_notified(pair: tuple[DaemonProc, DaemonProc]
+                                                    ) -> None:
+    """``kv_arrived``: what a sender whose notification's outcome is unknown
+    (its rail broke under it) asks the receiver before it sends it again.
+    It answers the layer's count to a sender of the request, and nobody
+    else."""
+    a, b = pair
+    lay = KVLayout(3, 16, 4096)
+    src_blocks, dst_blocks = tables(12, lay, 5)
+    with p2pxfer.SyncClient(b.socket) as decode, p2pxfer.SyncClient(a.socket) as prefill:
+        dst = decode.kv_pool("kv-arrived", lay)
+        src = prefill.kv_pool("kv-arrived-src", lay, receive=False)
+        prefill.kv_push("node-b", "kv-arrived", src, src_blocks, dst_blocks, request=5,
+                        layers=[0, 1])
+        decode.wait_layers(dst, 5, 1, timeout=20)
+        raw = RawControl(b.control)
+        try:
+            raw.hello("node-a")
+            for layer, want in ((0, 1), (1, 1), (2, 0)):
+                reply = raw.request({"t": "kv_arrived", "id": layer + 1, "pool": "kv-arrived",
+                                     "request": 5, "layer": layer})
+                assert reply is not None and reply["t"] == "ok", reply
+                assert reply["result"]["arrived"] == want, (layer, reply)
+            reply = raw.request({"t": "kv_arrived", "id": 9, "pool": "kv-arrived",
+                                 "request": 5, "layer": 3})
+            assert reply is not None and reply["code"] == "bad_request", reply
+        finally:
+            raw.sock.close()
+        raw = RawControl(b.control)
+        try:
+            raw.hello("node-z")  # not a sender of request 5
+            reply = raw.request({"t": "kv_arrived", "id": 1, "pool": "kv-arrived",
+                                 "request": 5, "layer": 0})
+            assert reply is not None and reply["code"] == "bad_request", reply
+        finally:
+            raw.sock.close()
 
 
 async def test_deadline_ends_the_wait(pair: tuple[DaemonProc, DaemonProc]) -> None:

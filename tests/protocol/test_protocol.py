@@ -444,6 +444,7 @@ PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
      {"slot": 9}),
     ("kv_expect", {"slot": 9, "pieces": bytes(16)}, {}),
     ("kv_expect", {"slot": 9, "pieces": bytes(8), "first": 1}, {}),
+    ("kv_arrived", {"pool": "kv", "request": 5, "layer": 2}, {"arrived": 1, "expected": 1}),
     ("invalidate", {"region": "kv"}, {}),
     ("status", {}, {"node": "node-b", "incarnation": 7, "regions": ["kv"], "peers": [],
                     "transfers_in_flight": 2, "nics": ["eth0"]}),
@@ -1071,9 +1072,9 @@ def test_specific_errors_and_unknown_codes() -> None:
 
 def test_handler_tables_are_checked() -> None:
     check_handlers({"status": 0, "peers": 0, "auth": 0, "resolve": 0, "invalidate": 0,
-                    "kv_begin": 0, "kv_expect": 0}, PEER_REQUESTS, "test")
+                    "kv_begin": 0, "kv_expect": 0, "kv_arrived": 0}, PEER_REQUESTS, "test")
     with pytest.raises(LocalProtocolError, match=r"missing \['invalidate'\]"):
-        check_handlers({"status", "peers", "auth", "resolve", "kv_begin", "kv_expect"},
-                       PEER_REQUESTS, "test")
+        check_handlers({"status", "peers", "auth", "resolve", "kv_begin", "kv_expect",
+                        "kv_arrived"}, PEER_REQUESTS, "test")
     with pytest.raises(LocalProtocolError, match=r"extra \['frobnicate'\]"):
         check_handlers({*PEER_REQUESTS, "frobnicate"}, PEER_REQUESTS, "test")

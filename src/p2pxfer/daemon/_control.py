@@ -81,6 +81,8 @@ HANDLERS: dict[str, Handler] = {
                                                   msg["layers"], msg["deadline_ms"]),
     "kv_expect": lambda d, caller, msg: d.kv.expect(caller.name, msg["slot"], msg["pieces"],
                                                     msg.get("first", 0)),
+    "kv_arrived": lambda d, caller, msg: d.kv.arrived(caller.name, msg["pool"], msg["request"],
+                                                      msg["layer"]),
     "auth": _auth_request,
     "resolve": _resolve,
     "invalidate": _invalidate,

@@ -39,12 +39,14 @@ import numpy.typing as npt
 import structlog
 import trio
 
-from p2pxfer.engine import Transfer
+from p2pxfer.engine import NOTIFY_BYTES, Transfer
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
+    NotificationUnknown,
     P2PXferError,
     PeerLost,
+    TransferError,
     UnknownRegion,
 )
 from p2pxfer.kv import KVLayout, plan_push
@@ -222,6 +224,20 @@ class KV:
         self._completed(recv, slot, left, int((recv.arrived[told] >= counts).sum()))
         return {}
 
+    def arrived(self, sender: str, pool: str, request: int, layer: int) -> dict[str, Any]:
+        """How many notifications of ``layer`` of ``request`` have landed
+        here: a sender whose notification's outcome is unknown (its rail
+        broke under it) asks before it sends it again. Only a sender of the
+        request may ask."""
+        recv = self._recv.get((pool, request))
+        if recv is None or sender not in recv.senders:
+            raise InvalidArgument(f"kv_arrived: {sender!r} pushes no request {request} into "
+                                  f"{pool!r} here")
+        if not 0 <= layer < len(recv.arrived):
+            raise InvalidArgument(f"kv_arrived: layer {layer} is not within 0..."
+                                  f"{len(recv.arrived) - 1}")
+        return {"arrived": int(recv.arrived[layer]), "expected": int(recv.expected[layer])}
+
     def _arrival(self, recv: _Recv, slot: int, layer: int, count: int) -> None:
         """Pieces of ``layer`` landed (the engine's route, per batch of
         completions: a few scalar operations, no numpy over layers)."""
@@ -345,6 +361,8 @@ class KV:
             if kind == "kv_begin":
                 return self.begin(peer, fields["pool"], fields["request"], fields["layers"],
                                   fields["deadline_ms"])
+            if kind == "kv_arrived":
+                return self.arrived(peer, fields["pool"], fields["request"], fields["layer"])
             return self.expect(peer, fields["slot"], fields["pieces"], fields["first"])
         return await self.d.peers.request(peer, kind, until=until, **fields)
 
@@ -388,7 +406,7 @@ class KV:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
             try:
                 pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln,
-                                                 counts, until)
+                                                 counts, until, pool, request)
             except (trio.Cancelled, P2PXferError):
                 # As for a failed write: the pool (or its owner's life) may be
                 # what went; the next push resolves it afresh.
@@ -403,7 +421,7 @@ class KV:
 
     async def _post(self, src: Pool, desc: Any, peer: str, slot: int, lays: list[int],
                     so: I64, do: I64, ln: I64, counts: I64,
-                    until: float) -> tuple[list[int], float]:
+                    until: float, pool: str, request: int) -> tuple[list[int], float]:
         """One transfer per layer, in layer order, submitted before any is
         awaited; the receiver hears the first layer's piece count as soon as
         it is known (so layer 0 can complete there while later layers are
@@ -428,7 +446,12 @@ class KV:
                 await self._ask(peer, "kv_expect", until, slot=slot, first=1,
                                 pieces=pack_i64([t.imms for t in transfers[1:]]))
             for k, t in enumerate(transfers):
-                await t.wait()
+                try:
+                    await t.wait()
+                except NotificationUnknown as exc:
+                    a = bounds[k]
+                    await self._settle(peer, pool, request, lays[k], slot, src, desc,
+                                       (so[a:a + 1], do[a:a + 1], ln[a:a + 1]), until, exc)
                 if k == 0:
                     first = time.perf_counter()
         except BaseException:
@@ -442,6 +465,47 @@ class KV:
                         await t.wait()
             raise
         return [t.pieces for t in transfers], first
+
+    async def _settle(self, peer: str, pool: str, request: int, layer: int, slot: int,
+                      src: Pool, desc: Any, piece: tuple[I64, I64, I64], until: float,
+                      unknown: NotificationUnknown) -> None:
+        """Every byte of ``layer`` landed, but whether its one notification
+        did is unknown (its rail broke under it). Ask the receiver (over the
+        control connection: another path than the broken rail) and send the
+        notification again only where it did not land: the layer is counted
+        once. Again and again, within the push's deadline, while a resend's
+        own outcome is unknown or its rail fails."""
+        d = self.d
+        imm = d.imms.compose(slot, layer)
+        src_off, dst_off, length = piece
+        one = ScatterList(src_off, dst_off, np.minimum(length, NOTIFY_BYTES))
+        log.info("kv.notification_unknown", peer=peer, pool=pool, request=request, layer=layer,
+                 error=str(unknown))
+        while True:
+            if trio.current_time() >= until:
+                raise unknown
+            got = await self._ask(peer, "kv_arrived", until, pool=pool, request=request,
+                                  layer=layer)
+            if int(got.get("arrived", 0)) >= 1:
+                log.info("kv.notification_settled", peer=peer, pool=pool, request=request,
+                         layer=layer, sent_again=False)
+                return
+            # Not there: the same first bytes again (they landed already),
+            # with the notification, delivery-complete: once this returns,
+            # the receiver has it.
+            try:
+                await d.engine.write(src.view, desc, one, imm=imm, notify=True,
+                                     timeout=max(until - trio.current_time(), 1e-3))
+            except NotificationUnknown:
+                continue  # ask again
+            except TransferError as exc:
+                log.info("kv.notification_resend_failed", peer=peer, layer=layer,
+                         error=str(exc))
+                await trio.sleep(min(0.1, max(until - trio.current_time(), 0)))
+                continue
+            log.info("kv.notification_settled", peer=peer, pool=pool, request=request,
+                     layer=layer, sent_again=True)
+            return
 
     @contextlib.contextmanager
     def _tracked(self, peer: str) -> Iterator[None]:

@@ -8,6 +8,7 @@ from ._config import EngineStats as EngineStats
 from ._engine import Engine as Engine
 from ._engine import Transfer as Transfer
 from ._engine import open_engine as open_engine
+from ._failover import NOTIFY_BYTES as NOTIFY_BYTES
 from ._plan import RailGroup as RailGroup
 from ._plan import plan_stripes as plan_stripes
 from ._state import NicStats as NicStats

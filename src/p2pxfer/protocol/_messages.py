@@ -87,6 +87,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                  "layers": (_BIN, True), "deadline_ms": (_INT, True)},
     "kv_expect": {"id": (_INT, True), "slot": (_INT, True), "pieces": (_BIN, True),
                   "first": (_INT, False)},
+    "kv_arrived": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
+                   "layer": (_INT, True)},
 }
 
 CLIENT_REQUESTS = frozenset(
@@ -94,7 +96,7 @@ CLIENT_REQUESTS = frozenset(
      "add_peer", "watch", "locate", "cancel", "kv_pool", "kv_push", "kv_wait", "kv_forget"}
 )
 PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers", "kv_begin",
-                           "kv_expect"})
+                           "kv_expect", "kv_arrived"})
 
 
 class Message:
