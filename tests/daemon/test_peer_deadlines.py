@@ -22,8 +22,9 @@ from p2pxfer.testing import LOOPBACK
 
 
 @asynccontextmanager
-async def silent_peer() -> AsyncIterator[str]:
-    """``host:port`` of a listener that accepts and then says nothing."""
+async def silent_peer() -> AsyncIterator[PeerTable]:
+    """A peer table that knows one peer, ``slow``: a listener that accepts
+    and then says nothing."""
     async def hold(stream: trio.SocketStream) -> None:
         async with stream:
             await trio.sleep_forever()
@@ -31,16 +32,16 @@ async def silent_peer() -> AsyncIterator[str]:
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(partial(trio.serve_tcp, hold, 0, host=LOOPBACK))
         port = listeners[0].socket.getsockname()[1]
-        yield f"{LOOPBACK}:{port}"
+        table = PeerTable("me", (), auth=None, max_frame=1 << 20)
+        table.add("slow", f"{LOOPBACK}:{port}")
+        yield table
         nursery.cancel_scope.cancel()
 
 
 async def test_a_request_for_a_write_has_the_writes_time(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_peers, "PEER_TIMEOUT_S", 0.3)
-    async with silent_peer() as address:
-        table = PeerTable("me", (), auth=None, max_frame=1 << 20)
-        table.add("slow", address)
+    async with silent_peer() as table:
         with trio.fail_after(20):
             t0 = trio.current_time()
             with pytest.raises(RemoteClosed, match="slow"):
@@ -48,10 +49,11 @@ async def test_a_request_for_a_write_has_the_writes_time(
             plain = trio.current_time() - t0
             t0 = trio.current_time()
             with pytest.raises(RemoteClosed, match="slow"):
-                await table.request("slow", "resolve", region="kv", until=t0 + 1.5)
+                await table.request("slow", "resolve", region="kv", until=t0 + 2.0)
             for_write = trio.current_time() - t0
-    assert 0.25 <= plain < 1.2, plain
-    assert 1.45 <= for_write < 3.0, for_write
+    # Lower bounds decide (late timers on a busy host only add).
+    assert 0.25 <= plain < 1.9, plain
+    assert for_write >= 1.95, for_write
 
 
 async def test_a_write_waiting_its_turn_on_a_busy_link_keeps_its_deadline(
@@ -60,9 +62,7 @@ async def test_a_write_waiting_its_turn_on_a_busy_link_keeps_its_deadline(
     # for a write with little time left fails when that time is up, not
     # after the other's.
     monkeypatch.setattr(_peers, "PEER_TIMEOUT_S", 5.0)
-    async with silent_peer() as address:
-        table = PeerTable("me", (), auth=None, max_frame=1 << 20)
-        table.add("slow", address)
+    async with silent_peer() as table:
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
                 async def hog() -> None:
@@ -76,4 +76,4 @@ async def test_a_write_waiting_its_turn_on_a_busy_link_keeps_its_deadline(
                     await table.request("slow", "resolve", region="b", until=t0 + 0.5)
                 took = trio.current_time() - t0
                 nursery.cancel_scope.cancel()
-    assert 0.45 <= took < 2.0, took
+    assert 0.45 <= took < 4.5, took  # not after the other's 5 s
