@@ -825,7 +825,11 @@ def test_blocking_write_timeout_stops_posting() -> None:
         with pytest.raises(p2pxfer.WaitTimeout, match=r"'gone' did not complete within 0\.1 s"):
             a.write(source, desc, ScatterList.contiguous(4096), timeout=0.1)
         st = a.statistics()
-        assert st.cancelled == 1 and sum(nic.pieces for nic in st.nics) == 0
+        # Cancelled in the engine, or (a starved host: the hop into the
+        # engine's thread outlasted 0.1 s) before it reached it: either way
+        # nothing was posted, nothing completed.
+        assert st.cancelled in (0, 1) and st.completed == 0 and st.failed == 0, st
+        assert sum(nic.pieces for nic in st.nics) == 0
         assert pinned_blocking(a) == 0
 
 
