@@ -217,6 +217,33 @@ async def test_small_writes_past_the_peer_bound_all_complete(provider: str,
     assert_image(region, expected)
 
 
+async def test_memory_under_a_write_in_flight_cannot_be_deregistered(provider: str) -> None:
+    # The provider may still be reading the source of a write in flight:
+    # deregistering it (a daemon client's ``unshare``) is refused until the
+    # write ended, then allowed.
+    source = random_bytes(5, 1 << 20)
+    async with pair(provider) as (a, b):
+        desc = b.export(np.zeros(1 << 20, np.uint8), "r")
+        a.register(source)
+        with trio.fail_after(STEP):
+            await a.write(source, desc, ScatterList.contiguous(64))  # connected
+        for shard in b.shards:
+            shard._poller.hold(True)  # test-only reach: the notification waits
+        try:
+            t = await a.submit(source, desc, ScatterList.contiguous(1 << 20), imm=1,
+                               notify=True)
+            with pytest.raises(InvalidArgument, match="in flight"):
+                a.deregister(source)
+        finally:
+            for shard in b.shards:
+                shard._poller.hold(False)
+        with trio.fail_after(STEP):
+            await t.wait()
+        a.deregister(source)
+        with pytest.raises(UnregisteredMemory):
+            await a.write(source, desc, ScatterList.contiguous(64))
+
+
 async def test_nic_completed_counts_only_own_writes(provider: str) -> None:
     """Both engines write to each other: a NIC's ``completed`` (and so its
     ``inflight``) must describe the pieces it posted, not the writes that
