@@ -174,26 +174,12 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
 
 
 def _client_call(socket_path: str, method: str, wait_s: float = 0.0) -> object:
-    """``method`` of a ``SyncClient`` on ``socket_path``; with ``wait_s``, a
-    daemon that is not accepting yet (no socket, refused, closed during the
-    hello) is tried again until it answers or ``wait_s`` has passed."""
-    import time
+    from p2pxfer.client._sync import call_daemon
 
-    from p2pxfer.client import SyncClient
-    from p2pxfer.errors import ConnectionLost
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            with SyncClient(socket_path) as client:
-                return getattr(client, method)()
-        except ConnectionLost as exc:
-            if time.monotonic() >= deadline:
-                hint = f" (waited {wait_s:g} s)" if wait_s else ""
-                raise click.ClickException(f"{exc}{hint}") from exc
-            time.sleep(0.1)
-        except P2PXferError as exc:
-            raise click.ClickException(str(exc)) from exc
+    try:
+        return call_daemon(socket_path, method, wait_s)
+    except P2PXferError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 @main.command()

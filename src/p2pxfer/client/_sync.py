@@ -11,6 +11,7 @@ descriptors or may be cancelled goes through the portal as before."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Self
@@ -18,7 +19,7 @@ from typing import Any, Self
 import sniffio
 from anyio.from_thread import start_blocking_portal
 
-from p2pxfer.errors import UsageError
+from p2pxfer.errors import ConnectionLost, UsageError
 from p2pxfer.kv import KVLayout
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
@@ -26,7 +27,9 @@ from p2pxfer.scatter import ScatterList
 from ._client import Client, SharedMemory, connect
 from ._kv import KVPool, KVPushResult
 
-__all__ = ["SyncClient"]
+RETRY_S = 0.1  # call_daemon: between tries on a daemon still starting
+
+__all__ = ["SyncClient", "call_daemon"]
 
 
 class SyncClient:
@@ -178,3 +181,21 @@ class SyncClient:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def call_daemon(path: str, method: str, wait_s: float = 0.0) -> Any:
+    """``method()`` of a ``SyncClient`` on ``path``, once. With ``wait_s``,
+    a daemon that is not accepting yet (no socket, refused, closed during
+    the hello: ``ConnectionLost``) is tried again until it answers or
+    ``wait_s`` has passed (the CLI's ``status --wait``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with SyncClient(path) as client:
+                return getattr(client, method)()
+        except ConnectionLost as exc:
+            if time.monotonic() >= deadline:
+                if not wait_s:
+                    raise
+                raise ConnectionLost(f"{exc} (waited {wait_s:g} s)") from exc
+            time.sleep(RETRY_S)

@@ -39,18 +39,20 @@ import numpy.typing as npt
 import structlog
 import trio
 
-from p2pxfer.engine import NOTIFY_BYTES, Transfer
+from p2pxfer.engine import Transfer
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
     NotificationUnknown,
     P2PXferError,
     PeerLost,
-    TransferError,
     UnknownRegion,
 )
 from p2pxfer.kv import KVLayout, plan_push
 from p2pxfer.scatter import ScatterList
+
+from ._kv_settle import Unsettled, settle_notification
+from ._peers import deadline_after, seconds_left
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -379,7 +381,7 @@ class KV:
             s.may_write_into(pool)  # a local pool: the same uid rules as a local write
         # One deadline for the whole push, as for a write: asking the peer
         # (resolve, kv_begin, kv_expect) spends the same time as the layers.
-        until = trio.current_time() + (d.config.write_timeout_s or math.inf)
+        until = deadline_after(d.config.write_timeout_s)
         with self._tracked(peer):
             desc = await d.regions.resolve(peer, pool, until=until)
             layout_wire = d.regions.kv_layout(peer, pool) if peer != d.node \
@@ -436,9 +438,7 @@ class KV:
                 a, b = bounds[k], bounds[k + 1]
                 transfers.append(await d.engine.submit(
                     src.view, desc, ScatterList(so[a:b], do[a:b], ln[a:b]),
-                    imm=d.imms.compose(slot, layer), notify=True,
-                    timeout=None if until == math.inf else max(until - trio.current_time(),
-                                                               1e-3)))
+                    imm=d.imms.compose(slot, layer), notify=True, timeout=seconds_left(until)))
                 if k == 0:
                     await self._ask(peer, "kv_expect", until, slot=slot, first=0,
                                     pieces=pack_i64([transfers[0].imms]))
@@ -450,8 +450,10 @@ class KV:
                     await t.wait()
                 except NotificationUnknown as exc:
                     a = bounds[k]
-                    await self._settle(peer, pool, request, lays[k], slot, src, desc,
-                                       (so[a:a + 1], do[a:a + 1], ln[a:a + 1]), until, exc)
+                    await settle_notification(
+                        d.engine, self._ask, Unsettled(peer, pool, request, lays[k],
+                                                       d.imms.compose(slot, lays[k])),
+                        src.view, desc, (so[a:a + 1], do[a:a + 1], ln[a:a + 1]), until, exc)
                 if k == 0:
                     first = time.perf_counter()
         except BaseException:
@@ -465,47 +467,6 @@ class KV:
                         await t.wait()
             raise
         return [t.pieces for t in transfers], first
-
-    async def _settle(self, peer: str, pool: str, request: int, layer: int, slot: int,
-                      src: Pool, desc: Any, piece: tuple[I64, I64, I64], until: float,
-                      unknown: NotificationUnknown) -> None:
-        """Every byte of ``layer`` landed, but whether its one notification
-        did is unknown (its rail broke under it). Ask the receiver (over the
-        control connection: another path than the broken rail) and send the
-        notification again only where it did not land: the layer is counted
-        once. Again and again, within the push's deadline, while a resend's
-        own outcome is unknown or its rail fails."""
-        d = self.d
-        imm = d.imms.compose(slot, layer)
-        src_off, dst_off, length = piece
-        one = ScatterList(src_off, dst_off, np.minimum(length, NOTIFY_BYTES))
-        log.info("kv.notification_unknown", peer=peer, pool=pool, request=request, layer=layer,
-                 error=str(unknown))
-        while True:
-            if trio.current_time() >= until:
-                raise unknown
-            got = await self._ask(peer, "kv_arrived", until, pool=pool, request=request,
-                                  layer=layer)
-            if int(got.get("arrived", 0)) >= 1:
-                log.info("kv.notification_settled", peer=peer, pool=pool, request=request,
-                         layer=layer, sent_again=False)
-                return
-            # Not there: the same first bytes again (they landed already),
-            # with the notification, delivery-complete: once this returns,
-            # the receiver has it.
-            try:
-                await d.engine.write(src.view, desc, one, imm=imm, notify=True,
-                                     timeout=max(until - trio.current_time(), 1e-3))
-            except NotificationUnknown:
-                continue  # ask again
-            except TransferError as exc:
-                log.info("kv.notification_resend_failed", peer=peer, layer=layer,
-                         error=str(exc))
-                await trio.sleep(min(0.1, max(until - trio.current_time(), 0)))
-                continue
-            log.info("kv.notification_settled", peer=peer, pool=pool, request=request,
-                     layer=layer, sent_again=True)
-            return
 
     @contextlib.contextmanager
     def _tracked(self, peer: str) -> Iterator[None]:

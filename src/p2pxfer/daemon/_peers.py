@@ -35,12 +35,27 @@ from ._config import PeerAddress
 from ._dial import dial_peer
 from ._tls import TlsCredentials
 
-__all__ = ["LINK_IDLE_S", "PEER_TIMEOUT_S", "PeerLink", "PeerTable"]
+__all__ = ["LINK_IDLE_S", "PEER_TIMEOUT_S", "PeerLink", "PeerTable", "deadline_after",
+           "seconds_left"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
 PEER_TIMEOUT_S = 5.0
 LINK_IDLE_S = 60.0  # a peer connection unused this long is closed
+
+
+def deadline_after(timeout_s: float | None) -> float:
+    """The trio time a write (or KV push) taken now must be done by: one
+    deadline for asking peers and for the engine alike."""
+    return trio.current_time() + (timeout_s or math.inf)
+
+
+def seconds_left(until: float) -> float | None:
+    """Seconds from now to ``until`` for the engine (None: no deadline); a
+    deadline already past leaves the engine a moment to say so itself."""
+    if until == math.inf:
+        return None
+    return max(until - trio.current_time(), 1e-3)
 
 
 class PeerLink:

@@ -27,7 +27,7 @@ from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
 from ._local import LocalCopies, auto_threads
-from ._peers import PEER_TIMEOUT_S
+from ._peers import PEER_TIMEOUT_S, deadline_after, seconds_left
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -71,7 +71,7 @@ class Writes:
             return await self._copy(session, src, scatter, region, imm, notify)
         # One deadline for all of the write: asking the peer for the region
         # (or why it failed) spends the same time as posting and completing.
-        until = trio.current_time() + (d.config.write_timeout_s or math.inf)
+        until = deadline_after(d.config.write_timeout_s)
         follower = d.follower
         if not follower.enabled:
             desc = await d.regions.resolve(peer, region, until=until)
@@ -126,7 +126,7 @@ class Writes:
             try:
                 pieces = await d.engine.write(src, desc, scatter,
                                               imm=self._imm(peer, region, imm),
-                                              notify=notify, timeout=_left(until))
+                                              notify=notify, timeout=seconds_left(until))
             except trio.Cancelled:
                 # Given up (its client cancelled or went away), perhaps stuck
                 # on a cut link, during which the region may have gone (its
@@ -153,7 +153,7 @@ class Writes:
                          incarnation=fresh.incarnation)
                 pieces = await d.engine.write(src, fresh, scatter,
                                               imm=self._imm(peer, region, imm),
-                                              notify=notify, timeout=_left(until))
+                                              notify=notify, timeout=seconds_left(until))
             ok = True
         finally:
             self.in_flight -= 1
@@ -201,14 +201,6 @@ class Writes:
             backend.suspect(peer)
             await trio.sleep(backend.detection_bound())
         return fresh
-
-
-def _left(until: float) -> float | None:
-    """Seconds from now to ``until`` for the engine (None: no deadline); a
-    deadline already past leaves the engine a moment to say so itself."""
-    if until == math.inf:
-        return None
-    return max(until - trio.current_time(), 1e-3)
 
 
 def _node_cpus(engine: Any) -> tuple[int, ...]:

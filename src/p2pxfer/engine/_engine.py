@@ -349,10 +349,9 @@ class Engine:
         """How long the trio thread polls for ``tr`` before handing it to the
         poller thread: ``inline_poll_ns``, plus, when nothing else of its
         shard is in flight, about the time its bytes take (up to
-        ``inline_poll_max_ns``). Measured, one 1 MiB write at a time: shm
-        416 -> 120 us p50 (the hop to the poller thread and back into trio
-        was most of it). Not with others in flight: they keep the event loop
-        and the poller thread pipelining."""
+        ``inline_poll_max_ns``): for a write alone, the hop to the poller
+        thread and back into trio was most of its time. Not with others in
+        flight: they keep the event loop and the poller thread pipelining."""
         if shard.alone(tr):
             return self._express_budget(tr.w.nbytes)
         return self.config.inline_poll_ns

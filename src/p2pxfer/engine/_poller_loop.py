@@ -105,17 +105,15 @@ class PollerLoop:
 
         Without CQ wait fds (shm) a nap delays every completion and arrival:
         with transfers in flight, or within LINGER_S of the last arrival (a
-        writer's loop; 64 KiB shm write p50 452 -> 61 us), spin longer first.
+        writer's loop), spin longer first.
         With wait fds (tcp) the same holds for a target in a writer's loop: a
         thread woken from ppoll answers tens of microseconds late, so within
-        LINGER_S of the last completion it spins FD_LINGER_SPIN_NS after each
-        (one 4 KiB write at a time, mean 31 -> 20 us). Deep idle (no
-        completion for DEEP_IDLE_S, nothing in flight): it comes back to
-        Python seldom (the fds and the wake fd still wake it at once; reset
-        connections' knocks wait that long) and, without wait fds, naps up to
-        DEEP_IDLE_NAP_NS, which the first arrival after such a pause may wait
-        (each wake-up costs ~30 us here: an idle shm daemon with membership
-        used 1.4% of a core, its poller 0.8% of it)."""
+        LINGER_S of the last completion it spins FD_LINGER_SPIN_NS after each.
+        Deep idle (no completion for DEEP_IDLE_S, nothing in flight): it comes
+        back to Python seldom (the fds and the wake fd still wake it at once;
+        reset connections' knocks wait that long) and, without wait fds, naps
+        up to DEEP_IDLE_NAP_NS, which the first arrival after such a pause may
+        wait: every wake-up of an idle daemon costs CPU."""
         s = self._s
         spin, nap = s._spin_ns, s._idle_ns
         quiet = time.monotonic() - s._recent
