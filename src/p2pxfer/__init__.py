@@ -18,18 +18,24 @@ from p2pxfer.engine import BlockingEngine as BlockingEngine  # noqa: E402
 from p2pxfer.engine import Engine as Engine  # noqa: E402
 from p2pxfer.engine import EngineConfig as EngineConfig  # noqa: E402
 from p2pxfer.engine import open_engine as open_engine  # noqa: E402
+from p2pxfer.errors import ConnectionLost as ConnectionLost  # noqa: E402
 from p2pxfer.errors import DescriptorError as DescriptorError  # noqa: E402
 from p2pxfer.errors import EngineClosed as EngineClosed  # noqa: E402
 from p2pxfer.errors import FabricError as FabricError  # noqa: E402
 from p2pxfer.errors import InvalidArgument as InvalidArgument  # noqa: E402
+from p2pxfer.errors import NotificationUnknown as NotificationUnknown  # noqa: E402
 from p2pxfer.errors import P2PXferError as P2PXferError  # noqa: E402
 from p2pxfer.errors import PeerLost as PeerLost  # noqa: E402
+from p2pxfer.errors import PeerUnreachable as PeerUnreachable  # noqa: E402
 from p2pxfer.errors import ProviderNotFound as ProviderNotFound  # noqa: E402
+from p2pxfer.errors import RailsExhausted as RailsExhausted  # noqa: E402
 from p2pxfer.errors import ReadOnlyBuffer as ReadOnlyBuffer  # noqa: E402
 from p2pxfer.errors import RegistrationError as RegistrationError  # noqa: E402
 from p2pxfer.errors import RemoteClosed as RemoteClosed  # noqa: E402
 from p2pxfer.errors import ScatterError as ScatterError  # noqa: E402
+from p2pxfer.errors import TransferAborted as TransferAborted  # noqa: E402
 from p2pxfer.errors import TransferError as TransferError  # noqa: E402
+from p2pxfer.errors import TransferTimeout as TransferTimeout  # noqa: E402
 from p2pxfer.errors import UnregisteredMemory as UnregisteredMemory  # noqa: E402
 from p2pxfer.errors import WaitTimeout as WaitTimeout  # noqa: E402
 from p2pxfer.memory import LocalRegion as LocalRegion  # noqa: E402
@@ -44,6 +50,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockingEngine",
     "Client",
+    "ConnectionLost",
     "DaemonError",
     "DescriptorError",
     "Engine",
@@ -53,9 +60,12 @@ __all__ = [
     "InvalidArgument",
     "LocalRegion",
     "MemberUpdate",
+    "NotificationUnknown",
     "P2PXferError",
     "PeerLost",
+    "PeerUnreachable",
     "ProviderNotFound",
+    "RailsExhausted",
     "ReadOnlyBuffer",
     "RegionDescriptor",
     "RegistrationCache",
@@ -66,7 +76,9 @@ __all__ = [
     "SharedBuffer",
     "SharedMemory",
     "SyncClient",
+    "TransferAborted",
     "TransferError",
+    "TransferTimeout",
     "UnregisteredMemory",
     "WaitTimeout",
     "alloc_shared",

@@ -42,19 +42,25 @@ class TransferError(P2PXferError):
     code: str = "transfer_failed"
 
 
-class RemoteClosed(TransferError):
+class PeerUnreachable(TransferError):
     """The peer is gone (connection refused or reset) while a transfer ran,
     or its daemon could not be asked (``peer_unreachable``)."""
 
     code: str = "peer_unreachable"
 
 
-class RailsExhausted(RemoteClosed):
+#: the name callers have caught since the first release; the same class
+RemoteClosed = PeerUnreachable
+
+
+class RailsExhausted(PeerUnreachable):
     """Every rail pair to the peer failed under a write (errors, or no
     progress within ``EngineConfig.rail_stall_s`` while another pair still
     worked): its pieces could go nowhere. ``landed`` lists the piece ranges
     ``(start, end)`` known to be in the target's memory (delivery-complete
     acknowledged; only notify-mode writes know that)."""
+
+    code: str = "rails_exhausted"
 
     def __init__(self, message: str, *, landed: tuple[tuple[int, int], ...] = ()) -> None:
         super().__init__(message)
@@ -67,6 +73,8 @@ class RailFailedUnderImmediates(TransferError):
     twice, so the receiver's count could not be exact, and the write fails
     instead of failing over (``completed`` pieces were acknowledged). Writes
     in notify mode (``notify=True``) fail over."""
+
+    code: str = "immediates_inexact"
 
     def __init__(self, message: str, *, pieces: int = 0, completed: int = 0) -> None:
         super().__init__(message)
@@ -81,8 +89,10 @@ class NotificationUnknown(TransferError):
     unknown. It is never sent twice, so the receiver's count is never
     doubled; the receiver may have to be told by other means."""
 
+    code: str = "notification_unknown"
 
-class PeerLost(RemoteClosed):
+
+class PeerLost(PeerUnreachable):
     """Membership says the peer a transfer targets died, left or restarted
     (before or while it ran): its memory is gone, whatever the fabric says.
     Protocol error code ``peer_lost``."""
@@ -96,10 +106,11 @@ class EngineClosed(P2PXferError):
     code: str = "closed"
 
 
-class ConnectionLost(EngineClosed):
+class ConnectionLost(P2PXferError):
     """The connection to a daemon ended (it closed, died, or could not be
     reached) before the answer came. Never sent on the wire: each side sees
-    it for itself."""
+    it for itself. Not an ``EngineClosed``: the engine behind that daemon
+    may be running fine."""
 
 
 class InvalidArgument(P2PXferError, ValueError):
@@ -209,6 +220,8 @@ class TransferAborted(TransferError):
     ``pieces - completed`` may or may not have landed. ``peer`` names the
     destination (node and region)."""
 
+    code: str = "transfer_aborted"
+
     def __init__(self, message: str, *, peer: str = "", pieces: int = 0,
                  completed: int = 0) -> None:
         super().__init__(message)
@@ -226,6 +239,8 @@ class TransferTimeout(TransferAborted, TimeoutError):
     passed before every piece was acknowledged; torn down as for
     ``TransferAborted``. This is how a silent peer (packets dropped, no reset)
     shows: the deadline is the detector."""
+
+    code: str = "transfer_timeout"
 
 
 class UsageError(P2PXferError, RuntimeError):

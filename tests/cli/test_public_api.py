@@ -10,6 +10,8 @@ EXPECTED = {
     "ReadOnlyBuffer", "RegionDescriptor", "RegistrationCache", "RegistrationError",
     "RemoteClosed", "ScatterError", "ScatterList", "SharedBuffer", "SharedMemory",
     "SyncClient", "TransferError", "UnregisteredMemory", "WaitTimeout",
+    "ConnectionLost", "NotificationUnknown", "PeerUnreachable", "RailsExhausted",
+    "TransferAborted", "TransferTimeout",
     "alloc_shared", "connect", "open_engine",
 }
 
@@ -23,7 +25,9 @@ def test_public_names_are_pinned() -> None:
 def test_every_error_is_a_p2pxfer_error() -> None:
     errors = [getattr(p2pxfer, n) for n in EXPECTED if n.endswith("Error") or n in
               ("EngineClosed", "ProviderNotFound", "ReadOnlyBuffer", "RemoteClosed",
-               "UnregisteredMemory", "WaitTimeout", "InvalidArgument")]
+               "UnregisteredMemory", "WaitTimeout", "InvalidArgument", "ConnectionLost",
+               "NotificationUnknown", "PeerUnreachable", "RailsExhausted",
+               "TransferAborted", "TransferTimeout")]
     assert errors
     for cls in errors:
         assert issubclass(cls, p2pxfer.P2PXferError), cls

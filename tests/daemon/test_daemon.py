@@ -53,7 +53,7 @@ from daemon_helpers import (
 )
 from p2pxfer.client import DaemonError, SyncClient
 from p2pxfer.errors import (
-    EngineClosed,
+    ConnectionLost,
     InvalidArgument,
     P2PXferError,
     ScatterError,
@@ -1129,7 +1129,6 @@ async def test_lost_daemon_connection_is_connection_lost(tmp_path: Path) -> None
     """A daemon that goes away while a request waits: the request (and every
     later one) raises ``ConnectionLost``, not a bare ``EngineClosed`` of the
     daemon's ``closed`` code."""
-    from p2pxfer.errors import ConnectionLost
     from p2pxfer.protocol import RESPONDER, Connection, Message
 
     path = str(tmp_path / "fake.sock")
@@ -1162,7 +1161,7 @@ async def test_lost_daemon_connection_is_connection_lost(tmp_path: Path) -> None
 
 
 def test_client_connect_missing_socket(tmp_path: Path) -> None:
-    with pytest.raises(EngineClosed, match="cannot reach"):
+    with pytest.raises(ConnectionLost, match="cannot reach"):
         SyncClient(str(tmp_path / "none.sock"))
 
 

@@ -33,7 +33,9 @@ from p2pxfer.errors import (
     FabricError,
     InvalidArgument,
     P2PXferError,
+    PeerLost,
     ProviderNotFound,
+    RailsExhausted,
     ReadOnlyBuffer,
     ScatterError,
     TransferError,
@@ -458,7 +460,7 @@ def test_smaller_remote_region_bounds_the_write(s: Setup) -> None:
 # Run in child processes: on shm one of these crashes the process that tries it.
 
 GONE_ERRORS = {cls.__name__ for cls in (TransferError, *TransferError.__subclasses__(),
-                                        DescriptorError)}
+                                        PeerLost, RailsExhausted, DescriptorError)}
 
 
 def export_and_leave(provider: str, node: str | None, results: Any) -> None:
@@ -523,7 +525,7 @@ def test_write_to_a_peer_that_left_raises_remote_closed(
     assert code == 0, f"writer died with exit code {code}: {got}"
     assert got is not None and got.split(":")[0] in GONE_ERRORS, got
     if provider[0].startswith("tcp"):
-        assert got.startswith("RemoteClosed") and "refuses connections" in got, got
+        assert got.startswith("PeerUnreachable") and "refuses connections" in got, got
 
 
 def test_write_to_an_endpoint_closed_in_this_process_fails_cleanly(tmp_path: Path) -> None:

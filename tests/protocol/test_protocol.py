@@ -1066,7 +1066,7 @@ def test_specific_errors_and_unknown_codes() -> None:
     assert wire_error(ReadOnlyBuffer("ro"))[0] == "bad_request"
     assert wire_error(FabricError("fi_x", -5, "EIO"))[0] == "internal"
     assert wire_error(ValueError("boom")) == ("internal", "ValueError: boom")
-    assert ConnectionLost.__mro__[1] is EngineClosed  # a lost socket is not the engine's code
+    assert not issubclass(ConnectionLost, EngineClosed)  # the engine may be fine
     assert "connection" not in ERRORS
 
 

@@ -5,7 +5,7 @@
 member) and keeps one ``PeerLink`` per peer it talks to: a control connection
 opened by ``dial_peer`` on first use, requests in turn, closed after
 ``LINK_IDLE_S`` unused. Every failure to talk to a peer becomes
-``RemoteClosed`` (``peer_unreachable``) naming it; the peer's own answers
+``PeerUnreachable`` (``peer_unreachable``) naming it; the peer's own answers
 come back as the exceptions of their codes. What must not live here: what
 the answers mean (regions, membership).
 """
@@ -25,7 +25,7 @@ from p2pxfer.errors import (
     AuthenticationFailed,
     ConnectionLost,
     InvalidArgument,
-    RemoteClosed,
+    PeerUnreachable,
     UnknownPeer,
 )
 from p2pxfer.membership import ClusterAuth
@@ -83,7 +83,7 @@ class PeerLink:
 
     async def request(self, kind: str, *, until: float | None = None,
                       **fields: Any) -> dict[str, Any]:
-        """One request and its result. ``RemoteClosed`` when the peer cannot
+        """One request and its result. ``PeerUnreachable`` when the peer cannot
         be asked within ``PEER_TIMEOUT_S``, or by ``until`` (trio time: the
         deadline of the write the request is made for, however far);
         ``AuthenticationFailed`` when
@@ -98,7 +98,7 @@ class PeerLink:
         if until is None:
             until = trio.current_time() + PEER_TIMEOUT_S
         if queued.cancelled_caught:
-            raise RemoteClosed(f"peer {self.peer.name} at {bounded(self.address, 100)}: no "
+            raise PeerUnreachable(f"peer {self.peer.name} at {bounded(self.address, 100)}: no "
                                "turn on its control connection in time (others' requests "
                                "held it)")
         try:
@@ -114,7 +114,7 @@ class PeerLink:
                 self.last_error = bounded(str(exc) or type(exc).__name__, 200)
                 self._failure = "unreachable"
                 await self._drop()
-                raise RemoteClosed(f"peer {self.peer.name} at {bounded(self.address, 100)}: "
+                raise PeerUnreachable(f"peer {self.peer.name} at {bounded(self.address, 100)}: "
                                    f"{bounded(str(exc) or type(exc).__name__, 200)}") from exc
             except BaseException:
                 # Cancelled mid-request: a frame may be half sent. Start afresh.

@@ -21,7 +21,7 @@ import structlog
 import trio
 
 from p2pxfer._pump import bounded
-from p2pxfer.errors import InvalidArgument, NameTaken, P2PXferError, RemoteClosed, UnknownRegion
+from p2pxfer.errors import InvalidArgument, NameTaken, P2PXferError, PeerUnreachable, UnknownRegion
 from p2pxfer.memory import RegionDescriptor
 
 from ._peers import PeerTable
@@ -142,10 +142,10 @@ class Regions:
         try:
             desc = RegionDescriptor.from_wire(result.get("descriptor"))
         except P2PXferError as exc:
-            raise RemoteClosed(f"{peer} sent a bad descriptor: {exc}") from exc
+            raise PeerUnreachable(f"{peer} sent a bad descriptor: {exc}") from exc
         slot = result.get("slot")
         if type(slot) is not int or slot <= 0:
-            raise RemoteClosed(f"{peer} sent no immediate slot for {region!r}")
+            raise PeerUnreachable(f"{peer} sent no immediate slot for {region!r}")
         self._resolved[key] = desc
         self._slots[key] = slot
         if isinstance(layout := result.get("kv"), dict):

@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import trio
 
-from p2pxfer.errors import InvalidArgument, PeerLost, RemoteClosed, TransferError, TransferTimeout
+from p2pxfer.errors import (
+    InvalidArgument,
+    PeerLost,
+    PeerUnreachable,
+    TransferError,
+    TransferTimeout,
+)
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
@@ -186,10 +192,10 @@ class Writes:
         with trio.move_on_at(until) as asking:
             try:
                 fresh = await d.regions.resolve(peer, region, until=until)
-            except RemoteClosed as exc:
+            except PeerUnreachable as exc:
                 if backend is None:
                     # Say what failed first, then why the peer's daemon was no help.
-                    raise RemoteClosed(f"write to {region!r} on {peer!r} failed ({failure}), "
+                    raise PeerUnreachable(f"write to {region!r} on {peer!r} failed ({failure}), "
                                        f"and {exc}") from failure
                 unreachable = True
         # No answer at all (a host gone or cut off) is unreachable too.

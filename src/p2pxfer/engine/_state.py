@@ -13,9 +13,9 @@ import trio
 from p2pxfer.errors import (
     EngineClosed,
     NotificationUnknown,
+    PeerUnreachable,
     RailFailedUnderImmediates,
     RailsExhausted,
-    RemoteClosed,
     TransferAborted,
     TransferError,
     TransferTimeout,
@@ -150,7 +150,7 @@ class TransferState:
                 f"count some twice: {self.completed} of {self.w.pieces} pieces acknowledged; "
                 f"use notify=True to fail over", pieces=self.w.pieces, completed=self.completed)
         if self.gone is not None:
-            return RemoteClosed(f"write to {self.peer} failed: {self.gone}")
+            return PeerUnreachable(f"write to {self.peer} failed: {self.gone}")
         if self.error is not None:
             return TransferError(f"write to {self.peer} failed: {self.error}")
         # Only once no piece failed: then every piece landed.

@@ -17,7 +17,7 @@ from typing import Any, Self
 
 import structlog
 
-from p2pxfer.errors import FabricError, RegistrationError, RemoteClosed
+from p2pxfer.errors import FabricError, PeerUnreachable, RegistrationError
 
 from ._binding import check, ffi, lib, raise_fabric_error
 from ._info import FabricInfo
@@ -223,7 +223,7 @@ def check_shm_peer(address: bytes) -> None:
     text = address.rstrip(b"\0").decode(errors="replace")
     name = text.removeprefix("fi_shm://")
     if "/" in name or not os.path.exists(os.path.join("/dev/shm", name)):
-        raise RemoteClosed(f"shm peer {text!r} is gone: no /dev/shm/{name}")
+        raise PeerUnreachable(f"shm peer {text!r} is gone: no /dev/shm/{name}")
 
 
 class Endpoint(_Fid):

@@ -21,11 +21,16 @@ from p2pxfer.errors import (
     Forbidden,
     InvalidArgument,
     NameTaken,
+    NotificationUnknown,
     P2PXferError,
     PeerLost,
-    RemoteClosed,
+    PeerUnreachable,
+    RailFailedUnderImmediates,
+    RailsExhausted,
     ScatterError,
+    TransferAborted,
     TransferError,
+    TransferTimeout,
     UnknownPeer,
     UnknownRegion,
     UnregisteredMemory,
@@ -67,12 +72,19 @@ _ANSWERS: tuple[tuple[type[P2PXferError], bool], ...] = (
     (ScatterError, False),
     (NameTaken, False),
     (UnknownPeer, False),
-    (RemoteClosed, False),
+    (PeerUnreachable, False),
     # The peer protocol's conversation ends with it (the daemon hangs up after
     # saying so); a client hears it relayed, as a plain answer.
     (AuthenticationFailed, True),
     (Forbidden, False),
     (PeerLost, False),
+    # What a write's caller must act on, each told apart: whether the data
+    # landed, whether the receiver's count can be trusted, whether to retry.
+    (RailsExhausted, False),
+    (NotificationUnknown, False),
+    (RailFailedUnderImmediates, False),
+    (TransferAborted, False),
+    (TransferTimeout, False),
     (TransferError, False),
     (EngineClosed, False),
     (DaemonError, False),  # "internal"
