@@ -2,4 +2,5 @@
 
 from setuptools import setup
 
-setup(cffi_modules=["native/build_fabric.py:ffibuilder"])
+setup(cffi_modules=["native/build_fabric.py:ffibuilder", "native/build_pages.py:ffibuilder",
+                   "native/build_cref.py:ffibuilder"])

@@ -1,4 +1,6 @@
-"""Builds ``p2pxfer._fabric``: the cffi API-mode binding over libfabric.
+"""Builds ``p2pxfer._fabric``: the cffi API-mode binding over libfabric,
+plus the two extensions beside it (``build_pages.py``: the helpers that need
+no libfabric; ``build_cref.py``: the bench's C reference loops).
 
 API mode (a compiled extension), never ABI mode: libfabric's data-path calls
 (``fi_write``, ``fi_cq_read``, ...) are ``static inline`` in its headers and do
@@ -61,9 +63,8 @@ ffibuilder.set_source(
     #include <rdma/fi_cm.h>
     #include <string.h>
     #include "p2p.h"
-    #include "baseline.h"
     """,
-    sources=["native/src/p2p.c", "native/src/baseline.c"],
+    sources=["native/src/p2p.c"],
     include_dirs=["native/src", *SITE_INCLUDE],
     libraries=["fabric"],
     library_dirs=SITE_LIB,

@@ -55,20 +55,4 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
                     int64_t start, int64_t end, uint64_t src_base, void *src_desc,
                     uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
                     uint64_t context, int64_t dc_from);
-int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
-                          int64_t src_size, int64_t dst_size, int32_t *what, int64_t *out);
 int p2p_tcp_reset(int fd);
-int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t src_size,
-                         const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
-                         int64_t start, int64_t end, const int32_t *stop, int64_t *bad);
-
-/* The C-to-C reference loops (native/src/baseline.c, native/src/baseline.h). */
-int64_t p2p_ref_target(struct fid_cq *cq, int64_t expected, int64_t timeout_ns);
-int64_t p2p_ref_write(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
-                      const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
-                      int64_t n, uint64_t src_base, void *src_desc, uint64_t dst_base,
-                      uint64_t dst_key, uint64_t imm, int with_imm, int64_t timeout_ns);
-int64_t p2p_ref_pingpong(struct fid_ep *ep, struct fid_cq *cq, uint64_t dest,
-                         uint64_t src_base, void *src_desc, uint64_t dst_base, uint64_t dst_key,
-                         int64_t len, int64_t iters, int initiator, int64_t timeout_ns,
-                         int64_t *rtt_ns);

@@ -92,11 +92,6 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
                     int64_t start, int64_t end, uint64_t src_base, void *src_desc,
                     uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
                     uint64_t context, int64_t dc_from);
-int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
-                          int64_t src_size, int64_t dst_size, int32_t *what, int64_t *out);
-int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t src_size,
-                         const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
-                         int64_t start, int64_t end, const int32_t *stop, int64_t *bad);
 int p2p_tcp_reset(int fd);
 
 #endif

@@ -44,14 +44,14 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 
+from p2pxfer.log import get_logger
 from p2pxfer.testing import DaemonProc, LaunchError, scatter_at_random, spawn_daemon
 
 __all__ = ["Flapper", "HostLike", "LoopReport", "LoopSpec", "rail_daemons", "run_loop",
            "sample", "soak"]
 
-log = structlog.get_logger("p2pxfer.hostile")
+log = get_logger("p2pxfer.hostile")
 
 REGION_NAME = "hostile"
 START_TIMEOUT = 60.0  # the loop's clients connected, region exported

@@ -1,16 +1,19 @@
 """structlog setup for p2pxfer.
 
-Library code only calls ``structlog.get_logger("p2pxfer.<component>")`` and
+Library code only calls ``get_logger("p2pxfer.<component>")`` (here) and
 logs events named ``<noun>.<verb>`` (``transfer.complete``) with ids and
-sizes. If the application has not configured structlog, importing p2pxfer
-sends our events to stderr at WARNING and above, so a library never writes to
-stdout. ``configure`` is what the CLI and daemon call: text or JSON lines, and
-a rate limit on repeats, so a peer that fails every retry costs a few lines
-a window, not one per retry.
+sizes. Importing p2pxfer configures nothing: while the application has not
+configured structlog, our events go to stderr at WARNING and above through a
+logger of our own (a library never writes to stdout, and never changes the
+application's logging); once it has, they follow its configuration.
+``configure`` is what the CLI and daemon call for their own process: text or
+JSON lines, and a rate limit on repeats, so a peer that fails every retry
+costs a few lines a window, not one per retry.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -20,7 +23,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["RateLimiter", "configure", "ensure_default"]
+__all__ = ["RateLimiter", "configure", "get_logger"]
 
 #: fields that tell two occurrences of an event apart for the rate limit
 #: (the same event about another peer, region or client is not a repeat)
@@ -78,24 +81,52 @@ def configure(level: str | int = "INFO", *, json: bool = False,
         if name not in logging.getLevelNamesMapping():
             raise ValueError(f"unknown log level {level!r}")
         level = logging.getLevelNamesMapping()[name]
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    processors: list[structlog.typing.Processor] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-    ]
-    if rate_limit:
-        processors.append(RateLimiter())
-    processors += [structlog.processors.TimeStamper(fmt="iso", key="timestamp"), renderer]
     structlog.configure(
-        processors=processors,
+        processors=_processors(rate_limit, json),
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
 
 
-def ensure_default() -> None:
-    if not structlog.is_configured():
-        configure(logging.WARNING)
+def _processors(rate_limit: bool, json: bool) -> list[Any]:
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    out: list[Any] = [structlog.contextvars.merge_contextvars,
+                      structlog.processors.add_log_level]
+    if rate_limit:
+        out.append(RateLimiter())
+    return [*out, structlog.processors.TimeStamper(fmt="iso", key="timestamp"), renderer]
+
+
+@functools.cache
+def _fallback(name: str) -> Any:
+    """Our own logger for ``name`` while structlog is unconfigured: stderr,
+    WARNING and above, repeats held back; structlog's global state untouched."""
+    return structlog.wrap_logger(
+        structlog.PrintLogger(file=sys.stderr), processors=_processors(True, False),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING), logger_name=name)
+
+
+class _Logger:
+    """A module's logger: the application's structlog once it configured
+    one, our stderr fallback until then (checked per call, a flag read)."""
+
+    __slots__ = ("_app", "_name")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._app: Any = None
+
+    def __getattr__(self, method: str) -> Any:
+        if self._app is None:
+            if not structlog.is_configured():
+                return getattr(_fallback(self._name), method)
+            self._app = structlog.get_logger(self._name)
+        return getattr(self._app, method)
+
+
+def get_logger(name: str) -> Any:
+    """The logger a p2pxfer module logs through (see the module's docstring)."""
+    return _Logger(name)

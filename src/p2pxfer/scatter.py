@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2pxfer.errors import ScatterError
-from p2pxfer.fabric import check_scatter
+from p2pxfer.pages import check_scatter
 
 __all__ = ["ScatterList"]
 

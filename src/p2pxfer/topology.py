@@ -20,10 +20,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
-import structlog
-
 from p2pxfer.errors import InvalidArgument, P2PXferError
 from p2pxfer.fabric import FabricInfo, getinfo
+from p2pxfer.log import get_logger
 
 __all__ = [
     "Nic",
@@ -37,7 +36,7 @@ __all__ = [
     "select_nics",
 ]
 
-log = structlog.get_logger("p2pxfer.topology")
+log = get_logger("p2pxfer.topology")
 
 # The kernel's NR_CPUS tops out at 8192; anything far above that in a cpulist
 # is garbage, and refusing it keeps "0-4000000000" from building a huge tuple.

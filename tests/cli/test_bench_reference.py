@@ -86,12 +86,15 @@ def test_cpu_seconds_of_this_and_another_process() -> None:
     import sys
 
     assert process_cpu_seconds() == pytest.approx(time.process_time(), abs=0.05)
-    proc = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\n"
-                             "while time.time()-t<0.5: pass\ninput()"],
-                            stdin=subprocess.PIPE)
+    # The child burns 0.5 s of its own CPU time (however long a busy host
+    # takes to give it that), says so, then waits.
+    proc = subprocess.Popen([sys.executable, "-c", "import time\n"
+                             "while time.process_time() < 0.5: pass\nprint('spent', flush=True)\n"
+                             "input()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)
-        assert process_cpu_seconds(proc.pid) >= 0.3
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "spent"
+        assert process_cpu_seconds(proc.pid) >= 0.45
         assert process_cpu_seconds(os.getpid()) >= 0
     finally:
         proc.kill()

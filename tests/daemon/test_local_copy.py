@@ -40,7 +40,7 @@ from daemon_helpers import (
     start_daemon,
 )
 from p2pxfer.errors import InvalidArgument, ScatterError, UnknownRegion, WaitTimeout
-from p2pxfer.fabric import CopyStop, copy_scatter
+from p2pxfer.pages import CopyStop, copy_scatter
 from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
 from p2pxfer.testing import scatter_at_random

@@ -43,7 +43,8 @@ from p2pxfer.errors import (
 )
 from p2pxfer.fabric import Poller, Rail, getinfo
 from p2pxfer.fabric._binding import check, fi_strerror, lib
-from p2pxfer.memory import DESCRIPTOR_VERSION, RegionDescriptor, RegistrationCache
+from p2pxfer.buffers import DESCRIPTOR_VERSION, RegionDescriptor
+from p2pxfer.memory import RegistrationCache
 from p2pxfer.scatter import ScatterList
 
 SRC = 1 << 16

@@ -18,7 +18,8 @@ from p2pxfer.engine import EngineConfig, plan_stripes
 from p2pxfer.engine._engine import open_engine_on
 from p2pxfer.engine._plan import Stripe
 from p2pxfer.errors import ScatterError
-from p2pxfer.fabric import INT64_MAX, getinfo
+from p2pxfer.fabric import getinfo
+from p2pxfer.pages import INT64_MAX
 from p2pxfer.scatter import ScatterList
 from p2pxfer.topology import Nic, Topology
 from p2pxfer.topology import Shard as TopologyShard

@@ -38,13 +38,11 @@ from p2pxfer.fabric import (
     MemoryRegion,
     Rail,
     getinfo,
-    reference_pingpong,
-    reference_target,
-    reference_write,
 )
 from p2pxfer.memory import RailDescriptor, RegionDescriptor, buffer_span
 from p2pxfer.scatter import ScatterList
 
+from ._loops import reference_pingpong, reference_target, reference_write
 from ._options import BenchError
 
 __all__ = ["C_INITIATOR", "C_TO_C", "RefStripe", "ReferenceInitiator", "ReferenceTarget",

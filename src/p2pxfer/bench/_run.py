@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import structlog
 import trio
 
 from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.errors import P2PXferError, ProviderNotFound
 from p2pxfer.fabric import getinfo
+from p2pxfer.log import get_logger
 
 from ._daemon import daemon_session
 from ._measure import (
@@ -64,7 +64,7 @@ from ._server import (
 __all__ = ["BenchReport", "NullProgress", "Progress", "fabric_node", "loopback_server",
            "measure_memcpy", "run_bench", "unwrap_group"]
 
-log = structlog.get_logger("p2pxfer.bench")
+log = get_logger("p2pxfer.bench")
 
 FILL = 0xA5
 

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import structlog
 import trio
 
 from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.errors import ConfigError, P2PXferError
+from p2pxfer.log import get_logger
 from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.protocol import FrameDecoder, ProtocolError, encode_frame
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 __all__ = ["PROTOCOL_VERSION", "TOKEN_ENV", "ServerConfig", "ServerLink", "connect_server",
            "fabric_node", "is_loopback", "pick_interfaces", "resolve_region", "serve"]
 
-log = structlog.get_logger("p2pxfer.bench")
+log = get_logger("p2pxfer.bench")
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE = 1 << 20

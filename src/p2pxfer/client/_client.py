@@ -19,8 +19,8 @@ import anyio
 import anyio.abc
 import numpy as np
 import numpy.typing as npt
-import structlog
 
+from p2pxfer.buffers import RegionDescriptor, SharedBuffer
 from p2pxfer.errors import (
     ConnectionLost,
     DaemonError,
@@ -28,8 +28,8 @@ from p2pxfer.errors import (
     P2PXferError,
     WaitTimeout,
 )
-from p2pxfer.kv import KVLayout
-from p2pxfer.memory import RegionDescriptor, SharedBuffer
+from p2pxfer.kv_plan import KVLayout
+from p2pxfer.log import get_logger
 from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
 
@@ -39,7 +39,7 @@ from ._wire import Conversation
 __all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedMemory",
            "connect"]
 
-log = structlog.get_logger("p2pxfer.client")
+log = get_logger("p2pxfer.client")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """KV pages through the node daemon, for inference servers (trio or asyncio).
 
-``Client.kv_pool`` puts a paged KV pool (``p2pxfer.kv.KVLayout``) in memory
+``Client.kv_pool`` puts a paged KV pool (``p2pxfer.kv_plan.KVLayout``) in memory
 shared with the daemon; a receiving (decode) pool is exported under its name.
 ``Client.kv_push`` pushes blocks of a local pool into a peer's pool, layer by
 layer, and returns a ``KVPush`` handle; the decode side awaits layers with
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from p2pxfer.buffers import RegionDescriptor
 from p2pxfer.errors import InvalidArgument, TransferError, WaitTimeout
-from p2pxfer.kv import KVLayout
-from p2pxfer.memory import RegionDescriptor
+from p2pxfer.kv_plan import KVLayout
 
 if TYPE_CHECKING:
     from ._client import Client, SharedMemory

@@ -19,9 +19,9 @@ from typing import Any, Self
 import sniffio
 from anyio.from_thread import start_blocking_portal
 
+from p2pxfer.buffers import RegionDescriptor
 from p2pxfer.errors import ConnectionLost, UsageError
-from p2pxfer.kv import KVLayout
-from p2pxfer.memory import RegionDescriptor
+from p2pxfer.kv_plan import KVLayout
 from p2pxfer.scatter import ScatterList
 
 from ._client import Client, SharedMemory, connect

@@ -16,11 +16,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import structlog
-
 from p2pxfer._pump import bounded
 from p2pxfer.address import format_hostport, parse_hostport
 from p2pxfer.errors import AuthenticationFailed
+from p2pxfer.log import get_logger
 from p2pxfer.membership import ClusterAuth
 from p2pxfer.protocol import Message
 
@@ -28,7 +27,7 @@ from ._dial import NONCE_BYTES, nonce_ok
 
 __all__ = ["AUTH_TIMEOUT_S", "Caller"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 AUTH_TIMEOUT_S = 10.0  # a control connection must have said hello (and proved the token) by then
 

@@ -26,12 +26,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import trio
 
 from p2pxfer._pump import ByteStream, Pump, TrioStream, bounded
 from p2pxfer.address import format_hostport, parse_hostport
 from p2pxfer.errors import AuthenticationFailed, ConnectionLost, InvalidArgument, P2PXferError
+from p2pxfer.log import get_logger
 from p2pxfer.protocol import (
     PEER_REQUESTS,
     RESPONDER,
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HANDLERS", "serve_control", "serve_peer"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 Handler = Callable[["Daemon", Caller, Message], dict[str, Any]]
 

@@ -21,13 +21,13 @@ from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import trio
 
 from p2pxfer._pump import LogThrottle
 from p2pxfer.address import parse_hostport
 from p2pxfer.engine import Engine, EngineConfig, open_engine
 from p2pxfer.errors import InvalidArgument
+from p2pxfer.log import get_logger
 from p2pxfer.membership import ClusterAuth
 
 from ._config import DaemonConfig
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Daemon", "check_exposure", "credentials", "raise_fd_limit", "serve"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 STOP_MEMBERSHIP_S = 2.0  # at most this long saying goodbye on the way out
 #: On the way out, tasks still running this long after stopping began (a write

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 
-import structlog
 import trio
 
 from p2pxfer._pump import ByteStream, Pump, TrioStream
 from p2pxfer.address import parse_hostport
 from p2pxfer.errors import AuthenticationFailed
+from p2pxfer.log import get_logger
 from p2pxfer.membership import ClusterAuth
 from p2pxfer.protocol import DEFAULT_MAX_FRAME, INITIATOR, SCHEMA_VERSION, Connection
 
@@ -31,7 +31,7 @@ from ._tls import TlsCredentials, connect_tls
 
 __all__ = ["NONCE_BYTES", "dial_peer", "nonce_ok"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 NONCE_BYTES = 16
 

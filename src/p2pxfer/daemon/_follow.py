@@ -17,10 +17,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import structlog
 import trio
 
 from p2pxfer.errors import InvalidArgument
+from p2pxfer.log import get_logger
 from p2pxfer.membership import (
     EmbeddedBackend,
     EtcdBackend,
@@ -43,7 +43,7 @@ from ._peers import PeerTable
 
 __all__ = ["EVENT_LOG", "WATCH_TIMEOUT_MAX_S", "Follower", "WatchLog"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 EVENT_LOG = 1024  # membership changes kept for watching clients
 WATCH_TIMEOUT_MAX_S = 300.0

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import structlog
 import trio
 
 from p2pxfer.engine import Engine
 from p2pxfer.errors import DaemonError, InvalidArgument
+from p2pxfer.log import get_logger
 
 __all__ = ["MAX_UNCLAIMED", "SLOT_BITS", "ImmCounts", "ImmTable", "SlotsExhausted"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 SLOT_BITS = 12
 #: distinct (region, value) counts a session keeps that nobody has waited for

@@ -5,7 +5,7 @@ per-layer waits.
 A client names a pool (``kv_pool``: its shared memory and a ``KVLayout``);
 a receiving pool is exported under its name, and ``resolve`` hands its
 layout out with its descriptor. A push (``kv_push``) is checked and expanded
-here with ``p2pxfer.kv.plan_push`` (numpy: no Python per block), then:
+here with ``p2pxfer.kv_plan.plan_push`` (numpy: no Python per block), then:
 
 1. ``kv_begin`` asks the receiver's daemon for a *request slot* (an
    immediate slot, ``_imms``) for these layers of this request, with a
@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 import trio
 
 from p2pxfer.engine import Transfer
@@ -48,7 +47,8 @@ from p2pxfer.errors import (
     PeerLost,
     UnknownRegion,
 )
-from p2pxfer.kv import KVLayout, plan_push
+from p2pxfer.kv_plan import KVLayout, plan_push
+from p2pxfer.log import get_logger
 from p2pxfer.scatter import ScatterList
 
 from ._kv_settle import Unsettled, settle_notification
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KV", "MAX_REQUESTS", "Pool", "pack_i64", "unpack_i64"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 I64 = npt.NDArray[np.int64]
 MAX_REQUESTS = 16384  # requests remembered per daemon; the oldest finished go first

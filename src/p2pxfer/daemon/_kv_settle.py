@@ -20,18 +20,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 import trio
 
 from p2pxfer.engine import NOTIFY_BYTES, Engine
 from p2pxfer.errors import NotificationUnknown, TransferError
+from p2pxfer.log import get_logger
 from p2pxfer.scatter import ScatterList
 
 from ._peers import seconds_left
 
 __all__ = ["Unsettled", "settle_notification"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 I64 = npt.NDArray[np.int64]
 Ask = Callable[..., Awaitable[dict[str, Any]]]

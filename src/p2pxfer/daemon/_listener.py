@@ -15,11 +15,11 @@ import os
 import stat
 from typing import TYPE_CHECKING
 
-import structlog
 import trio
 
 from p2pxfer._pump import bounded
 from p2pxfer.errors import DaemonError, InvalidArgument
+from p2pxfer.log import get_logger
 
 from ._io import peer_credentials
 from ._sessions import ClientSession
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["remove_socket", "serve_clients"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 
 async def _claim_path(path: str) -> None:

@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import outcome
-import structlog
 import trio
 
 from p2pxfer.errors import UnknownRegion
-from p2pxfer.fabric import CopyStop, copy_scatter
+from p2pxfer.log import get_logger
+from p2pxfer.pages import CopyStop, copy_scatter
 from p2pxfer.scatter import ScatterList
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["INLINE_MAX", "MAX_AUTO_THREADS", "PARALLEL_MIN", "LocalCopies", "Target",
            "auto_threads"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 #: copies of at most this many bytes run on the trio thread: a hop to a worker
 #: thread and back costs 100-200 us on these machines, 256 KiB about 30 us

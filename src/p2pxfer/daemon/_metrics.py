@@ -20,13 +20,13 @@ from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING
 
-import structlog
 import trio
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from p2pxfer.errors import StartupError
+from p2pxfer.log import get_logger
 
 from ._config import parse_hostport
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DaemonMetrics", "serve_metrics"]
 
-log = structlog.get_logger("p2pxfer.metrics")
+log = get_logger("p2pxfer.metrics")
 
 MEMBER_STATES = ("alive", "suspect", "dead", "left")
 REQUEST_LIMIT = 8192  # bytes of request head a scraper may send

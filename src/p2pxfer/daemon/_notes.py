@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import structlog
-
 from p2pxfer.engine import Engine
+from p2pxfer.log import get_logger
 from p2pxfer.topology import faster_providers, is_loopback
 
 __all__ = ["rails", "slow_paths"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 
 def rails(engine: Engine) -> list[dict[str, Any]]:

@@ -16,7 +16,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import structlog
 import trio
 
 from p2pxfer._pump import Pump, bounded
@@ -28,6 +27,7 @@ from p2pxfer.errors import (
     PeerUnreachable,
     UnknownPeer,
 )
+from p2pxfer.log import get_logger
 from p2pxfer.membership import ClusterAuth
 from p2pxfer.protocol import Message, error_from_wire, is_fatal
 
@@ -38,7 +38,7 @@ from ._tls import TlsCredentials
 __all__ = ["LINK_IDLE_S", "PEER_TIMEOUT_S", "PeerLink", "PeerTable", "deadline_after",
            "seconds_left"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 PEER_TIMEOUT_S = 5.0
 LINK_IDLE_S = 60.0  # a peer connection unused this long is closed

@@ -17,11 +17,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import structlog
 import trio
 
 from p2pxfer._pump import bounded
 from p2pxfer.errors import InvalidArgument, NameTaken, P2PXferError, PeerUnreachable, UnknownRegion
+from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 
 from ._peers import PeerTable
@@ -29,7 +29,7 @@ from ._peers import PeerTable
 __all__ = ["INVALIDATE_GIVE_UP_S", "INVALIDATE_RETRY_S", "LOCATE_CONCURRENCY",
            "LOCATE_TIMEOUT_S", "Regions"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 LOCATE_TIMEOUT_S = 2.0  # per peer asked by ``locate``
 LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``

@@ -30,14 +30,13 @@ import os
 import time
 from collections import deque
 
-import structlog
-
 from p2pxfer.errors import P2PXferError
+from p2pxfer.log import get_logger
 from p2pxfer.memory import buffer_span
 
 __all__ = ["HOLD_S", "MAX_HELD", "held", "retire"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 #: how long a retired range stays reserved (a stalled tcp message can resume
 #: once its connection recovers; minutes cover a flapping link)

@@ -20,7 +20,6 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import trio
 
 from p2pxfer._pump import Pump, bounded
@@ -31,6 +30,7 @@ from p2pxfer.errors import (
     UnknownRegion,
     UnregisteredMemory,
 )
+from p2pxfer.log import get_logger
 from p2pxfer.protocol import (
     CLIENT_REQUESTS,
     RESPONDER,
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HANDLERS", "ClientSession"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 #: requests served as tasks of the session (they wait); the rest in turn
 CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel", "kv_push",

@@ -21,19 +21,19 @@ import ssl
 import stat
 from dataclasses import dataclass
 
-import structlog
 import trio
 
 from p2pxfer._pump import TrioStream, bounded
 from p2pxfer.certs import check_node
 from p2pxfer.errors import AuthenticationFailed, ConfigError, ConnectionLost
+from p2pxfer.log import get_logger
 
 from ._config import DaemonConfig
 
 __all__ = ["CLOSE_NOTIFY_S", "TlsCredentials", "TlsStream", "accept_tls", "config_tls",
            "connect_tls", "load_tls"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 #: at most this long saying close_notify on the way out: a caller that stops
 #: reading must not hold our task (and its descriptor) open

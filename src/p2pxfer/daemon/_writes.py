@@ -19,7 +19,6 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import trio
 
 from p2pxfer.errors import (
@@ -29,6 +28,7 @@ from p2pxfer.errors import (
     TransferError,
     TransferTimeout,
 )
+from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Writes"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 
 class Writes:

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import structlog
 import trio
 
 from p2pxfer.errors import (
@@ -29,6 +28,7 @@ from p2pxfer.errors import (
     UnregisteredMemory,
 )
 from p2pxfer.fabric import DELIVERY_COMPLETE, Rail
+from p2pxfer.log import get_logger
 from p2pxfer.memory import (
     LocalRegion,
     RailDescriptor,
@@ -48,7 +48,7 @@ from ._transfer import Transfer, _YieldClock
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer", "open_engine"]
 
-log = structlog.get_logger("p2pxfer.engine")
+log = get_logger("p2pxfer.engine")
 
 #: a write alone in flight polls inline this much longer per KiB it carries
 #: (~2 GB/s: about what tcp and shm move here; the budget only caps a spin

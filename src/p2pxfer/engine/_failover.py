@@ -34,10 +34,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
-import structlog
 
 from p2pxfer.errors import FabricError
 from p2pxfer.fabric import Rail
+from p2pxfer.log import get_logger
 
 from ._health import RailHealth
 from ._plan import PairKey, Target
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EAGER_NOTIFY_BYTES", "NOTIFY_BYTES", "Failover"]
 
-log = structlog.get_logger("p2pxfer.engine")
+log = get_logger("p2pxfer.engine")
 
 #: a notification re-writes at most this many bytes of the write's first piece
 #: (bytes the source still holds: harmless), carrying the immediate

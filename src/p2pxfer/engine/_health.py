@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import structlog
+from p2pxfer.log import get_logger
 
 from ._plan import PairKey
 
@@ -27,7 +27,7 @@ __all__ = ["PairHealth", "RailHealth"]
 
 MAX_PAIRS = 4096  # pairs remembered; idle up ones are forgotten beyond that
 
-log = structlog.get_logger("p2pxfer.engine")
+log = get_logger("p2pxfer.engine")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, Self
 
 from p2pxfer.errors import DescriptorError, InvalidArgument, ReadOnlyBuffer, UnregisteredMemory
-from p2pxfer.fabric import INT64_MAX, Rail, WriteBatch
+from p2pxfer.fabric import Rail, WriteBatch
 from p2pxfer.memory import (
     ExportedRegion,
     LocalRegion,
@@ -27,6 +27,7 @@ from p2pxfer.memory import (
     RegistrationCache,
     buffer_span,
 )
+from p2pxfer.pages import INT64_MAX
 from p2pxfer.scatter import ScatterList
 
 from ._pairing import pair_rails

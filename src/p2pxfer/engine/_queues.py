@@ -20,14 +20,14 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-import structlog
+from p2pxfer.log import get_logger
 
 if TYPE_CHECKING:
     from ._state import TransferState
 
 __all__ = ["DestQueues"]
 
-log = structlog.get_logger("p2pxfer.engine")
+log = get_logger("p2pxfer.engine")
 
 Dest = tuple[bytes, ...]
 

@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import structlog
 import trio
 
 from p2pxfer.fabric import (
@@ -42,6 +41,7 @@ from p2pxfer.fabric import (
     Rail,
     split_context,
 )
+from p2pxfer.log import get_logger
 from p2pxfer.topology import Shard as ShardTopology
 
 from ._express import Express
@@ -55,7 +55,7 @@ from ._state import NicStats, TransferState
 
 __all__ = ["Shard"]
 
-log = structlog.get_logger("p2pxfer.engine")
+log = get_logger("p2pxfer.engine")
 
 DIRECT_POST_MAX = 64  # writes of at most this many pieces: posted from the trio thread
 IMM_BACKLOG = 64  # batches of immediates nobody waits for, held before a delivery

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from p2pxfer.buffers import BufferSpan
 from p2pxfer.fabric import Rail
-from p2pxfer.memory import BufferSpan, CacheStats, LocalRegion, RegionDescriptor
+from p2pxfer.memory import CacheStats, LocalRegion, RegionDescriptor
 from p2pxfer.topology import Shard as ShardTopology
 
 from ._plan import RailGroup

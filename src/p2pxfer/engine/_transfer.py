@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-import structlog
 import trio
 
+from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 
 from ._shard import Shard
@@ -18,7 +18,7 @@ from ._state import TransferState
 
 __all__ = ["YIELD_EVERY_NS", "Transfer"]
 
-log = structlog.get_logger("p2pxfer.engine")
+log = get_logger("p2pxfer.engine")
 
 # A write that completed without waiting still passes through the scheduler
 # when the engine has not yielded for this long (see ``Transfer.wait``).

@@ -1,6 +1,8 @@
 """Layer 2: thin Python objects over the libfabric binding.
 
-This package is the only place that touches ``ffi``/``lib``. It opens
+This package is the only place that touches libfabric's binding
+(``p2pxfer._fabric``); the loops over page lists that need no fabric live in
+``p2pxfer.pages``. It opens
 providers, registers memory, posts whole scatter lists through the C helper and
 drains completions in batches; it holds no per-transfer bookkeeping.
 """
@@ -11,12 +13,8 @@ from ._batch import ExpressCursor as ExpressCursor
 from ._batch import WriteBatch as WriteBatch
 from ._batch import context_of as context_of
 from ._batch import split_context as split_context
-from ._check import INT64_MAX as INT64_MAX
-from ._check import ScatterCheck as ScatterCheck
-from ._check import address_of as address_of
-from ._check import check_scatter as check_scatter
-from ._copy import CopyStop as CopyStop
-from ._copy import copy_scatter as copy_scatter
+from ._binding import check as check
+from ._binding import raw_address as raw_address
 from ._info import DELIVERY_COMPLETE as DELIVERY_COMPLETE
 from ._info import SUPPORTED_MR_MODE as SUPPORTED_MR_MODE
 from ._info import FabricInfo as FabricInfo
@@ -36,6 +34,3 @@ from ._rail import Completions as Completions
 from ._rail import Poller as Poller
 from ._rail import Rail as Rail
 from ._rail import StallWatch as StallWatch
-from ._reference import reference_pingpong as reference_pingpong
-from ._reference import reference_target as reference_target
-from ._reference import reference_write as reference_write

@@ -34,7 +34,13 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "`pip install -e .` on a machine with libfabric-dev"
     ) from exc
 
-__all__ = ["check", "ffi", "fi_strerror", "lib", "raise_fabric_error"]
+__all__ = ["check", "ffi", "fi_strerror", "lib", "raise_fabric_error", "raw_address"]
+
+
+def raw_address(pointer: Any) -> int:
+    """The address a binding pointer holds, for C code built apart from this
+    binding (the bench's reference loops), whose cffi types are its own."""
+    return int(ffi.cast("uintptr_t", pointer))
 
 
 def fi_strerror(code: int) -> str:

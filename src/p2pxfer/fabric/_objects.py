@@ -15,9 +15,8 @@ import threading
 from types import TracebackType
 from typing import Any, Self
 
-import structlog
-
 from p2pxfer.errors import FabricError, PeerUnreachable, RegistrationError
+from p2pxfer.log import get_logger
 
 from ._binding import check, ffi, lib, raise_fabric_error
 from ._info import FabricInfo
@@ -33,7 +32,7 @@ __all__ = [
     "MemoryRegion",
 ]
 
-log = structlog.get_logger("p2pxfer.fabric")
+log = get_logger("p2pxfer.fabric")
 
 ACCESS_WRITE = int(lib.FI_WRITE)  # local source of writes
 ACCESS_REMOTE_WRITE = int(lib.FI_REMOTE_WRITE)  # peers may write into it

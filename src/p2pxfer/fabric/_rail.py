@@ -16,9 +16,9 @@ from typing import Any, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 
 from p2pxfer.errors import FabricError
+from p2pxfer.log import get_logger
 
 from ._batch import WriteBatch
 from ._binding import ffi, lib, raise_fabric_error
@@ -38,7 +38,7 @@ __all__ = [
     "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "StallWatch",
 ]
 
-log = structlog.get_logger("p2pxfer.fabric")
+log = get_logger("p2pxfer.fabric")
 
 FLAG_REMOTE_CQ_DATA = int(lib.FI_REMOTE_CQ_DATA)
 _T = TypeVar("_T")

@@ -31,13 +31,13 @@ import socket
 import struct
 from collections.abc import Iterator
 
-import structlog
+from p2pxfer.log import get_logger
 
 from ._binding import lib
 
 __all__ = ["Knocks", "link_carries", "parse_sockaddr", "reset_connections"]
 
-log = structlog.get_logger("p2pxfer.fabric")
+log = get_logger("p2pxfer.fabric")
 
 IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 Endpoint = tuple[IP, int]

@@ -23,10 +23,10 @@ import contextlib
 from types import TracebackType
 from typing import Any, Self
 
-import structlog
 import trio
 
 from p2pxfer.errors import P2PXferError, PeerLost
+from p2pxfer.log import get_logger
 
 from ._member import (
     AuthFailed,
@@ -42,7 +42,7 @@ from ._member import (
 
 __all__ = ["MembershipBackend", "MembershipError", "PeerLost", "StaleIncarnation"]
 
-log = structlog.get_logger("p2pxfer.membership")
+log = get_logger("p2pxfer.membership")
 
 #: events a subscriber may fall behind by before it is cut off
 SUBSCRIBER_BUFFER = 1024

@@ -1,0 +1,71 @@
+/* Loops over page lists that need no fabric: validating a scatter list and
+ * copying one between two buffers of this process. Built as p2pxfer._pages,
+ * which links no libfabric, so a client library can check what it sends
+ * without loading the fabric; see pages.h. */
+#define _GNU_SOURCE
+#include "pages.h"
+
+#include <string.h>
+
+/* Validate a scatter list in one pass: offsets >= 0, lengths > 0, every piece
+ * inside [0, src_size) and [0, dst_size) (written so nothing overflows).
+ * Returns -1 when all fit, else the first bad index with *what set:
+ * 1 negative src, 2 negative dst, 3 length <= 0, 4 past src end, 5 past dst end,
+ * 6 the total length overflows int64.
+ * Also reports out[0] the total, out[1] the largest length, and out[2], out[3]
+ * the furthest source and destination end: with those kept, later checks
+ * against region sizes are two comparisons, not another pass. */
+int64_t p2p_check_scatter(const int64_t *src, const int64_t *dst, const int64_t *len, int64_t n,
+                          int64_t src_size, int64_t dst_size, int32_t *what, int64_t *out)
+{
+    int64_t i, sum = 0, mx = 0, src_end = 0, dst_end = 0;
+    for (i = 0; i < n; i++) {
+        int64_t l = len[i];
+        if (src[i] < 0) { *what = 1; return i; }
+        if (dst[i] < 0) { *what = 2; return i; }
+        if (l <= 0) { *what = 3; return i; }
+        if (src[i] > src_size - l) { *what = 4; return i; }
+        if (dst[i] > dst_size - l) { *what = 5; return i; }
+        if (l > INT64_MAX - sum) { *what = 6; return i; }
+        sum += l;
+        if (l > mx)
+            mx = l;
+        if (src[i] + l > src_end)
+            src_end = src[i] + l;
+        if (dst[i] + l > dst_end)
+            dst_end = dst[i] + l;
+    }
+    *what = 0;
+    out[0] = sum;
+    out[1] = mx;
+    out[2] = src_end;
+    out[3] = dst_end;
+    return -1;
+}
+
+/* The same-daemon fast path: copy pieces [start, end) of a scatter list from
+ * src to dst, both mappings of this process. memmove, not memcpy: a client may
+ * write from one part of its memory into another. Every piece is checked
+ * against both sizes again before it is touched (the caller validated the list
+ * already; this keeps a bug there from becoming a stray write), and *stop is
+ * read between pieces, never inside one: a stopped copy leaves whole pieces.
+ * Returns the pieces copied; *bad is the index of a piece out of bounds (the
+ * copy stops there), else -1. Touches no Python object: called without the GIL. */
+int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t src_size,
+                         const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                         int64_t start, int64_t end, const int32_t *stop, int64_t *bad)
+{
+    int64_t i;
+    *bad = -1;
+    for (i = start; i < end; i++) {
+        int64_t l = len[i], s = src_off[i], d = dst_off[i];
+        if (__atomic_load_n(stop, __ATOMIC_ACQUIRE))
+            break;
+        if (l <= 0 || s < 0 || d < 0 || s > src_size - l || d > dst_size - l) {
+            *bad = i;
+            break;
+        }
+        memmove(dst + d, src + s, (size_t)l);
+    }
+    return i - start;
+}
