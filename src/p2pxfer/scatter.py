@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2pxfer.errors import ScatterError
-from p2pxfer.pages import check_scatter
+from p2pxfer.pages import INT64_MAX, check_scatter
 
 __all__ = ["ScatterList"]
 
@@ -114,6 +114,21 @@ class ScatterList:
         step = k * max_piece
         length = np.minimum(self.length[idx] - step, max_piece)
         return ScatterList(self.src[idx] + step, self.dst[idx] + step, length)
+
+    def stripe(self, parts: int, max_piece: int = INT64_MAX
+               ) -> tuple[ScatterList, list[tuple[int, int]]]:
+        """The one stripe planner (rails of a write, threads of a copy, the
+        bench's C loops): cut pieces longer than ``max_piece`` (what the
+        provider takes in one message); with several ``parts``, also cut
+        pieces too large to balance (aim for >= 4 pieces per part, never
+        below 64 KiB); then give each part a contiguous range of about equal
+        bytes. Returns the pieces and ``parts`` ranges (some may be empty).
+        Deterministic, so a target can compute the count."""
+        sl = self.split(max_piece)
+        if parts <= 1:
+            return sl, [(0, len(sl))]
+        sl = sl.split(max(1 << 16, -(-sl.nbytes // (4 * parts))))
+        return sl, sl.stripes(parts)
 
     def stripes(self, weights: int) -> list[tuple[int, int]]:
         """Split pieces ``[0, n)`` into ``weights`` contiguous ranges of about

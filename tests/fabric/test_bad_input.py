@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import posted, posted_bytes
+from p2pxfer.buffers import DESCRIPTOR_VERSION, RegionDescriptor
 from p2pxfer.engine import BlockingEngine
 from p2pxfer.errors import (
     DescriptorError,
@@ -43,7 +44,6 @@ from p2pxfer.errors import (
 )
 from p2pxfer.fabric import Poller, Rail, getinfo
 from p2pxfer.fabric._binding import check, fi_strerror, lib
-from p2pxfer.buffers import DESCRIPTOR_VERSION, RegionDescriptor
 from p2pxfer.memory import RegistrationCache
 from p2pxfer.scatter import ScatterList
 

@@ -161,10 +161,7 @@ class ReferenceInitiator:
         """Split pieces the provider cannot take whole and, with several rails,
         give each a contiguous range of about equal bytes (as the engine does)."""
         sl.check_bounds(self.src.nbytes, self.dst.length)
-        split = sl.split(self.max_msg)
-        if self.nrails > 1:
-            split = split.split(max(1 << 16, -(-split.nbytes // (4 * self.nrails))))
-        ranges = split.stripes(self.nrails) if self.nrails > 1 else [(0, len(split))]
+        split, ranges = sl.stripe(self.nrails, self.max_msg)
         return [RefStripe(r, split.src[s:e].copy(), split.dst[s:e].copy(),
                           split.length[s:e].copy(), int(split.length[s:e].sum()))
                 for r, (s, e) in enumerate(ranges) if e > s]

@@ -11,8 +11,6 @@ the write path's questions (``check_peer``, ``check_descriptor``,
 from __future__ import annotations
 
 import contextlib
-import ipaddress
-import re
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 import trio
 
 from p2pxfer.errors import InvalidArgument
+from p2pxfer.fabric import parse_sockaddr
 from p2pxfer.log import get_logger
 from p2pxfer.membership import (
     EmbeddedBackend,
@@ -50,8 +49,6 @@ WATCH_TIMEOUT_MAX_S = 300.0
 
 _CHANGES = (MemberJoined, MemberAlive, MemberDegraded, MemberSuspect, MemberDead, MemberLeft,
             MemberRestarted)
-# A tcp rail's endpoint address as libfabric prints it: fi_sockaddr_in://10.0.0.1:5000
-_RAIL_HOST = re.compile(r"^fi_sockaddr_in6?://\[?([0-9A-Fa-f.:]+?)\]?:\d+$")
 
 
 def rail_hosts(straddrs: Sequence[str]) -> list[str]:
@@ -61,15 +58,12 @@ def rail_hosts(straddrs: Sequence[str]) -> list[str]:
     probing those would reach itself (or nothing)."""
     out: list[str] = []
     for text in straddrs:
-        m = _RAIL_HOST.match(text)
-        if m is None or m.group(1) in out:
+        endpoint = parse_sockaddr(text)
+        if endpoint is None:
             continue
-        try:
-            ip = ipaddress.ip_address(m.group(1))
-        except ValueError:
-            continue
-        if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
-            out.append(m.group(1))
+        ip = endpoint[0]
+        if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified) and str(ip) not in out:
+            out.append(str(ip))
     return out
 
 

@@ -192,10 +192,8 @@ class LocalCopies:
         """The pieces to copy and each thread's contiguous range of them."""
         if self.threads == 1 or scatter.nbytes < PARALLEL_MIN:
             return scatter, [(0, len(scatter))]
-        # As the engine stripes over rails: >= 4 pieces per thread, so a few
-        # big pieces still balance; never cut below 64 KiB.
-        sl = scatter.split(max(1 << 16, -(-scatter.nbytes // (4 * self.threads))))
-        return sl, [(a, b) for a, b in sl.stripes(self.threads) if b > a]
+        sl, ranges = scatter.stripe(self.threads)  # as the engine stripes over rails
+        return sl, [(a, b) for a, b in ranges if b > a]
 
     async def _in_threads(self, dst: memoryview, src: memoryview, sl: ScatterList,
                           parts: list[tuple[int, int]], stop: CopyStop,

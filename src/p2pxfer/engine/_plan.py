@@ -155,12 +155,10 @@ def plan_stripes(scatter: ScatterList, nrails: int, max_msg: int) -> tuple[Scatt
     """Split pieces the provider cannot take in one message, and, with several
     rails, pieces too large to balance; then give each rail a contiguous range
     of about equal bytes. Deterministic: the target can compute the count."""
-    sl = scatter.split(max_msg)
+    sl, ranges = scatter.stripe(nrails, max_msg)
     if nrails == 1:
         return sl, [Stripe(0, 0, len(sl))]
-    # Aim for >= 4 pieces per rail so a few big pieces still balance.
-    sl = sl.split(max(1 << 16, -(-sl.nbytes // (4 * nrails))))
-    return sl, [Stripe(r, s, e) for r, (s, e) in enumerate(sl.stripes(nrails)) if e > s]
+    return sl, [Stripe(r, s, e) for r, (s, e) in enumerate(ranges) if e > s]
 
 
 class RailGroup:

@@ -34,3 +34,4 @@ from ._rail import Completions as Completions
 from ._rail import Poller as Poller
 from ._rail import Rail as Rail
 from ._rail import StallWatch as StallWatch
+from ._sockets import parse_sockaddr as parse_sockaddr

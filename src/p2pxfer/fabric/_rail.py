@@ -7,7 +7,6 @@ Nothing here keeps per-transfer state: that belongs to the layers above.
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 from dataclasses import dataclass
@@ -108,11 +107,11 @@ class Rail:
         providers; no answer within ``timeout``). Asked only about a write
         that has stalled (see ``StallWatch``): tcp;ofi_rxm answers -FI_EAGAIN
         forever for a peer whose connection is refused and reports nothing."""
-        m = _SOCKADDR.match(self.av.straddr(address))
-        if m is None:
+        peer = parse_sockaddr(self.av.straddr(address))
+        if peer is None:
             return False
         try:
-            with socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout):
+            with socket.create_connection((str(peer[0]), peer[1]), timeout=timeout):
                 return False
         except ConnectionRefusedError:
             return True
@@ -196,7 +195,6 @@ class Rail:
 # Posting that has not moved for this long makes StallWatch ask whether the
 # peer is gone (and not more often than that).
 STALL_PROBE_S = 0.5
-_SOCKADDR = re.compile(r"fi_sockaddr_in6?://\[?([0-9A-Fa-f.:]+?)\]?:(\d+)$")
 
 
 class StallWatch:
