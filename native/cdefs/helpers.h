@@ -13,7 +13,6 @@ struct p2p_poller {
     int64_t backoff_ns;
     int64_t backoff_max_ns;
     int64_t entries;
-    int64_t wakeups;
     int32_t hold;
     ...;
 };

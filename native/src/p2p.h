@@ -35,7 +35,6 @@ struct p2p_poller {
     int64_t backoff_ns;          /* current sleep where a CQ has no wait fd */
     int64_t backoff_max_ns;
     int64_t entries;             /* completions seen, lifetime */
-    int64_t wakeups;             /* times a blocked wait returned */
     int32_t hold;                /* nonzero: another thread is polling these CQs for a
                                   * small write; progress keeps its hands off them */
 };

@@ -126,7 +126,7 @@ def test_events_update_peers_and_fail_writes_in_flight() -> None:
     async def main() -> None:
         d.follower.on_event(MemberJoined(b1))
         assert d.peers.peers["node-b"].address == "127.0.0.1:1"
-        d.regions.remember("node-b", "r", desc("node-b", 100))
+        d.regions._resolved[("node-b", "r")] = desc("node-b", 100)
         failed: list[BaseException] = []
 
         async def write() -> None:
@@ -144,13 +144,13 @@ def test_events_update_peers_and_fail_writes_in_flight() -> None:
                                                         MemberState.DEAD)))
         assert len(failed) == 1 and "node-b died" in str(failed[0])
         assert wire_error(failed[0])[0] == "peer_lost"
-        assert d.regions.cached("node-b", "r") is None
-        assert d.follower.writes_to("node-b") == 0
+        assert ("node-b", "r") not in d.regions._resolved
+        assert not d.follower._writes_to.get("node-b")
         b2 = Member("node-b", "127.0.0.1:2", 300)
-        d.regions.remember("node-b", "r", desc("node-b", 100))
+        d.regions._resolved[("node-b", "r")] = desc("node-b", 100)
         d.follower.on_event(MemberRestarted(b2, 100))
         assert d.peers.peers["node-b"].address == "127.0.0.1:2"
-        assert d.regions.cached("node-b", "r") is None
+        assert ("node-b", "r") not in d.regions._resolved
 
     trio.run(main)
 
@@ -162,12 +162,12 @@ def test_a_degraded_member_stays_a_peer_and_its_writes_go_on() -> None:
 
     async def main() -> None:
         d.follower.on_event(MemberJoined(Member("node-b", addrs[0], 100, addresses=addrs)))
-        d.regions.remember("node-b", "r", desc("node-b", 100))
+        d.regions._resolved[("node-b", "r")] = desc("node-b", 100)
         with trio.fail_after(5), d.follower.track_write("node-b"):
             d.follower.on_event(MemberDegraded(b))
             await trio.sleep(0.05)  # not cancelled: the write goes on
         assert d.peers.peers["node-b"].address == addrs[0]
-        assert d.regions.cached("node-b", "r") is not None
+        assert ("node-b", "r") in d.regions._resolved
         d.follower.check_peer("node-b")
         d.follower.check_descriptor(desc("node-b", 100))
         [listed] = d.peer_list()

@@ -191,9 +191,9 @@ async def measure_case(case: Case, ours: OurPath, base: Reference | None, check:
     plans = [base.plan(m) for m in case.merged] if base is not None else []
     peer_plans = [[p.plan(m) for m in case.merged] for p in peers]
     # What exists now (cases, plans, engines) is never walked by the garbage
-    # collector again: a full collection over it landed inside some round
-    # (4 KiB rounds: mean 36 us against a p50 of 22); what the rounds make is
-    # still collected, every path alike.
+    # collector again: a full collection over it landing inside a round
+    # would skew that round's mean; what the rounds make is still collected,
+    # every path alike.
     gc.collect()
     gc.freeze()
     what = f"{provider} {case.label}"

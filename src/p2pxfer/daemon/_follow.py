@@ -138,10 +138,6 @@ class Follower:
     def enabled(self) -> bool:
         return self.backend is not None
 
-    def writes_to(self, peer: str) -> int:
-        """Writes to ``peer`` in flight (tracked by ``track_write``)."""
-        return len(self._writes_to.get(peer, ()))
-
     def running(self, peer: str) -> bool:
         """Whether ``peer`` may be asked (not known to be dead or gone)."""
         m = self.backend.member(peer) if self.backend is not None else None

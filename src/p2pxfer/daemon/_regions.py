@@ -163,12 +163,6 @@ class Regions:
             raise UnknownRegion(f"no region named {region!r} on {peer}")
         return slot
 
-    def cached(self, peer: str, region: str) -> RegionDescriptor | None:
-        return self._resolved.get((peer, region))
-
-    def remember(self, peer: str, region: str, desc: RegionDescriptor) -> None:
-        self._resolved[(peer, region)] = desc
-
     def forget(self, peer: str, region: str) -> None:
         self._resolved.pop((peer, region), None)
         if peer != self.node:

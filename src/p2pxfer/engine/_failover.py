@@ -112,11 +112,10 @@ class Failover:
         one up pair only, and that pair has pieces of it in flight, all
         posted, at most ``EAGER_NOTIFY_BYTES``, on a rail that places one
         peer's writes in order: right behind them (its delivery-complete then
-        covers them too), saving a round trip (small write on tcp: ~370 ->
-        ~230 us here). Not where another pair could take the pieces over: a
-        notification in flight is never re-sent, so a failing pair would end
-        the write ``NotificationUnknown`` instead of failing over (seen with
-        a rail flapping under a loop of 64 KiB writes: 8 of 25)."""
+        covers them too), saving a round trip. Not where another pair could
+        take the pieces over: a notification in flight is never re-sent, so a
+        failing pair would end the write ``NotificationUnknown`` instead of
+        failing over (a flapping rail does that often)."""
         b = tr.w.batch
         open_keys: set[PairKey] = set()
         unposted, nbytes = False, 0

@@ -119,8 +119,8 @@ class DestQueues:
     # Notifications to one destination go out in the order their writes were
     # submitted: each write's goes once its data is acknowledged, and with
     # several in flight on a fresh tcp;ofi_rxm connection the acknowledgements
-    # came out of order now and then (KV layer 6 was counted before layer 5:
-    # ``test_layers_land_in_order``, 3 runs in 15).
+    # can come out of order (a KV layer would be counted before the one
+    # before it: ``test_layers_land_in_order``).
 
     def will_notify(self, tr: TransferState) -> None:
         """``tr`` (notify mode) was submitted: it notifies after those before it."""

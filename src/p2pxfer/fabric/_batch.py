@@ -139,10 +139,6 @@ class WriteBatch:
         return [int(c.next) - s for s, c in zip(self.starts, self._c[0:len(self.rails)],
                                                  strict=True)]
 
-    def total(self, i: int) -> int:
-        """Pieces cursor ``i`` posts in all (as far as it got, once killed)."""
-        return self.ends[i] - self.starts[i]
-
     def __len__(self) -> int:
         return len(self.rails)
 

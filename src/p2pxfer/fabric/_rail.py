@@ -1,7 +1,8 @@
 """A rail (one NIC's domain, CQ, AV and endpoint) and the poller that drains rails.
 
-``Rail.post_writes`` and ``Poller.progress`` are the two calls on the data
-path; both run a C loop (``native/src/p2p.c``) over whole arrays and return.
+Posting a ``WriteBatch`` (``_batch.py``) and ``Poller.progress`` are the two
+calls on the data path; both run a C loop (``native/src/p2p.c``) over whole
+arrays and return.
 Nothing here keeps per-transfer state: that belongs to the layers above.
 """
 
