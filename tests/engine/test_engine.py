@@ -173,7 +173,7 @@ async def test_64_concurrent_writers(provider: str) -> None:
         assert st.failed == 0
         assert all(n.inflight == 0 and n.errors == 0 for n in st.nics)
         assert all(n.provider == provider for n in st.nics)
-        assert st.queue_depth == (0,) * len(a.shards)
+        assert st.in_flight == (0,) * len(a.shards)
         tb = b.statistics()
         assert tb.completed == 0 and tb.failed == 0
         assert sum(n.bytes for n in tb.nics) == 0
@@ -322,7 +322,7 @@ async def test_cancel_mid_transfer(provider: str) -> None:
         assert sum(n.bytes for n in st.nics) == posted * BIG_PIECE
         assert all(n.inflight == 0 for n in st.nics)
         assert st.completed + st.failed + st.cancelled == 1
-        assert st.queue_depth == (0,)
+        assert st.in_flight == (0,)
         # The cancelled write returned only after its posted pieces finished:
         # its source is unpinned (reusable) now.
         assert pinned(a) == 0
@@ -391,7 +391,7 @@ async def test_many_cancelled_writers_leave_engine_clean(provider: str) -> None:
         posted = sum(n.pieces for n in st.nics)
         assert st.completed + st.failed + st.cancelled <= 16
         assert all(n.inflight == 0 for n in st.nics)
-        assert st.queue_depth == (0,)
+        assert st.in_flight == (0,)
         assert pinned(a) == 0
         with trio.fail_after(STEP):
             if posted:
@@ -425,14 +425,14 @@ async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
                     for k in range(4):
                         nursery.start_soon(writer, k)
                     await trio.sleep(0.03)
-                    assert a.statistics().queue_depth[0] > 0, "writes finished too soon"
+                    assert a.statistics().in_flight[0] > 0, "writes finished too soon"
                     t0 = trio.current_time()
                     await a.aclose()
                     await a.aclose()  # idempotent
             assert trio.current_time() - t0 < 5
         assert len(errors) == 4
         assert all(type(e) is EngineClosed for e in errors), errors
-        assert a.statistics().queue_depth == (0,)
+        assert a.statistics().in_flight == (0,)
         with pytest.raises(EngineClosed):
             await a.write(source, desc, sl, imm=9)
         with pytest.raises(EngineClosed):
@@ -474,7 +474,7 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
                 for k in range(3):
                     nursery.start_soon(writer, a, k)
                 await trio.sleep(0.03)
-                assert a.statistics().queue_depth[0] > 0, "writes finished too soon"
+                assert a.statistics().in_flight[0] > 0, "writes finished too soon"
         assert len(errors) == 3
         assert all(type(e) is EngineClosed for e in errors), errors
 
@@ -503,7 +503,7 @@ async def test_close_fails_writers_waiting_for_a_slot() -> None:
                     for k in range(4):
                         nursery.start_soon(writer, k)
                     await trio.sleep(0.02)
-                    assert a.statistics().queue_depth[0] > 0, "writes finished too soon"
+                    assert a.statistics().in_flight[0] > 0, "writes finished too soon"
                     await a.aclose()
         assert len(errors) == 4
         assert [type(e).__name__ for e in errors] == ["EngineClosed"] * 4, errors
@@ -892,7 +892,7 @@ async def test_bad_input_raises_and_engine_keeps_working(provider: str) -> None:
             assert isinstance(info.value, p2pxfer.P2PXferError)
             assert not isinstance(info.value, BaseExceptionGroup)
         st = a.statistics()
-        assert st.queue_depth == (0,) and st.completed == 0 and st.failed == 0
+        assert st.in_flight == (0,) and st.completed == 0 and st.failed == 0
         assert nic_totals(a) == (0, 0)
         assert pinned(a) == 0
         assert not region.any()

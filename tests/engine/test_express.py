@@ -67,7 +67,7 @@ async def write_loop(provider: str, seed: int, writes: int, most: int,
     assert st.completed == writes and st.failed == 0
     assert sum(n.completed for n in st.nics) == sum(n.pieces for n in st.nics) == total
     assert [n.inflight for n in st.nics] == [0] * len(st.nics)
-    assert st.queue_depth == (0,)
+    assert st.in_flight == (0,)
     np.testing.assert_array_equal(region, want)
     return st
 

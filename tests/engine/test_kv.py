@@ -558,7 +558,7 @@ async def test_bad_input_refused_before_anything_is_written(provider: str) -> No
         assert not wrong, "\n".join(wrong)
         assert nic_totals(a) == (0, 0)
         st = a.statistics()
-        assert st.completed == 0 and st.failed == 0 and st.queue_depth == (0,)
+        assert st.completed == 0 and st.failed == 0 and st.in_flight == (0,)
         assert not dst.array.any()
         assert all(nic.received == 0 for nic in b.statistics().nics)
         # The engines still work.

@@ -117,4 +117,4 @@ async def test_writes_cancels_aborts_and_scrapes_race_cleanly(
         assert np.array_equal(dst, want)
         st = a.statistics()
         assert all(nic.inflight == 0 for nic in st.nics), st
-        assert st.queue_depth == (0,) * len(a.shards)
+        assert st.in_flight == (0,) * len(a.shards)

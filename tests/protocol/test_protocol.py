@@ -58,7 +58,7 @@ from p2pxfer.protocol import (
     wire_error,
 )
 from p2pxfer.protocol._messages import CLIENT_REQUESTS, PEER_REQUESTS
-from p2pxfer.protocol._state import transition
+from p2pxfer.protocol._transitions import transition
 
 # No deadline: these VMs are noisy. Few examples: two cores, whole file < 20 s.
 quick = settings(deadline=None, max_examples=60,

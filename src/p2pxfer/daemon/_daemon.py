@@ -347,5 +347,5 @@ async def _close_engine_after(engine: Engine, deadline: trio.CancelScope,
         await trio.sleep(grace_s)
         stats = engine.statistics()
         log.warning("daemon.shutdown_forced", grace_s=grace_s,
-                    queued=sum(stats.queue_depth))
+                    in_flight=sum(stats.in_flight))
         await engine.aclose()

@@ -79,7 +79,8 @@ class EngineConfig:
 @dataclass(frozen=True)
 class EngineStats:
     nics: tuple[NicStats, ...]
-    queue_depth: tuple[int, ...]
+    #: transfers submitted and not yet ended, per shard
+    in_flight: tuple[int, ...]
     completed: int
     failed: int
     cancelled: int = 0

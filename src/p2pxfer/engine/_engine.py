@@ -63,7 +63,7 @@ class Engine:
         self.config = config
         self.topology = topology
         self.shards: list[Shard] = []
-        self._imms = Immediates(self._pull_imms)
+        self._arrivals = Immediates(self._pull_imms)
         self._exports: dict[str, Any] = {}
         #: per-engine state of layers above (e.g. the KV receiver), by name
         self.attachments: dict[str, Any] = {}
@@ -205,7 +205,7 @@ class Engine:
         if not found:
             raise UnregisteredMemory(f"{span.nbytes} bytes at {span.address:#x} are not "
                                      "registered: register the buffer first")
-        shard, region = min(found, key=lambda sr: sr[0].queued)
+        shard, region = min(found, key=lambda sr: sr[0].in_flight)
         return shard, Source(region, span.address, span.nbytes)
 
     async def submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, *,
@@ -369,7 +369,7 @@ class Engine:
         self._check_imm_cap(imm)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
-        await self._imms.wait(imm, count, timeout, limit)
+        await self._arrivals.wait(imm, count, timeout, limit)
 
     def _pull_imms(self) -> None:
         for shard in self.shards:
@@ -379,24 +379,24 @@ class Engine:
         """Send arrivals whose ``imm >> shift == tag`` to ``handler(imm, count)``
         (called in trio) instead of counting them for :meth:`wait_imm`: for
         protocols that encode more than a counter in the immediate (KV pages)."""
-        self._imms.route(shift, tag, handler)
+        self._arrivals.route(shift, tag, handler)
 
     def imm_count(self, imm: int) -> int:
         """Pieces with ``imm`` that landed and no waiter has consumed yet."""
-        return self._imms.count(imm)
+        return self._arrivals.count(imm)
 
     def statistics(self) -> EngineStats:
         """A frozen snapshot: per NIC what was posted, completed, received and
         failed; per shard the queue depth and the registration cache."""
         nics = [n for shard in self.shards for n in shard.nic_stats()]
-        return EngineStats(tuple(nics), tuple(s.queued for s in self.shards),
+        return EngineStats(tuple(nics), tuple(s.in_flight for s in self.shards),
                            sum(s.completed for s in self.shards),
                            sum(s.failed for s in self.shards),
                            sum(s.cancelled for s in self.shards),
                            tuple(s.registrations() for s in self.shards),
                            sum(s.read_inline for s in self.shards),
                            sum(s.read_by_poller for s in self.shards),
-                           self._imms.awaited,
+                           self._arrivals.awaited,
                            sum(s.failover_counts()[0] for s in self.shards),
                            sum(s.failover_counts()[1] for s in self.shards),
                            sum(s.express.completed for s in self.shards),
@@ -416,7 +416,7 @@ class Engine:
                 shard.stop()
             for shard in self.shards:
                 await shard.thread_done.wait()
-        self._imms.close()
+        self._arrivals.close()
         for shard in self.shards:
             shard.close()
         log.info("engine.closed", shards=len(self.shards))
@@ -456,8 +456,8 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
                     r.close()
                 raise
             shards.append(Shard(
-                i, st, rails, token=token, deliver_imms=engine._imms.deliver,
-                imms_wanted=engine._imms.wanted,
+                i, st, rails, token=token, deliver_imms=engine._arrivals.deliver,
+                imms_wanted=engine._arrivals.wanted,
                 max_inflight=config.max_inflight,
                 spin_ns=config.spin_ns, idle_timeout_ns=config.idle_timeout_ns,
                 pin=config.pin_threads, cache_entries=config.cache_entries,

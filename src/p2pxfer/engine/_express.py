@@ -120,7 +120,7 @@ class Express:
                 s.completed += 1
                 self.completed += 1
                 if imms:
-                    s._imms.append(imms)
+                    s._imm_batches.append(imms)
                     s._deliver()
                 return n
             return self._hand_over(src, dst, scatter, imm, tid, deadline, got, left, failed,
@@ -144,7 +144,7 @@ class Express:
         tr.deadline = deadline
         self._cursor.hand_to(tr.w.batch)
         s.slots.acquire_nowait()  # free: nothing else is in flight
-        s.queued += 1
+        s.in_flight += 1
         tr.seen, tr.cdone = [0], [0]
         tr.direct = True
         with s._lock:
@@ -154,7 +154,7 @@ class Express:
             self.tid = -1
             self._count_received(received)
             if imms:
-                s._imms.append(imms)
+                s._imm_batches.append(imms)
             if done:
                 s.count_done(tr, 0, tr.w.batch.rails[0], done, time.monotonic())
             if self.stolen_error is not None:

@@ -103,7 +103,7 @@ class Shard(ShardMemory):
         self._next_id = 1
         self._inbox: deque[tuple[str, TransferState | None]] = deque()
         self._finished: deque[TransferState] = deque()
-        self._imms: deque[list[tuple[int, int]]] = deque()
+        self._imm_batches: deque[list[tuple[int, int]]] = deque()
         self._inflight: dict[int, TransferState] = {}
         # Writes not fully posted yet: FIFO per destination (poller thread).
         self._queues = DestQueues(peer_pieces)
@@ -121,7 +121,7 @@ class Shard(ShardMemory):
                                   self._health, self.pieces_abandoned, self._finish_if_done,
                                   self.wake_fd)
         self._next_check = 0.0
-        self.queued = self.completed = self.failed = self.cancelled = 0
+        self.in_flight = self.completed = self.failed = self.cancelled = 0
         self.express = Express(self, DIRECT_POST_MAX)
 
     # -- trio side ------------------------------------------------------------
@@ -178,12 +178,12 @@ class Shard(ShardMemory):
             self._poller.hold(False)
             with self._lock:  # nothing of it was posted: it was never here
                 if self._inflight.pop(tr.w.tid, None) is not None:
-                    self.queued -= 1
+                    self.in_flight -= 1
                 self._notified(tr)
             raise
 
     def _submit(self, tr: TransferState, inline: bool) -> None:
-        self.queued += 1
+        self.in_flight += 1
         n = len(tr.w.batch.rails)
         tr.seen, tr.cdone = [0] * n, [0] * n
         # Registered before the first post, so no completion can miss it;
@@ -259,7 +259,7 @@ class Shard(ShardMemory):
         """Runs in trio: wake finished transfers' waiters, pass immediates on."""
         while self._finished:
             tr = self._finished.popleft()
-            self.queued -= 1
+            self.in_flight -= 1
             # Accounted here, in trio, after submit() has returned: the poller
             # may see the last completion before the posting call has stored
             # how far it got.
@@ -302,7 +302,7 @@ class Shard(ShardMemory):
                                                  min_entries=max(tr.remaining, 1))
                 with self._lock:
                     self._absorb(c)
-                if self._finished or self._imms:
+                if self._finished or self._imm_batches:
                     self._deliver()
                 if time.perf_counter_ns() > deadline:
                     if not tr.done.is_set():
@@ -321,14 +321,14 @@ class Shard(ShardMemory):
         # loop woke its trio thread for every arrival: a third busy thread on
         # two cores, beside the writer and this poller. Finished transfers
         # always go at once.
-        if self._finished or (self._imms and (len(self._imms) >= IMM_BACKLOG
+        if self._finished or (self._imm_batches and (len(self._imm_batches) >= IMM_BACKLOG
                                               or self._imms_wanted())):
             self._token.run_sync_soon(self._deliver, idempotent=True)
 
     def pull_imms(self) -> None:
         """In trio: pass on the immediates that arrived and wait here."""
-        while self._imms:
-            self._deliver_imms(self._imms.popleft())
+        while self._imm_batches:
+            self._deliver_imms(self._imm_batches.popleft())
 
     def nic_stats(self) -> list[NicStats]:
         """A snapshot per rail, in trio. Bytes and pieces count delivered
@@ -377,7 +377,7 @@ class Shard(ShardMemory):
                 elif tr is None and ctx == self.express.tid:
                     self.express.stolen += cnt  # read before its hold took effect
             if imms:
-                self._imms.append(imms)
+                self._imm_batches.append(imms)
         if (e := c.error) is not None:
             self.piece_error(e)
 

@@ -27,6 +27,6 @@ from ._messages import SCHEMA_VERSION as SCHEMA_VERSION
 from ._messages import Message as Message
 from ._messages import pack_scatter as pack_scatter
 from ._messages import unpack_scatter as unpack_scatter
-from ._state import INITIATOR as INITIATOR
-from ._state import RESPONDER as RESPONDER
-from ._state import State as State
+from ._transitions import INITIATOR as INITIATOR
+from ._transitions import RESPONDER as RESPONDER
+from ._transitions import State as State

@@ -19,7 +19,7 @@ from ._frames import (
     encode_frame,
 )
 from ._messages import CLIENT_REQUESTS, PEER_REQUESTS, SCHEMA_VERSION, Message, validate
-from ._state import INITIATOR, RESPONDER, State, is_reply, transition
+from ._transitions import INITIATOR, RESPONDER, State, is_reply, transition
 
 __all__ = ["CLOSED", "NEED_DATA", "Connection"]
 

@@ -2,7 +2,7 @@
 human-readable form of this file; keep them in step (SCHEMA_VERSION too).
 
 A message is a msgpack map with ``t`` (its kind) and the fields below. What
-must not live here: state (``_state.py``) or I/O.
+must not live here: state (``_transitions.py``) or I/O.
 """
 
 from __future__ import annotations
