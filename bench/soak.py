@@ -7,7 +7,7 @@ the other's static peer, writes with a deadline of ``--deadline`` seconds
 (32-192 pieces of 4-64 KiB into a 16 MiB region) in a loop for
 ``--seconds``, the whole target region compared after every write; from the
 third write on, the target's ``--rail`` goes down ``--down`` seconds and up
-``--up`` seconds, over and over (``p2pxfer.hostile.soak``, shared with the
+``--up`` seconds, over and over (``p2pxfer.soak.soak``, shared with the
 ``soak`` test in ``tests/daemon/test_hostile_netns.py``).
 
 Counts: writes ok, failed (by named error), hung (not ended within the
@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from p2pxfer.bench import write_document
-from p2pxfer.hostile import soak
+from p2pxfer.soak import soak
 
 # Namespaces: the multi-host tests' helper (tests/netns.py, no tests in it).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

@@ -53,7 +53,8 @@ import pytest
 
 from daemon_helpers import Agent, Plan, wait_for
 from netns import lossy, send_queue, set_link, two_hosts
-from p2pxfer.hostile import LoopSpec, rail_daemons, run_loop, soak
+from p2pxfer.hostile import LoopSpec, rail_daemons, run_loop
+from p2pxfer.soak import soak
 
 pytestmark = pytest.mark.netns
 

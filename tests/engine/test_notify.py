@@ -18,8 +18,7 @@ from test_striping import two_node_topology
 
 from conftest import engine_config
 from conftest import engine_pair as pair
-from p2pxfer.engine import BlockingEngine, EngineConfig
-from p2pxfer.engine._engine import open_engine_on
+from p2pxfer.engine import BlockingEngine, EngineConfig, open_engine_on
 from p2pxfer.errors import InvalidArgument, TransferError
 from p2pxfer.loopback import loopback_node
 from p2pxfer.scatter import ScatterList

@@ -32,8 +32,7 @@ import trio
 from test_rails_netns import CHILD_PROTOCOL, child
 
 from netns import two_hosts
-from p2pxfer.engine import EngineConfig
-from p2pxfer.engine._engine import open_engine_on
+from p2pxfer.engine import EngineConfig, open_engine_on
 from p2pxfer.engine._pairing import pair_rails
 from p2pxfer.errors import DescriptorError
 from p2pxfer.fabric import getinfo

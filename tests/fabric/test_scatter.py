@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LOOPBACK
-from p2pxfer.engine import EngineConfig, plan_stripes
-from p2pxfer.engine._engine import open_engine_on
+from p2pxfer.engine import EngineConfig, open_engine_on, plan_stripes
 from p2pxfer.engine._plan import Stripe
 from p2pxfer.errors import ScatterError
 from p2pxfer.fabric import getinfo

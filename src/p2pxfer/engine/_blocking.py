@@ -25,7 +25,8 @@ from p2pxfer.errors import EngineClosed, WaitTimeout
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
-from ._engine import Engine, EngineConfig, EngineStats, open_engine
+from ._engine import Engine, EngineConfig, EngineStats
+from ._open import open_engine
 
 __all__ = ["BlockingEngine"]
 

@@ -1,10 +1,7 @@
-"""The engine: shards per NUMA node, opened as an async context manager.
+"""The engine: shards per NUMA node (opened by ``_open.py``).
 
-``open_engine(config)`` discovers the NICs (``p2pxfer.topology``), opens one
-rail per NIC grouped into shards (``open_engine_on`` takes the topology as
-given), starts each shard's poller thread, and closes everything on exit,
-failing transfers still in flight with ``EngineClosed``. Public calls raise
-plain ``P2PXferError`` subclasses, never exception groups.
+Public calls raise plain ``P2PXferError`` subclasses, never exception
+groups. Every method runs on the trio thread that opened the engine.
 
 What lives here: routing writes to shards, immediates (counts, waiters,
 routes) and statistics. What must not: posting, polling or counting
@@ -15,8 +12,7 @@ poller (ask the shard).
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -27,7 +23,7 @@ from p2pxfer.errors import (
     TransferTimeout,
     UnregisteredMemory,
 )
-from p2pxfer.fabric import DELIVERY_COMPLETE, Rail
+from p2pxfer.fabric import Rail
 from p2pxfer.log import get_logger
 from p2pxfer.memory import (
     LocalRegion,
@@ -37,7 +33,8 @@ from p2pxfer.memory import (
     numa_node_of,
 )
 from p2pxfer.scatter import ScatterList
-from p2pxfer.topology import Topology, discover
+from p2pxfer.topology import Shard as ShardTopology
+from p2pxfer.topology import Topology
 
 from ._config import EngineConfig, EngineStats
 from ._imms import Immediates
@@ -46,7 +43,7 @@ from ._shard import Shard
 from ._state import NicStats, TransferState
 from ._transfer import Transfer, _YieldClock
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer", "open_engine"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer"]
 
 log = get_logger("p2pxfer.engine")
 
@@ -402,6 +399,21 @@ class Engine:
                            sum(s.express.completed for s in self.shards),
                            sum(s.express.handed_over for s in self.shards))
 
+    def add_shard(self, topo: ShardTopology, rails: list[Rail],
+                  token: trio.lowlevel.TrioToken) -> Shard:
+        """A shard over ``rails`` (its NICs' rails, opened by the caller, now
+        owned by the shard), delivering its immediates here; not started."""
+        c = self.config
+        shard = Shard(
+            len(self.shards), topo, rails, token=token, deliver_imms=self._arrivals.deliver,
+            imms_wanted=self._arrivals.wanted, max_inflight=c.max_inflight,
+            spin_ns=c.spin_ns, idle_timeout_ns=c.idle_timeout_ns, pin=c.pin_threads,
+            cache_entries=c.cache_entries, backoff_max_ns=c.backoff_max_ns,
+            peer_pieces=c.peer_pieces, rail_stall_s=c.rail_stall_s,
+            rail_retry_s=c.rail_retry_s, rail_retry_max_s=c.rail_retry_max_s)
+        self.shards.append(shard)
+        return shard
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed("engine is closed")
@@ -420,60 +432,3 @@ class Engine:
         for shard in self.shards:
             shard.close()
         log.info("engine.closed", shards=len(self.shards))
-
-
-@asynccontextmanager
-async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
-    """Open an engine for the duration of the ``async with`` block."""
-    config = config or EngineConfig()
-    topo = discover(config.provider, node=config.node, sysfs_root=config.sysfs_root,
-                    interfaces=list(config.interfaces) if config.interfaces else None,
-                    numa_override=config.numa_override)
-    async with open_engine_on(topo, config) as engine:
-        yield engine
-
-
-@asynccontextmanager
-async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[Engine]:
-    """An engine over the NICs of ``topo`` as given (``open_engine`` discovers
-    them): a rail per NIC, a shard per topology shard. Tests use it to give a
-    shard two rails on one interface, which discovery never offers."""
-    token = trio.lowlevel.current_trio_token()
-    engine = Engine(config, topo)
-    shards = engine.shards
-    try:
-        for i, st in enumerate(topo.shards):
-            rails: list[Rail] = []
-            try:
-                for nic in st.nics:
-                    assert nic.info is not None
-                    info = nic.info
-                    if config.delivery_complete:
-                        info = info.with_tx_op_flags(DELIVERY_COMPLETE)
-                    rails.append(Rail(info))
-            except BaseException:
-                for r in rails:
-                    r.close()
-                raise
-            shards.append(Shard(
-                i, st, rails, token=token, deliver_imms=engine._arrivals.deliver,
-                imms_wanted=engine._arrivals.wanted,
-                max_inflight=config.max_inflight,
-                spin_ns=config.spin_ns, idle_timeout_ns=config.idle_timeout_ns,
-                pin=config.pin_threads, cache_entries=config.cache_entries,
-                backoff_max_ns=config.backoff_max_ns, peer_pieces=config.peer_pieces,
-                rail_stall_s=config.rail_stall_s, rail_retry_s=config.rail_retry_s,
-                rail_retry_max_s=config.rail_retry_max_s,
-            ))
-        for shard in shards:
-            shard.start()
-        log.info("engine.open", provider=config.provider, shards=len(shards),
-                 nics=[n.domain_name for n in topo.nics])
-    except BaseException:
-        for shard in shards:
-            shard.close()
-        raise
-    try:
-        yield engine
-    finally:
-        await engine.aclose()
