@@ -49,9 +49,14 @@ async def test_writes_cancels_aborts_and_scrapes_race_cleanly(
     rng = np.random.default_rng(23)
     src = rng.integers(0, 256, REGION, dtype=np.uint8)
     dst = np.zeros(REGION, np.uint8)
+    # The check afterwards writes into a region of its own: bytes of a write
+    # the stress gave up may still land in ``dst`` (the known gap in
+    # docs/architecture.md), which says nothing about the threads.
+    fresh = np.zeros(REGION, np.uint8)
     ended = {"ok": 0, "cancelled": 0, "aborted": 0, "scrapes": 0}
     async with pair(provider, peer_pieces=64) as (a, b):
         desc = b.export(dst, "r")
+        fresh_desc = b.export(fresh, "fresh")
         a.register(src)
 
         def scatter() -> ScatterList:
@@ -106,15 +111,14 @@ async def test_writes_cancels_aborts_and_scrapes_race_cleanly(
                 assert shard.thread_error is None, shard.thread_error
         assert ended["ok"] > 0 and ended["scrapes"] > 0, ended
         # Afterwards: correct bytes, and nothing left in flight or pinned.
-        dst[:] = 0
         sl = scatter()
         with trio.fail_after(STEP):
-            n = await a.write(src, desc, sl, imm=3)
+            n = await a.write(src, fresh_desc, sl, imm=3)
             await b.wait_imm(3, n)
-        want = np.zeros_like(dst)
+        want = np.zeros_like(fresh)
         for s, d, ln in zip(sl.src.tolist(), sl.dst.tolist(), sl.length.tolist(), strict=True):
             want[d:d + ln] = src[s:s + ln]
-        assert np.array_equal(dst, want)
+        assert np.array_equal(fresh, want)
         st = a.statistics()
         assert all(nic.inflight == 0 for nic in st.nics), st
         assert st.in_flight == (0,) * len(a.shards)

@@ -40,6 +40,7 @@ from p2pxfer.fabric import Rail
 from p2pxfer.log import get_logger
 
 from ._health import RailHealth
+from ._owner import ShardLock
 from ._plan import PairKey, Target
 from ._queues import DestQueues
 from ._state import PairStats
@@ -77,7 +78,9 @@ class Failover:
 
     def __init__(self, index: int, rails: list[Rail], inflight: dict[int, TransferState],
                  queues: DestQueues, health: RailHealth, abandoned: list[int],
-                 finish: Callable[[TransferState], None], wake_fd: int) -> None:
+                 finish: Callable[[TransferState], None], wake_fd: int,
+                 lock: ShardLock) -> None:
+        self._lock = lock
         self._index = index
         self._wake_fd = wake_fd
         self._pending: list[tuple[PairKey, str]] = []
@@ -141,6 +144,7 @@ class Failover:
         the TX queue takes it (one non-blocking pass, from either thread),
         else queue it ahead of its destination's other writes and wake the
         poller thread."""
+        self._lock.require("Failover.notify")
         self._add_notification(tr, t)
         batch = tr.w.batch
         batch.refresh()
@@ -176,6 +180,7 @@ class Failover:
         poller thread (``run_pending``: only it may stop cursors, since it
         posts them outside the lock); the piece stays counted until then, so
         the write cannot end first."""
+        self._lock.require("Failover.piece_failed")
         if cur != tr.notify_cursor and len(tr.w.targets) > 1:
             self._pending.append((pair_of(tr, cur), f"a piece failed: {text}"))
             os.eventfd_write(self._wake_fd, 1)
@@ -191,6 +196,7 @@ class Failover:
 
     def run_pending(self, now: float) -> None:
         """Poller thread: take down the pairs pieces failed on (``piece_failed``)."""
+        self._lock.require("Failover.run_pending")
         while self._pending:
             key, reason = self._pending.pop(0)
             live = any(pair_of(tr, i) == key for tr in self._inflight.values()
@@ -203,6 +209,7 @@ class Failover:
         peer still works. A peer whose every pair stalls is left to the
         write's deadline: that is a slow or dead peer, not a rail. Also
         lets each rail knock on the connections it reset (``Rail.knock``)."""
+        self._lock.require("Failover.check")
         for rail in self._rails:
             rail.knock(now)
         busy: dict[PairKey, int] = {}
@@ -249,6 +256,7 @@ class Failover:
 
     def fail_pair(self, key: PairKey, reason: str, now: float) -> None:
         """Take ``key`` down and move every write off it (see the module doc)."""
+        self._lock.require("Failover.fail_pair")
         label = self.label(key)
         self.health.mark_down(key, now, reason)
         self.failovers += 1
@@ -351,6 +359,7 @@ class Failover:
         """Give ``tr`` up (``Shard.abort``): stop posting it, tear down the
         connections carrying its pieces, and with them every write to the
         same peer with pieces in flight on them (``DestQueues.tear_down``)."""
+        self._lock.require("Failover.abort")
         if tr.w.tid not in self._inflight or tr.abort_requested is None:
             return  # finished meanwhile: its waiter hears how it ended
         tr.aborted, tr.timed_out = tr.abort_requested
@@ -369,6 +378,7 @@ class Failover:
 
     def pair_stats(self, now: float) -> dict[int, tuple[PairStats, ...]]:
         """Per rail index, every pair it has used and how it is doing."""
+        self._lock.require("Failover.pair_stats")
         out: dict[int, list[PairStats]] = {}
         for key, p in self.health.pairs.items():
             out.setdefault(key[0], []).append(PairStats(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from p2pxfer.log import get_logger
 
+from ._owner import ShardLock
 from ._plan import PairKey
 
 __all__ = ["PairHealth", "RailHealth"]
@@ -52,7 +53,9 @@ class PairHealth:
 class RailHealth:
     """Every pair's ``PairHealth`` of one shard, created on first sight."""
 
-    def __init__(self, *, stall_s: float, retry_s: float, retry_max_s: float) -> None:
+    def __init__(self, lock: ShardLock, *, stall_s: float, retry_s: float,
+                 retry_max_s: float) -> None:
+        self._lock = lock
         self.stall_s = stall_s
         self.retry_s = retry_s
         self.retry_max_s = max(retry_max_s, retry_s)
@@ -85,6 +88,7 @@ class RailHealth:
         """A completion on ``key``: it makes progress; a down pair that
         completes something is up again. Remembers the pair (statistics list
         every pair that carried something)."""
+        self._lock.require("RailHealth.touch")
         p = self.pairs.get(key)
         if p is None:
             if len(self.pairs) >= MAX_PAIRS:  # peers came and went: forget idle ones
@@ -97,6 +101,7 @@ class RailHealth:
             log.info("rail.up", rail=key[0], peer=key[1].hex(), was=p.reason)
 
     def mark_down(self, key: PairKey, now: float, reason: str) -> None:
+        self._lock.require("RailHealth.mark_down")
         p = self._get(key)
         if not p.up:
             # Failed again while probing: wait longer next time.
@@ -107,12 +112,14 @@ class RailHealth:
     def forgive(self, seconds: float) -> None:
         """This process could not poll for ``seconds`` (starved of CPU): that
         time does not count against any pair's progress."""
+        self._lock.require("RailHealth.forgive")
         for p in self.pairs.values():
             if p.busy:
                 p.last_progress += seconds
 
     def spare(self, key: PairKey, now: float) -> None:
         """``key`` looked stalled but its link carries: its clock starts again."""
+        self._lock.require("RailHealth.spare")
         p = self._get(key)
         p.last_progress = now
 
@@ -121,6 +128,7 @@ class RailHealth:
         the transfers in flight) and no progress for ``stall_s``: no
         completion (``touch``) and no new post. A pair that just became busy
         starts its clock now."""
+        self._lock.require("RailHealth.stalled")
         out = []
         for key, p in self.pairs.items():
             if key not in busy:

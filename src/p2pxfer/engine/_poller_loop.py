@@ -205,12 +205,13 @@ class PollerLoop:
         Then progress a moment (what it reads is dropped): fi_close crashed on a
         tcp;ofi_rxm endpoint whose peer had just dropped a connection mid-write."""
         s = self._s
-        for tr in list(s._inflight.values()):
-            tr.w.batch.cancel()
-            tr.closed = True
-            s._finished.append(tr)
-        s._inflight.clear()
-        s._queues.clear()
+        with s._lock:
+            for tr in list(s._inflight.values()):
+                tr.w.batch.cancel()
+                tr.closed = True
+                s._finished.append(tr)
+            s._inflight.clear()
+            s._queues.clear()
         while s._inbox:
             what, queued = s._inbox.popleft()
             if what == "write" and queued is not None:

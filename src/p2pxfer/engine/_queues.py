@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from p2pxfer.log import get_logger
 
 if TYPE_CHECKING:
+    from ._owner import ShardLock
     from ._state import TransferState
 
 __all__ = ["DestQueues"]
@@ -36,9 +37,10 @@ class DestQueues:
     """Transfers waiting to be fully posted, one FIFO per destination, and the
     pieces in flight per (destination, rail)."""
 
-    def __init__(self, bound: int) -> None:
+    def __init__(self, bound: int, lock: ShardLock) -> None:
         #: most pieces in flight to one destination over one rail
         self.bound = bound
+        self._lock = lock
         self._queues: dict[Dest, deque[TransferState]] = {}
         self._turn = 0
         self._inflight: dict[tuple[Dest, int], int] = {}
@@ -49,6 +51,7 @@ class DestQueues:
         return bool(self._queues)
 
     def push(self, tr: TransferState) -> None:
+        self._lock.require("DestQueues.push")
         self._queues.setdefault(tr.w.dest, deque()).append(tr)
 
     def push_front(self, tr: TransferState) -> None:
@@ -56,6 +59,7 @@ class DestQueues:
         started, behind those already under way (their notification, pieces
         moved off a failed rail pair): two KV layers' notifications queued
         this way went out last-first, and layer 6 was seen before layer 5."""
+        self._lock.require("DestQueues.push_front")
         q = self._queues.setdefault(tr.w.dest, deque())
         i = 0
         while i < len(q) and q[i].under_way:
@@ -82,6 +86,7 @@ class DestQueues:
         return dest in self._queues
 
     def remove(self, tr: TransferState) -> bool:
+        self._lock.require("DestQueues.remove")
         q = self._queues.get(tr.w.dest)
         if q is None or tr not in q:
             return False
@@ -112,6 +117,7 @@ class DestQueues:
         return q[0]
 
     def clear(self) -> None:
+        self._lock.require("DestQueues.clear")
         self._queues.clear()
         self._notifiers.clear()
 
@@ -124,6 +130,7 @@ class DestQueues:
 
     def will_notify(self, tr: TransferState) -> None:
         """``tr`` (notify mode) was submitted: it notifies after those before it."""
+        self._lock.require("DestQueues.will_notify")
         self._notifiers.setdefault(tr.w.dest, deque()).append(tr)
 
     def notify_turn(self, tr: TransferState) -> bool:
@@ -134,6 +141,7 @@ class DestQueues:
     def notified(self, tr: TransferState) -> TransferState | None:
         """``tr`` sent its notification or ended without one; returns the
         write whose turn it is now, if ``tr`` was the one holding it."""
+        self._lock.require("DestQueues.notified")
         q = self._notifiers.get(tr.w.dest)
         if q is None or tr not in q:
             return None
@@ -153,6 +161,7 @@ class DestQueues:
         in flight on them. Returns the
         transfers now finished (``tr`` first), the connections torn down and
         the pieces abandoned per rail."""
+        self._lock.require("DestQueues.tear_down")
         doomed = [tr] + [o for o in inflight if o is not tr and o.w.dest == tr.w.dest
                          and any(n > 0 for n in o.outstanding.values())]
         links = {(rail, address) for o in doomed for rail, address in o.w.batch.peers
@@ -200,6 +209,7 @@ class DestQueues:
 
     def note_posted(self, tr: TransferState) -> None:
         """Count what ``tr``'s cursors posted since the last call."""
+        self._lock.require("DestQueues.note_posted")
         now = tr.w.batch.posted_by_cursor()
         for i, rail in enumerate(tr.w.batch.rails):
             d = now[i] - tr.seen[i]
@@ -209,11 +219,13 @@ class DestQueues:
 
     def note_done(self, tr: TransferState, rail: int, n: int) -> None:
         """``n`` of ``tr``'s pieces on ``rail`` completed or failed."""
+        self._lock.require("DestQueues.note_done")
         self._add(tr, rail, -n)
 
     def drop(self, tr: TransferState) -> dict[int, int]:
         """Forget ``tr``'s pieces still in flight (torn down with their
         connection); returns them per rail."""
+        self._lock.require("DestQueues.drop")
         lost = {r: n for r, n in tr.outstanding.items() if n > 0}
         for rail, n in lost.items():
             self._add(tr, rail, -n)

@@ -23,7 +23,6 @@ the shard, never its rails, cache or poller. What must not live here: validation
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from p2pxfer.topology import Shard as ShardTopology
 from ._express import Express
 from ._failover import Failover
 from ._health import RailHealth
+from ._owner import ShardLock, ThreadOwner
 from ._plan import RailGroup
 from ._poller_loop import PollerLoop
 from ._queues import DestQueues
@@ -85,12 +85,11 @@ class Shard(ShardMemory):
             self._group.close()
             raise
         self.slots = trio.Semaphore(max_inflight)
-        # Guards transfer bookkeeping (absorbing completions, taking commands):
-        # the poller thread and the trio thread (polling a small write inline
-        # with its own poller over the same FI_THREAD_SAFE CQs) both absorb.
-        # Held in C only for short non-blocking calls that must not race a
-        # teardown: a direct post, an AV removal.
-        self._lock = threading.Lock()
+        # Who owns what: ``_owner.py``. The lock is held across C calls only
+        # for short non-blocking ones that must not race a teardown: a direct
+        # post, an AV removal.
+        self._lock = ShardLock()
+        self._trio = ThreadOwner("the engine's trio thread")
         self._blocks_on_fds = self._poller.blocks_on_fds
         self._backoff_max_ns = backoff_max_ns
         self._recent = 0.0  # when this shard's poller last read a completion
@@ -106,7 +105,7 @@ class Shard(ShardMemory):
         self._imm_batches: deque[list[tuple[int, int]]] = deque()
         self._inflight: dict[int, TransferState] = {}
         # Writes not fully posted yet: FIFO per destination (poller thread).
-        self._queues = DestQueues(peer_pieces)
+        self._queues = DestQueues(peer_pieces, self._lock)
         self.thread_done = trio.Event()
         self.thread_error: BaseException | None = None
         nrails = len(rails)
@@ -115,11 +114,11 @@ class Shard(ShardMemory):
         self.pieces_abandoned = [0] * nrails  # in flight when their connection went
         self.pieces_received = [0] * nrails  # peers' writes that landed here
         self.errors = [0] * nrails
-        self._health = RailHealth(stall_s=rail_stall_s, retry_s=rail_retry_s,
+        self._health = RailHealth(self._lock, stall_s=rail_stall_s, retry_s=rail_retry_s,
                                   retry_max_s=rail_retry_max_s)
         self._failover = Failover(index, self._group.rails, self._inflight, self._queues,
                                   self._health, self.pieces_abandoned, self._finish_if_done,
-                                  self.wake_fd)
+                                  self.wake_fd, self._lock)
         self._next_check = 0.0
         self.in_flight = self.completed = self.failed = self.cancelled = 0
         self.express = Express(self, DIRECT_POST_MAX)
@@ -150,6 +149,7 @@ class Shard(ShardMemory):
     # -- transfers (trio thread) ---------------------------------------------------
 
     def new_tid(self) -> int:
+        self._trio.require("new_tid")
         tid, self._next_id = self._next_id, self._next_id + 1
         return tid
 
@@ -183,6 +183,7 @@ class Shard(ShardMemory):
             raise
 
     def _submit(self, tr: TransferState, inline: bool) -> None:
+        self._trio.require("submit")
         self.in_flight += 1
         n = len(tr.w.batch.rails)
         tr.seen, tr.cdone = [0] * n, [0] * n
@@ -257,6 +258,7 @@ class Shard(ShardMemory):
 
     def _deliver(self) -> None:
         """Runs in trio: wake finished transfers' waiters, pass immediates on."""
+        self._trio.require("_deliver")
         while self._finished:
             tr = self._finished.popleft()
             self.in_flight -= 1
@@ -357,6 +359,7 @@ class Shard(ShardMemory):
     def _absorb(self, c: Completions) -> None:
         # Plain Python over the runs (a handful per batch): here every
         # microsecond holds the GIL the trio thread waits for.
+        self._lock.require("_absorb")
         if len(c):
             imms, now = [], time.monotonic()
             inflight = self._inflight
@@ -384,6 +387,7 @@ class Shard(ShardMemory):
     def count_done(self, tr: TransferState, cur: int, rail: int, cnt: int, now: float) -> None:
         """``cnt`` of ``tr``'s pieces on cursor ``cur`` (on ``rail``) completed
         (under the lock)."""
+        self._lock.require("count_done")
         self.pieces_done[rail] += cnt
         self._queues.note_done(tr, rail, cnt)
         self._health.touch((rail, tr.w.batch.peers[cur][1]), now)
@@ -395,6 +399,7 @@ class Shard(ShardMemory):
 
     def piece_error(self, e: CompletionError) -> None:
         """A piece failed (an error entry; under the lock)."""
+        self._lock.require("piece_error")
         tid, cur = split_context(e.context)
         tr = self._inflight.get(tid)
         if tr is None and e.context == self.express.tid:
@@ -410,6 +415,7 @@ class Shard(ShardMemory):
             self._failover.piece_failed(tr, cur, e.text)
 
     def _finish_if_done(self, tr: TransferState) -> None:
+        self._lock.require("_finish_if_done")
         if tr.w.tid not in self._inflight:
             return
         # Its notification is added only while no other thread posts its
@@ -435,6 +441,7 @@ class Shard(ShardMemory):
 
     def _notified(self, tr: TransferState) -> None:
         """``tr`` notified or ended: the next write to its peer may notify."""
+        self._lock.require("_notified")
         nxt = self._queues.notified(tr)
         if nxt is not None:
             self._finish_if_done(nxt)  # its turn may have come
