@@ -112,11 +112,9 @@ class Express:
                 now = time.monotonic()
                 with s._lock:
                     self.tid = -1
-                    s.pieces_done[t.ours] += n
-                    s._health.touch(t.key, now)
+                    s.count_pieces(t.key, n, now)
                     self._count_received(received)
-                s._pieces_posted[t.ours] += n
-                s._bytes_posted[t.ours] += scatter.nbytes
+                s.count_delivered(t.ours, n, scatter.nbytes)
                 s.completed += 1
                 self.completed += 1
                 if imms:
@@ -130,7 +128,7 @@ class Express:
 
     def _count_received(self, received: list[tuple[int, int]]) -> None:
         for rail, cnt in received:
-            self._shard.pieces_received[rail] += cnt
+            self._shard.count_arrivals(rail, cnt)
 
     def _hand_over(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
                    imm: int | None, tid: int, deadline: float, got: int, left: bool,

@@ -266,8 +266,7 @@ class Shard(ShardMemory):
             # may see the last completion before the posting call has stored
             # how far it got.
             for r, pieces, nbytes in tr.w.batch.progress():
-                self._pieces_posted[r] += pieces
-                self._bytes_posted[r] += nbytes
+                self.count_delivered(r, pieces, nbytes)
             self._group.cache.unpin(tr.w.region)
             # The slot goes back when the transfer ends, not when someone
             # awaits it: a caller may submit many before waiting for any.
@@ -368,7 +367,7 @@ class Shard(ShardMemory):
                 c.count.tolist(), strict=True,
             ):
                 if flags & FLAG_REMOTE_CQ_DATA:
-                    self.pieces_received[rail] += cnt
+                    self.count_arrivals(rail, cnt)
                     imms.append((data, cnt))
                     continue
                 cur = ctx >> CURSOR_SHIFT
@@ -384,13 +383,30 @@ class Shard(ShardMemory):
         if (e := c.error) is not None:
             self.piece_error(e)
 
+    def count_pieces(self, key: tuple[int, bytes], cnt: int, now: float) -> None:
+        """The one count of our writes' completions, whichever path read them
+        (a regular transfer's, or an express write's): ``cnt`` pieces on
+        rail pair ``key`` completed; the pair makes progress."""
+        self._lock.require("count_pieces")
+        self.pieces_done[key[0]] += cnt
+        self._health.touch(key, now)
+
+    def count_arrivals(self, rail: int, cnt: int) -> None:
+        """``cnt`` pieces of peers' writes with immediates landed on ``rail``."""
+        self._lock.require("count_arrivals")
+        self.pieces_received[rail] += cnt
+
+    def count_delivered(self, rail: int, pieces: int, nbytes: int) -> None:
+        """In trio, once a write ended: what it posted on ``rail``."""
+        self._trio.require("count_delivered")
+        self._pieces_posted[rail] += pieces
+        self._bytes_posted[rail] += nbytes
+
     def count_done(self, tr: TransferState, cur: int, rail: int, cnt: int, now: float) -> None:
         """``cnt`` of ``tr``'s pieces on cursor ``cur`` (on ``rail``) completed
         (under the lock)."""
-        self._lock.require("count_done")
-        self.pieces_done[rail] += cnt
+        self.count_pieces((rail, tr.w.batch.peers[cur][1]), cnt, now)
         self._queues.note_done(tr, rail, cnt)
-        self._health.touch((rail, tr.w.batch.peers[cur][1]), now)
         tr.cdone[cur] += cnt
         if cur != tr.notify_cursor:
             tr.completed += cnt
