@@ -309,6 +309,13 @@ def test_control_rail_cut_is_degraded_not_dead(tmp_path: Any) -> None:
                      and peer_states(ds["h1"])["h2"]["state"] == "dead",
                      "h2 dead everywhere", timeout=DEAD_WITHIN)
             assert time.monotonic() - t0 < DEAD_WITHIN
+        except BaseException:
+            # What each daemon said, for the failure's report (a daemon that
+            # died shows its last words here).
+            for d in ds.values():
+                print(f"--- {d.name} (alive: {d.alive()}, exit: {d.proc.returncode})")
+                print(d.log_tail(80))
+            raise
         finally:
             for p in reversed(procs):
                 if isinstance(p, Agent):
