@@ -2,7 +2,7 @@
 this same daemon exported is a copy between the two shared mappings (both
 mapped in this process), not a trip through a libfabric provider.
 
-``LocalCopies`` knows every export of this daemon's clients as a ``Target``
+``LocalCopies`` knows every export of this daemon's clients as a ``CopyTarget``
 (the owner's shared memory, the span and the immediate slot)
 and runs a write into one: the same checks as the fabric path (the writer's
 uid may write into it: ``ClientSession.may_write_into``; the scatter list
@@ -52,8 +52,14 @@ if TYPE_CHECKING:
     from ._sessions import ClientSession
     from ._shared import SharedMap
 
-__all__ = ["INLINE_MAX", "MAX_AUTO_THREADS", "PARALLEL_MIN", "LocalCopies", "Target",
-           "auto_threads"]
+__all__ = [
+    "INLINE_MAX",
+    "MAX_AUTO_THREADS",
+    "PARALLEL_MIN",
+    "CopyTarget",
+    "LocalCopies",
+    "auto_threads",
+]
 
 log = get_logger("p2pxfer.daemon")
 
@@ -87,7 +93,7 @@ class _Copy:
 
 
 @dataclass(eq=False)
-class Target:
+class CopyTarget:
     """A region one of this daemon's clients exported, as a local write sees it."""
 
     name: str
@@ -105,7 +111,7 @@ class LocalCopies:
         self.d = daemon
         self.enabled = enabled
         self.threads = max(1, threads)
-        self._targets: dict[str, Target] = {}
+        self._targets: dict[str, CopyTarget] = {}
         self.writes = 0  # copies that ran (whole or stopped)
         self.pieces = 0  # pieces copied
         self.bytes = 0  # bytes asked of the copies that finished whole
@@ -120,7 +126,7 @@ class LocalCopies:
 
     def add(self, name: str, mem: SharedMap, offset: int, length: int, slot: int) -> None:
         """Client memory ``mem[offset:offset + length]`` is exported as ``name``."""
-        self._targets[name] = Target(name, mem, offset, length, slot)
+        self._targets[name] = CopyTarget(name, mem, offset, length, slot)
 
     def has(self, name: str) -> bool:
         return name in self._targets
