@@ -42,7 +42,7 @@ class SyncClient:
             library = ""
         if library:
             # Its blocking calls would wait for a portal thread while holding
-            # this thread's event loop: every call would hang (issue 16).
+            # this thread's event loop: every call would hang.
             raise UsageError(
                 f"SyncClient cannot be made inside a running {library} event loop: its calls "
                 "block that loop; use `async with p2pxfer.client.connect(path)` there, or "
