@@ -2,5 +2,5 @@
 
 from setuptools import setup
 
-setup(cffi_modules=["native/build_fabric.py:ffibuilder", "native/build_pages.py:ffibuilder",
-                   "native/build_cref.py:ffibuilder"])
+setup(cffi_modules=["native/build_fabric.py:ffibuilder", "native/build_fabric.py:pages_builder",
+                   "native/build_fabric.py:cref_builder"])

@@ -1,6 +1,7 @@
-"""Builds ``p2pxfer._fabric``: the cffi API-mode binding over libfabric,
-plus the two extensions beside it (``build_pages.py``: the helpers that need
-no libfabric; ``build_cref.py``: the bench's C reference loops).
+"""Builds the three cffi API-mode extensions: ``p2pxfer._fabric`` (the
+binding over libfabric and the engine's C helpers), ``p2pxfer._pages`` (the
+page-list loops that need no libfabric) and ``p2pxfer.bench._cref`` (the
+bench's C reference loops).
 
 API mode (a compiled extension), never ABI mode: libfabric's data-path calls
 (``fi_write``, ``fi_cq_read``, ...) are ``static inline`` in its headers and do
@@ -49,11 +50,21 @@ def site_libfabric() -> tuple[list[str], list[str]]:
 
 SITE_INCLUDE, SITE_LIB = site_libfabric()
 
-ffibuilder = FFI()
-ffibuilder.cdef("\n".join((HERE / "cdefs" / name).read_text() for name in CDEFS))
-ffibuilder.set_source(
-    "p2pxfer._fabric",
-    """
+def builder(module: str, cdefs: tuple[str, ...], source: str, sources: list[str], *,
+            fabric: bool) -> FFI:
+    """One cffi API-mode extension: ``cdefs`` (files in ``cdefs/``) declared,
+    ``source`` its C preamble; linked against libfabric when ``fabric``."""
+    ffi = FFI()
+    ffi.cdef("\n".join((HERE / "cdefs" / name).read_text() for name in cdefs))
+    link: dict[str, list[str]] = ({"libraries": ["fabric"], "library_dirs": SITE_LIB,
+                                   "runtime_library_dirs": SITE_LIB} if fabric else {})
+    ffi.set_source(module, source, sources=sources,
+                   include_dirs=["native/src", *(SITE_INCLUDE if fabric else [])],
+                   extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"], **link)
+    return ffi
+
+
+ffibuilder = builder("p2pxfer._fabric", CDEFS, """
     #include <rdma/fabric.h>
     #include <rdma/fi_domain.h>
     #include <rdma/fi_endpoint.h>
@@ -63,14 +74,18 @@ ffibuilder.set_source(
     #include <rdma/fi_cm.h>
     #include <string.h>
     #include "p2p.h"
-    """,
-    sources=["native/src/p2p.c"],
-    include_dirs=["native/src", *SITE_INCLUDE],
-    libraries=["fabric"],
-    library_dirs=SITE_LIB,
-    runtime_library_dirs=SITE_LIB,
-    extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"],
-)
+    """, ["native/src/p2p.c"], fabric=True)
+
+# The loops over page lists that need no fabric: linked against nothing but
+# libc, so the client library checks what it sends without loading libfabric.
+pages_builder = builder("p2pxfer._pages", ("pages.h",), '#include "pages.h"',
+                        ["native/src/pages.c"], fabric=False)
+
+# The C-to-C reference loops every bench ratio is measured against: none of
+# the engine's code, and nothing but the bench loads them. The fabric objects
+# they take are opaque pointers handed over from p2pxfer._fabric.
+cref_builder = builder("p2pxfer.bench._cref", ("reference.h",), '#include "baseline.h"',
+                       ["native/src/baseline.c"], fabric=True)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
