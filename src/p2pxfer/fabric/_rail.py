@@ -8,6 +8,7 @@ Nothing here keeps per-transfer state: that belongs to the layers above.
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ __all__ = [
 
 log = get_logger("p2pxfer.fabric")
 
+ENABLE_TRIES = 3  # fi_enable of an endpoint whose port was taken meanwhile
+
 FLAG_REMOTE_CQ_DATA = int(lib.FI_REMOTE_CQ_DATA)
 _T = TypeVar("_T")
 I64 = npt.NDArray[np.int64]
@@ -58,7 +61,7 @@ class Rail:
             self.domain = self._own(Domain(self.fabric, info))
             self.cq = self._own(CompletionQueue(self.domain, cq_size))
             self.av = self._own(AddressVector(self.domain))
-            self.endpoint = self._own(Endpoint(self.domain, info, self.cq, self.av))
+            self.endpoint = self._own(self._enabled_endpoint(info))
         except BaseException:
             self.close()
             raise
@@ -74,6 +77,21 @@ class Rail:
             "rail.open", provider=info.provider, domain=info.domain_name,
             address=self.address.hex(), mr_mode=info.mr_mode.names(),
         )
+
+    def _enabled_endpoint(self, info: FabricInfo) -> Endpoint:
+        """The endpoint, enabled. Its listening port is the kernel's pick
+        (or one of ``FI_TCP_PORT_*_RANGE``'s): a pick taken by the time the
+        provider binds it (seen once under a full test suite, ``fi_enable``:
+        EADDRINUSE) is picked again, a few times at most."""
+        for attempt in range(1, ENABLE_TRIES + 1):
+            try:
+                return Endpoint(self.domain, info, self.cq, self.av)
+            except FabricError as exc:
+                if exc.code != -errno.EADDRINUSE or attempt == ENABLE_TRIES:
+                    raise
+                log.warning("rail.enable_retry", domain=info.domain_name, attempt=attempt,
+                            error=str(exc))
+        raise AssertionError("unreachable")
 
     def _own(self, obj: _T) -> _T:
         self._closing.append(obj)
