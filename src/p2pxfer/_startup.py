@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from p2pxfer.daemon import DaemonConfig
 from p2pxfer.daemon._config import parse_hostport
+from p2pxfer.daemon._daemon import check_exposure
 from p2pxfer.errors import P2PXferError, StartupError
 
 __all__ = ["check_startup", "leaves", "one_line"]
@@ -30,7 +31,9 @@ def check_startup(cfg: DaemonConfig) -> None:
     """Raise :class:`StartupError` for the first thing that would stop ``cfg``'s
     daemon from starting: a host that does not resolve, a port in use, a socket
     directory that cannot be created or written, a socket another daemon holds;
-    and :class:`ConfigError` for TLS files that are not right (naming the file)."""
+    and :class:`ConfigError` for TLS files that are not right (naming the file),
+    for listening off loopback without credentials, or for a ``fabric_ports``
+    range this machine cannot give."""
     if cfg.tls:
         from p2pxfer.daemon._tls import config_tls
 
@@ -43,6 +46,7 @@ def check_startup(cfg: DaemonConfig) -> None:
     _check_socket(cfg.socket)
     if cfg.fabric_node:
         _resolve("fabric_node", cfg.fabric_node, 0)
+    check_exposure(cfg)
 
 
 def _resolve(what: str, host: str, port: int) -> list[tuple[int, tuple[object, ...]]]:

@@ -255,8 +255,7 @@ def _bench_run(opts: BenchOptions, json_path: str | None, plot_path: str | None,
     except BenchConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     except ProviderNotFound as exc:
-        raise click.ClickException(f"{exc.text}; `fi_info -l` lists the providers "
-                                   f"this machine has") from exc
+        raise click.ClickException(exc.text) from exc
     except P2PXferError as exc:
         raise click.ClickException(str(exc)) from exc
     # Logs and pipes get the whole table, not one cut to 80 columns.

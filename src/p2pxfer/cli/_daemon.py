@@ -8,7 +8,7 @@ from functools import partial
 import click
 from rich.console import Console
 
-from p2pxfer.errors import ConfigError, P2PXferError
+from p2pxfer.errors import ConfigError, P2PXferError, ProviderNotFound
 from p2pxfer.log import configure
 
 from ._common import DEFAULT_SOCKET, ConfigFailure, client_call, console
@@ -22,8 +22,8 @@ def _peer_flag(ctx: click.Context, param: click.Parameter,
 
     try:
         return tuple(parse_peer(v) for v in value)
-    except P2PXferError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from exc
+    except P2PXferError as exc:  # a wrong configuration, given as a flag: 78 too
+        raise ConfigFailure(f"--peer: {exc}") from exc
 
 
 @click.command()
@@ -56,7 +56,7 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
     """
     import trio
 
-    from p2pxfer._startup import check_startup, one_line
+    from p2pxfer._startup import check_startup, leaves, one_line
     from p2pxfer.daemon import DaemonConfig, serve
 
     flags = {"node": node, "socket": socket_path, "control": control, "provider": provider,
@@ -72,7 +72,7 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
     except P2PXferError as exc:
         if debug:
             raise
-        if isinstance(exc, ConfigError):
+        if isinstance(exc, ConfigError | ProviderNotFound):
             raise ConfigFailure(str(exc)) from None
         raise click.ClickException(str(exc)) from None
     try:
@@ -82,6 +82,10 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
     except Exception as exc:  # the edge: everything becomes one line (or a traceback)
         if debug:
             raise
+        if any(isinstance(leaf, ConfigError | ProviderNotFound) for leaf in leaves(exc)):
+            # A provider or address this machine does not have is the config's
+            # fault too: restarting cannot fix it.
+            raise ConfigFailure(one_line(exc, cfg)) from None
         raise click.ClickException(one_line(exc, cfg)) from None
 
 

@@ -26,7 +26,7 @@ import trio
 from p2pxfer._pump import LogThrottle
 from p2pxfer.address import parse_hostport
 from p2pxfer.engine import Engine, EngineConfig, open_engine
-from p2pxfer.errors import InvalidArgument
+from p2pxfer.errors import ConfigError
 from p2pxfer.log import get_logger
 from p2pxfer.membership import ClusterAuth
 
@@ -84,20 +84,25 @@ def check_exposure(config: DaemonConfig) -> bool:
     """Whether the daemon runs open (neither a cluster token nor TLS). Open
     is allowed only when every address it listens on is loopback: the control
     host, and the fabric's (``fabric_node``; empty means every interface),
-    unless the provider is ``shm`` (no network). Otherwise ``InvalidArgument``."""
+    unless the provider is ``shm`` (no network). Otherwise ``ConfigError``
+    (an ``InvalidArgument``) naming the flags and the keys that fix it."""
     if config.cluster_token or config.tls:
         return False
     exposed = []
     if not _loopback(parse_hostport(config.control)[0]):
-        exposed.append(f"control {config.control}")
+        exposed.append(f"control {config.control} (--control)")
     if not config.provider.startswith("shm") and not _loopback(config.fabric_node):
-        exposed.append(f"fabric_node {config.fabric_node or '(every interface)'}")
+        exposed.append(f"fabric_node {config.fabric_node or '(every interface)'} "
+                       f"(--fabric-node)")
     if exposed:
-        raise InvalidArgument(f"refusing to start without a cluster_token on a non-loopback "
-                              f"address ({', '.join(exposed)}): anyone who reaches it could "
-                              "write into clients' memory; set cluster_token (the same "
-                              "secret on every daemon) and/or tls_ca, tls_cert and tls_key "
-                              "(p2pxfer certs), or bind to 127.0.0.1")
+        raise ConfigError(
+            f"refusing to start without credentials on a non-loopback address "
+            f"({', '.join(exposed)}): anyone who reaches it could write into clients' "
+            "memory. Give every daemon the same secret with --token-file FILE (config: "
+            "cluster_token_file or cluster_token), and/or mutual TLS with tls_ca, tls_cert "
+            "and tls_key in the config (made by `p2pxfer certs`); or bind to 127.0.0.1 "
+            "(--control 127.0.0.1:PORT --fabric-node 127.0.0.1). docs/deploy.md walks "
+            "through two machines")
     return True
 
 
@@ -253,7 +258,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     ``STOP_MEMBERSHIP_S``), cancels every task, and whatever still runs
     ``SHUTDOWN_GRACE_S`` after stopping began (a write waiting for pieces
     posted to a silent peer) is failed by closing the engine under it.
-    Refuses (``InvalidArgument``) to run open on a non-loopback address, and
+    Refuses (``ConfigError``) to run open on a non-loopback address, and
     (``ConfigError``, naming the file) to start with TLS files that are not
     right."""
     is_open = check_exposure(config)

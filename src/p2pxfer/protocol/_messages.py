@@ -60,7 +60,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
               "mem": (_INT, True), "offset": (_INT, True), "scatter": (_BIN, True),
               "imm": (_OPT_INT, False), "notify": (_BOOL, False)},
     "wait_imm": {"id": (_INT, True), "imm": (_INT, True), "count": (_INT, True),
-                 "region": (_STR, False)},
+                 "region": (_STR, False), "timeout_ms": (_INT, False)},
     "status": {"id": (_INT, True)},
     "peers": {"id": (_INT, True)},
     "add_peer": {"id": (_INT, True), "name": (_STR, True), "address": (_STR, True)},
