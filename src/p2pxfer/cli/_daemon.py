@@ -37,6 +37,9 @@ def _peer_flag(ctx: click.Context, param: click.Parameter,
               "(added to the config's peers)")
 @click.option("--provider", help="libfabric provider (config: provider)")
 @click.option("--fabric-node", help="local address the fabric binds to (config: fabric_node)")
+@click.option("--fabric-ports", metavar="LOW-HIGH",
+              help="TCP ports the fabric listens on, one per rail, e.g. 7500-7531 "
+                   "(config: fabric_ports; default: ephemeral)")
 @click.option("--token-file", type=click.Path(dir_okay=False),
               help="file holding the cluster token (config: cluster_token_file)")
 @click.option("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics (config: metrics)")
@@ -45,8 +48,8 @@ def _peer_flag(ctx: click.Context, param: click.Parameter,
 @click.option("--debug", is_flag=True, help="on a startup failure, show the traceback")
 def daemon(config_path: str | None, node: str | None, socket_path: str | None,
            control: str | None, peer_list: tuple[object, ...], provider: str | None,
-           fabric_node: str | None, token_file: str | None, metrics: str | None,
-           log_format: str | None, debug: bool) -> None:
+           fabric_node: str | None, fabric_ports: str | None, token_file: str | None,
+           metrics: str | None, log_format: str | None, debug: bool) -> None:
     """Run the node daemon in the foreground until interrupted (SIGINT, SIGTERM).
 
     \b
@@ -60,7 +63,8 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
     from p2pxfer.daemon import DaemonConfig, serve
 
     flags = {"node": node, "socket": socket_path, "control": control, "provider": provider,
-             "fabric_node": fabric_node, "cluster_token_file": token_file,
+             "fabric_node": fabric_node, "fabric_ports": fabric_ports,
+             "cluster_token_file": token_file,
              "metrics": metrics, "log_format": log_format}
     overrides: dict[str, object] = {k: v for k, v in flags.items() if v is not None}
     if peer_list:

@@ -39,6 +39,7 @@ from ._listener import remove_socket, serve_clients
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
+from ._ports import apply_fabric_ports, check_rail_ports
 from ._regions import Regions
 from ._tls import TlsCredentials, config_tls
 from ._writes import Writes
@@ -262,6 +263,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     (``ConfigError``, naming the file) to start with TLS files that are not
     right."""
     is_open = check_exposure(config)
+    apply_fabric_ports(config)
     tls = config_tls(config)  # a bad credentials file stops us before anything opens
     fd_limit = raise_fd_limit()
     engine_cfg = EngineConfig(
@@ -278,6 +280,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     daemon: Daemon | None = None
     try:
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as guard:
+            check_rail_ports(config, engine)
             try:
                 async with trio.open_nursery() as nursery:
                     daemon = Daemon(config, engine, tls)
