@@ -13,6 +13,7 @@ from ._bench import bench
 from ._common import DEFAULT_SOCKET, console
 from ._daemon import daemon, peers, status
 from ._demo import demo
+from ._ping import ping
 
 __all__ = ["DEFAULT_SOCKET", "console", "daemon", "main"]
 
@@ -27,7 +28,7 @@ def main(log_level: str) -> None:
     configure(log_level)
 
 
-for _command in (demo, daemon, status, peers, bench, certs):
+for _command in (demo, daemon, status, peers, ping, bench, certs):
     main.add_command(_command)
 
 

@@ -201,6 +201,15 @@ class Client(Conversation):
             raise WaitTimeout(f"{result.get('arrived', 0)} of {count} arrivals for imm {imm} "
                               f"{where} within {timeout:g} s")
 
+    async def ping(self, peer: str, *, timeout: float = 10.0) -> dict[str, Any]:
+        """Check the way to ``peer`` through this daemon, step by step: a
+        control round trip, then a small verified write over each of the
+        peer's rails (every rail pair that reaches it). The result says
+        ``ok``; where a step failed, ``failed`` names it and, where a port
+        did not answer, the port. ``timeout`` bounds each step."""
+        return await self._request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)),
+                                   timeout=None)
+
     async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
                       writers: Iterable[int] | None = None) -> KVPool:
         """A paged KV pool of ``layout`` in memory shared with the daemon.

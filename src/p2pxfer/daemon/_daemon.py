@@ -39,6 +39,7 @@ from ._listener import remove_socket, serve_clients
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
+from ._ping import Ping
 from ._ports import apply_fabric_ports, check_rail_ports
 from ._regions import Regions
 from ._tls import TlsCredentials, config_tls
@@ -145,6 +146,7 @@ class Daemon:
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded
         self.writes = Writes(self)
+        self.ping: Ping = Ping(self)
         self._imms: ImmTable | None = None
         self.kv: KV = KV(self)
         self.follower.on_peer_lost = self.kv.peer_lost

@@ -482,5 +482,7 @@ HANDLERS: dict[str, Handler] = {
     "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
     "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
     "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
+    "ping": lambda s, msg: s.daemon.ping.run(msg.get("peer", ""),
+                                             msg.get("timeout_ms", 10_000) / 1000),
 }
 check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")

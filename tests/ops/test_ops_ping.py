@@ -1,0 +1,55 @@
+"""``p2pxfer ping PEER`` between two daemons on loopback: every step passes
+and says the path; against a peer that is gone it names the step and the
+port; an unknown peer is named with the known ones."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import p2pxfer
+from daemon_helpers import DaemonProc, daemon_pair, p2pxfer_cmd
+from p2pxfer.errors import UnknownPeer
+
+RUN_TIMEOUT = 60.0
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*p2pxfer_cmd(), *args], check=False, capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL,
+                          env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    with daemon_pair(tmp_path) as daemons:
+        yield daemons
+
+
+def test_ping_passes_and_says_the_path(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    a, b = pair
+    with p2pxfer.SyncClient(a.socket) as client:
+        result = client.ping("node-b")
+        assert result["ok"], result
+        assert result["control_ms"] > 0
+        (rail,) = result["rails"]
+        assert rail["ok"] and rail["via"] == ["lo"] and rail["peer_nic"] == "lo", rail
+        with pytest.raises(UnknownPeer, match="node-c"):
+            client.ping("node-c")
+    r = run("ping", "node-a", "--socket", b.socket)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok: node-b reaches node-a over 1 rail(s), every byte checked" in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80, r.stdout
+
+
+def test_ping_names_the_step_and_the_port(pair: tuple[DaemonProc, DaemonProc]) -> None:
+    a, b = pair
+    port = b.control.rsplit(":", 1)[1]
+    b.stop()
+    r = run("ping", "node-b", "--socket", a.socket, "--timeout", "3")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "control round trip to node-b" in r.stderr, r.stderr
+    assert f"tcp port {port} on 127.0.0.1 refuses connections" in r.stderr, r.stderr
