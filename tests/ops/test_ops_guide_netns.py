@@ -1,0 +1,112 @@
+"""docs/deploy.md followed in two network namespaces, as two machines: the
+guide's config pair and firewall, taken from the page itself (addresses and
+paths moved to the namespaces and a temporary directory), then its check
+command. With the fabric's ports closed in B's firewall, ``p2pxfer ping``
+fails at the write over B's rail and names the port; with the guide's
+firewall it passes both ways, and the fabric listens inside the range."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon_helpers import DaemonProc, p2pxfer_cmd, spawn_daemon
+from netns import Host, two_hosts
+from p2pxfer.fabric._ports import parse_port_range
+
+pytestmark = pytest.mark.netns
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+GUIDE_ADDRESSES = {"10.0.0.1": 0, "10.0.0.2": 1}
+RUN_TIMEOUT = 90.0
+
+
+def guide_blocks() -> dict[str, str]:
+    """The code blocks the guide marks ``<!-- guide: NAME -->``."""
+    text = GUIDE.read_text()
+    found = re.findall(r"<!-- guide: (\S+) -->\n```[a-z]*\n(.*?)```", text, re.S)
+    return dict(found)
+
+
+def moved(text: str, hosts: tuple[Host, Host], workdir: Path) -> str:
+    """The guide's text with its machines' addresses and paths replaced."""
+    for address, i in GUIDE_ADDRESSES.items():
+        text = text.replace(address, hosts[i].addresses[0])
+    return text.replace("/etc/p2pxfer/token", str(workdir / "token"))
+
+
+def nft(host: Host, rules: str) -> None:
+    proc = subprocess.run(host.exec_argv(["nft", "-f", "-"]), input=rules, text=True,
+                          capture_output=True, timeout=10, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def ping(src: DaemonProc, peer: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*p2pxfer_cmd(), "ping", peer, "--socket", src.socket,
+                           "--timeout", "3"], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT, check=False, stdin=subprocess.DEVNULL)
+
+
+def rail_ports(d: DaemonProc) -> list[int]:
+    return [int(r["address"].rsplit(":", 1)[1]) for r in d.status()["rails"]]
+
+
+def test_guide_in_two_namespaces(tmp_path: Path) -> None:
+    blocks = guide_blocks()
+    assert {"node-a.toml", "node-b.toml", "firewall.nft"} <= set(blocks), sorted(blocks)
+    firewall = blocks["firewall.nft"]
+    low, high = parse_port_range(re.search(r"tcp dport (\d+-\d+) accept", firewall)[1])
+    (tmp_path / "token").write_text("a secret for the two machines\n")
+    with two_hosts(rails=1) as hosts:
+        a_host, b_host = hosts
+        nft(a_host, firewall)
+        # B first without the fabric's ports: the guide's rules minus that one.
+        nft(b_host, firewall.replace(f"    tcp dport {low}-{high} accept\n", ""))
+        daemons: list[DaemonProc] = []
+        try:
+            for host, name in ((a_host, "node-a"), (b_host, "node-b")):
+                keys: dict[str, Any] = tomllib.loads(moved(blocks[f"{name}.toml"], hosts,
+                                                           tmp_path))
+                keys["socket"] = str(tmp_path / f"{name}.sock")
+                keys["log_level"] = "INFO"
+                daemons.append(spawn_daemon(tmp_path, keys, host.exec_argv))
+            a, b = daemons
+            for d in daemons:
+                assert all(low <= p <= high for p in rail_ports(d)), d.status()["rails"]
+            b_port = rail_ports(b)[0]
+            closed = ping(a, "node-b")
+            assert closed.returncode == 1, closed.stdout + closed.stderr
+            assert "write over peer rail" in closed.stderr, closed.stderr
+            assert (f"tcp port {b_port} on {b_host.addresses[0]} does not answer"
+                    in closed.stderr), closed.stderr
+            # The guide's firewall on B too: the pair works, both ways.
+            subprocess.run(b_host.exec_argv(["nft", "delete", "table", "inet", "p2pxfer"]),
+                           check=True, timeout=10)
+            nft(b_host, firewall)
+            for src, peer in ((a, "node-b"), (b, "node-a")):
+                r = ping(src, peer)
+                assert r.returncode == 0, r.stdout + r.stderr + src.log_tail()
+                assert f"reaches {peer} over 1 rail(s), every byte checked" in r.stdout
+        finally:
+            for d in daemons:
+                d.stop()
+
+
+def test_fabric_ports_too_few_for_the_rails(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("a secret\n")
+    with two_hosts(rails=2) as (a_host, _):
+        r = subprocess.run(a_host.exec_argv([
+            *p2pxfer_cmd(), "daemon", "--node", "a", "--socket", str(tmp_path / "a.sock"),
+            "--control", f"{a_host.addresses[0]}:7700", "--fabric-node", "",
+            "--token-file", str(tmp_path / "token"), "--fabric-ports", "7500-7500"]),
+            capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
+            stdin=subprocess.DEVNULL)
+    assert r.returncode == 78, r.stderr
+    assert "fabric_ports 7500-7500 has 1 port for" in r.stderr, r.stderr
+    for dev in a_host.interfaces:
+        assert dev in r.stderr, r.stderr
