@@ -23,10 +23,10 @@ Printed per request and overall: bytes, time to first layer (prefill's
 ``kv_push`` call -> layer 0 seen by decode; both processes read the same
 ``CLOCK_MONOTONIC``, so only on one machine), total time, GB/s.
 
-    python examples/prefill_decode.py                      # tcp on 127.0.0.1
-    python examples/prefill_decode.py --provider shm --requests 16
-    python examples/prefill_decode.py --imm-bytes 4        # as on EFA / verbs
-    python examples/prefill_decode.py --layers 4 --blocks 64 --block-kib 4   # tiny
+    .venv/bin/python examples/prefill_decode.py                      # tcp on 127.0.0.1
+    .venv/bin/python examples/prefill_decode.py --provider shm --requests 16
+    .venv/bin/python examples/prefill_decode.py --imm-bytes 4        # as on EFA / verbs
+    .venv/bin/python examples/prefill_decode.py --layers 4 --blocks 64 --block-kib 4   # tiny
 
 **Mapping it onto a serving engine's KV connector** (vLLM's
 ``KVConnectorBase_V1``, SGLang's disaggregation sender/receiver; names vary):
