@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 
 from p2pxfer.errors import P2PXferError
 
@@ -226,7 +225,7 @@ def _bench_run(opts: BenchOptions, json_path: str | None, plot_path: str | None,
         plot,
         require_matplotlib,
         run_bench,
-        summary_table,
+        summary_tables,
         write_json,
     )
     from p2pxfer.errors import ProviderNotFound
@@ -258,10 +257,11 @@ def _bench_run(opts: BenchOptions, json_path: str | None, plot_path: str | None,
         raise click.ClickException(exc.text) from exc
     except P2PXferError as exc:
         raise click.ClickException(str(exc)) from exc
-    # Logs and pipes get the whole table, not one cut to 80 columns.
-    out = console if console.is_terminal else Console(width=max(console.width, 120))
-    out.print(summary_table(report.results, report.memcpy_gbps,
-                            title=f"p2pxfer bench ({opts.mode})"))
+    # Two narrower tables where one would not fit the terminal (80 columns
+    # in a pipe, or COLUMNS): no headline number is ever cut.
+    for table in summary_tables(report.results, report.memcpy_gbps,
+                                title=f"p2pxfer bench ({opts.mode})", width=console.width):
+        console.print(table)
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     if json_path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from functools import partial
 
 import click
-from rich.console import Console
 
 from p2pxfer.errors import ConfigError, P2PXferError, ProviderNotFound
 from p2pxfer.log import configure
@@ -115,8 +114,7 @@ def status(socket_path: str, as_json: bool, wait_s: float, quiet: bool) -> None:
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    # Logs and pipes get the whole NIC table, not one cut to 80 columns.
-    print_status(console if console.is_terminal else Console(width=max(console.width, 160)), st)
+    print_status(console, st)
 
 
 @click.command()
