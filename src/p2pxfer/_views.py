@@ -56,11 +56,10 @@ def _bytes(n: int) -> str:
 
 
 def _address(text: str) -> str:
-    """A rail's endpoint address as people write it (``host:port`` for IP)."""
-    from p2pxfer.fabric._sockets import parse_sockaddr
-
-    ep = parse_sockaddr(text)
-    return text if ep is None else f"{ep[0]}:{ep[1]}"
+    """A rail's endpoint address as people write it (``host:port`` for IP;
+    parsed here so that printing a table loads no libfabric)."""
+    scheme, sep, rest = text.partition("://")
+    return rest if sep and scheme.startswith("fi_sockaddr_in") else text
 
 
 def print_status(console: Console, st: dict[str, Any]) -> None:

@@ -22,13 +22,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import structlog
 import trio
 
 from p2pxfer._pump import bounded
 from p2pxfer.address import parse_hostport
 from p2pxfer.errors import InvalidArgument, P2PXferError
-from p2pxfer.fabric._sockets import parse_sockaddr
+from p2pxfer.fabric import parse_sockaddr
+from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PING_BYTES", "Ping"]
 
-log = structlog.get_logger("p2pxfer.daemon")
+log = get_logger("p2pxfer.daemon")
 
 #: the scratch region a peer's ping writes into (and the source of ours)
 PING_BYTES = 256 << 10
