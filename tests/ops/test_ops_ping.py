@@ -12,7 +12,7 @@ import pytest
 
 import p2pxfer
 from daemon_helpers import DaemonProc, daemon_pair, p2pxfer_cmd
-from p2pxfer.errors import UnknownPeer
+from p2pxfer.errors import NameTaken, UnknownPeer
 
 RUN_TIMEOUT = 60.0
 
@@ -39,6 +39,9 @@ def test_ping_passes_and_says_the_path(pair: tuple[DaemonProc, DaemonProc]) -> N
         assert rail["ok"] and rail["via"] == ["lo"] and rail["peer_nic"] == "lo", rail
         with pytest.raises(UnknownPeer, match="node-c"):
             client.ping("node-c")
+        with pytest.raises(NameTaken, match="daemon's own"):  # ping's scratch region
+            client.export("p2pxfer.ping", client.alloc(4096))
+        assert all(r["name"] != "p2pxfer.ping" for r in b.status()["regions"])
     r = run("ping", "node-a", "--socket", b.socket)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ok: node-b reaches node-a over 1 rail(s), every byte checked" in r.stdout

@@ -33,6 +33,7 @@ from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
 from ._notes import rails
+from ._regions import RESERVED
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -77,7 +78,7 @@ class Ping:
     def _scratch(self) -> RegionDescriptor:
         if self._desc is None:
             self._target = np.zeros(PING_BYTES, np.uint8)
-            self._desc = self.d.engine.export(self._target, "p2pxfer.ping")
+            self._desc = self.d.engine.export(self._target, RESERVED)
         return self._desc
 
     # -- our side: the client's ``ping`` ---------------------------------------
