@@ -56,3 +56,36 @@ def test_ping_names_the_step_and_the_port(pair: tuple[DaemonProc, DaemonProc]) -
     assert r.returncode == 1, r.stdout + r.stderr
     assert "control round trip to node-b" in r.stderr, r.stderr
     assert f"tcp port {port} on 127.0.0.1 refuses connections" in r.stderr, r.stderr
+
+
+@pytest.mark.netns
+def test_ping_checks_every_rail(tmp_path: Path) -> None:
+    """Two hosts with two NICs each: one verified write per peer rail, each
+    carried by our NIC on that rail's subnet."""
+    from daemon_helpers import spawn_daemon
+    from netns import two_hosts
+
+    (tmp_path / "token").write_text("a secret\n")
+    with two_hosts(rails=2) as hosts:
+        daemons: list[DaemonProc] = []
+        try:
+            for i, (host, name) in enumerate(zip(hosts, ("node-a", "node-b"), strict=True)):
+                other = hosts[1 - i]
+                daemons.append(spawn_daemon(tmp_path, {
+                    "node": name, "socket": str(tmp_path / f"{name}.sock"),
+                    "control": f"{host.addresses[0]}:7700", "fabric_node": "",
+                    "interfaces": list(host.interfaces), "fabric_ports": "7500-7531",
+                    "cluster_token_file": str(tmp_path / "token"),
+                    "peers": [{"name": "node-b" if i == 0 else "node-a",
+                               "address": f"{other.addresses[0]}:7700"}]}, host.exec_argv))
+            with p2pxfer.SyncClient(daemons[0].socket) as client:
+                result = client.ping("node-b", timeout=20)
+        finally:
+            for d in daemons:
+                d.stop()
+    assert result["ok"], result
+    rails = result["rails"]
+    assert [r["peer_nic"] for r in rails] == list(hosts[1].interfaces), rails
+    assert [r["via"] for r in rails] == [[dev] for dev in hosts[0].interfaces], rails
+    for rail, address in zip(rails, hosts[1].addresses, strict=True):
+        assert rail["peer_rail"].startswith(f"{address}:75"), rail
