@@ -53,6 +53,8 @@ def test_missing_provider_lists_this_machines() -> None:
         getinfo("efa")
     assert "providers on this machine: " in str(info.value)
     assert "'tcp;ofi_rxm'" in str(info.value) and "'shm'" in str(info.value)
+    with pytest.raises(ProviderNotFound, match="is here but not on that address or interface"):
+        getinfo("tcp;ofi_rxm", domain="nosuchnic0")
 
 
 def test_daemon_with_missing_provider_exits_78(tmp_path: Path) -> None:
