@@ -69,13 +69,18 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
+try:
+    import numpy as np
+    import numpy.typing as npt
 
-import p2pxfer
-from p2pxfer.client import KVPool
-from p2pxfer.kv import ORDERS, KVLayout
-from p2pxfer.testing import DaemonProc, free_port, start_daemon
+    import p2pxfer
+    from p2pxfer.client import KVPool
+    from p2pxfer.kv import ORDERS, KVLayout
+    from p2pxfer.testing import DaemonProc, free_port, start_daemon
+except ModuleNotFoundError as exc:  # run with a python that lacks the project
+    raise SystemExit(f"{exc}: run the examples with the project's virtualenv, from the "
+                     f"repository root: .venv/bin/python examples/prefill_decode.py "
+                     f"(bash deploy/setup.sh makes it)") from None
 
 U8 = npt.NDArray[np.uint8]
 PROVIDERS = {"tcp": "tcp;ofi_rxm", "shm": "shm"}

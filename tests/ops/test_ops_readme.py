@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,13 @@ def test_docs_stand_on_their_own() -> None:
             for target in re.findall(r"\((\.\./[^)#\s]+)", line):  # relative markdown links
                 assert (path.parent / target).resolve().is_relative_to(ROOT), (path, line)
                 assert (path.parent / target).resolve().exists(), (path, line)
+
+
+def test_example_without_the_project_says_how_to_run_it() -> None:
+    """``python examples/...`` with a python that lacks the project (here:
+    without site-packages) says to use the virtualenv, not a traceback."""
+    proc = subprocess.run([sys.executable, "-S", "examples/prefill_decode.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert ".venv/bin/python examples/prefill_decode.py" in proc.stderr, proc.stderr
