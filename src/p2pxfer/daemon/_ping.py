@@ -42,8 +42,10 @@ __all__ = ["PING_BYTES", "Ping"]
 
 log = get_logger("p2pxfer.daemon")
 
-#: the scratch region a peer's ping writes into (and the source of ours)
-PING_BYTES = 256 << 10
+#: the scratch region a peer's ping writes into (and the source of ours); a
+#: ping takes one of its 32 KiB slots at random, so pings from several nodes
+#: at once rarely meet
+PING_BYTES = 1 << 20
 #: bytes per piece; each rail's write is PIECES pieces, spread over its pairs
 PIECE = 4096
 PIECES = 8
@@ -61,6 +63,7 @@ class Ping:
         self._target: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._desc: RegionDescriptor | None = None
         self._src: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self._lock = trio.Lock()
 
     # -- the peer's side: the control port's ``ping`` ----------------------------
 
@@ -107,15 +110,16 @@ class Ping:
         out["control_ms"] = round((time.perf_counter() - t0) * 1000, 3)
         names = {_plain(str(r.get("address", ""))): r.get("nic", "")
                  for r in hello.get("rails", [])}
-        for index, rail in enumerate(desc.rails):
-            where = _straddr(self.d, rail.address)
-            step = await self._rail(peer, desc, index, timeout)
-            step.update(peer_rail=where, peer_nic=names.get(where, ""))
-            out["rails"].append(step)
-            if not step["ok"] and "failed" not in out:
-                probe = await _probe(_hostport(where)) if _hostport(where) else ""
-                out["failed"] = (f"write over peer rail {step['peer_nic'] or index} at {where}: "
-                                 f"{step['error']}{probe}")
+        async with self._lock:  # one source buffer: pings from here take turns
+            for index, rail in enumerate(desc.rails):
+                where = _straddr(self.d, rail.address)
+                step = await self._rail(peer, desc, index, timeout)
+                step.update(peer_rail=where, peer_nic=names.get(where, ""))
+                out["rails"].append(step)
+                if not step["ok"] and "failed" not in out:
+                    probe = await _probe(_hostport(where)) if _hostport(where) else ""
+                    out["failed"] = (f"write over peer rail {step['peer_nic'] or index} at "
+                                     f"{where}: {step['error']}{probe}")
         out["ok"] = "failed" not in out
         log.info("ping.done", peer=peer, ok=out["ok"], failed=bounded(out.get("failed", ""), 300))
         return out
