@@ -355,6 +355,9 @@ def _bars(ax: Any, series: dict[str, tuple[list[int], list[float]]],
         ax.axhline(max(memcpy), color="grey", linestyle=":",
                    label=f"memcpy, 1 thread ({max(memcpy):.1f} GB/s)")
     ax.set_xticks(range(len(keys)), [k.replace(" · ", "\n") for k in keys], fontsize=9)
+    # Room for at least three groups, so one or two stay bars, not walls.
+    middle, span = (len(keys) - 1) / 2, max(len(keys), 3)
+    ax.set_xlim(middle - span / 2, middle + span / 2)
     ax.set_ylabel("GB/s")
     ax.set_ylim(bottom=0)
     ax.grid(True, axis="y", alpha=0.3)
