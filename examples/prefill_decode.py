@@ -23,10 +23,10 @@ Printed per request and overall: bytes, time to first layer (prefill's
 ``kv_push`` call -> layer 0 seen by decode; both processes read the same
 ``CLOCK_MONOTONIC``, so only on one machine), total time, GB/s.
 
-    python examples/prefill_decode.py                      # tcp on 127.0.0.1
-    python examples/prefill_decode.py --provider shm --requests 16
-    python examples/prefill_decode.py --imm-bytes 4        # as on EFA / verbs
-    python examples/prefill_decode.py --layers 4 --blocks 64 --block-kib 4   # tiny
+    .venv/bin/python examples/prefill_decode.py                      # tcp on 127.0.0.1
+    .venv/bin/python examples/prefill_decode.py --provider shm --requests 16
+    .venv/bin/python examples/prefill_decode.py --imm-bytes 4        # as on EFA / verbs
+    .venv/bin/python examples/prefill_decode.py --layers 4 --blocks 64 --block-kib 4   # tiny
 
 **Mapping it onto a serving engine's KV connector** (vLLM's
 ``KVConnectorBase_V1``, SGLang's disaggregation sender/receiver; names vary):
@@ -69,13 +69,18 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
+try:
+    import numpy as np
+    import numpy.typing as npt
 
-import p2pxfer
-from p2pxfer.client import KVPool
-from p2pxfer.kv import ORDERS, KVLayout
-from p2pxfer.testing import DaemonProc, free_port, start_daemon
+    import p2pxfer
+    from p2pxfer.client import KVPool
+    from p2pxfer.kv import ORDERS, KVLayout
+    from p2pxfer.testing import DaemonProc, free_port, start_daemon
+except ModuleNotFoundError as exc:  # run with a python that lacks the project
+    raise SystemExit(f"{exc}: run the examples with the project's virtualenv, from the "
+                     f"repository root: .venv/bin/python examples/prefill_decode.py "
+                     f"(bash deploy/setup.sh makes it)") from None
 
 U8 = npt.NDArray[np.uint8]
 PROVIDERS = {"tcp": "tcp;ofi_rxm", "shm": "shm"}

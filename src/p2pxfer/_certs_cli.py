@@ -1,5 +1,5 @@
 """``p2pxfer certs init|issue``: the command line over ``p2pxfer.certs``
-(registered in ``cli.py``). Options are parsed and results printed here;
+(registered in ``p2pxfer.cli``). Options are parsed and results printed here;
 certificates are made in ``p2pxfer.certs``."""
 
 from __future__ import annotations

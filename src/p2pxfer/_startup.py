@@ -18,7 +18,8 @@ from collections.abc import Iterator
 
 from p2pxfer.daemon import DaemonConfig
 from p2pxfer.daemon._config import parse_hostport
-from p2pxfer.errors import P2PXferError, StartupError
+from p2pxfer.daemon._daemon import check_exposure
+from p2pxfer.errors import ConfigError, P2PXferError, StartupError
 
 __all__ = ["check_startup", "leaves", "one_line"]
 
@@ -30,7 +31,10 @@ def check_startup(cfg: DaemonConfig) -> None:
     """Raise :class:`StartupError` for the first thing that would stop ``cfg``'s
     daemon from starting: a host that does not resolve, a port in use, a socket
     directory that cannot be created or written, a socket another daemon holds;
-    and :class:`ConfigError` for TLS files that are not right (naming the file)."""
+    and :class:`ConfigError` for TLS files that are not right (naming the file),
+    for listening off loopback without credentials, or for a ``fabric_ports``
+    range this machine cannot give."""
+    _check_fabric_ports(cfg)  # first: no fabric call of this process may come before
     if cfg.tls:
         from p2pxfer.daemon._tls import config_tls
 
@@ -43,6 +47,47 @@ def check_startup(cfg: DaemonConfig) -> None:
     _check_socket(cfg.socket)
     if cfg.fabric_node:
         _resolve("fabric_node", cfg.fabric_node, 0)
+    check_exposure(cfg)
+
+
+def _check_fabric_ports(cfg: DaemonConfig) -> None:
+    """The range set for this process's fabric, wide enough for this node's
+    rails (one listening port each), with that many ports free."""
+    if not cfg.fabric_ports:
+        return
+    from p2pxfer.daemon._ports import apply_fabric_ports
+    from p2pxfer.fabric import getinfo
+    from p2pxfer.fabric._ports import parse_port_range
+
+    apply_fabric_ports(cfg)
+    low, high = parse_port_range(cfg.fabric_ports)
+    names = [i.domain_name for i in getinfo(cfg.provider, node=cfg.fabric_node or None)]
+    if cfg.interfaces:
+        names = [n for n in names if n in cfg.interfaces]
+    need, size = max(1, len(names)), high - low + 1
+    if size < need:
+        raise ConfigError(f"fabric_ports {cfg.fabric_ports} has {size} port"
+                          f"{'s' if size > 1 else ''} for {need} rails ({', '.join(names)}): "
+                          f"the fabric listens on one port per rail; widen the range "
+                          f"(--fabric-ports {low}-{low + need - 1} at least)")
+    host = cfg.fabric_node or "0.0.0.0"
+    busy, free = [], 0
+    for port in range(low, high + 1):
+        with socket.socket(_resolve("fabric_node", host, port)[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+                continue
+        free += 1
+        if free == need:
+            return
+    raise StartupError("fabric ports", f"{host}:{low}-{high}",
+                       f"{need} rail{'s' if need > 1 else ''} need {need} free port"
+                       f"{'s' if need > 1 else ''}, but {', '.join(map(str, busy))} "
+                       f"{'is' if len(busy) == 1 else 'are'} in use (another daemon?); "
+                       f"widen or move the range (fabric_ports, --fabric-ports)")
 
 
 def _resolve(what: str, host: str, port: int) -> list[tuple[int, tuple[object, ...]]]:

@@ -77,7 +77,8 @@ def test_status_shows_peers_rails_and_notes(
 
     r = cli("status", "--socket", a.socket)
     assert r.exit_code == 0, r.output
-    for word in ("peers", "node-b", "node-c", "not contacted", "tcp;ofi_rxm", rail["address"],
+    host_port = rail["address"].split("://", 1)[1]  # the table shows it as host:port
+    for word in ("peers", "node-b", "node-c", "not contacted", "tcp;ofi_rxm", host_port,
                  "NUMA", "note:", "loopback interface"):
         assert word in r.output, (word, r.output)
 

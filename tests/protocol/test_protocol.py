@@ -410,6 +410,9 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("wait_imm", {"imm": 9, "count": 3}, {}),
     ("cancel", {"target": 4}, {}),
     ("wait_imm", {"imm": 9, "count": 3, "region": "kv"}, {}),
+    ("wait_imm", {"imm": 9, "count": 3, "timeout_ms": 1000}, {"timed_out": True, "arrived": 2}),
+    ("ping", {"peer": "node-b", "timeout_ms": 10_000},
+     {"ok": True, "peer": "node-b", "rails": [{"ok": True, "bytes": 32768}]}),
     ("kv_pool", {"name": "kv", "mem": 1, "layout": {"layers": 2, "blocks": 4,
                                                      "block_bytes": 4096, "planes": 1,
                                                      "order": "layer_major",
@@ -449,6 +452,8 @@ PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("status", {}, {"node": "node-b", "incarnation": 7, "regions": ["kv"], "peers": [],
                     "transfers_in_flight": 2, "nics": ["eth0"]}),
     ("peers", {}, {"peers": []}),
+    ("ping", {}, {"descriptor": DESCRIPTOR, "rails": []}),
+    ("ping", {"offset": 0, "length": 4096}, {"digest": bytes(64)}),
 ]
 
 
@@ -1072,9 +1077,10 @@ def test_specific_errors_and_unknown_codes() -> None:
 
 def test_handler_tables_are_checked() -> None:
     check_handlers({"status": 0, "peers": 0, "auth": 0, "resolve": 0, "invalidate": 0,
-                    "kv_begin": 0, "kv_expect": 0, "kv_arrived": 0}, PEER_REQUESTS, "test")
+                    "kv_begin": 0, "kv_expect": 0, "kv_arrived": 0, "ping": 0}, PEER_REQUESTS,
+                   "test")
     with pytest.raises(LocalProtocolError, match=r"missing \['invalidate'\]"):
         check_handlers({"status", "peers", "auth", "resolve", "kv_begin", "kv_expect",
-                        "kv_arrived"}, PEER_REQUESTS, "test")
+                        "kv_arrived", "ping"}, PEER_REQUESTS, "test")
     with pytest.raises(LocalProtocolError, match=r"extra \['frobnicate'\]"):
         check_handlers({*PEER_REQUESTS, "frobnicate"}, PEER_REQUESTS, "test")

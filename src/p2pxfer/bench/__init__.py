@@ -30,6 +30,7 @@ from ._report import plot_series as plot_series
 from ._report import read_json as read_json
 from ._report import require_matplotlib as require_matplotlib
 from ._report import summary_table as summary_table
+from ._report import summary_tables as summary_tables
 from ._report import write_document as write_document
 from ._report import write_json as write_json
 from ._run import BenchReport as BenchReport

@@ -25,7 +25,8 @@ from rich.table import Table
 from ._options import BenchError, format_size
 
 __all__ = ["RESULT_FIELDS", "BenchResult", "RailResult", "plot", "plot_series",
-           "read_json", "require_matplotlib", "summary_table", "write_document", "write_json"]
+           "read_json", "require_matplotlib", "summary_table", "summary_tables",
+           "write_document", "write_json"]
 
 #: Fields every JSON record has, and their types. ``baseline_gbps``, ``ratio``
 #: and the baseline percentiles are ``null`` only where no baseline could be
@@ -170,17 +171,23 @@ def _cpu(x: float | None) -> str:
 
 
 def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = None,
-                  title: str = "p2pxfer bench") -> Table:
+                  title: str = "p2pxfer bench", *, columns: Sequence[str] | None = None,
+                  caption: bool = True, keys: bool = True) -> Table:
     """One row per result; the rails and in-flight columns only when some run
-    used more than one, the Mooncake column only when some run measured it."""
+    used more than one, the Mooncake column only when some run measured it.
+    ``columns``: only these of the measured columns (the row's provider and
+    transfer always come first; its rails and in-flight count too, unless
+    ``keys`` is false)."""
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
-    multi_rail = any(r.nrails > 1 for r in results)
-    multi_flight = any(r.concurrency > 1 for r in results)
-    cols = ["provider", "transfer"] + ["rails"] * multi_rail + ["in flight"] * multi_flight
+    multi_rail = keys and any(r.nrails > 1 for r in results)
+    multi_flight = keys and any(r.concurrency > 1 for r in results)
+    key_columns = ["provider", "transfer"] + ["rails"] * multi_rail \
+        + ["in flight"] * multi_flight
     mooncake = any(r.mooncake_gbps is not None for r in results)
-    cols += ["GB/s", "C GB/s", "ratio"] + ["Mooncake GB/s"] * mooncake
-    cols += ["p50 us", "p99 us", "CPU s/GB", "C CPU s/GB", "memcpy%"]
-    for col in cols:
+    measured = ["GB/s", "C GB/s", "ratio"] + ["Mooncake GB/s"] * mooncake
+    measured += ["p50 us", "p99 us", "CPU s/GB", "C CPU s/GB", "memcpy%"]
+    shown = [c for c in measured if columns is None or c in columns]
+    for col in key_columns + shown:
         table.add_column(col, justify="left" if col in ("provider", "transfer") else "right",
                          no_wrap=True)
     for r in results:
@@ -189,20 +196,58 @@ def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = No
         else:
             order = {"random": "rnd", "sequential": "seq"}.get(r.order or "", "")
             shape = f"{r.pages}x{format_size(r.page_size)} {order}".rstrip()
-        ratio = "-" if r.ratio is None else f"[bold]{r.ratio:.2f}[/bold]"
         row = [r.provider, shape] + [str(r.nrails)] * multi_rail
         row += [str(r.concurrency)] * multi_flight
-        row += [_gbps(r.gbps), _gbps(r.baseline_gbps), ratio]
-        row += [_gbps(r.mooncake_gbps)] * mooncake
-        row += [f"{r.p50_us:.0f}", f"{r.p99_us:.0f}", _cpu(r.cpu_s_per_gb),
-                _cpu(r.baseline_cpu_s_per_gb), f"{100 * r.gbps / r.memcpy_gbps:.0f}%"]
-        table.add_row(*row)
-    if memcpy_gbps is not None:
+        cells = {"GB/s": _gbps(r.gbps), "C GB/s": _gbps(r.baseline_gbps),
+                 "ratio": "-" if r.ratio is None else f"[bold]{r.ratio:.2f}[/bold]",
+                 "Mooncake GB/s": _gbps(r.mooncake_gbps), "p50 us": f"{r.p50_us:.0f}",
+                 "p99 us": f"{r.p99_us:.0f}", "CPU s/GB": _cpu(r.cpu_s_per_gb),
+                 "C CPU s/GB": _cpu(r.baseline_cpu_s_per_gb),
+                 "memcpy%": f"{100 * r.gbps / r.memcpy_gbps:.0f}%"}
+        table.add_row(*row, *(cells[c] for c in shown))
+    if memcpy_gbps is not None and caption:
         table.caption = (f"memcpy, 1 thread: {memcpy_gbps:.2f} GB/s (the ceiling on one node). "
                          f"ratio = ours / C reference (C at both ends where the target runs "
                          f"here), same provider, pattern and run; CPU s/GB = CPU seconds of "
                          f"both ends per GB; rnd/seq = random/sequential pages")
     return table
+
+
+def summary_tables(results: Sequence[BenchResult], memcpy_gbps: float | None = None,
+                   title: str = "p2pxfer bench", *, width: int = 80) -> list[Table]:
+    """The summary as one table where it fits ``width`` columns; otherwise
+    as several, each repeating the row's keys, the bandwidth (the headline)
+    in the first, so no column is cut at a narrow terminal."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10_000)
+
+    def fits(columns: list[str], first: bool) -> bool:
+        table = summary_table(results, None, title, columns=columns, keys=first)
+        return Measurement.get(console, console.options, table).maximum <= width
+
+    whole = summary_table(results, memcpy_gbps, title)
+    if Measurement.get(console, console.options, whole).maximum <= width:
+        return [whole]
+    present = [str(c.header) for c in whole.columns]
+    groups = [[c for c in group if c in present] for group in _GROUPS]
+    packed: list[list[str]] = [[]]
+    for group in (g for g in groups if g):
+        if packed[-1] and not fits(packed[-1] + group, len(packed) == 1):
+            packed.append([])
+        packed[-1] += group
+    # The tables after the first repeat only provider and transfer: the
+    # first has the rails and in-flight counts of each row.
+    return [summary_table(results, memcpy_gbps if i == len(packed) - 1 else None,
+                          title if i == 0 else f"{title} (continued)", columns=columns,
+                          keys=i == 0)
+            for i, columns in enumerate(packed)]
+
+
+#: columns that stay together when the summary is split, headline first
+_GROUPS = (("GB/s", "C GB/s", "ratio"), ("Mooncake GB/s",), ("p50 us", "p99 us"),
+           ("CPU s/GB", "C CPU s/GB"), ("memcpy%",))
 
 
 # -- plot ---------------------------------------------------------------------
@@ -241,10 +286,12 @@ def require_matplotlib() -> None:
                          "install p2pxfer with its dev extra)") from exc
 
 
-def plot(results: Sequence[BenchResult], path: str | Path, *, title: str = "") -> None:
+def plot(results: Sequence[BenchResult], path: str | Path, *, title: str = "") -> Any:
     """Bandwidth against transfer size (log2 axis), ours solid and the C
     baseline dashed, one colour per provider and rail; single-thread memcpy
-    as a dotted reference. Written as PNG with the Agg renderer."""
+    as a dotted reference; with one size only, bars instead (ours next to
+    the C reference per provider and rail). Written as PNG with the Agg
+    renderer; returns the matplotlib ``Figure``."""
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -254,6 +301,11 @@ def plot(results: Sequence[BenchResult], path: str | Path, *, title: str = "") -
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     series = plot_series(results)
+    if len({r.bytes for r in results}) == 1:  # one size: a line would be one dot
+        _bars(ax, series, results, title)
+        fig.tight_layout()
+        fig.savefig(str(path), format="png")
+        return fig
     colours: dict[str, Any] = {}
     cycle = [f"C{i}" for i in range(10)]
     for label, (xs, ys) in series.items():
@@ -277,3 +329,42 @@ def plot(results: Sequence[BenchResult], path: str | Path, *, title: str = "") -
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(str(path), format="png")
+    return fig
+
+
+def _bars(ax: Any, series: dict[str, tuple[list[int], list[float]]],
+          results: Sequence[BenchResult], title: str) -> None:
+    """One size measured: GB/s as bars, ours next to the C reference for
+    each provider and rail (several points of one: their mean), labelled
+    with their values, memcpy as a dotted line."""
+    groups: dict[str, dict[str, float]] = {}
+    for label, (_xs, ys) in series.items():
+        kind, key = label.split(" · ", 1)
+        groups.setdefault(key, {})[kind] = sum(ys) / len(ys)
+    keys = list(groups)
+    width = 0.38
+    for offset, kind, colour, hatch in ((-width / 2, "ours", "C0", ""),
+                                        (width / 2, "baseline", "C1", "//")):
+        xs = [i + offset for i, k in enumerate(keys) if kind in groups[k]]
+        ys = [groups[k][kind] for k in keys if kind in groups[k]]
+        bars = ax.bar(xs, ys, width, color=colour, hatch=hatch, alpha=0.85,
+                      label="ours" if kind == "ours" else "C reference (same run)")
+        ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
+    memcpy = [r.memcpy_gbps for r in results]
+    if memcpy:
+        ax.axhline(max(memcpy), color="grey", linestyle=":",
+                   label=f"memcpy, 1 thread ({max(memcpy):.1f} GB/s)")
+    ax.set_xticks(range(len(keys)), [k.replace(" · ", "\n") for k in keys], fontsize=9)
+    # Room for at least three groups, so one or two stay bars, not walls.
+    middle, span = (len(keys) - 1) / 2, max(len(keys), 3)
+    ax.set_xlim(middle - span / 2, middle + span / 2)
+    ax.set_ylabel("GB/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    r = results[0]
+    shape = format_size(r.bytes) if r.pattern == "contiguous" else \
+        f"{r.pages} x {format_size(r.page_size)} pages"
+    modes = sorted({r.mode for r in results})
+    ax.set_title(title or f"p2pxfer bench ({', '.join(modes)}): {shape} per transfer, "
+                 f"ours vs raw C loop")
+    ax.legend(fontsize=8, loc="best")

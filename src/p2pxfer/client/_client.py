@@ -10,6 +10,7 @@ ends while a request waits raises ``ConnectionLost``.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ __all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedM
            "connect"]
 
 log = get_logger("p2pxfer.client")
+
+#: how long past a ``wait_imm`` timeout the client waits for the daemon's own
+#: "timed out" answer before giving up on the daemon itself
+WAIT_MARGIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,28 @@ class Client(Conversation):
         cancelled leaves nothing behind in the daemon: the pieces it had not
         consumed count for the next wait."""
         fields: dict[str, Any] = {"region": region} if region is not None else {}
-        await self._request("wait_imm", imm=imm, count=count, timeout=timeout, **fields)
+        if timeout is None:
+            await self._request("wait_imm", imm=imm, count=count, **fields)
+            return
+        # The daemon keeps the deadline, so it can say how many arrived; ours
+        # is the backstop for a daemon that does not answer at all.
+        result = await self._request("wait_imm", imm=imm, count=count,
+                                     timeout_ms=max(0, round(timeout * 1000)),
+                                     timeout=timeout + WAIT_MARGIN_S, **fields)
+        if result.get("timed_out"):
+            where = f"on region {region!r}" if region is not None else \
+                "on this client's regions"
+            raise WaitTimeout(f"{result.get('arrived', 0)} of {count} arrivals for imm {imm} "
+                              f"{where} within {timeout:g} s")
+
+    async def ping(self, peer: str, *, timeout: float = 10.0) -> dict[str, Any]:
+        """Check the way to ``peer`` through this daemon, step by step: a
+        control round trip, then a small verified write over each of the
+        peer's rails (every rail pair that reaches it). The result says
+        ``ok``; where a step failed, ``failed`` names it and, where a port
+        did not answer, the port. ``timeout`` bounds each step."""
+        return await self._request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)),
+                                   timeout=None)
 
     async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
                       writers: Iterable[int] | None = None) -> KVPool:
@@ -250,13 +276,30 @@ class Client(Conversation):
         self._mems.clear()
 
 
+def unreachable(path: str, exc: OSError) -> str:
+    """Why the daemon's socket at ``path`` could not be reached, and what to
+    do next: no socket, or a socket nobody listens on (left by a daemon that
+    died) both mean no daemon runs there."""
+    text = f"cannot reach the p2pxfer daemon at {path}: {exc.strerror or exc}"
+    if exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
+        stale = " (a socket left by a daemon that stopped)" if exc.errno == \
+            errno.ECONNREFUSED else ""
+        return (f"{text}{stale}; is the daemon running? start it with `p2pxfer daemon "
+                f"--socket {path} ...` (or `p2pxfer daemon --config FILE`), or pass the "
+                f"socket it listens on (--socket)")
+    if exc.errno == errno.EACCES:
+        return (f"{text}; the socket is mode 0600 for the daemon's uid: run as that uid, "
+                f"or list yours in the daemon's allowed_uids")
+    return text
+
+
 @asynccontextmanager
 async def connect(path: str, *, max_frame: int = 16 << 20) -> AsyncIterator[Client]:
     """Connect to the daemon at ``path`` for the duration of the block."""
     try:
         stream = await anyio.connect_unix(path)
     except OSError as exc:
-        raise ConnectionLost(f"cannot reach the p2pxfer daemon at {path}: {exc}") from exc
+        raise ConnectionLost(unreachable(path, exc)) from exc
     client = Client(stream, max_frame, path)
     try:
         await client._handshake()

@@ -131,6 +131,11 @@ class SyncClient:
                  timeout: float | None = None) -> None:
         self._call(self._client.wait_imm, imm, count, region=region, timeout=timeout)
 
+    def ping(self, peer: str, *, timeout: float = 10.0) -> dict[str, Any]:
+        """See :meth:`Client.ping`."""
+        return self._call(self._client.ping, peer,  # type: ignore[no-any-return]
+                          timeout=timeout)
+
     def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
                 writers: Iterable[int] | None = None) -> KVPool:
         return self._call(self._client.kv_pool, name, layout,  # type: ignore[no-any-return]

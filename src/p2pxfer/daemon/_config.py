@@ -58,6 +58,9 @@ class DaemonConfig:
     fabric_node: str = ""
     #: use only these interfaces / domains, in this order (empty: all found)
     interfaces: tuple[str, ...] = ()
+    #: "LOW-HIGH": the TCP ports the fabric listens on (one per rail; tcp
+    #: provider), so a firewall can open exactly these; empty: ephemeral ports
+    fabric_ports: str = ""
     #: largest protocol frame accepted, bytes
     max_frame: int = 16 << 20
     #: structlog level
@@ -166,7 +169,16 @@ class DaemonConfig:
         cfg = cls(**kw)
         cfg._check_membership()
         cfg._check_tls()
+        cfg._check_fabric_ports()
         return cfg
+
+    def _check_fabric_ports(self) -> None:
+        from p2pxfer.fabric._ports import tcp_provider
+
+        if self.fabric_ports and not tcp_provider(self.provider):
+            raise ConfigError(f"fabric_ports is for the tcp provider (tcp;ofi_rxm): provider "
+                              f"{self.provider!r} listens on no TCP port it governs; remove "
+                              f"fabric_ports (--fabric-ports)")
 
     @property
     def tls(self) -> bool:
@@ -311,6 +323,18 @@ def _peers(key: str, v: Any) -> tuple[PeerAddress, ...]:
     return tuple(out)
 
 
+def _port_range(key: str, v: Any) -> str:
+    s = _str(key, v)
+    if s:
+        from p2pxfer.fabric._ports import parse_port_range
+
+        try:
+            parse_port_range(s)
+        except InvalidArgument as exc:
+            raise ConfigError(f"{key}: {exc}") from exc
+    return s
+
+
 def _url(key: str, v: Any) -> str:
     s = _str(key, v)
     if not s.startswith(("http://", "https://")):
@@ -325,6 +349,7 @@ _CHECKS: dict[str, Any] = {
     "provider": _nonempty,
     "fabric_node": _str,
     "interfaces": _strs,
+    "fabric_ports": _port_range,
     "max_frame": lambda k, v: _int(k, v, 4096),
     "log_level": lambda k, v: _choice(k, v, LOG_LEVELS, fold=True),
     "log_format": lambda k, v: _choice(k, v, LOG_FORMATS),

@@ -88,6 +88,7 @@ HANDLERS: dict[str, Handler] = {
     "invalidate": _invalidate,
     "status": lambda d, caller, msg: d.status(remote=True),
     "peers": lambda d, caller, msg: {"peers": d.peer_list()},
+    "ping": lambda d, caller, msg: d.ping.answer(msg.get("offset"), msg.get("length")),
 }
 check_handlers(HANDLERS, PEER_REQUESTS, "the control port")
 

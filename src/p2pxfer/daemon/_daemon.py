@@ -26,7 +26,7 @@ import trio
 from p2pxfer._pump import LogThrottle
 from p2pxfer.address import parse_hostport
 from p2pxfer.engine import Engine, EngineConfig, open_engine
-from p2pxfer.errors import InvalidArgument
+from p2pxfer.errors import ConfigError
 from p2pxfer.log import get_logger
 from p2pxfer.membership import ClusterAuth
 
@@ -39,6 +39,8 @@ from ._listener import remove_socket, serve_clients
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
 from ._peers import PeerTable
+from ._ping import Ping
+from ._ports import apply_fabric_ports, check_rail_ports
 from ._regions import Regions
 from ._tls import TlsCredentials, config_tls
 from ._writes import Writes
@@ -84,20 +86,25 @@ def check_exposure(config: DaemonConfig) -> bool:
     """Whether the daemon runs open (neither a cluster token nor TLS). Open
     is allowed only when every address it listens on is loopback: the control
     host, and the fabric's (``fabric_node``; empty means every interface),
-    unless the provider is ``shm`` (no network). Otherwise ``InvalidArgument``."""
+    unless the provider is ``shm`` (no network). Otherwise ``ConfigError``
+    (an ``InvalidArgument``) naming the flags and the keys that fix it."""
     if config.cluster_token or config.tls:
         return False
     exposed = []
     if not _loopback(parse_hostport(config.control)[0]):
-        exposed.append(f"control {config.control}")
+        exposed.append(f"control {config.control} (--control)")
     if not config.provider.startswith("shm") and not _loopback(config.fabric_node):
-        exposed.append(f"fabric_node {config.fabric_node or '(every interface)'}")
+        exposed.append(f"fabric_node {config.fabric_node or '(every interface)'} "
+                       f"(--fabric-node)")
     if exposed:
-        raise InvalidArgument(f"refusing to start without a cluster_token on a non-loopback "
-                              f"address ({', '.join(exposed)}): anyone who reaches it could "
-                              "write into clients' memory; set cluster_token (the same "
-                              "secret on every daemon) and/or tls_ca, tls_cert and tls_key "
-                              "(p2pxfer certs), or bind to 127.0.0.1")
+        raise ConfigError(
+            f"refusing to start without credentials on a non-loopback address "
+            f"({', '.join(exposed)}): anyone who reaches it could write into clients' "
+            "memory. Give every daemon the same secret with --token-file FILE (config: "
+            "cluster_token_file or cluster_token), and/or mutual TLS with tls_ca, tls_cert "
+            "and tls_key in the config (made by `p2pxfer certs`); or bind to 127.0.0.1 "
+            "(--control 127.0.0.1:PORT --fabric-node 127.0.0.1). docs/deploy.md walks "
+            "through two machines")
     return True
 
 
@@ -139,6 +146,7 @@ class Daemon:
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded
         self.writes = Writes(self)
+        self.ping: Ping = Ping(self)
         self._imms: ImmTable | None = None
         self.kv: KV = KV(self)
         self.follower.on_peer_lost = self.kv.peer_lost
@@ -253,10 +261,11 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     ``STOP_MEMBERSHIP_S``), cancels every task, and whatever still runs
     ``SHUTDOWN_GRACE_S`` after stopping began (a write waiting for pieces
     posted to a silent peer) is failed by closing the engine under it.
-    Refuses (``InvalidArgument``) to run open on a non-loopback address, and
+    Refuses (``ConfigError``) to run open on a non-loopback address, and
     (``ConfigError``, naming the file) to start with TLS files that are not
     right."""
     is_open = check_exposure(config)
+    apply_fabric_ports(config)
     tls = config_tls(config)  # a bad credentials file stops us before anything opens
     fd_limit = raise_fd_limit()
     engine_cfg = EngineConfig(
@@ -273,6 +282,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     daemon: Daemon | None = None
     try:
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as guard:
+            check_rail_ports(config, engine)
             try:
                 async with trio.open_nursery() as nursery:
                     daemon = Daemon(config, engine, tls)

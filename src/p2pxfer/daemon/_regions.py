@@ -38,6 +38,8 @@ LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
 #: surely written, failed and re-resolved, or gone: as long as ``_retire``
 #: holds a released range)
 INVALIDATE_RETRY_S = (0.1, 1.0)
+#: the scratch region ``ping`` writes into, exported by the daemon itself
+RESERVED = "p2pxfer.ping"
 INVALIDATE_GIVE_UP_S = 600.0
 
 
@@ -72,6 +74,8 @@ class Regions:
             raise InvalidArgument("region name must not be empty")
         if name in self._exports:
             raise NameTaken(f"a region named {name!r} is already exported on {self.node}")
+        if name == RESERVED:
+            raise NameTaken(f"the region name {name!r} is the daemon's own (p2pxfer ping)")
 
     def remove_export(self, name: str) -> None:
         """``name`` is gone: tell every peer that resolved it (in the background)."""

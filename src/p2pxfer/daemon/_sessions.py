@@ -413,8 +413,13 @@ async def _wait_imm(s: ClientSession, msg: Message) -> dict[str, Any]:
     if region is not None and region not in s.exports:
         raise UnknownRegion(f"this client exported no {region!r}: only a region's owner "
                             "waits for its immediates")
-    await s.counts.wait(region, s.daemon.imms.check_value(msg["imm"]), msg["count"])
-    return {}
+    value = s.daemon.imms.check_value(msg["imm"])
+    timeout_ms = msg.get("timeout_ms")
+    with trio.move_on_after(math.inf if timeout_ms is None else max(timeout_ms, 0) / 1000):
+        await s.counts.wait(region, value, msg["count"])
+        return {}
+    # Said here, where the count is: how far the wait got is the clue.
+    return {"timed_out": True, "arrived": s.counts.count(region, value)}
 
 
 async def _status(s: ClientSession, msg: Message) -> dict[str, Any]:
@@ -477,5 +482,7 @@ HANDLERS: dict[str, Handler] = {
     "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
     "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
     "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
+    "ping": lambda s, msg: s.daemon.ping.run(msg.get("peer", ""),
+                                             msg.get("timeout_ms", 10_000) / 1000),
 }
 check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")

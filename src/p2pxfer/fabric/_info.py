@@ -14,7 +14,8 @@ from p2pxfer.errors import ProviderNotFound
 
 from ._binding import check, ffi, fi_strerror, lib
 
-__all__ = ["DELIVERY_COMPLETE", "SUPPORTED_MR_MODE", "FabricInfo", "MrMode", "getinfo"]
+__all__ = ["DELIVERY_COMPLETE", "SUPPORTED_MR_MODE", "FabricInfo", "MrMode", "getinfo",
+           "providers_here"]
 
 # FI_DELIVERY_COMPLETE (fabric.h; not among the binding's constants): a write
 # completes at the initiator only once the target has placed it, so a write the
@@ -206,7 +207,8 @@ def getinfo(
     context = f"provider={provider!r} node={node!r} domain={domain!r}"
     if rc == -lib.FI_ENODATA:
         raise ProviderNotFound("fi_getinfo", int(rc),
-                               f"{fi_strerror(rc)}: no matching provider or interface", context)
+                               f"{fi_strerror(rc)}: no matching provider or interface; "
+                               f"{_what_is_here(provider)}", context)
     check(rc, "fi_getinfo", context)
     infos: list[FabricInfo] = []
     seen: set[tuple[str, str]] = set()
@@ -229,6 +231,48 @@ def getinfo(
     if not infos:
         raise ProviderNotFound(
             "fi_getinfo", -lib.FI_ENODATA,
-            f"{fi_strerror(lib.FI_ENODATA)}: no interface with RMA write and CQ data", context
+            f"{fi_strerror(lib.FI_ENODATA)}: no interface with RMA write and CQ data; "
+            f"{_what_is_here(provider)}", context
         )
     return infos
+
+
+def providers_here() -> list[str]:
+    """The providers of this machine's libfabric that offer RDM endpoints
+    with RMA writes and remote CQ data (what p2pxfer can use), in
+    ``fi_getinfo``'s order: the same question as :func:`getinfo` asks, with
+    no provider, node or interface named."""
+    hints = ffi.gc(lib.fi_dupinfo(ffi.NULL), lib.fi_freeinfo)
+    hints.caps = lib.FI_RMA | lib.FI_WRITE | lib.FI_REMOTE_WRITE
+    hints.mode = 0
+    hints.ep_attr.type = lib.FI_EP_RDM
+    hints.domain_attr.mr_mode = SUPPORTED_MR_MODE
+    hints.domain_attr.threading = lib.FI_THREAD_SAFE
+    out = ffi.new("struct fi_info **")
+    version = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
+    if lib.fi_getinfo(version, ffi.NULL, ffi.NULL, 0, hints, out) != 0:
+        return []
+    names: list[str] = []
+    try:
+        cur = out[0]
+        while cur != ffi.NULL:
+            name = _str(cur.fabric_attr.prov_name)
+            if name and name not in names and int(cur.domain_attr.cq_data_size) > 0:
+                names.append(name)
+            cur = cur.next
+    finally:
+        lib.fi_freeinfo(out[0])
+    return names
+
+
+def _what_is_here(asked: str) -> str:
+    """What to try instead of ``asked``: the providers this machine has."""
+    here = providers_here()
+    if not here:
+        return ("this machine's libfabric offers no provider with RMA writes and CQ data "
+                "(`fi_info -l` lists what it has)")
+    usable = ", ".join(repr(p) for p in here)
+    if asked in here:
+        return (f"{asked!r} is here but not on that address or interface (check "
+                f"fabric_node / --fabric-node and interfaces); providers here: {usable}")
+    return f"providers on this machine: {usable} (`fi_info -l` lists every one)"

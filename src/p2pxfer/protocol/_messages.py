@@ -60,7 +60,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
               "mem": (_INT, True), "offset": (_INT, True), "scatter": (_BIN, True),
               "imm": (_OPT_INT, False), "notify": (_BOOL, False)},
     "wait_imm": {"id": (_INT, True), "imm": (_INT, True), "count": (_INT, True),
-                 "region": (_STR, False)},
+                 "region": (_STR, False), "timeout_ms": (_INT, False)},
     "status": {"id": (_INT, True)},
     "peers": {"id": (_INT, True)},
     "add_peer": {"id": (_INT, True), "name": (_STR, True), "address": (_STR, True)},
@@ -89,14 +89,18 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                   "first": (_INT, False)},
     "kv_arrived": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                    "layer": (_INT, True)},
+    # -- ping: the check that two daemons work together (client and peer) ---------
+    "ping": {"id": (_INT, True), "peer": (_STR, False), "timeout_ms": (_INT, False),
+             "offset": (_INT, False), "length": (_INT, False)},
 }
 
 CLIENT_REQUESTS = frozenset(
     {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
-     "add_peer", "watch", "locate", "cancel", "kv_pool", "kv_push", "kv_wait", "kv_forget"}
+     "add_peer", "watch", "locate", "cancel", "kv_pool", "kv_push", "kv_wait", "kv_forget",
+     "ping"}
 )
 PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers", "kv_begin",
-                           "kv_expect", "kv_arrived"})
+                           "kv_expect", "kv_arrived", "ping"})
 
 
 class Message:
