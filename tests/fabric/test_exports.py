@@ -191,7 +191,7 @@ async def test_a_forged_descriptor_for_a_source_registration_writes_nothing(
         a.register(src)
         b.register(victim, writable=True)
         (shard,) = b.shards
-        region = shard.lookup(buffer_span(victim))
+        region = shard.memory.lookup(buffer_span(victim))
         assert region is not None
         real = b.export(np.zeros(4 * KIB, np.uint8), "decoy")
         rails = tuple(RailDescriptor(r.provider, r.address, mr.key, mr.base)

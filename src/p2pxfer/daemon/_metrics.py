@@ -141,7 +141,7 @@ class DaemonMetrics(Collector):
         entries = GaugeMetricFamily("p2pxfer_registration_cache_entries",
                                     "Registrations held", labels=["shard"])
         for shard in d.engine.shards:
-            cs = shard.registrations()
+            cs = shard.memory.registrations()
             for key, family in counters.items():
                 family.add_metric([str(shard.index)], getattr(cs, key))
             entries.add_metric([str(shard.index)], cs.entries)

@@ -24,7 +24,7 @@ def rails(engine: Engine) -> list[dict[str, Any]]:
     """One entry per rail: shard, NIC, provider, endpoint address, NUMA node."""
     out = []
     for shard in engine.shards:
-        for rail in shard.rails:
+        for rail in shard.memory.rails:
             out.append({"shard": shard.index, "nic": rail.name, "provider": rail.provider,
                         "address": rail.av.straddr(rail.address),
                         "numa_node": shard.topo.numa_node})
@@ -36,7 +36,7 @@ def slow_paths(engine: Engine, provider: str, sysfs_root: str = "/sys") -> list[
     as a ``daemon.slow_path`` warning (call once, at startup)."""
     notes: list[str] = []
     for shard in engine.shards:
-        for rail in shard.rails:
+        for rail in shard.memory.rails:
             if is_loopback(rail.name, sysfs_root):
                 notes.append(f"rail {rail.name} is a loopback interface: its writes never "
                              f"leave this host (set interfaces or fabric_node for real NICs)")

@@ -170,7 +170,7 @@ class Ping:
 
 
 def _straddr(d: Daemon, address: bytes) -> str:
-    return _plain(d.engine.shards[0].rails[0].av.straddr(address))
+    return _plain(d.engine.shards[0].memory.rails[0].av.straddr(address))
 
 
 def _plain(text: str) -> str:

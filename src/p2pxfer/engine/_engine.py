@@ -82,12 +82,12 @@ class Engine:
             # touched since): keep it there rather than register it twice.
             span = buffer_span(obj)
             for shard in self.shards:
-                if shard.lookup(span) is not None:
-                    shard.register(obj, writable=writable)  # counts the hit, checks writable
+                if shard.memory.lookup(span) is not None:
+                    shard.memory.register(obj, writable=writable)  # counts the hit, checks writable
                     return
         shard = self._home(obj, numa_node)
-        region = shard.register(obj, writable=writable)
-        region.numa_node = shard.numa_node
+        region = shard.memory.register(obj, writable=writable)
+        region.numa_node = shard.memory.numa_node
 
     def _home(self, obj: Any, numa_node: int | None) -> Shard:
         """The shard that registers ``obj`` as a source (see :meth:`register`)."""
@@ -98,9 +98,9 @@ class Engine:
             raise InvalidArgument(f"numa_node must be an integer, got {numa_node!r}")
         node = numa_node if numa_node is not None else numa_node_of(buffer_span(obj).address)
         for shard in self.shards:
-            if shard.numa_node == node:
+            if shard.memory.numa_node == node:
                 return shard
-        return min(self.shards, key=lambda s: s.registrations().nbytes)
+        return min(self.shards, key=lambda s: s.memory.registrations().nbytes)
 
     def export(self, obj: Any, name: str, *, numa_node: int | None = None) -> RegionDescriptor:
         """Register exactly ``obj``'s span for remote writes on every NIC of
@@ -119,13 +119,13 @@ class Engine:
         done: list[Shard] = []
         try:
             for shard in self.shards:
-                d = shard.export(obj, name, local=shard is home)
+                d = shard.memory.export(obj, name, local=shard is home)
                 done.append(shard)
                 rails.extend(d.rails)
                 length = d.length
         except BaseException:
             for shard in done:
-                shard.unexport(name)
+                shard.memory.unexport(name)
             raise
         self._exports[name] = obj
         log.info("region.exported", region=name, nbytes=length, rails=len(rails))
@@ -140,7 +140,7 @@ class Engine:
         if obj is None:
             raise InvalidArgument(f"no region named {name!r} is exported")
         for shard in self.shards:
-            shard.unexport(name)
+            shard.memory.unexport(name)
         log.info("region.unexported", region=name)
 
     def deregister(self, obj: Any) -> None:
@@ -148,7 +148,7 @@ class Engine:
         exported, nor the source of a write in flight)."""
         self._check_open()
         for shard in self.shards:
-            shard.deregister(obj)
+            shard.memory.deregister(obj)
 
     def exported(self) -> dict[str, int]:
         """Exported region names and their sizes."""
@@ -160,7 +160,7 @@ class Engine:
     def imm_bits(self) -> int:
         """How wide an immediate may be: the narrowest any rail carries (EFA and
         verbs carry 32 bits, tcp and shm 64), or ``EngineConfig.imm_bytes``."""
-        bits = min(s.imm_bits for s in self.shards)
+        bits = min(s.memory.imm_bits for s in self.shards)
         return min(bits, 8 * self.config.imm_bytes) if self.config.imm_bytes else bits
 
     def _check_imm_cap(self, imm: object) -> None:
@@ -193,12 +193,12 @@ class Engine:
         if len(self.shards) == 1:
             return self.shards[0], src
         if isinstance(src, LocalRegion):
-            owner = next((s for s in self.shards if s.owns(src)), None)
+            owner = next((s for s in self.shards if s.memory.owns(src)), None)
             if owner is None:
                 raise UnregisteredMemory(f"{src!r} was not registered by this engine")
             return owner, src
         span = buffer_span(src)
-        found = [(s, r) for s in self.shards if (r := s.lookup(span)) is not None]
+        found = [(s, r) for s in self.shards if (r := s.memory.lookup(span)) is not None]
         if not found:
             raise UnregisteredMemory(f"{span.nbytes} bytes at {span.address:#x} are not "
                                      "registered: register the buffer first")
@@ -362,7 +362,7 @@ class Engine:
         self._check_open()
         limit = math.inf if timeout is None else self._deadline(timeout) - trio.current_time()
         for shard in self.shards:
-            shard.check_imm(imm)
+            shard.memory.check_imm(imm)
         self._check_imm_cap(imm)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
@@ -390,7 +390,7 @@ class Engine:
                            sum(s.completed for s in self.shards),
                            sum(s.failed for s in self.shards),
                            sum(s.cancelled for s in self.shards),
-                           tuple(s.registrations() for s in self.shards),
+                           tuple(s.memory.registrations() for s in self.shards),
                            sum(s.read_inline for s in self.shards),
                            sum(s.read_by_poller for s in self.shards),
                            self._arrivals.awaited,

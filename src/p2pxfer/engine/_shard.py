@@ -1,23 +1,18 @@
 """One shard: the rails of one NUMA node, and the poller thread that drives them.
 
-The poller thread owns this shard's CQs (pplx-garden's worker model): trio
-hands it prepared transfers through a deque plus an eventfd wake-up, and it
-hands finished transfers and immediate counts back through deques plus one
-coalesced ``TrioToken.run_sync_soon(..., idempotent=True)`` per drained batch.
-Two shortcuts for small writes, both because a thread hop into trio costs
-~100 us on small VMs: the trio thread posts them itself (endpoints are
-FI_THREAD_SAFE), and polls the CQs for a few microseconds with a poller of its
-own; whichever thread reads a completion absorbs it under ``_lock``.
-Operation contexts are integers (transfer id, cursor index); no Python object
-crosses into C. The shard's other parts, each a module of its own: the
-poller thread's loop (``_poller_loop.py``), the express path for small writes
-on a quiet shard (``_express.py``), failover and notify-mode notifications
-(``_failover.py``).
-
-The shard and those parts are the only code that posts writes and counts
-completions (ours and the immediates peers' writes carry); ``Engine`` asks
-the shard, never its rails, cache or poller. What must not live here: validation (done by
-``RailGroup.prepare``, in the trio thread) and any Python loop over pieces.
+The poller thread drives this shard's CQs (pplx-garden's worker model): trio
+hands it prepared transfers through ``_inbox`` plus an eventfd wake-up; it
+hands finished transfers and immediates back through deques plus one
+coalesced ``run_sync_soon(..., idempotent=True)`` per drained batch. A thread
+hop into trio costs ~100 us on small VMs, so the trio thread posts small
+writes itself (endpoints are FI_THREAD_SAFE) and polls for them a moment
+with a poller of its own. Who may touch what is ``_owner.py``'s, checked.
+Operation contexts are integers (transfer id, cursor index). The shard's
+parts: the poller's loop (``_poller_loop.py``), the express path
+(``_express.py``), failover and notifications (``_failover.py``), its
+memory (``_shard_memory.py``). With them, the only code that posts writes
+and counts completions. What must not live here: validation
+(``RailGroup.prepare``) and any Python loop over pieces.
 """
 
 from __future__ import annotations
@@ -61,11 +56,10 @@ DIRECT_POST_MAX = 64  # writes of at most this many pieces: posted from the trio
 IMM_BACKLOG = 64  # batches of immediates nobody waits for, held before a delivery
 
 
-class Shard(ShardMemory):
-    """Rails of one NUMA node driven by one pinned poller thread. Owns the
-    rails (through a ``RailGroup``, with their registration cache: its
-    memory side is ``ShardMemory``'s), the poller thread's ``Poller`` and the
-    trio thread's inline one."""
+class Shard:
+    """Rails of one NUMA node driven by one pinned poller thread. Owns the rails
+    (a ``RailGroup``; the engine registers and exports through ``memory``),
+    the poller thread's ``Poller`` and the trio thread's inline one."""
 
     def __init__(self, index: int, topo: ShardTopology, rails: list[Rail], *,
                  token: trio.lowlevel.TrioToken, deliver_imms: Any,
@@ -74,8 +68,9 @@ class Shard(ShardMemory):
                  backoff_max_ns: int, peer_pieces: int = 512, rail_stall_s: float = 1.5,
                  rail_retry_s: float = 3.0, rail_retry_max_s: float = 60.0) -> None:
         self.index = index
-        super().__init__(RailGroup(rails, cache_entries=cache_entries,
-                                   numa_node=topo.numa_node), topo)
+        self.topo = topo
+        self._group = RailGroup(rails, cache_entries=cache_entries, numa_node=topo.numa_node)
+        self.memory = ShardMemory(self._group, topo)
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
             self._poller = Poller(rails, wake_fd=self.wake_fd, backoff_max_ns=backoff_max_ns)
@@ -166,12 +161,11 @@ class Shard(ShardMemory):
         return TransferState(w, dry_run, w.pieces)
 
     def submit(self, tr: TransferState, *, inline: bool = False) -> None:
-        """Post a small write right now, from this (trio) thread: it saves a
-        thread hop. The poller posts long lists and whatever the TX queue refused.
-        The endpoint is FI_THREAD_SAFE. With ``inline``, the caller polls for
-        the completion next (:meth:`poll_inline`, which must follow whenever
-        ``tr.direct``): the poller thread is told to keep off the CQs until
-        then. Raises only before anything is posted, with the hold released."""
+        """Post a small write now, from this (trio) thread, saving a thread
+        hop; the poller posts long lists and what the TX queue refused. With
+        ``inline``, :meth:`poll_inline` must follow whenever ``tr.direct``:
+        the poller keeps off the CQs until then. Raises only before anything
+        is posted, with the hold released."""
         try:
             self._submit(tr, inline)
         except BaseException:
@@ -187,9 +181,7 @@ class Shard(ShardMemory):
         self.in_flight += 1
         n = len(tr.w.batch.rails)
         tr.seen, tr.cdone = [0] * n, [0] * n
-        # Registered before the first post, so no completion can miss it;
-        # under the lock, which the poller thread holds while it walks the
-        # in-flight table and the notification order.
+        # Registered before the first post, so no completion can miss it.
         with self._lock:
             self._inflight[tr.w.tid] = tr
             if tr.w.notify_imm is not None and not tr.dry_run:
@@ -209,9 +201,8 @@ class Shard(ShardMemory):
                 if tr.w.batch.window(self._queues.room(tr)):
                     tr.w.batch.post_once()
                     self._queues.note_posted(tr)
-                    # Pieces are left when the TX queue pushed back *or* the
-                    # peer's bound held the cursor short of its end: either
-                    # way the poller must post the rest.
+                    # Left: the TX queue pushed back, or the peer's bound held
+                    # the cursor short. Either way the poller posts the rest.
                     left = not tr.w.batch.posted
                     if tr.w.notify_imm is not None and not left:
                         self._finish_if_done(tr)  # its notification may go right behind
@@ -317,11 +308,9 @@ class Shard(ShardMemory):
             self._poller.hold(False)
 
     def _flush(self) -> None:
-        # Immediates nobody waits for yet stay here (up to IMM_BACKLOG
-        # batches) until someone asks (``pull_imms``): a target in a writer's
-        # loop woke its trio thread for every arrival: a third busy thread on
-        # two cores, beside the writer and this poller. Finished transfers
-        # always go at once.
+        # Immediates nobody waits for stay here (up to IMM_BACKLOG batches)
+        # until asked (``pull_imms``): waking trio for every arrival makes a
+        # third busy thread on two cores. Finished transfers go at once.
         if self._finished or (self._imm_batches and (len(self._imm_batches) >= IMM_BACKLOG
                                               or self._imms_wanted())):
             self._token.run_sync_soon(self._deliver, idempotent=True)
@@ -336,9 +325,7 @@ class Shard(ShardMemory):
         transfers; ``inflight`` adds what undelivered ones posted so far;
         ``pairs`` says how each (rail, peer rail) pair is doing."""
         posting = [0] * len(self._group.rails)
-        # A consistent snapshot: the poller thread adds to and removes from
-        # both tables (and the health table) under the lock.
-        with self._lock:
+        with self._lock:  # a consistent snapshot of what the poller changes
             for tr in list(self._inflight.values()) + list(self._finished):
                 for r, pieces, _ in tr.w.batch.progress():
                     posting[r] += pieces

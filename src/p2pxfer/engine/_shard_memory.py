@@ -1,5 +1,5 @@
 """The memory side of a shard: its rails' registrations and exports, through
-its ``RailGroup``, for the engine (trio thread). ``Shard`` inherits it.
+its ``RailGroup``, for the engine (trio thread): ``Shard.memory``.
 
 What must not live here: transfers, posting or polling (``_shard.py``).
 """
