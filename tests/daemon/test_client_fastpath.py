@@ -150,80 +150,68 @@ def test_trio_leader_cancelled_while_reading(daemon: DaemonProc) -> None:
     trio.run(main)
 
 
-def test_sync_client_blocking_fast_path(daemon: DaemonProc,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Idle: requests answered in turn skip the portal. With a portal call in
-    flight (another thread's wait) they take the portal; both stay right."""
+def test_sync_client_needs_no_thread_and_threads_take_turns(daemon: DaemonProc) -> None:
+    """A ``SyncClient`` is a blocking socket: making and using one starts no
+    thread and no event loop. Threads sharing one take turns: a call made
+    while another thread waits runs once that wait ends, and both are right."""
+    before = threading.active_count()
     with p2pxfer.SyncClient(daemon.socket) as client:
-        portal_calls: list[Any] = []
-        real_call = client._portal.call
-
-        def counting(fn: Any, *args: Any) -> Any:
-            portal_calls.append(fn)
-            return real_call(fn, *args)
-
-        monkeypatch.setattr(client._portal, "call", counting)
         for _ in range(20):
             assert client.peers() == []
             assert client.status()["node"] == "node-a"
-        mem = client.alloc(4096, "sync-fast")  # descriptors: portal
-        desc = client.export("sync-fast", mem)
-        assert desc.length == 4096
-        assert len(portal_calls) == 1
+        mem = client.alloc(4096, "sync-fast")  # passes a descriptor
+        assert client.export("sync-fast", mem).length == 4096
+        assert threading.active_count() == before
 
         errors: list[BaseException] = []
+        started = threading.Event()
 
         def waiter() -> None:
             try:
-                with pytest.raises(WaitTimeout):
+                started.set()
+                with pytest.raises(WaitTimeout, match="0 of 1 arrivals"):
                     client.wait_imm(5, 1, timeout=0.5)
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
         t = threading.Thread(target=waiter)
         t.start()
+        started.wait()
         while t.is_alive():
             assert client.peers() == []
             assert client.lookup("node-b") is None
         t.join()
         assert not errors, errors
-        assert len(portal_calls) > 2  # the wait, and calls made while it ran
         client.unexport("sync-fast")
         client.free(mem)
         assert client.peers() == []
 
 
-def test_sync_client_interrupted_blocking_call(daemon: DaemonProc,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_client_interrupted_call_is_cancelled_first(daemon: DaemonProc,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A blocking call interrupted while it waits for its reply (Ctrl-C):
-    the reply, when it comes, is dropped; later calls get their own."""
+    the daemon is told and has stopped serving it when ``KeyboardInterrupt``
+    comes out (a wait no longer counts: the arrival after it is the next
+    wait's); later calls get their own replies."""
     with p2pxfer.SyncClient(daemon.socket) as client:
-        conv = client._client
-        real_poll = select.poll
+        conv = client._c
+        real_select = select.select
+        calls = {"n": 0}
 
-        class Interrupting:
-            def __init__(self) -> None:
-                self.inner = real_poll()
-
-            def register(self, *args: Any) -> None:
-                self.inner.register(*args)
-
-            def unregister(self, *args: Any) -> None:
-                self.inner.unregister(*args)
-
-            def poll(self, *args: Any) -> Any:
+        def interrupting(*args: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
                 raise KeyboardInterrupt
+            return real_select(*args)
 
-        monkeypatch.setattr(conv, "_recv_nowait", lambda: False)
-        monkeypatch.setattr(select, "poll", Interrupting)
+        monkeypatch.setattr(select, "select", interrupting)
         with pytest.raises(KeyboardInterrupt):
-            client.status()
+            client.wait_imm(9, 1, timeout=30)
         monkeypatch.undo()
-        assert len(conv._pending) == 1  # the orphan, its reply still to come
+        assert conv._closed is None  # cancelled cleanly, the conversation stands
         for _ in range(5):
             assert client.peers() == []
             assert client.status()["node"] == "node-a"
-        assert not conv._pending
 
 
 def test_a_pipelining_client_lets_the_daemon_breathe(monkeypatch: pytest.MonkeyPatch) -> None:

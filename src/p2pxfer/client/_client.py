@@ -196,10 +196,7 @@ class Client(Conversation):
                                      timeout_ms=max(0, round(timeout * 1000)),
                                      timeout=timeout + WAIT_MARGIN_S, **fields)
         if result.get("timed_out"):
-            where = f"on region {region!r}" if region is not None else \
-                "on this client's regions"
-            raise WaitTimeout(f"{result.get('arrived', 0)} of {count} arrivals for imm {imm} "
-                              f"{where} within {timeout:g} s")
+            raise wait_timed_out(result, imm, count, region, timeout)
 
     async def ping(self, peer: str, *, timeout: float = 10.0) -> dict[str, Any]:
         """Check the way to ``peer`` through this daemon, step by step: a
@@ -274,6 +271,14 @@ class Client(Conversation):
         for mem in self._mems:
             mem.close()
         self._mems.clear()
+
+
+def wait_timed_out(result: dict[str, Any], imm: int, count: int, region: str | None,
+                   timeout: float) -> WaitTimeout:
+    """A ``wait_imm`` the daemon ended at its deadline, saying how many came."""
+    where = f"on region {region!r}" if region is not None else "on this client's regions"
+    return WaitTimeout(f"{result.get('arrived', 0)} of {count} arrivals for imm {imm} "
+                       f"{where} within {timeout:g} s")
 
 
 def unreachable(path: str, exc: OSError) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2pxfer.buffers import RegionDescriptor
-from p2pxfer.errors import InvalidArgument, TransferError, WaitTimeout
+from p2pxfer.errors import InvalidArgument, TransferError, UsageError, WaitTimeout
 from p2pxfer.kv_plan import KVLayout
 
 if TYPE_CHECKING:
@@ -76,18 +76,23 @@ class KVPush:
             if r.get("cancelled"):
                 raise TransferError(f"push of request {self.request} was cancelled (an "
                                     "earlier wait on it was cancelled or timed out)")
-            self._result = KVPushResult(self.request, _i64(r["layers"]), _i64(r["pieces"]),
-                                        int(r["nbytes"]), float(r["seconds"]),
-                                        float(r["first_layer_s"]))
+            self._result = push_result(self.request, r)
         return self._result
+
+
+def push_result(request: int, r: dict[str, Any]) -> KVPushResult:
+    """A ``kv_push`` reply's result as a ``KVPushResult``."""
+    return KVPushResult(request, _i64(r["layers"]), _i64(r["pieces"]), int(r["nbytes"]),
+                        float(r["seconds"]), float(r["first_layer_s"]))
 
 
 class KVPool:
     """A paged KV pool in memory shared with the daemon (``Client.kv_pool``).
     ``array`` is the whole pool; :meth:`block` a view of one block."""
 
-    def __init__(self, client: Client, name: str, layout: KVLayout, mem: SharedMemory,
+    def __init__(self, client: Client | None, name: str, layout: KVLayout, mem: SharedMemory,
                  descriptor: RegionDescriptor | None) -> None:
+        #: None for a ``SyncClient``'s pool: wait through ``SyncClient.wait_layers``
         self._client = client
         self.name = name
         self.layout = layout
@@ -117,13 +122,23 @@ class KVPool:
         fields: dict[str, Any] = {}
         if timeout is not None:
             fields["timeout_ms"] = max(0, int(timeout * 1000))
-        r = await self._client._request("kv_wait", pool=self.name, request=request,
-                                        first=first, upto=upto, **fields)
-        done = int(r["done"])
+        r = await self._async_client()._request("kv_wait", pool=self.name, request=request,
+                                                first=first, upto=upto, **fields)
+        return self.check_done(request, int(r["done"]), upto, timeout)
+
+    def check_done(self, request: int, done: int, upto: int, timeout: float | None) -> int:
+        """A ``kv_wait`` answered ``done`` (the first layer not landed yet):
+        ``WaitTimeout`` if layer ``upto`` is not among those landed."""
         if done <= upto:
             raise WaitTimeout(f"request {request}: layer {done} of {self.name!r} had not "
                               f"landed in time ({'deadline' if timeout is None else timeout})")
         return done
+
+    def _async_client(self) -> Client:
+        if self._client is None:
+            raise UsageError(f"pool {self.name!r} belongs to a SyncClient: wait on it with "
+                             "SyncClient.wait_layers")
+        return self._client
 
     async def layers(self, request: int, *, first: int = 0, upto: int | None = None,
                      timeout: float | None = None) -> AsyncIterator[int]:
@@ -142,7 +157,7 @@ class KVPool:
     async def forget(self, request: int) -> None:
         """Drop the daemon's bookkeeping of ``request`` (its id may then be
         pushed again); waits on it end with ``UnknownRegion``."""
-        await self._client._request("kv_forget", pool=self.name, request=request)
+        await self._async_client()._request("kv_forget", pool=self.name, request=request)
 
 
 async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,

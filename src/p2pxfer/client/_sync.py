@@ -1,31 +1,30 @@
-"""``SyncClient``: the client for synchronous callers, on an event loop of its
-own in a background thread (anyio's blocking portal).
+"""``SyncClient``: the client for synchronous callers, on a blocking socket
+of its own (``_blocking.py``): no event loop, no thread behind it, each call
+a request the calling thread sends and reads the reply to. One call at a
+time per client; threads that share one queue behind each other.
 
-Requests the daemon answers in turn (``status``, ``peers``, ``export``...)
-skip the portal when nothing else is in flight: the calling thread sends the
-request and blocks on the socket for its reply itself
-(``Conversation.request_blocking``), which saves the two thread hand-offs a
-portal call costs (most of a no-op round trip). Anything that waits, passes
-descriptors or may be cancelled goes through the portal as before."""
+What must not live here: the conversation itself (``_blocking.py``) or the
+async API (``_client.py``); the two speak the same requests.
+"""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Self
 
 import sniffio
-from anyio.from_thread import start_blocking_portal
 
-from p2pxfer.buffers import RegionDescriptor
-from p2pxfer.errors import ConnectionLost, UsageError
+from p2pxfer.buffers import RegionDescriptor, SharedBuffer
+from p2pxfer.errors import ConnectionLost, InvalidArgument, TransferError, UsageError, WaitTimeout
 from p2pxfer.kv_plan import KVLayout
+from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
 
-from ._client import Client, SharedMemory, connect
-from ._kv import KVPool, KVPushResult
+from ._blocking import BlockingConversation
+from ._client import WAIT_MARGIN_S, SharedMemory, wait_timed_out
+from ._kv import KVPool, KVPushResult, blocks_bin, push_result
 
 RETRY_S = 0.1  # call_daemon: between tries on a daemon still starting
 
@@ -35,150 +34,160 @@ __all__ = ["SyncClient", "call_daemon"]
 class SyncClient:
     """Blocking twin of :class:`Client`; close it (or use ``with``)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, max_frame: int = 16 << 20) -> None:
         try:
             library = sniffio.current_async_library()
         except sniffio.AsyncLibraryNotFoundError:
             library = ""
         if library:
-            # Its blocking calls would wait for a portal thread while holding
-            # this thread's event loop: every call would hang.
+            # Its calls block the thread they run on: here, that loop.
             raise UsageError(
                 f"SyncClient cannot be made inside a running {library} event loop: its calls "
                 "block that loop; use `async with p2pxfer.client.connect(path)` there, or "
                 "make the SyncClient in a worker thread (e.g. trio.to_thread.run_sync)")
-        # Who may use the socket: portal calls in flight (counted until their
-        # coroutine ends) or one blocking call (``_blocking``), never both.
-        self._turn = threading.Condition()
-        self._in_flight = 0
-        self._blocking = False
-        self._portal_cm = start_blocking_portal("trio")
-        self._portal = self._portal_cm.__enter__()
-        try:
-            self._client_cm = self._portal.wrap_async_context_manager(connect(path))
-            self._client: Client = self._client_cm.__enter__()
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
+        self._c = BlockingConversation(path, max_frame)
+        self._mems: list[SharedMemory] = []
 
-    def _call(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        """``fn(*args, **kw)`` on the portal's loop. Counted in flight until
-        the coroutine itself ends there (not when this thread stops waiting,
-        e.g. on KeyboardInterrupt): only then may a blocking call use the
-        socket again."""
-        with self._turn:
-            while self._blocking:
-                self._turn.wait()
-            self._in_flight += 1
-
-        async def run() -> Any:
-            try:
-                return await fn(*args, **kw)
-            finally:
-                with self._turn:
-                    self._in_flight -= 1
-                    self._turn.notify_all()
-
-        # Should ``run`` never start (the portal is closed), the count stays
-        # up: blocking calls then stay off the socket, which is closed anyway.
-        return self._portal.call(run)
-
-    def _request(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """A request the daemon answers in turn: in this thread when nothing
-        else is in flight (the module docstring), else through the portal."""
-        with self._turn:
-            while self._blocking:
-                self._turn.wait()
-            fast = not self._in_flight and self._client.idle()
-            if fast:
-                self._blocking = True
-        if not fast:
-            return self._call(self._client._request, kind, **fields)  # type: ignore[no-any-return]
-        try:
-            return self._client.request_blocking(kind, **fields)
-        finally:
-            with self._turn:
-                self._blocking = False
-                self._turn.notify_all()
+    @property
+    def node(self) -> str:
+        return self._c.node
 
     def alloc(self, nbytes: int, name: str = "p2pxfer") -> SharedMemory:
-        return self._call(self._client.alloc, nbytes, name)  # type: ignore[no-any-return]
+        """Shared memory of ``nbytes``, mapped here and registered by the daemon."""
+        buf = SharedBuffer(nbytes, name)
+        try:
+            result = self._c.request("share", [buf.fd], size=nbytes, name=name)
+        except BaseException:
+            buf.close()
+            raise
+        mem = SharedMemory(buf, int(result["mem"]))
+        self._mems.append(mem)
+        return mem
 
     def export(self, name: str, mem: SharedMemory, offset: int = 0,
                length: int | None = None, *,
                writers: Iterable[int] | None = None) -> RegionDescriptor:
         length = mem.nbytes - offset if length is None else length
         fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
-        result = self._request("export", name=name, mem=mem.mem_id, offset=offset,
-                               length=length, **fields)
+        result = self._c.request("export", name=name, mem=mem.mem_id, offset=offset,
+                                 length=length, **fields)
         return RegionDescriptor.from_wire(result["descriptor"])
 
     def free(self, mem: SharedMemory) -> None:
-        self._request("unshare", mem=mem.mem_id)
-        self._client._forget(mem)
+        self._c.request("unshare", mem=mem.mem_id)
+        if mem in self._mems:
+            self._mems.remove(mem)
+        mem.close()
 
     def unexport(self, name: str) -> None:
-        self._request("unexport", name=name)
+        self._c.request("unexport", name=name)
 
     def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
               src_offset: int = 0, imm: int | None = None, notify: bool = False,
               timeout: float | None = None) -> int:
-        """See :meth:`Client.write` (``timeout`` included)."""
-        return int(self._call(self._client.write, peer, region, scatter, src=src,
-                              src_offset=src_offset, imm=imm, notify=notify, timeout=timeout))
+        """See :meth:`Client.write` (``timeout`` included: the write is
+        cancelled, the daemon has stopped reading ``src`` when this raises)."""
+        if not isinstance(scatter, ScatterList):
+            raise InvalidArgument(f"scatter must be a ScatterList, got {type(scatter).__name__}")
+        if timeout is not None and (not isinstance(timeout, (int, float))
+                                    or isinstance(timeout, bool) or not timeout > 0):
+            raise InvalidArgument(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        extra: dict[str, Any] = {"notify": True} if notify else {}
+        try:
+            result = self._c.request(
+                "write", peer=peer, region=region, mem=src.mem_id, offset=src_offset,
+                scatter=pack_scatter(scatter.src, scatter.dst, scatter.length), imm=imm,
+                timeout=timeout, **extra)
+        except WaitTimeout:
+            raise WaitTimeout(f"write to {region!r} on {peer!r} did not finish within "
+                              f"{timeout:g} s") from None
+        return int(result["pieces"])
 
     def wait_imm(self, imm: int, count: int, *, region: str | None = None,
                  timeout: float | None = None) -> None:
-        self._call(self._client.wait_imm, imm, count, region=region, timeout=timeout)
+        """See :meth:`Client.wait_imm`."""
+        fields: dict[str, Any] = {"region": region} if region is not None else {}
+        if timeout is None:
+            self._c.request("wait_imm", imm=imm, count=count, **fields)
+            return
+        # The daemon keeps the deadline, so it can say how many arrived; ours
+        # is the backstop for a daemon that does not answer at all.
+        result = self._c.request("wait_imm", imm=imm, count=count,
+                                 timeout_ms=max(0, round(timeout * 1000)),
+                                 timeout=timeout + WAIT_MARGIN_S, **fields)
+        if result.get("timed_out"):
+            raise wait_timed_out(result, imm, count, region, timeout)
 
     def ping(self, peer: str, *, timeout: float = 10.0) -> dict[str, Any]:
         """See :meth:`Client.ping`."""
-        return self._call(self._client.ping, peer,  # type: ignore[no-any-return]
-                          timeout=timeout)
+        return self._c.request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)))
 
     def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
                 writers: Iterable[int] | None = None) -> KVPool:
-        return self._call(self._client.kv_pool, name, layout,  # type: ignore[no-any-return]
-                          receive=receive, writers=writers)
+        """See :meth:`Client.kv_pool`; wait on it with :meth:`wait_layers`."""
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+        mem = self.alloc(layout.nbytes, name)
+        try:
+            fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
+            r = self._c.request("kv_pool", name=name, mem=mem.mem_id, layout=layout.to_wire(),
+                                receive=receive, **fields)
+        except BaseException:
+            self.free(mem)
+            raise
+        desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None
+        return KVPool(None, name, layout, mem, desc)
 
     def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any, dst_blocks: Any, *,
                 request: int, layers: Iterable[int] | None = None,
                 deadline: float = 30.0) -> KVPushResult:
         """Push and wait for it (the async ``kv_push`` + ``wait``)."""
-        async def run() -> KVPushResult:
-            push = await self._client.kv_push(peer, pool, src, src_blocks, dst_blocks,
-                                              request=request, layers=layers,
-                                              deadline=deadline)
-            return await push.wait()
-        return self._call(run)  # type: ignore[no-any-return]
+        if not isinstance(src, KVPool):
+            raise InvalidArgument(f"src must be a KVPool, got {type(src).__name__}")
+        if deadline <= 0:
+            raise InvalidArgument(f"deadline must be > 0 seconds, got {deadline}")
+        fields: dict[str, Any] = {}
+        if layers is not None:
+            fields["layers"] = blocks_bin("layers", list(layers))
+        r = self._c.request(
+            "kv_push", peer=peer, pool=pool, src=src.name,
+            src_blocks=blocks_bin("src_blocks", src_blocks),
+            dst_blocks=blocks_bin("dst_blocks", dst_blocks), request=request,
+            deadline_ms=max(1, int(deadline * 1000)), **fields)
+        if r.get("cancelled"):
+            raise TransferError(f"push of request {request} was cancelled")
+        return push_result(request, r)
 
     def wait_layers(self, pool: KVPool, request: int, upto_layer: int, *, first: int = 0,
                     timeout: float | None = None) -> None:
-        self._call(pool.wait_layers, request, upto_layer, first=first, timeout=timeout)
+        """See :meth:`KVPool.wait_layers`."""
+        fields: dict[str, Any] = {}
+        if timeout is not None:
+            fields["timeout_ms"] = max(0, int(timeout * 1000))
+        r = self._c.request("kv_wait", pool=pool.name, request=request, first=first,
+                            upto=upto_layer, **fields)
+        pool.check_done(request, int(r["done"]), upto_layer, timeout)
 
     def status(self) -> dict[str, Any]:
-        return self._request("status")
+        return self._c.request("status")
 
     def peers(self) -> list[dict[str, Any]]:
-        return list(self._request("peers")["peers"])
+        return list(self._c.request("peers")["peers"])
 
     def lookup(self, name: str) -> dict[str, Any] | None:
         return next((p for p in self.peers() if p["name"] == name), None)
 
     def locate(self, region: str) -> list[str]:
-        return list(self._call(self._client.locate, region))
+        return [str(n) for n in self._c.request("locate", region=region)["nodes"]]
 
     def add_peer(self, name: str, address: str) -> None:
-        self._request("add_peer", name=name, address=address)
+        self._c.request("add_peer", name=name, address=address)
 
     def close(self) -> None:
-        with self._turn:
-            while self._blocking:
-                self._turn.wait()
-        try:
-            self._client_cm.__exit__(None, None, None)
-        finally:
-            self._portal_cm.__exit__(None, None, None)
+        self._c.close()
+        for mem in self._mems:
+            mem.close()
+        self._mems.clear()
 
     def __enter__(self) -> Self:
         return self

@@ -12,16 +12,14 @@ those rounds were most of a no-op round trip (see docs/architecture.md).
 
 The socket is used directly (non-blocking ``send`` and ``recv``, parking only
 when the kernel says "not now"); anyio's stream only for what must wait or
-pass descriptors. ``request_blocking`` is the same conversation driven from
-a foreign thread for ``SyncClient``, only while nothing else uses it. What
-must not live here: the API (``_client``).
+pass descriptors. What must not live here: the API (``_client``), or the
+blocking client's conversation (``_blocking.py``, a socket of its own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import select
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -369,59 +367,6 @@ class Conversation:
             self._pending.pop(c.rid, None)
             return
         await self._await_reply(c)
-
-    # -- from a foreign thread (SyncClient) -----------------------------------------
-
-    def idle(self) -> bool:
-        """Nothing in flight and nobody reading: ``request_blocking`` may run."""
-        return self._closed is None and not self._pending and self._leader is None
-
-    def request_blocking(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """One request and its reply, in the calling thread, blocking on the
-        socket: only while ``idle()`` and nothing else can start a request
-        (``SyncClient`` makes sure), for requests the daemon answers in turn
-        (nothing to cancel). Interrupted (KeyboardInterrupt) after the frame
-        went out: its reply is dropped when it comes; in the middle of the
-        frame: the conversation is over (``ConnectionLost`` from then on)."""
-        if self._closed is not None:
-            raise ConnectionLost(f"connection to the daemon is closed ({self._closed})")
-        conn, raw = self._pump.conn, self._raw
-        p = _Pending(kind, conn.next_id())
-        data = memoryview(conn.send(kind, None, id=p.rid, **fields))
-        self._pending[p.rid] = p
-        poller = select.poll()
-        try:
-            while data:
-                try:
-                    data = data[raw.send(data):]
-                except BlockingIOError:
-                    poller.register(raw, select.POLLOUT)
-                    poller.poll()
-                    poller.unregister(raw)
-            poller.register(raw, select.POLLIN)
-            while p.reply is None:
-                msg = self._take()
-                if msg is not None:
-                    self._deliver(msg)
-                else:  # the daemon needs a while: wait before trying to read
-                    poller.poll()
-                    self._recv_nowait()
-        except OSError as exc:
-            self._closed = ConnectionLost(f"the daemon at {self._path} is gone: {exc}")
-            raise self._closed from exc
-        except ProtocolError as exc:
-            self._closed = ConnectionLost(f"protocol error from the daemon: {exc}")
-            raise self._closed from exc
-        except P2PXferError as exc:
-            self._closed = exc
-            raise
-        except BaseException:
-            if data:
-                self._closed = ConnectionLost("a blocking call was interrupted in the middle "
-                                              "of sending its request")
-                raw.shutdown(socket.SHUT_RDWR)
-            raise
-        return self._pump.result(p.reply)
 
     async def aclose(self) -> None:
         if self._closed is None:
