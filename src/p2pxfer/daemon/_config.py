@@ -95,6 +95,8 @@ class DaemonConfig:
     max_connections_per_host: int = 64
     #: clients connected to the unix socket at once
     max_clients: int = 256
+    #: ``wait_imm`` calls one client may have waiting at once (more: ``limit``)
+    max_waiters_per_client: int = 4096
     #: peers the table may hold (configured, added, learnt from callers)
     max_peers: int = 4096
     #: immediates at most this many bytes wide: 4 runs tcp and shm as EFA and
@@ -343,6 +345,7 @@ _CHECKS: dict[str, Any] = {
     "max_connections": lambda k, v: _int(k, v, 1),
     "max_connections_per_host": lambda k, v: _int(k, v, 1),
     "max_clients": lambda k, v: _int(k, v, 1),
+    "max_waiters_per_client": lambda k, v: _int(k, v, 1),
     "max_peers": lambda k, v: _int(k, v, 1),
     "imm_bytes": lambda k, v: _one_of(k, _int(k, v, 0), (0, 4, 8)),
     "write_timeout_s": _seconds,

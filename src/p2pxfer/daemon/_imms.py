@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import structlog
-import trio
 
+from p2pxfer._waiters import Tally
 from p2pxfer.engine import Engine
-from p2pxfer.errors import DaemonError, InvalidArgument
+from p2pxfer.errors import InvalidArgument, LimitExceeded
 
 __all__ = ["MAX_UNCLAIMED", "SLOT_BITS", "ImmCounts", "ImmTable", "SlotsExhausted"]
 
@@ -38,7 +38,7 @@ MAX_UNCLAIMED = 4096
 Sink = Callable[[int, int], None]  # (value, count)
 
 
-class SlotsExhausted(DaemonError):
+class SlotsExhausted(LimitExceeded):
     """Every slot is in use (too many exports and KV requests at once)."""
 
 
@@ -98,73 +98,45 @@ class ImmTable:
 class ImmCounts:
     """One session's immediate counts: per (region, value), and per value
     over all of its regions (``region`` None). Each view is consumed by its
-    own waits. Cancellation-safe: a withdrawn waiter leaves the counts."""
+    own waits. Cancellation-safe: a withdrawn waiter leaves the counts. At
+    most ``max_waiters`` waits at once (``LimitExceeded``)."""
 
-    def __init__(self, owner: str, limit: int = MAX_UNCLAIMED) -> None:
+    def __init__(self, owner: str, limit: int = MAX_UNCLAIMED,
+                 max_waiters: int | None = None) -> None:
         self.owner = owner
         self.limit = limit
-        self._counts: dict[tuple[str | None, int], int] = {}
-        self._waiters: dict[tuple[str | None, int], list[tuple[int, trio.Event]]] = {}
+        self._tally = Tally[tuple[str | None, int]](max_waiters, "wait_imm calls of this client")
         self.dropped = 0
+
+    @property
+    def waiting(self) -> int:
+        return self._tally.waiting
 
     def sink(self, region: str) -> Sink:
         """Where ``region``'s arrivals go (``ImmTable.allocate``)."""
         return lambda value, count: self.arrive(region, value, count)
 
     def arrive(self, region: str, value: int, count: int) -> None:
-        for key in ((region, value), (None, value)):
-            self._counts[key] = self._counts.get(key, 0) + count
-            waiters = self._waiters.get(key)
-            while waiters and self._counts.get(key, 0) >= waiters[0][0]:
-                want, ev = waiters.pop(0)
-                self._take(key, want)
-                ev.set()
-            if waiters == []:
-                del self._waiters[key]
-        if len(self._counts) > self.limit:
+        self._tally.add((region, value), count)
+        self._tally.add((None, value), count)
+        if len(self._tally.counts) > self.limit:
             self._trim()
 
     def _trim(self) -> None:
-        for key in list(self._counts):
-            if len(self._counts) <= self.limit:
+        for key in list(self._tally.counts):
+            if len(self._tally.counts) <= self.limit:
                 return
-            if key not in self._waiters:
-                self.dropped += self._counts.pop(key)
+            if not self._tally.awaited(key):
+                self.dropped += self._tally.discard(key)
                 log.warning("imm.unclaimed_dropped", client=self.owner, region=key[0],
                             imm=key[1])
 
-    def _take(self, key: tuple[str | None, int], count: int) -> None:
-        left = self._counts.get(key, 0) - count
-        if left:
-            self._counts[key] = left
-        else:
-            self._counts.pop(key, None)
-
     def count(self, region: str | None, value: int) -> int:
-        return self._counts.get((region, value), 0)
+        return self._tally.count((region, value))
 
     async def wait(self, region: str | None, value: int, count: int) -> None:
         """Return once ``count`` pieces with ``value`` have landed in
         ``region`` (None: in any of the session's regions), consuming them."""
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
-        key = (region, value)
-        if self._counts.get(key, 0) >= count and not self._waiters.get(key):
-            self._take(key, count)
-            await trio.lowlevel.checkpoint()
-            return
-        ev = trio.Event()
-        entry = (count, ev)
-        self._waiters.setdefault(key, []).append(entry)
-        try:
-            await ev.wait()
-        except BaseException:
-            waiters = self._waiters.get(key, [])
-            if entry in waiters:
-                waiters.remove(entry)
-                if not waiters:
-                    self._waiters.pop(key, None)
-            elif ev.is_set():
-                # Satisfied as we were cancelled: give the pieces back.
-                self._counts[key] = self._counts.get(key, 0) + count
-            raise
+        await self._tally.wait((region, value), count)

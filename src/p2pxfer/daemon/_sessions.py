@@ -103,7 +103,7 @@ class ClientSession:
         # region name -> other uids its owner lets write into it from this node
         self.grants: dict[str, frozenset[int]] = {}
         #: immediates landed in this session's regions (they die with it)
-        self.counts = ImmCounts(self.label)
+        self.counts = ImmCounts(self.label, max_waiters=daemon.config.max_waiters_per_client)
         self.kv_pools: dict[str, Pool] = {}  # this client's KV pools, by name
         self._next_mem = 1
         self._greeting = trio.CancelScope()  # until hello (deadline set in run)

@@ -20,6 +20,7 @@ from p2pxfer.errors import (
     EngineClosed,
     Forbidden,
     InvalidArgument,
+    LimitExceeded,
     NameTaken,
     P2PXferError,
     PeerLost,
@@ -75,6 +76,7 @@ _ANSWERS: tuple[tuple[type[P2PXferError], bool], ...] = (
     (PeerLost, False),
     (TransferError, False),
     (EngineClosed, False),
+    (LimitExceeded, False),
     (DaemonError, False),  # "internal"
 )
 
