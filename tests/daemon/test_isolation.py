@@ -8,19 +8,20 @@ Each test failed before the fix it names.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-import trio
-import trio.testing
 
-from p2pxfer._waiters import Tally
-from p2pxfer.errors import LimitExceeded
-from p2pxfer.protocol import encode_frame
-from p2pxfer.testing import DaemonProc, RawConn, start_daemon
+from daemon_helpers import as_uid
+from p2pxfer.kv import KVLayout
+from p2pxfer.protocol import encode_frame, pack_scatter
+from p2pxfer.testing import LOOPBACK, DaemonProc, RawConn, free_port, start_daemon
 
 
 @pytest.fixture
@@ -39,53 +40,6 @@ def _cpu_s(pid: int) -> float:
 
 
 # -- finding 2: waiters withdrawn and served in O(1), and bounded per client ---------------
-
-async def test_waiters_withdraw_in_linear_time() -> None:
-    """Cancelling every one of many waiters on one key: linear in them (a
-    list withdrew each with ``list.remove``: quadratic)."""
-
-    async def cancel_all(n: int) -> float:
-        tally = Tally[int]()
-        async with trio.open_nursery() as nursery:
-            for _ in range(n):
-                nursery.start_soon(tally.wait, 7, 1)
-            await trio.testing.wait_all_tasks_blocked()
-            t0 = time.process_time()
-            nursery.cancel_scope.cancel()
-        took = time.process_time() - t0
-        assert tally.waiting == 0 and not tally.awaited(7)
-        return took
-
-    small, large = await cancel_all(2_000), await cancel_all(40_000)
-    # 20 times the waiters: linear is about 20 times the work, quadratic 400.
-    assert large < 80 * max(small, 0.005), (small, large)
-
-
-async def test_a_waiter_served_as_it_is_cancelled_gives_back() -> None:
-    tally = Tally[str](limit=2, what="waits")
-    got: list[str] = []
-
-    async def wait(name: str, want: int) -> None:
-        await tally.wait("k", want)
-        got.append(name)
-
-    async with trio.open_nursery() as nursery:
-        first = trio.CancelScope()
-
-        async def first_waiter() -> None:
-            with first:
-                await wait("first", 3)
-
-        nursery.start_soon(first_waiter)
-        nursery.start_soon(wait, "second", 3)
-        await trio.testing.wait_all_tasks_blocked()
-        with pytest.raises(LimitExceeded, match="limit 2"):
-            await tally.wait("k", 1)
-        tally.add("k", 3)  # serves the first...
-        first.cancel()  # ...which is cancelled before it runs: the 3 go to the second
-        await trio.testing.wait_all_tasks_blocked()
-    assert got == ["second"] and tally.count("k") == 0 and tally.waiting == 0
-
 
 def _leave_waiters(d: DaemonProc, n: int) -> float:
     """A client leaves ``n`` ``wait_imm`` calls waiting on one value and hangs
@@ -130,3 +84,81 @@ def test_waiters_per_client_are_capped(tmp_path: Path, daemons: list[DaemonProc]
             assert reply is not None and reply["t"] == "error", reply
             assert reply["code"] == "limit" and "limit 8" in reply["message"], reply
     assert d.alive()
+
+
+# -- finding 3: one uid check on every path into a region -------------------------------
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory other uids can reach (pytest's tmp_path is root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="p2pxfer-iso-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _shared_mem(c: RawConn, rid: int, size: int = 1 << 16) -> Any:
+    fd = os.memfd_create("iso", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        return c.request({"t": "share", "id": rid, "size": size}, fds=[fd])["result"]["mem"]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+@pytest.mark.parametrize("local_copy", [False, True], ids=["engine", "local-copy"])
+def test_a_peer_alias_of_this_daemon_does_not_bypass_the_uid_check(
+        open_dir: Path, daemons: list[DaemonProc], local_copy: bool) -> None:
+    """A configured peer whose address is this daemon's own control port:
+    writes and KV pushes through it reach this daemon's regions, and must
+    meet the same uid check as those naming this node (before: with
+    ``local_copy = false`` both landed in root's memory)."""
+    port = free_port()
+    d = start_daemon(open_dir, "iso", control_port=port, allowed_uids=[NOBODY],
+                     local_copy=local_copy,
+                     peers=[{"name": "mirror", "address": f"{LOOPBACK}:{port}"}])
+    daemons.append(d)
+    layout = KVLayout(1, 4, 4096).to_wire()
+    with RawConn(d.socket) as owner:
+        owner.hello()
+        mem = _shared_mem(owner, 1)
+        assert owner.request({"t": "export", "id": 2, "name": "roots", "mem": mem,
+                              "offset": 0, "length": 1 << 16})["t"] == "ok"
+        kvmem = _shared_mem(owner, 3)
+        assert owner.request({"t": "kv_pool", "id": 4, "name": "kvroots", "mem": kvmem,
+                              "layout": layout})["t"] == "ok"
+
+        def intruder() -> dict[str, Any]:
+            with RawConn(d.socket, timeout=30) as c:
+                c.hello()
+                mine = _shared_mem(c, 2)
+                scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
+                out = {}
+                for peer in ("iso", "mirror"):
+                    r = c.request({"t": "write", "id": 3, "peer": peer, "region": "roots",
+                                   "mem": mine, "offset": 0, "scatter": scatter})
+                    out[f"write {peer}"] = r.get("code", r["t"])
+                assert c.request({"t": "kv_pool", "id": 4, "name": "src", "mem": mine,
+                                  "layout": layout, "receive": False})["t"] == "ok"
+                one = np.array([0], dtype=np.int64).tobytes()
+                for peer in ("iso", "mirror"):
+                    r = c.request({"t": "kv_push", "id": 5, "peer": peer, "pool": "kvroots",
+                                   "src": "src", "src_blocks": one, "dst_blocks": one,
+                                   "request": 1})
+                    out[f"kv_push {peer}"] = r.get("code", r["t"])
+                return out
+
+        assert as_uid(NOBODY, intruder) == {
+            "write iso": "unknown_region", "write mirror": "unknown_region",
+            "kv_push iso": "unknown_region", "kv_push mirror": "unknown_region"}
+        # The owner's own writes through the alias still work.
+        scatter = pack_scatter(np.array([0]), np.array([4096]), np.array([4096]))
+        assert owner.request({"t": "write", "id": 5, "peer": "mirror", "region": "roots",
+                              "mem": mem, "offset": 0, "scatter": scatter},
+                             )["t"] == "ok"
+    assert d.alive()
+
