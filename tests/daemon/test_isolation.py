@@ -162,3 +162,47 @@ def test_a_peer_alias_of_this_daemon_does_not_bypass_the_uid_check(
                              )["t"] == "ok"
     assert d.alive()
 
+
+# -- finding 4: region names scoped by uid ------------------------------------------------
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_uid_cannot_take_another_uids_region_name(open_dir: Path,
+                                                   daemons: list[DaemonProc]) -> None:
+    """Before: the second uid exported ``kv`` before root's service (or in
+    the gap while it reconnected) and received the remote writes meant for
+    root; root got ``name_taken``."""
+    d = start_daemon(open_dir, "names", allowed_uids=[NOBODY])
+    daemons.append(d)
+    layout = KVLayout(1, 4, 4096).to_wire()
+    mine = f"~{NOBODY}/kv"
+
+    def squatter() -> dict[str, Any]:
+        with RawConn(d.socket) as c:
+            c.hello()
+            mem = _shared_mem(c, 1)
+            out = {}
+            for i, name in enumerate(("kv", "~0/kv", f"~{NOBODY}x/kv", mine)):
+                r = c.request({"t": "export", "id": 2 + i, "name": name, "mem": mem,
+                               "offset": 0, "length": 4096})
+                out[name] = r.get("code", r["t"])
+            r = c.request({"t": "kv_pool", "id": 9, "name": "kvpool", "mem": mem,
+                           "layout": layout})
+            out["kv_pool kvpool"] = r.get("code", r["t"])
+            return out
+
+    assert as_uid(NOBODY, squatter) == {"kv": "forbidden", "~0/kv": "forbidden",
+                                        f"~{NOBODY}x/kv": "forbidden", mine: "ok",
+                                        "kv_pool kvpool": "forbidden"}
+    with RawConn(d.socket) as root:
+        root.hello()
+        mem = _shared_mem(root, 1)
+        for i, name in enumerate(("kv", "~0/kv")):
+            assert root.request({"t": "export", "id": 2 + i, "name": name, "mem": mem,
+                                 "offset": 0, "length": 4096})["t"] == "ok", name
+        # Another uid's namespace is its own, root's included.
+        r = root.request({"t": "export", "id": 5, "name": f"~{NOBODY}/other", "mem": mem,
+                          "offset": 0, "length": 4096})
+        assert r.get("code") == "forbidden" and f"~{NOBODY}/" in r["message"], r
+    # Root's service is gone (reconnecting): its name is still not the other uid's.
+    assert as_uid(NOBODY, squatter)["kv"] == "forbidden"
+    assert d.alive()

@@ -25,6 +25,7 @@ import trio
 
 from p2pxfer._pump import Pump, bounded
 from p2pxfer.errors import (
+    Forbidden,
     InvalidArgument,
     P2PXferError,
     UnknownRegion,
@@ -259,6 +260,22 @@ class ClientSession:
                                     f"{self.daemon.node} that uid {self.uid} may write into")
         # Not exported at all: the write path says so, after checking the rest.
 
+    def may_name(self, name: str) -> None:
+        """Region names are scoped by uid, so no uid can take a name another
+        uid's service expects (before it starts, or while it reconnects) and
+        receive the remote writes meant for it: ``~U/...`` belongs to uid U
+        alone; every other name to root and the daemon's uid, whose regions
+        remote peers reach by plain names. ``Forbidden`` otherwise."""
+        if name.startswith("~"):
+            if not name.startswith(f"~{self.uid}/"):
+                raise Forbidden(f"uid {self.uid} may not export {bounded(name, 100)!r}: a name "
+                                f"under '~UID/' belongs to that uid (this client's: "
+                                f"'~{self.uid}/')")
+        elif not self.privileged:
+            raise Forbidden(f"uid {self.uid} may export names under '~{self.uid}/' only, not "
+                            f"{bounded(name, 100)!r}: names without '~' belong to root and the "
+                            f"daemon's uid ({os.getuid()})")
+
     def mem(self, mem_id: int) -> SharedMap:
         mem = self.mems.get(mem_id)
         if mem is None:
@@ -317,6 +334,7 @@ class ClientSession:
                writers: Any = None) -> dict[str, Any]:
         d = self.daemon
         grants = check_writers(writers)
+        self.may_name(name)
         d.regions.check_free(name)
         mem = self.mem(mem_id)
         slot = d.imms.allocate(self.counts.sink(name))
