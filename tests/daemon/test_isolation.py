@@ -20,8 +20,14 @@ import pytest
 
 from daemon_helpers import as_uid
 from p2pxfer.kv import KVLayout
-from p2pxfer.protocol import encode_frame, pack_scatter
-from p2pxfer.testing import LOOPBACK, DaemonProc, RawConn, free_port, start_daemon
+from p2pxfer.protocol import SCHEMA_VERSION, encode_frame, pack_scatter
+from p2pxfer.testing import (
+    LOOPBACK,
+    DaemonProc,
+    RawConn,
+    free_port,
+    start_daemon,
+)
 
 
 @pytest.fixture
@@ -62,7 +68,8 @@ def _leave_waiters(d: DaemonProc, n: int) -> float:
 
 def test_cancelled_waiters_of_a_client_that_left_are_cheap(
         tmp_path: Path, daemons: list[DaemonProc]) -> None:
-    d = start_daemon(tmp_path, "waiters", max_waiters_per_client=100_000)
+    d = start_daemon(tmp_path, "waiters", max_waiters_per_client=100_000,
+                     max_requests_per_client=100_000)
     daemons.append(d)
     small, large = _leave_waiters(d, 4_000), _leave_waiters(d, 40_000)
     # Ten times the waiters: linear is about ten times the daemon's CPU time,
@@ -206,3 +213,101 @@ def test_a_uid_cannot_take_another_uids_region_name(open_dir: Path,
     # Root's service is gone (reconnecting): its name is still not the other uid's.
     assert as_uid(NOBODY, squatter)["kv"] == "forbidden"
     assert d.alive()
+
+
+# -- finding 6: caps per client and per uid, each refusal a named ``limit`` ------------------
+
+def _code(reply: dict[str, Any] | None) -> str:
+    assert reply is not None
+    return reply["t"] if reply["t"] != "error" else f"{reply['code']}: {reply['message']}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) -> None:
+    """Before: no cap but max_clients (one uid's 256 idle clients locked root
+    out; 150k requests grew the daemon by 1.5 GiB; 63 sparse memfds took its
+    address space; 4095 exports took every immediate slot: ``internal``)."""
+    mib = 1 << 20
+    d = start_daemon(open_dir, "caps", allowed_uids=[NOBODY], max_clients_per_uid=2,
+                     max_requests_per_client=4, max_requests_per_uid=6,
+                     max_mapped_per_client=mib, max_mapped_per_uid=3 * mib // 2,
+                     max_exports_per_client=2, max_exports_per_uid=3, client_idle_s=1.0)
+    daemons.append(d)
+    ns = f"~{NOBODY}/"
+
+    def export(c: RawConn, rid: int, mem: int, name: str) -> str:
+        return _code(c.request({"t": "export", "id": rid, "name": ns + name, "mem": mem,
+                                "offset": 0, "length": 4096}))
+
+    def wait(c: RawConn, rid: int) -> str:
+        return _code(c.request({"t": "wait_imm", "id": rid, "imm": 1, "count": 1}))
+
+    def user() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        with RawConn(d.socket) as c1, RawConn(d.socket) as c2:
+            c1.hello()
+            c2.hello()
+            with RawConn(d.socket) as c3:  # a third client of this uid
+                c3.send({"t": "hello", "v": SCHEMA_VERSION, "role": "client"})
+                out["third client"] = _code(c3.frame())
+            m1 = _shared_mem(c1, 1, mib)
+            fd = os.memfd_create("caps", os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, mib)
+            out["c1 more memory"] = _code(c1.request({"t": "share", "id": 2, "size": 4096},
+                                                     fds=[fd]))
+            out["c2 1 MiB"] = _code(c2.request({"t": "share", "id": 3, "size": mib},
+                                               fds=[fd]))
+            os.close(fd)
+            m2 = _shared_mem(c2, 4, mib // 4)
+            out["exports"] = [export(c1, 10, m1, "a"), export(c1, 11, m1, "b"),
+                              export(c1, 12, m1, "c"), export(c2, 13, m2, "d"),
+                              export(c2, 14, m2, "e")]
+            for i in range(4):
+                c1.send({"t": "wait_imm", "id": 20 + i, "imm": 1, "count": 1})
+            out["c1 5th request"] = wait(c1, 24)
+            for i in range(2):
+                c2.send({"t": "wait_imm", "id": 30 + i, "imm": 1, "count": 1})
+            out["c2 3rd request"] = wait(c2, 32)
+            # At its cap a client can still cancel what it started.
+            c1.send({"t": "cancel", "id": 25, "target": 20})
+            out["cancel"] = sorted(_code(c1.frame()) for _ in range(2))
+            c1.close()  # what it held comes back
+            deadline = time.monotonic() + 10
+            while (got := export(c2, 40, m2, "e")).startswith("limit") \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            out["c2 export after c1 left"] = got
+            out["c2 request after c1 left"] = _code(c2.request({"t": "status", "id": 41}))
+            c2.send({"t": "wait_imm", "id": 42, "imm": 1, "count": 1})
+            c2.send({"t": "wait_imm", "id": 43, "imm": 1, "count": 1})
+            out["c2 more waits"] = wait(c2, 44)  # its own cap of 4 now
+        with RawConn(d.socket) as idle:
+            idle.hello()
+            t0 = time.monotonic()
+            out["idle closed"] = idle.closed_by_peer()
+            out["idle after"] = time.monotonic() - t0
+        return out
+
+    out = as_uid(NOBODY, user)
+    assert out.pop("idle after") < 4.5  # 1 s idle; closed_by_peer reads for up to 5
+    assert out["third client"].startswith("limit") and "max_clients_per_uid 2" \
+        in out["third client"], out
+    assert "max_mapped_per_client" in out["c1 more memory"], out
+    assert "max_mapped_per_uid" in out["c2 1 MiB"], out
+    exports = out.pop("exports")
+    assert exports[:2] == ["ok", "ok"] and exports[3] == "ok", exports
+    assert "max_exports_per_client" in exports[2] and "max_exports_per_uid" in exports[4]
+    assert "max_requests_per_client" in out["c1 5th request"], out
+    assert "max_requests_per_uid" in out["c2 3rd request"], out
+    assert out["cancel"] == ["ok", "ok"], out  # the wait's answer (cancelled) and its own
+    assert out["c2 export after c1 left"] == "ok", out
+    assert out["c2 request after c1 left"] == "ok", out
+    assert "max_requests_per_client" in out["c2 more waits"], out
+    assert out["idle closed"] is True, out
+    # Root's own service is not held to any uid's caps, and never idles out.
+    with RawConn(d.socket) as root:
+        root.hello()
+        time.sleep(1.5)
+        assert _code(root.request({"t": "status", "id": 1})) == "ok"
+    assert d.alive()
+

@@ -35,6 +35,7 @@ from ._control import serve_control
 from ._follow import Follower, rail_hosts
 from ._imms import ImmTable
 from ._kv import KV
+from ._limits import Limits
 from ._listener import remove_socket, serve_clients
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
@@ -143,6 +144,8 @@ class Daemon:
         self.kv: KV = KV(self)
         self.follower.on_peer_lost = self.kv.peer_lost
         self.sessions: set[ClientSession] = set()
+        #: caps per client and per uid, read from the sessions
+        self.limits = Limits(config)
         #: (st_dev, st_ino) of our unix socket, so we remove only our own
         self.socket_identity: tuple[int, int] | None = None
         #: "open", "token", "tls" or "tls+token" (``status`` says it)

@@ -141,7 +141,18 @@ class ClientSession:
                 served = 0
                 await trio.lowlevel.checkpoint()
             try:
-                msg = await self.pump.receive()
+                if (idle_s := self.daemon.limits.idle_s(self)) is None:
+                    msg = await self.pump.receive()
+                else:
+                    # It holds nothing: a slot of max_clients is all it costs,
+                    # and it cannot keep that for ever by saying nothing.
+                    msg = None
+                    with trio.move_on_after(idle_s) as idle:
+                        msg = await self.pump.receive()
+                    if idle.cancelled_caught:
+                        log.warning("limit.idle", client=self.label, uid=self.uid,
+                                    seconds=idle_s)
+                        return
             except RemoteProtocolError as exc:
                 log.warning("client.protocol_error", client=self.label, code=exc.code,
                             error=bounded(exc.message))
@@ -160,6 +171,11 @@ class ClientSession:
                 self.pump.conn.lift_frame_limit()
                 self._greeting.deadline = math.inf
             elif msg.kind in CONCURRENT:
+                try:
+                    self.daemon.limits.request(self, msg.kind)
+                except P2PXferError as exc:
+                    await self._send(self.pump.answer(msg.id, exc))
+                    continue
                 # Registered before the task starts: a ``cancel`` right behind
                 # this request must find it.
                 if msg.id is not None:
@@ -260,6 +276,11 @@ class ClientSession:
                                     f"{self.daemon.node} that uid {self.uid} may write into")
         # Not exported at all: the write path says so, after checking the rest.
 
+    @property
+    def mapped(self) -> int:
+        """Bytes of this client's memory mapped here."""
+        return sum(m.size for m in self.mems.values())
+
     def may_name(self, name: str) -> None:
         """Region names are scoped by uid, so no uid can take a name another
         uid's service expects (before it starts, or while it reconnects) and
@@ -289,7 +310,8 @@ class ClientSession:
         try:
             if size <= 0:
                 raise InvalidArgument(f"share size must be > 0, got {size}")
-            mem = SharedMap(self._next_mem, fd, size)
+            self.daemon.limits.share(self, size)
+            mem = SharedMap(self._next_mem, fd, size, self.uid)
         finally:
             os.close(fd)
         self._next_mem += 1
@@ -336,6 +358,7 @@ class ClientSession:
         grants = check_writers(writers)
         self.may_name(name)
         d.regions.check_free(name)
+        d.limits.export(self)
         mem = self.mem(mem_id)
         slot = d.imms.allocate(self.counts.sink(name))
         try:

@@ -44,13 +44,14 @@ class SharedMap:
     """A client's memfd, sealed against shrinking, mapped here and registered
     with the engine."""
 
-    def __init__(self, mem_id: int, fd: int, size: int) -> None:
+    def __init__(self, mem_id: int, fd: int, size: int, owner: int | None = None) -> None:
         seal_shared(fd)  # before the size check: the size cannot go down after it
         st = os.fstat(fd)
         if st.st_size < size:
             raise InvalidArgument(f"memfd holds {st.st_size} bytes, not {size}")
         self.id = mem_id
         self.size = size
+        self.owner = owner  # the client's uid: its range stays charged to it while held
         try:
             self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as exc:
@@ -66,4 +67,4 @@ class SharedMap:
     def close(self) -> None:
         # Not unmapped at once: a peer's write may still be streaming into
         # these pages (see ``_retire``).
-        retire(self.map)
+        retire(self.map, self.owner)
