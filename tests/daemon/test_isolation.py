@@ -9,23 +9,29 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import struct
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
-from daemon_helpers import as_uid
+from daemon_helpers import RawControl, as_uid
 from p2pxfer.kv import KVLayout
-from p2pxfer.protocol import SCHEMA_VERSION, encode_frame, pack_scatter
+from p2pxfer.membership import ClusterAuth
+from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame, pack_scatter
 from p2pxfer.testing import (
     LOOPBACK,
     DaemonProc,
     RawConn,
     free_port,
+    spawn_daemon,
     start_daemon,
 )
 
@@ -311,3 +317,150 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
         assert _code(root.request({"t": "status", "id": 1})) == "ok"
     assert d.alive()
 
+
+# -- finding 7: the control port against outsiders --------------------------------------
+
+TOKEN = "isolation-test-token"
+
+
+def _half_open(control: str, sources: list[str], n: int) -> list[socket.socket]:
+    """``n`` connections that never say anything, from these source addresses
+    in turn (all of them loopback: one range)."""
+    host, port = control.rsplit(":", 1)
+    held = []
+    for i in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((sources[i % len(sources)], 0))
+        s.settimeout(5)
+        s.connect((host, int(port)))
+        held.append(s)
+    return held
+
+
+def test_half_open_connections_cannot_keep_an_authenticated_peer_out(
+        tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """Before: half-open connections from 127.0.0.2-6 held every control
+    slot, and the real peer got none (its hello went unanswered)."""
+    d = start_daemon(tmp_path, "ctl", control_port=free_port(), cluster_token=TOKEN,
+                     max_connections=32)
+    daemons.append(d)
+    with RawConn(d.socket) as owner:
+        owner.hello()
+        mem = _shared_mem(owner, 1)
+        assert owner.request({"t": "export", "id": 2, "name": "roots", "mem": mem,
+                              "offset": 0, "length": 4096})["t"] == "ok"
+        sources = [f"127.0.0.{i}" for i in range(2, 7)]
+        held = _half_open(d.control, sources, 40)
+        try:
+            time.sleep(0.3)  # accepted (or refused)
+            auth = ClusterAuth(TOKEN.encode())
+            peer = RawControl(d.control, silence_closes=True)
+            peer.authenticate(auth, "honest", "ctl")
+            reply = peer.request({"t": "resolve", "id": 2, "region": "roots"})
+            assert reply is not None and reply["t"] == "ok", reply
+            # Once authenticated it keeps its slot, whatever the flood does next.
+            held += _half_open(d.control, sources, 100)
+            time.sleep(0.3)
+            for i in range(5):
+                reply = peer.request({"t": "resolve", "id": 3 + i, "region": "roots"})
+                assert reply is not None and reply["t"] == "ok", reply
+            assert d.alive()
+            assert "peer.evicted" in d.log.read_text()
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_a_peers_answer_is_decoded_under_limits(tmp_path: Path,
+                                                daemons: list[DaemonProc]) -> None:
+    """Before: a configured peer answering ``resolve`` with 16M empty arrays
+    grew the dialling daemon by about 1.2 GiB."""
+    listener = socket.create_server((LOOPBACK, 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def evil_peer() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(10)
+                decoder = FrameDecoder(1 << 20)
+                try:
+                    while (data := conn.recv(1 << 16)):
+                        decoder.feed(data)
+                        while (msg := decoder.next_frame()) is not None:
+                            if msg["t"] == "hello":
+                                conn.sendall(encode_frame({
+                                    "t": "welcome", "v": SCHEMA_VERSION, "node": "evil",
+                                    "incarnation": 1, "max_frame": 16 << 20}))
+                            elif msg.get("id") is not None:
+                                conn.sendall(_empty_arrays_answer(msg["id"]))
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=evil_peer, daemon=True)
+    thread.start()
+    try:
+        d = start_daemon(tmp_path, "dialler",
+                         peers=[{"name": "evil", "address": f"{LOOPBACK}:{port}"}])
+        daemons.append(d)
+        before = _hwm_kib(d)
+        with RawConn(d.socket, timeout=60) as c:
+            c.hello()
+            mem = _shared_mem(c, 1)
+            scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
+            reply = c.request({"t": "write", "id": 2, "peer": "evil", "region": "x",
+                               "mem": mem, "offset": 0, "scatter": scatter})
+        assert reply["t"] == "error" and reply["code"] == "peer_unreachable", reply
+        assert _hwm_kib(d) - before < 200 << 10, (before, _hwm_kib(d))
+        assert d.alive()
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def _empty_arrays_answer(rid: int) -> bytes:
+    n = (16 << 20) - 64
+    body = (b"\x83" + msgpack.packb("t") + msgpack.packb("ok") + msgpack.packb("id")
+            + msgpack.packb(rid) + msgpack.packb("result") + b"\x81"
+            + msgpack.packb("descriptor") + b"\xdd" + struct.pack(">I", n) + b"\x90" * n)
+    return struct.pack(">I", len(body)) + body
+
+
+def _hwm_kib(d: DaemonProc) -> int:
+    """The daemon's peak resident memory so far."""
+    for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_metrics_connections_are_capped(tmp_path: Path) -> None:
+    """Before: every silent connection to an open metrics port was accepted
+    and held, until the descriptors ran out; then trio logged a traceback
+    per failed accept, unthrottled."""
+    keys: dict[str, Any] = {"node": "metrics", "socket": str(tmp_path / "metrics.sock"),
+                            "control": f"{LOOPBACK}:{free_port()}", "fabric_node": LOOPBACK,
+                            "metrics": f"{LOOPBACK}:{free_port()}"}
+    d = spawn_daemon(tmp_path, keys, wrap=lambda cmd: ["prlimit", "--nofile=256:256", *cmd])
+    held: list[socket.socket] = []
+    try:
+        base = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+        host, port = keys["metrics"].rsplit(":", 1)
+        for _ in range(300):
+            held.append(socket.create_connection((host, int(port)), timeout=5))
+        time.sleep(1.5)
+        fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+        assert fds <= base + 40, (base, fds)
+        text = d.log.read_text()
+        assert text.count("Too many open files") <= 2, text[-2000:]
+        assert d.alive()
+    finally:
+        for s in held:
+            s.close()
+        d.stop()

@@ -93,6 +93,11 @@ class DaemonConfig:
     #: (more are closed at once, unread)
     max_connections: int = 256
     max_connections_per_host: int = 64
+    #: of those, connections whose caller has not authenticated yet, in all
+    #: and from one source range (an IPv4 /24, an IPv6 /64, all of loopback):
+    #: past either, the oldest such connection is closed to make room
+    max_pending_connections: int = 64
+    max_pending_per_range: int = 16
     #: clients connected to the unix socket at once
     max_clients: int = 256
     #: ``wait_imm`` calls one client may have waiting at once (more: ``limit``)
@@ -363,6 +368,8 @@ _CHECKS: dict[str, Any] = {
     "etcd_ttl": lambda k, v: _int(k, v, 1),
     "max_connections": lambda k, v: _int(k, v, 1),
     "max_connections_per_host": lambda k, v: _int(k, v, 1),
+    "max_pending_connections": lambda k, v: _int(k, v, 1),
+    "max_pending_per_range": lambda k, v: _int(k, v, 1),
     "max_clients": lambda k, v: _int(k, v, 1),
     "max_waiters_per_client": lambda k, v: _int(k, v, 1),
     "max_clients_per_uid": lambda k, v: _int(k, v, 1),

@@ -30,6 +30,7 @@ from p2pxfer.engine import Engine, EngineConfig, open_engine
 from p2pxfer.errors import InvalidArgument
 from p2pxfer.membership import ClusterAuth
 
+from ._admit import Admission
 from ._config import DaemonConfig
 from ._control import serve_control
 from ._follow import Follower, rail_hosts
@@ -151,8 +152,10 @@ class Daemon:
         #: "open", "token", "tls" or "tls+token" (``status`` says it)
         self.credentials = credentials(config)
         self.open = self.credentials == "open"
+        #: control connections: pending and authenticated, their caps
+        self.admission = Admission(config)
         #: control connections being served, per source address
-        self.control_connections: Counter[str] = Counter()
+        self.control_connections: Counter[str] = self.admission.per_host
         #: connections refused for a cap: logged once a second at most
         self.refusals = LogThrottle()
         #: failed TLS handshakes: logged once a second at most
