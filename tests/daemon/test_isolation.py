@@ -7,6 +7,7 @@ Each test failed before the fix it names.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import socket
@@ -22,7 +23,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from daemon_helpers import RawControl, as_uid
+from daemon_helpers import RawControl, as_uid, daemon_pair
 from p2pxfer.kv import KVLayout
 from p2pxfer.membership import ClusterAuth
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame, pack_scatter
@@ -236,7 +237,7 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
     mib = 1 << 20
     d = start_daemon(open_dir, "caps", allowed_uids=[NOBODY], max_clients_per_uid=2,
                      max_requests_per_client=4, max_requests_per_uid=6,
-                     max_mapped_per_client=mib, max_mapped_per_uid=3 * mib // 2,
+                     max_mapped_per_client=mib + mib // 16, max_mapped_per_uid=3 * mib // 2,
                      max_exports_per_client=2, max_exports_per_uid=3, client_idle_s=1.0)
     daemons.append(d)
     ns = f"~{NOBODY}/"
@@ -259,8 +260,8 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
             m1 = _shared_mem(c1, 1, mib)
             fd = os.memfd_create("caps", os.MFD_ALLOW_SEALING)
             os.ftruncate(fd, mib)
-            out["c1 more memory"] = _code(c1.request({"t": "share", "id": 2, "size": 4096},
-                                                     fds=[fd]))
+            out["c1 more memory"] = _code(c1.request({"t": "share", "id": 2,
+                                                      "size": mib // 8}, fds=[fd]))
             out["c2 1 MiB"] = _code(c2.request({"t": "share", "id": 3, "size": mib},
                                                fds=[fd]))
             os.close(fd)
@@ -317,6 +318,64 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
         assert _code(root.request({"t": "status", "id": 1})) == "ok"
     assert d.alive()
 
+
+
+# -- finding 5: no byte lands after unexport ------------------------------------------------
+
+def test_no_byte_lands_in_the_owners_memory_after_unexport(tmp_path: Path) -> None:
+    """A peer writes 32 MiB again and again into a region over tcp; its owner
+    unexports it, zeroes its memory (which it goes on using) and looks again
+    later. Before: up to 10 MB of it changed after ``unexport`` answered, in
+    most rounds (the range was retired only when the memory was released)."""
+    size = 32 << 20
+    with daemon_pair(tmp_path) as (a, b), RawConn(b.socket, timeout=60) as owner, \
+            RawConn(a.socket, timeout=60) as writer:
+        owner.hello()
+        writer.hello()
+        fd = os.memfd_create("late", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        mine = mmap.mmap(fd, size)
+        try:
+            mem = owner.request({"t": "share", "id": 1, "size": size},
+                                fds=[fd])["result"]["mem"]
+            wfd = os.memfd_create("src", os.MFD_ALLOW_SEALING)
+            os.ftruncate(wfd, size)
+            os.pwrite(wfd, b"\xab" * size, 0)
+            wmem = writer.request({"t": "share", "id": 1, "size": size},
+                                  fds=[wfd])["result"]["mem"]
+            os.close(wfd)
+            scatter = pack_scatter(np.array([0]), np.array([0]), np.array([size]))
+            dirty = []
+            for rnd in range(4):
+                assert owner.request({"t": "export", "id": 10 + rnd, "name": "late",
+                                      "mem": mem, "offset": 0, "length": size})["t"] == "ok"
+                mine[:] = bytes(size)
+                wrote = threading.Event()
+
+                def write_until_refused(rnd: int = rnd, wrote: threading.Event = wrote) -> None:
+                    for i in range(1000):
+                        r = writer.request({"t": "write", "id": 1000 * (rnd + 1) + i,
+                                            "peer": "node-b", "region": "late", "mem": wmem,
+                                            "offset": 0, "scatter": scatter})
+                        if r["t"] != "ok":
+                            return
+                        wrote.set()
+
+                loop = threading.Thread(target=write_until_refused)
+                loop.start()
+                assert wrote.wait(30), "no write landed"
+                assert owner.request({"t": "unexport", "id": 20 + rnd, "name": "late"},
+                                     )["t"] == "ok"
+                mine[:] = bytes(size)  # the owner's memory is its own again
+                loop.join(60)
+                time.sleep(0.3)  # anything still streaming in has landed by now
+                changed = np.count_nonzero(np.frombuffer(mine, dtype=np.uint8))
+                dirty.append(changed)
+            assert dirty == [0] * len(dirty), dirty
+        finally:
+            mine.close()
+            os.close(fd)
+        assert a.alive() and b.alive()
 
 # -- finding 7: the control port against outsiders --------------------------------------
 

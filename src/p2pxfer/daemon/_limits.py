@@ -113,26 +113,29 @@ class Limits:
                               f"{mine} requests of uid {s.uid} are in flight "
                               f"(max_requests_per_uid {c.max_requests_per_uid})")
 
-    def share(self, s: ClientSession, size: int) -> None:
-        """Before ``size`` more bytes of ``s``'s memory are mapped."""
+    def share(self, s: ClientSession, size: int, doing: str = "sharing") -> None:
+        """Before ``size`` more bytes of ``s``'s memory are mapped (shared,
+        or an export's own mapping of its range)."""
         c = self.c
         mapped = s.mapped
         if mapped + size > c.max_mapped_per_client:
             raise self.refuse(s, "max_mapped_per_client",
-                              f"sharing {size} bytes more would map {mapped + size} bytes of "
+                              f"{doing} {size} bytes more would map {mapped + size} bytes of "
                               f"this client (max_mapped_per_client {c.max_mapped_per_client})")
         if privileged(s.uid):
             return
         mine = sum(o.mapped for o in self._uid_sessions(s)) + held_bytes(s.uid)
         if mine + size > c.max_mapped_per_uid:
             raise self.refuse(s, "max_mapped_per_uid",
-                              f"sharing {size} bytes more would map {mine + size} bytes of "
+                              f"{doing} {size} bytes more would map {mine + size} bytes of "
                               f"uid {s.uid}, counting ranges still held after release "
                               f"(max_mapped_per_uid {c.max_mapped_per_uid})")
 
-    def export(self, s: ClientSession) -> None:
-        """Before ``s`` exports one more region (each holds an immediate slot)."""
+    def export(self, s: ClientSession, length: int) -> None:
+        """Before ``s`` exports one more region (each holds an immediate slot,
+        and maps its ``length`` bytes once more)."""
         c = self.c
+        self.share(s, length, "exporting")
         if len(s.exports) >= c.max_exports_per_client:
             raise self.refuse(s, "max_exports_per_client",
                               f"this client has {len(s.exports)} exports "

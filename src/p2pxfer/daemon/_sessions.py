@@ -45,7 +45,7 @@ from ._handlers import HANDLERS
 from ._imms import ImmCounts
 from ._io import UnixFdStream
 from ._kv import Pool
-from ._shared import SharedMap
+from ._shared import ExportMap, SharedMap
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -95,6 +95,8 @@ class ClientSession:
                          self.stream, f"client {self.label}")
         self.mems: dict[int, SharedMap] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
+        #: region name -> the export's own mapping of its range (retired at unexport)
+        self.export_maps: dict[str, ExportMap] = {}
         self.slots: dict[str, int] = {}  # region name -> its immediate slot
         # region name -> other uids its owner lets write into it from this node
         self.grants: dict[str, frozenset[int]] = {}
@@ -278,8 +280,10 @@ class ClientSession:
 
     @property
     def mapped(self) -> int:
-        """Bytes of this client's memory mapped here."""
-        return sum(m.size for m in self.mems.values())
+        """Bytes of this client's memory mapped here (exports map their
+        ranges once more)."""
+        return sum(m.size for m in self.mems.values()) \
+            + sum(e.size for e in self.export_maps.values())
 
     def may_name(self, name: str) -> None:
         """Region names are scoped by uid, so no uid can take a name another
@@ -358,17 +362,24 @@ class ClientSession:
         grants = check_writers(writers)
         self.may_name(name)
         d.regions.check_free(name)
-        d.limits.export(self)
+        d.limits.export(self, length)
         mem = self.mem(mem_id)
-        slot = d.imms.allocate(self.counts.sink(name))
+        own = mem.export_map(offset, length)
         try:
-            desc = d.engine.export(mem.view(offset, length), name)
+            slot = d.imms.allocate(self.counts.sink(name))
+        except BaseException:
+            own.retire()
+            raise
+        try:
+            desc = d.engine.export(own.view, name)
         except BaseException:
             d.imms.free(slot)
+            own.retire()
             raise
         d.regions.add_export(name, self.label, desc, slot)
         d.writes.local.add(name, mem, offset, desc.length, slot)
         self.exports[name] = mem.id
+        self.export_maps[name] = own
         self.slots[name] = slot
         if grants:
             self.grants[name] = grants
@@ -390,7 +401,14 @@ class ClientSession:
             self.daemon.kv.drop_pool(name)
         self.daemon.imms.free(self.slots.pop(name))
         self.daemon.regions.remove_export(name)
-        self.daemon.engine.unexport(name)
+        engine = self.daemon.engine
+        engine.unexport(name)
+        own = self.export_maps.pop(name)
+        with contextlib.suppress(P2PXferError):
+            engine.deregister(own.view)  # the local registration the export pinned
+        # A peer's write still streaming in lands in private pages from now
+        # on, not in the client's memory (which it goes on using).
+        own.retire()
 
     async def _release(self) -> None:
         """The client is gone: drop its exports (once copies into them have
