@@ -42,9 +42,12 @@ log = structlog.get_logger("p2pxfer.daemon")
 PRIVILEGED_RESERVE = 16
 
 
+_OWN_UID = os.getuid()
+
+
 def privileged(uid: int) -> bool:
     """Root or the daemon's own uid: runs the node's services."""
-    return uid in (0, os.getuid())
+    return uid in (0, _OWN_UID)
 
 
 class Limits:
