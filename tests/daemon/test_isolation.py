@@ -22,11 +22,15 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import trio
 
 from daemon_helpers import RawControl, as_uid, daemon_pair
+from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.kv import KVLayout
 from p2pxfer.membership import ClusterAuth
+from p2pxfer.memory import RegionDescriptor
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame, pack_scatter
+from p2pxfer.scatter import ScatterList
 from p2pxfer.testing import (
     LOOPBACK,
     DaemonProc,
@@ -51,6 +55,50 @@ def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+
+
+# -- finding 1: immediates that cannot be forged across sessions ---------------------------
+
+async def _forge(descriptor: dict[str, Any], imms: list[int]) -> None:
+    """One byte into a region we hold the key of, once per immediate, from
+    an engine of our own (not through any daemon)."""
+    async with open_engine(EngineConfig(provider="tcp;ofi_rxm", node=LOOPBACK)) as engine:
+        src = np.zeros(4096, dtype=np.uint8)
+        engine.register(src)
+        desc = RegionDescriptor.from_wire(descriptor)
+        for imm in imms:
+            await engine.write(src, desc, ScatterList.contiguous(1), imm=imm, timeout=10)
+
+
+def test_a_key_holder_cannot_forge_another_regions_immediates(
+        tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """A client exports a region of its own and writes into it with its own
+    libfabric endpoint, its CQ data naming other slots. Before: the owner's
+    daemon routed the arrival by its slot bits alone, and the victim's
+    ``wait_imm(7, region=...)`` returned though no byte reached it."""
+    d = start_daemon(tmp_path, "forge", control_port=free_port(), cluster_token=TOKEN)
+    daemons.append(d)
+    with RawConn(d.socket, timeout=3) as victim, RawConn(d.socket) as attacker:
+        victim.hello()
+        attacker.hello()
+        assert victim.request({"t": "export", "id": 2, "name": "victim",
+                               "mem": _shared_mem(victim, 1), "offset": 0,
+                               "length": 4096})["t"] == "ok"
+        atk = attacker.request({"t": "export", "id": 2, "name": "atk",
+                                "mem": _shared_mem(attacker, 1), "offset": 0,
+                                "length": 4096})["result"]["descriptor"]
+        bits = d.status()["imm_bits"]
+        assert bits == 64
+        # Slots go round-robin from 1: the victim's is 1, ours 2. Every way
+        # we could lay out "slot 1, value 7" without knowing its tag.
+        forged = [slot << (bits - 12) | 7 for slot in range(1, 9)]
+        forged += [slot << 52 | tag << 20 | 7 for slot in (1, 2) for tag in (0, 1, 2)]
+        trio.run(_forge, atk, forged)
+        victim.send({"t": "wait_imm", "id": 3, "imm": 7, "count": 1, "region": "victim"})
+        with pytest.raises(TimeoutError):
+            victim.frame()  # nothing landed in 'victim': its wait must not return
+        assert d.status()["imms_dropped"] >= len(forged)
+    assert d.alive()
 
 # -- finding 2: waiters withdrawn and served in O(1), and bounded per client ---------------
 

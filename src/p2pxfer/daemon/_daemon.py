@@ -221,6 +221,7 @@ class Daemon:
             "transfers_in_flight": self.writes.in_flight,
             "invalidations_pending": sum(self.regions.pending_invalidations.values()),
             "imm_bits": self.imms.bits,
+            "imm_value_bits": self.imms.value_bits,
             "imms_dropped": self.imms.dropped,
             "completed": stats.completed,
             "failed": stats.failed,

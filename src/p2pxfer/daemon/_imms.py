@@ -1,14 +1,20 @@
-"""Immediates, as the daemon routes and counts them: scoped, and 32 bits wide
-where the fabric carries no more.
+"""Immediates, as the daemon routes and counts them: scoped, hard to forge
+where the fabric has room, and 32 bits wide where it carries no more.
 
-Every immediate that lands on this node is ``slot | value``: the top
-``SLOT_BITS`` name a *slot* this daemon handed out, the rest (20 bits with
-4-byte CQ data, as EFA and verbs carry; 52 with 8) are the sender's value. A
-slot belongs to one export (given out with its descriptor in ``resolve``) or
-to one KV request (``kv_begin``); ``ImmTable`` routes each arrival to its
-slot's sink, so a count never reaches anyone but the slot's owner. A
-client's exports count into its session's ``ImmCounts``, which die with the
-session; arrivals for a slot nobody holds are dropped (counted). Slots are
+Every immediate that lands on this node is ``slot | tag | value``: the top
+``SLOT_BITS`` name a *slot* this daemon handed out; with 8-byte CQ data (tcp,
+shm) the next ``TAG_BITS`` are that slot's tag, drawn at random each time
+the slot is given out; the last ``VALUE_BITS`` are the sender's value (20
+bits whatever the width, so a cluster's values mean the same on EFA and
+verbs, which carry 4 bytes and so no tag). A slot with its tag belongs to
+one export (given out with its descriptor in ``resolve``) or to one KV
+request (``kv_begin``); ``ImmTable`` routes each arrival to its slot's sink
+only if the tag matches, so a count never reaches anyone but the slot's
+owner, and someone who holds the key of some *other* region here (its own,
+say) cannot complete this one's waits by writing forged CQ data into its own
+region: it would have to guess 32 random bits. A client's exports count
+into its session's ``ImmCounts``, which die with the session; arrivals for
+a slot nobody holds, or with a wrong tag, are dropped (counted). Slots are
 handed out round-robin, so a slot just freed is not soon reused (a late
 piece of an old writer must not count for a new owner).
 
@@ -18,6 +24,7 @@ what a KV request does with its layers (``_kv``).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 
 import structlog
@@ -26,11 +33,16 @@ from p2pxfer._waiters import Tally
 from p2pxfer.engine import Engine
 from p2pxfer.errors import InvalidArgument, LimitExceeded
 
-__all__ = ["MAX_UNCLAIMED", "SLOT_BITS", "ImmCounts", "ImmTable", "SlotsExhausted"]
+__all__ = ["MAX_UNCLAIMED", "SLOT_BITS", "TAG_BITS", "VALUE_BITS", "ImmCounts", "ImmTable",
+           "SlotsExhausted"]
 
 log = structlog.get_logger("p2pxfer.daemon")
 
 SLOT_BITS = 12
+#: bits of a slot's secret tag, where the CQ data has room (8 bytes)
+TAG_BITS = 32
+#: bits of the sender's value (``write.imm``, a KV layer), whatever the width
+VALUE_BITS = 20
 #: distinct (region, value) counts a session keeps that nobody has waited for
 #: yet; beyond it the oldest are dropped (and logged)
 MAX_UNCLAIMED = 4096
@@ -47,38 +59,49 @@ class ImmTable:
 
     def __init__(self, engine: Engine) -> None:
         self.bits = engine.imm_bits
-        self.value_bits = self.bits - SLOT_BITS
-        self._sinks: dict[int, Sink] = {}
+        # With 8 bytes of CQ data a slot also carries a secret tag: see the
+        # module's docstring (4 bytes leave no room for one).
+        self.tag_bits = TAG_BITS if self.bits >= SLOT_BITS + TAG_BITS + VALUE_BITS else 0
+        self.value_bits = self.bits - SLOT_BITS - self.tag_bits
+        self._sinks: dict[int, Sink] = {}  # slot << tag_bits | tag -> sink
+        self._used: set[int] = set()  # slot numbers held
         self._next = 1
-        self.dropped = 0  # pieces that arrived for a slot nobody holds
+        self.dropped = 0  # pieces that arrived for a slot nobody holds (or a wrong tag)
         # Every immediate < 2**bits: ``imm >> bits == 0`` routes them all here.
         engine.route_imms(self.bits, 0, self._arrival)
 
     def allocate(self, sink: Sink) -> int:
-        """A free slot (never 0), round-robin from the last one given out."""
+        """A free slot (never 0), round-robin from the last one given out,
+        with a fresh random tag: the high bits of every immediate that is to
+        reach ``sink`` (what ``resolve`` and ``kv_begin`` hand out)."""
         limit = 1 << SLOT_BITS
         for _ in range(limit - 1):
             slot = self._next
             self._next = self._next % (limit - 1) + 1
-            if slot not in self._sinks:
-                self._sinks[slot] = sink
-                return slot
+            if slot not in self._used:
+                self._used.add(slot)
+                prefix = slot << self.tag_bits | secrets.randbits(self.tag_bits)
+                self._sinks[prefix] = sink
+                return prefix
         raise SlotsExhausted(f"all {limit - 1} immediate slots are in use (exports and KV "
                              "requests on this node)")
 
-    def free(self, slot: int) -> None:
-        self._sinks.pop(slot, None)
+    def free(self, prefix: int) -> None:
+        if self._sinks.pop(prefix, None) is not None:
+            self._used.discard(prefix >> self.tag_bits)
 
     def check_value(self, value: object) -> int:
         if not isinstance(value, int) or isinstance(value, bool) \
                 or not 0 <= value < 1 << self.value_bits:
             raise InvalidArgument(f"immediate {value!r} does not fit: values are 0.."
                                   f"{(1 << self.value_bits) - 1} ({self.bits}-bit immediates, "
-                                  f"{SLOT_BITS} bits of which name the target)")
+                                  f"{self.bits - self.value_bits} bits of which name the "
+                                  "target)")
         return value
 
     def compose(self, slot: int, value: int) -> int:
-        """The immediate that reaches ``slot`` on its owner's node with ``value``."""
+        """The immediate that reaches ``slot`` (as ``allocate`` gave it, tag
+        included) on its owner's node with ``value``."""
         return slot << self.value_bits | self.check_value(value)
 
     def deliver(self, imm: int, count: int) -> None:
