@@ -1,14 +1,16 @@
 """Client sessions: the unix socket, one ``ClientSession`` per client.
 
 A session holds its client's memory (memfds mapped here and registered with
-the engine) and its exports, and serves its requests through ``HANDLERS``, a
-table checked against the client protocol's requests when this module loads.
-Requests that wait (``write``, ``wait_imm``, ``watch``, ``locate``) run as
-tasks, so one client can have many in flight. A client that goes away loses
-its regions and memory; nobody else notices. A local write into another uid's
-region and ``add_peer`` from an unprivileged uid are refused. What must not
-live here: the listener (``_listener``), mapping shared memory (``_shared``),
-the region directory's rules (``_regions``) or the write path (``_writes``).
+the engine) and its exports (each over a mapping of its own, retired at
+unexport), and serves its requests through ``_handlers.HANDLERS``. Requests
+that wait (``write``, ``wait_imm``, ``watch``, ``locate``) run as tasks, so
+one client can have many in flight, within its caps (``_limits``). A client
+that goes away loses its regions and memory; nobody else notices. A local
+write into another uid's region, an export of a name outside the client's
+uid's scope and ``add_peer`` from an unprivileged uid are refused. What must
+not live here: the listener (``_listener``), mapping shared memory
+(``_shared``), the region directory's rules (``_regions``), the write path
+(``_writes``) or the caps' arithmetic (``_limits``).
 """
 
 from __future__ import annotations
