@@ -153,7 +153,15 @@ class Pump:
 
     async def hello(self, **fields: Any) -> Message:
         """Say hello; the ``welcome`` (an ``error`` instead is raised)."""
-        await self.send("hello", **fields)
+        try:
+            await self.send("hello", **fields)
+        except ConnectionLost as lost:
+            # A daemon that refuses us (a cap) says why and hangs up before
+            # it reads our hello: its error is still there to read.
+            try:
+                return await self.reply(None)
+            except ConnectionLost:
+                raise lost from None
         return await self.reply(None)
 
     async def exchange(self, kind: str, **fields: Any) -> Message:

@@ -194,6 +194,15 @@ class Forbidden(DaemonError, PermissionError):
     code = "forbidden"
 
 
+class LimitExceeded(DaemonError):
+    """A cap on what one client, uid or source may hold was reached
+    (requests in flight, waiters, mapped bytes, exports, connections): the
+    message names the cap and its value. Nothing was done; what the caller
+    already holds is untouched, and comes back when it lets go."""
+
+    code = "limit"
+
+
 class ConfigError(InvalidArgument):
     """The daemon's configuration is wrong: the message names the key (and the
     file) and what it must be. Raised before anything is opened."""

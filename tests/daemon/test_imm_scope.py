@@ -75,7 +75,7 @@ async def test_counts_belong_to_the_region_owner(pair: tuple[DaemonProc, DaemonP
                 with pytest.raises(UnknownRegion):
                     await fresh.wait_imm(3, 1, region="scope-other")  # not its region
                 # A value that does not fit beside the slot is refused, not cut.
-                top = 1 << (bits - 12)
+                top = 1 << st["imm_value_bits"]
                 with pytest.raises(InvalidArgument):
                     await writer.write("node-b", "scope-fresh", pieces(1), src=src, imm=top)
                 with pytest.raises(InvalidArgument):

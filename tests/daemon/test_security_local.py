@@ -320,7 +320,8 @@ def test_half_open_connections_under_a_low_fd_limit(tmp_path: Path, capped: bool
     keys: dict[str, Any] = {"node": "lowfd", "socket": str(tmp_path / "lowfd.sock"),
                             "control": f"{LOOPBACK}:{free_port()}", "fabric_node": LOOPBACK}
     if not capped:
-        keys.update(max_connections=1000, max_connections_per_host=1000)
+        keys.update(max_connections=1000, max_connections_per_host=1000,
+                    max_pending_connections=1000, max_pending_per_range=1000)
     d = spawn_daemon(tmp_path, keys, wrap=lambda cmd: ["prlimit", "--nofile=256:256", *cmd])
     held: list[socket.socket] = []
     try:

@@ -376,7 +376,9 @@ def test_in_process_caps_and_deadline_hold_before_the_handshake(
 
     monkeypatch.setattr(auth_mod, "AUTH_TIMEOUT_S", 0.5)
     engine: Any = SimpleNamespace(config=SimpleNamespace(incarnation=1))
-    a = Daemon(DaemonConfig(node="node-a", control=f"{LOOPBACK}:0", max_connections=2,
+    # The cap per address: one that closes the oldest pending connection to
+    # make room (max_pending_*) would let this caller in.
+    a = Daemon(DaemonConfig(node="node-a", control=f"{LOOPBACK}:0", max_connections_per_host=2,
                             **files(pki, "node-a")), engine)
     b_creds = creds(pki, "node-b")
 

@@ -14,6 +14,7 @@ authenticated caller may ask (``_control``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from p2pxfer._pump import bounded
@@ -38,6 +39,8 @@ class Caller:
     def __init__(self, remote: str, auth: ClusterAuth | None, node: str) -> None:
         self.remote = remote
         self.remote_host = ""  # the address it calls from
+        #: called once it is authenticated (``_admit``: it keeps its slot)
+        self.admitted: Callable[[], None] = lambda: None
         self.auth = auth
         self.node = node  # ours
         self.authenticated = auth is None

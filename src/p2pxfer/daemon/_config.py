@@ -96,8 +96,32 @@ class DaemonConfig:
     #: (more are closed at once, unread)
     max_connections: int = 256
     max_connections_per_host: int = 64
+    #: of those, connections whose caller has not authenticated yet, in all
+    #: and from one source range (an IPv4 /24, an IPv6 /64, all of loopback):
+    #: past either, the oldest such connection is closed to make room
+    max_pending_connections: int = 64
+    max_pending_per_range: int = 16
     #: clients connected to the unix socket at once
     max_clients: int = 256
+    #: ``wait_imm`` calls one client may have waiting at once (more: ``limit``)
+    max_waiters_per_client: int = 4096
+    #: caps per client and per uid (root and the daemon's uid have no per-uid
+    #: caps); each refusal is the error ``limit`` naming its key: clients of
+    #: one uid connected at once
+    max_clients_per_uid: int = 64
+    #: requests in flight (those that run as tasks: write, wait_imm, kv_push...)
+    max_requests_per_client: int = 1024
+    max_requests_per_uid: int = 4096
+    #: bytes of shared memory mapped (per uid: with ranges still held after release)
+    max_mapped_per_client: int = 1 << 40
+    max_mapped_per_uid: int = 4 << 40
+    #: exports, receiving KV pools included (each holds one of 4095 immediate slots)
+    max_exports_per_client: int = 1024
+    max_exports_per_uid: int = 1024
+    #: a client of another uid than root's and the daemon's that holds nothing
+    #: (no memory, no request in flight) and sends nothing for this long is
+    #: closed, seconds (0: never)
+    client_idle_s: float = 600.0
     #: peers the table may hold (configured, added, learnt from callers)
     max_peers: int = 4096
     #: immediates at most this many bytes wide: 4 runs tcp and shm as EFA and
@@ -237,9 +261,11 @@ def _int(key: str, v: Any, low: int) -> int:
     return v
 
 
-def _seconds(key: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 86400:
-        raise ConfigError(f"{key} must be a number of seconds > 0, got {v!r} (at most a day)")
+def _seconds(key: str, v: Any, allow_zero: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) \
+            or not (v >= 0 if allow_zero else v > 0) or v > 86400:
+        least = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key} must be a number of seconds {least}, got {v!r} (at most a day)")
     return float(v)
 
 
@@ -367,7 +393,18 @@ _CHECKS: dict[str, Any] = {
     "etcd_ttl": lambda k, v: _int(k, v, 1),
     "max_connections": lambda k, v: _int(k, v, 1),
     "max_connections_per_host": lambda k, v: _int(k, v, 1),
+    "max_pending_connections": lambda k, v: _int(k, v, 1),
+    "max_pending_per_range": lambda k, v: _int(k, v, 1),
     "max_clients": lambda k, v: _int(k, v, 1),
+    "max_waiters_per_client": lambda k, v: _int(k, v, 1),
+    "max_clients_per_uid": lambda k, v: _int(k, v, 1),
+    "max_requests_per_client": lambda k, v: _int(k, v, 1),
+    "max_requests_per_uid": lambda k, v: _int(k, v, 1),
+    "max_mapped_per_client": lambda k, v: _int(k, v, 4096),
+    "max_mapped_per_uid": lambda k, v: _int(k, v, 4096),
+    "max_exports_per_client": lambda k, v: _int(k, v, 1),
+    "max_exports_per_uid": lambda k, v: _int(k, v, 1),
+    "client_idle_s": lambda k, v: _seconds(k, v, allow_zero=True),
     "max_peers": lambda k, v: _int(k, v, 1),
     "imm_bytes": lambda k, v: _one_of(k, _int(k, v, 0), (0, 4, 8)),
     "write_timeout_s": _seconds,

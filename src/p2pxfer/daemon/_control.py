@@ -5,8 +5,9 @@ One task per connection: with TLS configured the TLS 1.3 handshake
 ``Pump`` over the stream, the hello (strictly checked; with TLS its name must
 be the certificate's) and the token handshake (``_auth``), then each request
 dispatched through ``HANDLERS``, a table checked against the peer protocol's
-requests when this module loads. Connections are capped, in all and per
-source address, before any handshake; one must finish the TLS handshake and
+requests when this module loads. Connections are admitted (``_admit``:
+caps in all, per address, and for those not yet authenticated per source
+range, oldest pending closed first) before any handshake; one must finish the TLS handshake and
 say hello (and prove the token) within ``AUTH_TIMEOUT_S``, in frames of at
 most 4 KiB until then; once it proved the token every frame both ways is
 MACed (``Connection.secure``). A caller becomes a peer only if it showed the
@@ -142,18 +143,16 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
     """Serve one control connection until it ends; nothing it does can stop
     the daemon."""
     remote_host, remote = _remote(stream)
-    counts = d.control_connections
-    cfg = d.config
-    if sum(counts.values()) >= cfg.max_connections \
-            or counts[remote_host] >= cfg.max_connections_per_host:
+    admission = d.admission
+    ticket = admission.admit(remote_host)
+    if ticket is None:
         skipped = d.refusals.due(trio.current_time())
         if skipped is not None:
-            log.warning("peer.refused", remote=remote, connections=sum(counts.values()),
-                        from_host=counts[remote_host], not_logged=skipped)
+            log.warning("peer.refused", remote=remote, connections=admission.total,
+                        from_host=admission.per_host[remote_host], not_logged=skipped)
         with trio.CancelScope(shield=True):
             await stream.aclose()
         return
-    counts[remote_host] += 1
     where = f"caller {remote}"
     transport: ByteStream = TrioStream(stream, where)
     caller = Caller(remote, d.auth, d.node)
@@ -161,15 +160,22 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
     # A caller that has not said hello (and proved the token, if one is set)
     # soon gets no more of our time, nor a file descriptor to hold.
     proving = trio.CancelScope(deadline=trio.current_time() + _auth.AUTH_TIMEOUT_S)
+    caller.admitted = partial(admission.authenticated, ticket)
     try:
-        with proving:
+        with ticket.scope, proving:
             if d.tls is not None:
                 tls = await accept_tls(stream, d.tls, where)
                 transport, caller.cert_names = tls, tls.peer_names()
-            pump = Pump(Connection("peer", RESPONDER, max_frame=cfg.max_frame), transport,
-                        where)
+            pump = Pump(Connection("peer", RESPONDER, max_frame=d.config.max_frame),
+                        transport, where)
             await _converse(d, pump, caller, proving)
-        if proving.cancelled_caught:
+        if ticket.evicted:
+            skipped = d.refusals.due(trio.current_time())
+            if skipped is not None:
+                log.warning("peer.evicted", remote=remote, not_logged=skipped,
+                            reason="unauthenticated, and the oldest pending connection "
+                                   "where a newer one needed the room")
+        elif proving.cancelled_caught:
             log.warning("peer.auth_timeout", caller=bounded(caller.name, 100), remote=remote,
                         seconds=_auth.AUTH_TIMEOUT_S)
     except AuthenticationFailed as exc:  # the TLS handshake (or an alert after it)
@@ -183,9 +189,7 @@ async def serve_peer(d: Daemon, stream: trio.SocketStream) -> None:
         log.warning("peer.connection_failed", remote=remote, caller=bounded(caller.name, 100),
                     error=bounded(f"{type(exc).__name__}: {exc}"))
     finally:
-        counts[remote_host] -= 1
-        if counts[remote_host] <= 0:
-            del counts[remote_host]
+        admission.release(ticket)
         await transport.aclose()
 
 
@@ -226,6 +230,7 @@ async def _converse(d: Daemon, pump: Pump, caller: Caller, proving: trio.CancelS
             return  # auth_failed: said so, now hang up
         if caller.proved:
             proving.deadline = math.inf
+            caller.admitted()
 
 
 async def _welcome(d: Daemon, pump: Pump, caller: Caller, msg: Message,
@@ -243,6 +248,7 @@ async def _welcome(d: Daemon, pump: Pump, caller: Caller, msg: Message,
     if caller.authenticated:  # open, or TLS alone: nothing more to prove
         pump.conn.lift_frame_limit()
         proving.deadline = math.inf
+        caller.admitted()
         _known(d, caller)  # its certificate named it (an open daemon learns nobody)
     return True
 

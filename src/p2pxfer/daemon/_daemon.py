@@ -30,11 +30,13 @@ from p2pxfer.errors import ConfigError
 from p2pxfer.log import get_logger
 from p2pxfer.membership import ClusterAuth
 
+from ._admit import Admission
 from ._config import DaemonConfig
 from ._control import serve_control
 from ._follow import Follower, rail_hosts
 from ._imms import ImmTable
 from ._kv import KV
+from ._limits import Limits
 from ._listener import remove_socket, serve_clients
 from ._metrics import DaemonMetrics, serve_metrics
 from ._notes import rails, slow_paths
@@ -151,13 +153,17 @@ class Daemon:
         self.kv: KV = KV(self)
         self.follower.on_peer_lost = self.kv.peer_lost
         self.sessions: set[ClientSession] = set()
+        #: caps per client and per uid, read from the sessions
+        self.limits = Limits(config)
         #: (st_dev, st_ino) of our unix socket, so we remove only our own
         self.socket_identity: tuple[int, int] | None = None
         #: "open", "token", "tls" or "tls+token" (``status`` says it)
         self.credentials = credentials(config)
         self.open = self.credentials == "open"
+        #: control connections: pending and authenticated, their caps
+        self.admission = Admission(config)
         #: control connections being served, per source address
-        self.control_connections: Counter[str] = Counter()
+        self.control_connections: Counter[str] = self.admission.per_host
         #: connections refused for a cap: logged once a second at most
         self.refusals = LogThrottle()
         #: failed TLS handshakes: logged once a second at most
@@ -223,6 +229,7 @@ class Daemon:
             "transfers_in_flight": self.writes.in_flight,
             "invalidations_pending": sum(self.regions.pending_invalidations.values()),
             "imm_bits": self.imms.bits,
+            "imm_value_bits": self.imms.value_bits,
             "imms_dropped": self.imms.dropped,
             "completed": stats.completed,
             "failed": stats.failed,

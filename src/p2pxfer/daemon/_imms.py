@@ -1,14 +1,20 @@
-"""Immediates, as the daemon routes and counts them: scoped, and 32 bits wide
-where the fabric carries no more.
+"""Immediates, as the daemon routes and counts them: scoped, hard to forge
+where the fabric has room, and 32 bits wide where it carries no more.
 
-Every immediate that lands on this node is ``slot | value``: the top
-``SLOT_BITS`` name a *slot* this daemon handed out, the rest (20 bits with
-4-byte CQ data, as EFA and verbs carry; 52 with 8) are the sender's value. A
-slot belongs to one export (given out with its descriptor in ``resolve``) or
-to one KV request (``kv_begin``); ``ImmTable`` routes each arrival to its
-slot's sink, so a count never reaches anyone but the slot's owner. A
-client's exports count into its session's ``ImmCounts``, which die with the
-session; arrivals for a slot nobody holds are dropped (counted). Slots are
+Every immediate that lands on this node is ``slot | tag | value``: the top
+``SLOT_BITS`` name a *slot* this daemon handed out; with 8-byte CQ data (tcp,
+shm) the next ``TAG_BITS`` are that slot's tag, drawn at random each time
+the slot is given out; the last ``VALUE_BITS`` are the sender's value (20
+bits whatever the width, so a cluster's values mean the same on EFA and
+verbs, which carry 4 bytes and so no tag). A slot with its tag belongs to
+one export (given out with its descriptor in ``resolve``) or to one KV
+request (``kv_begin``); ``ImmTable`` routes each arrival to its slot's sink
+only if the tag matches, so a count never reaches anyone but the slot's
+owner, and someone who holds the key of some *other* region here (its own,
+say) cannot complete this one's waits by writing forged CQ data into its own
+region: it would have to guess 32 random bits. A client's exports count
+into its session's ``ImmCounts``, which die with the session; arrivals for
+a slot nobody holds, or with a wrong tag, are dropped (counted). Slots are
 handed out round-robin, so a slot just freed is not soon reused (a late
 piece of an old writer must not count for a new owner).
 
@@ -18,19 +24,24 @@ what a KV request does with its layers (``_kv``).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 
-import trio
-
+from p2pxfer._waiters import Tally
 from p2pxfer.engine import Engine
-from p2pxfer.errors import DaemonError, InvalidArgument
+from p2pxfer.errors import InvalidArgument, LimitExceeded
 from p2pxfer.log import get_logger
 
-__all__ = ["MAX_UNCLAIMED", "SLOT_BITS", "ImmCounts", "ImmTable", "SlotsExhausted"]
+__all__ = ["MAX_UNCLAIMED", "SLOT_BITS", "TAG_BITS", "VALUE_BITS", "ImmCounts", "ImmTable",
+           "SlotsExhausted"]
 
 log = get_logger("p2pxfer.daemon")
 
 SLOT_BITS = 12
+#: bits of a slot's secret tag, where the CQ data has room (8 bytes)
+TAG_BITS = 32
+#: bits of the sender's value (``write.imm``, a KV layer), whatever the width
+VALUE_BITS = 20
 #: distinct (region, value) counts a session keeps that nobody has waited for
 #: yet; beyond it the oldest are dropped (and logged)
 MAX_UNCLAIMED = 4096
@@ -38,7 +49,7 @@ MAX_UNCLAIMED = 4096
 Sink = Callable[[int, int], None]  # (value, count)
 
 
-class SlotsExhausted(DaemonError):
+class SlotsExhausted(LimitExceeded):
     """Every slot is in use (too many exports and KV requests at once)."""
 
 
@@ -47,38 +58,49 @@ class ImmTable:
 
     def __init__(self, engine: Engine) -> None:
         self.bits = engine.imm_bits
-        self.value_bits = self.bits - SLOT_BITS
-        self._sinks: dict[int, Sink] = {}
+        # With 8 bytes of CQ data a slot also carries a secret tag: see the
+        # module's docstring (4 bytes leave no room for one).
+        self.tag_bits = TAG_BITS if self.bits >= SLOT_BITS + TAG_BITS + VALUE_BITS else 0
+        self.value_bits = self.bits - SLOT_BITS - self.tag_bits
+        self._sinks: dict[int, Sink] = {}  # slot << tag_bits | tag -> sink
+        self._used: set[int] = set()  # slot numbers held
         self._next = 1
-        self.dropped = 0  # pieces that arrived for a slot nobody holds
+        self.dropped = 0  # pieces that arrived for a slot nobody holds (or a wrong tag)
         # Every immediate < 2**bits: ``imm >> bits == 0`` routes them all here.
         engine.route_imms(self.bits, 0, self._arrival)
 
     def allocate(self, sink: Sink) -> int:
-        """A free slot (never 0), round-robin from the last one given out."""
+        """A free slot (never 0), round-robin from the last one given out,
+        with a fresh random tag: the high bits of every immediate that is to
+        reach ``sink`` (what ``resolve`` and ``kv_begin`` hand out)."""
         limit = 1 << SLOT_BITS
         for _ in range(limit - 1):
             slot = self._next
             self._next = self._next % (limit - 1) + 1
-            if slot not in self._sinks:
-                self._sinks[slot] = sink
-                return slot
+            if slot not in self._used:
+                self._used.add(slot)
+                prefix = slot << self.tag_bits | secrets.randbits(self.tag_bits)
+                self._sinks[prefix] = sink
+                return prefix
         raise SlotsExhausted(f"all {limit - 1} immediate slots are in use (exports and KV "
                              "requests on this node)")
 
-    def free(self, slot: int) -> None:
-        self._sinks.pop(slot, None)
+    def free(self, prefix: int) -> None:
+        if self._sinks.pop(prefix, None) is not None:
+            self._used.discard(prefix >> self.tag_bits)
 
     def check_value(self, value: object) -> int:
         if not isinstance(value, int) or isinstance(value, bool) \
                 or not 0 <= value < 1 << self.value_bits:
             raise InvalidArgument(f"immediate {value!r} does not fit: values are 0.."
                                   f"{(1 << self.value_bits) - 1} ({self.bits}-bit immediates, "
-                                  f"{SLOT_BITS} bits of which name the target)")
+                                  f"{self.bits - self.value_bits} bits of which name the "
+                                  "target)")
         return value
 
     def compose(self, slot: int, value: int) -> int:
-        """The immediate that reaches ``slot`` on its owner's node with ``value``."""
+        """The immediate that reaches ``slot`` (as ``allocate`` gave it, tag
+        included) on its owner's node with ``value``."""
         return slot << self.value_bits | self.check_value(value)
 
     def deliver(self, imm: int, count: int) -> None:
@@ -98,73 +120,45 @@ class ImmTable:
 class ImmCounts:
     """One session's immediate counts: per (region, value), and per value
     over all of its regions (``region`` None). Each view is consumed by its
-    own waits. Cancellation-safe: a withdrawn waiter leaves the counts."""
+    own waits. Cancellation-safe: a withdrawn waiter leaves the counts. At
+    most ``max_waiters`` waits at once (``LimitExceeded``)."""
 
-    def __init__(self, owner: str, limit: int = MAX_UNCLAIMED) -> None:
+    def __init__(self, owner: str, limit: int = MAX_UNCLAIMED,
+                 max_waiters: int | None = None) -> None:
         self.owner = owner
         self.limit = limit
-        self._counts: dict[tuple[str | None, int], int] = {}
-        self._waiters: dict[tuple[str | None, int], list[tuple[int, trio.Event]]] = {}
+        self._tally = Tally[tuple[str | None, int]](max_waiters, "wait_imm calls of this client")
         self.dropped = 0
+
+    @property
+    def waiting(self) -> int:
+        return self._tally.waiting
 
     def sink(self, region: str) -> Sink:
         """Where ``region``'s arrivals go (``ImmTable.allocate``)."""
         return lambda value, count: self.arrive(region, value, count)
 
     def arrive(self, region: str, value: int, count: int) -> None:
-        for key in ((region, value), (None, value)):
-            self._counts[key] = self._counts.get(key, 0) + count
-            waiters = self._waiters.get(key)
-            while waiters and self._counts.get(key, 0) >= waiters[0][0]:
-                want, ev = waiters.pop(0)
-                self._take(key, want)
-                ev.set()
-            if waiters == []:
-                del self._waiters[key]
-        if len(self._counts) > self.limit:
+        self._tally.add((region, value), count)
+        self._tally.add((None, value), count)
+        if len(self._tally.counts) > self.limit:
             self._trim()
 
     def _trim(self) -> None:
-        for key in list(self._counts):
-            if len(self._counts) <= self.limit:
+        for key in list(self._tally.counts):
+            if len(self._tally.counts) <= self.limit:
                 return
-            if key not in self._waiters:
-                self.dropped += self._counts.pop(key)
+            if not self._tally.awaited(key):
+                self.dropped += self._tally.discard(key)
                 log.warning("imm.unclaimed_dropped", client=self.owner, region=key[0],
                             imm=key[1])
 
-    def _take(self, key: tuple[str | None, int], count: int) -> None:
-        left = self._counts.get(key, 0) - count
-        if left:
-            self._counts[key] = left
-        else:
-            self._counts.pop(key, None)
-
     def count(self, region: str | None, value: int) -> int:
-        return self._counts.get((region, value), 0)
+        return self._tally.count((region, value))
 
     async def wait(self, region: str | None, value: int, count: int) -> None:
         """Return once ``count`` pieces with ``value`` have landed in
         ``region`` (None: in any of the session's regions), consuming them."""
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise InvalidArgument(f"count must be an integer > 0, got {count!r}")
-        key = (region, value)
-        if self._counts.get(key, 0) >= count and not self._waiters.get(key):
-            self._take(key, count)
-            await trio.lowlevel.checkpoint()
-            return
-        ev = trio.Event()
-        entry = (count, ev)
-        self._waiters.setdefault(key, []).append(entry)
-        try:
-            await ev.wait()
-        except BaseException:
-            waiters = self._waiters.get(key, [])
-            if entry in waiters:
-                waiters.remove(entry)
-                if not waiters:
-                    self._waiters.pop(key, None)
-            elif ev.is_set():
-                # Satisfied as we were cancelled: give the pieces back.
-                self._counts[key] = self._counts.get(key, 0) + count
-            raise
+        await self._tally.wait((region, value), count)

@@ -8,7 +8,7 @@ delivery-complete, only where it has not landed: the layer is counted once.
 A layer's immediate (request slot | layer) is unique per push, so the answer
 is exact.
 
-Runs in the daemon's trio thread, inside a push (``_kv.KV._post``); owns no
+Runs in the daemon's trio thread, inside a push (``_kv_push.Pushes._post``); owns no
 state. What must not live here: the push itself, the receiver's bookkeeping
 (``_kv``), posting (the engine).
 """

@@ -20,6 +20,7 @@ import trio
 from p2pxfer._pump import bounded
 from p2pxfer.errors import DaemonError, InvalidArgument
 from p2pxfer.log import get_logger
+from p2pxfer.protocol import encode_frame
 
 from ._io import peer_credentials
 from ._sessions import ClientSession
@@ -123,15 +124,20 @@ async def _client(d: Daemon, sock: trio.socket.SocketType) -> None:
         log.warning("client.refused", pid=pid, uid=uid)
         sock.close()
         return
-    if len(d.sessions) >= d.config.max_clients:
-        skipped = d.refusals.due(trio.current_time())
-        if skipped is not None:
-            log.warning("client.refused", pid=pid, uid=uid, not_logged=skipped,
-                        reason=f"{d.config.max_clients} clients already connected")
+    if (reason := d.limits.admit(uid, len(d.sessions))) is not None:
+        refused = d.limits.refuse(None, "max_clients", reason, uid=uid)
+        # Said before the client's hello is read: its connection ends on
+        # ``limit`` naming the cap, not on a bare hang-up.
+        # (The socket is non-blocking: a client that reads nothing loses it.)
+        with contextlib.suppress(OSError):
+            os.write(sock.fileno(), encode_frame({"t": "error", "id": None,
+                                                  "code": refused.code,
+                                                  "message": str(refused)}))
         sock.close()
         return
     session = ClientSession(d, sock, pid, uid)
     d.sessions.add(session)
+    d.limits.joined(session)
     try:
         await session.run()
     except Exception as exc:  # one client's failure must never reach the others
@@ -139,3 +145,4 @@ async def _client(d: Daemon, sock: trio.socket.SocketType) -> None:
                   error=bounded(f"{type(exc).__name__}: {exc}"))
     finally:
         d.sessions.discard(session)
+        d.limits.left(session)

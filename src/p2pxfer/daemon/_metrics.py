@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -25,6 +24,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from p2pxfer._pump import LogThrottle
 from p2pxfer.errors import StartupError
 from p2pxfer.log import get_logger
 
@@ -43,6 +43,10 @@ MEMBER_STATES = ("alive", "suspect", "dead", "left")
 REQUEST_LIMIT = 8192  # bytes of request head a scraper may send
 REQUEST_TIMEOUT_S = 5.0
 MAX_SCRAPES = 8  # connections served at once; more wait for their turn
+#: connections held at once (served or waiting their turn); more are closed
+#: at once, so a flood of silent connections cannot take every descriptor
+MAX_CONNECTIONS = 32
+ACCEPT_BACKOFF_S = 0.1  # after accept failed (descriptors or memory ran out)
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 #: write latency buckets, seconds: 50 us (a small write on shm) to 10 s
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
@@ -187,8 +191,46 @@ async def serve_metrics(metrics: DaemonMetrics, address: str, *,
     where = f"{bound[0]}:{bound[1]}"
     log.info("metrics.ready", address=where)
     task_status.started(where)  # bound already: scrapes queue until served
-    await trio.serve_listeners(partial(_answer, metrics, trio.CapacityLimiter(MAX_SCRAPES)),
-                               listeners)
+    limiter = trio.CapacityLimiter(MAX_SCRAPES)
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(_accept, metrics, limiter, listener)
+
+
+async def _accept(metrics: DaemonMetrics, limiter: trio.CapacityLimiter,
+                  listener: trio.SocketListener) -> None:
+    """Our own accept loop (not ``trio.serve_listeners``): connections past
+    ``MAX_CONNECTIONS`` are closed at once, and a failed accept is logged
+    once a second at most, not with a traceback each time."""
+    held = [0]
+    refused, failed = LogThrottle(), LogThrottle()
+    async with trio.open_nursery() as nursery:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if (skipped := failed.due(trio.current_time())) is not None:
+                    log.error("metrics.accept_failed", error=str(exc), not_logged=skipped)
+                await trio.sleep(ACCEPT_BACKOFF_S)
+                continue
+            if held[0] >= MAX_CONNECTIONS:
+                if (skipped := refused.due(trio.current_time())) is not None:
+                    log.warning("limit.refused", limit="metrics connections",
+                                reason=f"{MAX_CONNECTIONS} metrics connections open",
+                                not_logged=skipped)
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+                continue
+            held[0] += 1
+            nursery.start_soon(_held, metrics, limiter, stream, held)
+
+
+async def _held(metrics: DaemonMetrics, limiter: trio.CapacityLimiter,
+                stream: trio.SocketStream, held: list[int]) -> None:
+    try:
+        await _answer(metrics, limiter, stream)
+    finally:
+        held[0] -= 1
 
 
 async def _answer(metrics: DaemonMetrics, limiter: trio.CapacityLimiter,

@@ -34,7 +34,7 @@ from p2pxfer.errors import P2PXferError
 from p2pxfer.log import get_logger
 from p2pxfer.memory import buffer_span
 
-__all__ = ["HOLD_S", "MAX_HELD", "held", "retire"]
+__all__ = ["HOLD_S", "MAX_HELD", "held", "held_bytes", "retire"]
 
 log = get_logger("p2pxfer.daemon")
 
@@ -56,8 +56,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-#: (unmap after, address, size) of the ranges held
-_held: deque[tuple[float, int, int]] = deque()
+#: (unmap after, address, size, owner's uid) of the ranges held
+_held: deque[tuple[float, int, int, int | None]] = deque()
 
 
 def _anonymous(address: int, size: int, fixed: int) -> None:
@@ -68,9 +68,10 @@ def _anonymous(address: int, size: int, fixed: int) -> None:
         raise OSError(err, f"cannot hold {size} bytes at {address:#x}: {os.strerror(err)}")
 
 
-def retire(m: mmap.mmap) -> None:
+def retire(m: mmap.mmap, owner: int | None = None) -> None:
     """Detach ``m``'s pages from the client's memfd now, close ``m`` (and its
-    fd), and keep its address range reserved for a while."""
+    fd), and keep its address range reserved for a while (counted against
+    ``owner``, a uid, meanwhile: ``held_bytes``)."""
     now = time.monotonic()
     try:
         span = buffer_span(m)
@@ -93,10 +94,20 @@ def retire(m: mmap.mmap) -> None:
     except OSError as exc:  # something else took the range in between
         log.warning("memory.retire_unheld", error=str(exc))
         return
-    _held.append((now + HOLD_S, span.address, span.nbytes))
+    _held.append((now + HOLD_S, span.address, span.nbytes, owner))
+    _expire(now)
+
+
+def _expire(now: float) -> None:
     while _held and (_held[0][0] <= now or len(_held) > MAX_HELD):
-        _, address, size = _held.popleft()
+        _, address, size, _owner = _held.popleft()
         _libc.munmap(address, size)
+
+
+def held_bytes(owner: int) -> int:
+    """Bytes of address space held for ranges ``owner`` (a uid) released."""
+    _expire(time.monotonic())
+    return sum(size for _, _, size, who in _held if who == owner)
 
 
 def held() -> int:

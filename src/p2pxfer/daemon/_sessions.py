@@ -1,14 +1,16 @@
 """Client sessions: the unix socket, one ``ClientSession`` per client.
 
 A session holds its client's memory (memfds mapped here and registered with
-the engine) and its exports, and serves its requests through ``HANDLERS``, a
-table checked against the client protocol's requests when this module loads.
-Requests that wait (``write``, ``wait_imm``, ``watch``, ``locate``) run as
-tasks, so one client can have many in flight. A client that goes away loses
-its regions and memory; nobody else notices. A local write into another uid's
-region and ``add_peer`` from an unprivileged uid are refused. What must not
-live here: the listener (``_listener``), mapping shared memory (``_shared``),
-the region directory's rules (``_regions``) or the write path (``_writes``).
+the engine) and its exports (each over a mapping of its own, retired at
+unexport), and serves its requests through ``_handlers.HANDLERS``. Requests
+that wait (``write``, ``wait_imm``, ``watch``, ``locate``) run as tasks, so
+one client can have many in flight, within its caps (``_limits``). A client
+that goes away loses its regions and memory; nobody else notices. A local
+write into another uid's region, an export of a name outside the client's
+uid's scope and ``add_peer`` from an unprivileged uid are refused. What must
+not live here: the listener (``_listener``), mapping shared memory
+(``_shared``), the region directory's rules (``_regions``), the write path
+(``_writes``) or the caps' arithmetic (``_limits``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import contextlib
 import math
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -32,24 +34,20 @@ from p2pxfer.errors import (
 )
 from p2pxfer.log import get_logger
 from p2pxfer.protocol import (
-    CLIENT_REQUESTS,
     RESPONDER,
     SCHEMA_VERSION,
     Connection,
     LocalProtocolError,
     Message,
     RemoteProtocolError,
-    check_handlers,
-    unpack_scatter,
     wire_error,
 )
-from p2pxfer.scatter import ScatterList
 
-from ._follow import WATCH_TIMEOUT_MAX_S
+from ._handlers import HANDLERS
 from ._imms import ImmCounts
 from ._io import UnixFdStream
 from ._kv import Pool
-from ._shared import SharedMap
+from ._shared import ExportMap, SharedMap
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -99,11 +97,13 @@ class ClientSession:
                          self.stream, f"client {self.label}")
         self.mems: dict[int, SharedMap] = {}
         self.exports: dict[str, int] = {}  # region name -> memory backing it
+        #: region name -> the export's own mapping of its range (retired at unexport)
+        self.export_maps: dict[str, ExportMap] = {}
         self.slots: dict[str, int] = {}  # region name -> its immediate slot
         # region name -> other uids its owner lets write into it from this node
         self.grants: dict[str, frozenset[int]] = {}
         #: immediates landed in this session's regions (they die with it)
-        self.counts = ImmCounts(self.label)
+        self.counts = ImmCounts(self.label, max_waiters=daemon.config.max_waiters_per_client)
         self.kv_pools: dict[str, Pool] = {}  # this client's KV pools, by name
         self._next_mem = 1
         self._greeting = trio.CancelScope()  # until hello (deadline set in run)
@@ -145,7 +145,18 @@ class ClientSession:
                 served = 0
                 await trio.lowlevel.checkpoint()
             try:
-                msg = await self.pump.receive()
+                if (idle_s := self.daemon.limits.idle_s(self)) is None:
+                    msg = await self.pump.receive()
+                else:
+                    # It holds nothing: a slot of max_clients is all it costs,
+                    # and it cannot keep that for ever by saying nothing.
+                    msg = None
+                    with trio.move_on_after(idle_s) as idle:
+                        msg = await self.pump.receive()
+                    if idle.cancelled_caught:
+                        log.warning("limit.idle", client=self.label, uid=self.uid,
+                                    seconds=idle_s)
+                        return
             except RemoteProtocolError as exc:
                 log.warning("client.protocol_error", client=self.label, code=exc.code,
                             error=bounded(exc.message))
@@ -164,6 +175,11 @@ class ClientSession:
                 self.pump.conn.lift_frame_limit()
                 self._greeting.deadline = math.inf
             elif msg.kind in CONCURRENT:
+                try:
+                    self.daemon.limits.request(self, msg.kind)
+                except P2PXferError as exc:
+                    await self._send(self.pump.answer(msg.id, exc))
+                    continue
                 # Registered before the task starts: a ``cancel`` right behind
                 # this request must find it.
                 if msg.id is not None:
@@ -264,6 +280,29 @@ class ClientSession:
                                     f"{self.daemon.node} that uid {self.uid} may write into")
         # Not exported at all: the write path says so, after checking the rest.
 
+    @property
+    def mapped(self) -> int:
+        """Bytes of this client's memory mapped here (exports map their
+        ranges once more)."""
+        return sum(m.size for m in self.mems.values()) \
+            + sum(e.size for e in self.export_maps.values())
+
+    def may_name(self, name: str) -> None:
+        """Region names are scoped by uid, so no uid can take a name another
+        uid's service expects (before it starts, or while it reconnects) and
+        receive the remote writes meant for it: ``~U/...`` belongs to uid U
+        alone; every other name to root and the daemon's uid, whose regions
+        remote peers reach by plain names. ``Forbidden`` otherwise."""
+        if name.startswith("~"):
+            if not name.startswith(f"~{self.uid}/"):
+                raise Forbidden(f"uid {self.uid} may not export {bounded(name, 100)!r}: a name "
+                                f"under '~UID/' belongs to that uid (this client's: "
+                                f"'~{self.uid}/')")
+        elif not self.privileged:
+            raise Forbidden(f"uid {self.uid} may export names under '~{self.uid}/' only, not "
+                            f"{bounded(name, 100)!r}: names without '~' belong to root and the "
+                            f"daemon's uid ({os.getuid()})")
+
     def mem(self, mem_id: int) -> SharedMap:
         mem = self.mems.get(mem_id)
         if mem is None:
@@ -277,7 +316,8 @@ class ClientSession:
         try:
             if size <= 0:
                 raise InvalidArgument(f"share size must be > 0, got {size}")
-            mem = SharedMap(self._next_mem, fd, size)
+            self.daemon.limits.share(self, size)
+            mem = SharedMap(self._next_mem, fd, size, self.uid)
         finally:
             os.close(fd)
         self._next_mem += 1
@@ -322,17 +362,26 @@ class ClientSession:
                writers: Any = None) -> dict[str, Any]:
         d = self.daemon
         grants = check_writers(writers)
+        self.may_name(name)
         d.regions.check_free(name)
+        d.limits.export(self, length)
         mem = self.mem(mem_id)
-        slot = d.imms.allocate(self.counts.sink(name))
+        own = mem.export_map(offset, length)
         try:
-            desc = d.engine.export(mem.view(offset, length), name)
+            slot = d.imms.allocate(self.counts.sink(name))
+        except BaseException:
+            own.retire()
+            raise
+        try:
+            desc = d.engine.export(own.view, name)
         except BaseException:
             d.imms.free(slot)
+            own.retire()
             raise
         d.regions.add_export(name, self.label, desc, slot)
         d.writes.local.add(name, mem, offset, desc.length, slot)
         self.exports[name] = mem.id
+        self.export_maps[name] = own
         self.slots[name] = slot
         if grants:
             self.grants[name] = grants
@@ -354,7 +403,14 @@ class ClientSession:
             self.daemon.kv.drop_pool(name)
         self.daemon.imms.free(self.slots.pop(name))
         self.daemon.regions.remove_export(name)
-        self.daemon.engine.unexport(name)
+        engine = self.daemon.engine
+        engine.unexport(name)
+        own = self.export_maps.pop(name)
+        with contextlib.suppress(P2PXferError):
+            engine.deregister(own.view)  # the local registration the export pinned
+        # A peer's write still streaming in lands in private pages from now
+        # on, not in the client's memory (which it goes on using).
+        own.retire()
 
     async def _release(self) -> None:
         """The client is gone: drop its exports (once copies into them have
@@ -370,119 +426,3 @@ class ClientSession:
                 self.daemon.engine.deregister(mem.map)
             mem.close()
         self.mems.clear()
-
-
-# -- the handler table ------------------------------------------------------------------
-
-Handler = Callable[[ClientSession, Message], Awaitable[dict[str, Any]]]
-
-
-async def _share(s: ClientSession, msg: Message) -> dict[str, Any]:
-    return {"mem": s.share(msg["size"])}
-
-
-async def _unshare(s: ClientSession, msg: Message) -> dict[str, Any]:
-    s.unshare(msg["mem"])
-    return {}
-
-
-async def _export(s: ClientSession, msg: Message) -> dict[str, Any]:
-    await s.name_freed(msg["name"])
-    return {"descriptor": s.export(msg["name"], msg["mem"], msg["offset"], msg["length"],
-                                   msg.get("writers"))}
-
-
-async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
-    await s.unexport(msg["name"])
-    return {}
-
-
-async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
-    if msg["peer"] == s.daemon.node:
-        s.may_write_into(msg["region"])
-    src = s.mem(msg["mem"]).view(msg["offset"])
-    scatter = ScatterList(*unpack_scatter(msg["scatter"]))
-    pieces = await s.daemon.writes.write(s.label, src, scatter, msg["peer"], msg["region"],
-                                         msg.get("imm"), session=s,
-                                         notify=msg.get("notify", False))
-    return {"pieces": pieces}
-
-
-async def _wait_imm(s: ClientSession, msg: Message) -> dict[str, Any]:
-    region = msg.get("region")
-    if region is not None and region not in s.exports:
-        raise UnknownRegion(f"this client exported no {region!r}: only a region's owner "
-                            "waits for its immediates")
-    value = s.daemon.imms.check_value(msg["imm"])
-    timeout_ms = msg.get("timeout_ms")
-    with trio.move_on_after(math.inf if timeout_ms is None else max(timeout_ms, 0) / 1000):
-        await s.counts.wait(region, value, msg["count"])
-        return {}
-    # Said here, where the count is: how far the wait got is the clue.
-    return {"timed_out": True, "arrived": s.counts.count(region, value)}
-
-
-async def _status(s: ClientSession, msg: Message) -> dict[str, Any]:
-    return s.daemon.status()
-
-
-async def _peers(s: ClientSession, msg: Message) -> dict[str, Any]:
-    return {"peers": s.daemon.peer_list()}
-
-
-async def _add_peer(s: ClientSession, msg: Message) -> dict[str, Any]:
-    if not s.privileged:
-        raise Forbidden(f"add_peer changes the whole node: only root or the daemon's uid "
-                        f"({os.getuid()}) may, not uid {s.uid}")
-    s.daemon.peers.add(msg["name"], msg["address"])
-    return {}
-
-
-async def _locate(s: ClientSession, msg: Message) -> dict[str, Any]:
-    return {"nodes": await s.daemon.regions.locate(msg["region"])}
-
-
-async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
-    timeout_ms = msg.get("timeout_ms", 30_000)
-    if timeout_ms < 0:
-        raise InvalidArgument(f"timeout_ms must be >= 0, got {timeout_ms}")
-    d = s.daemon
-    return await d.follower.watch(msg["after"], min(timeout_ms / 1000, WATCH_TIMEOUT_MAX_S),
-                                  d.peer_list)
-
-
-async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
-    await s.name_freed(msg["name"])
-    return s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
-                                msg.get("receive", True), msg.get("writers"))
-
-
-async def _kv_push(s: ClientSession, msg: Message) -> dict[str, Any]:
-    return await s.daemon.kv.push(s, msg)
-
-
-async def _kv_wait(s: ClientSession, msg: Message) -> dict[str, Any]:
-    timeout_ms = msg.get("timeout_ms", -1)
-    return await s.daemon.kv.wait(s, msg["pool"], msg["request"], msg.get("first", 0),
-                                  msg["upto"], math.inf if timeout_ms < 0 else timeout_ms / 1000)
-
-
-async def _kv_forget(s: ClientSession, msg: Message) -> dict[str, Any]:
-    s.daemon.kv.forget(s, msg["pool"], msg["request"])
-    return {}
-
-
-async def _cancel(s: ClientSession, msg: Message) -> dict[str, Any]:
-    await s.cancel(msg["target"])
-    return {}
-
-
-HANDLERS: dict[str, Handler] = {
-    "share": _share, "unshare": _unshare, "export": _export, "unexport": _unexport,
-    "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
-    "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
-    "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
-    "ping": lambda s, msg: s.daemon.ping.run(msg.get("peer", ""),
-                                             msg.get("timeout_ms", 10_000) / 1000),
-}
-check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")

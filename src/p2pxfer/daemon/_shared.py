@@ -9,6 +9,7 @@ engine's) or sessions.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -17,7 +18,7 @@ from p2pxfer.errors import InvalidArgument, ScatterError
 
 from ._retire import retire
 
-__all__ = ["SharedMap", "seal_shared"]
+__all__ = ["ExportMap", "SharedMap", "seal_shared"]
 
 
 def seal_shared(fd: int) -> None:
@@ -44,17 +45,34 @@ class SharedMap:
     """A client's memfd, sealed against shrinking, mapped here and registered
     with the engine."""
 
-    def __init__(self, mem_id: int, fd: int, size: int) -> None:
+    def __init__(self, mem_id: int, fd: int, size: int, owner: int | None = None) -> None:
         seal_shared(fd)  # before the size check: the size cannot go down after it
         st = os.fstat(fd)
         if st.st_size < size:
             raise InvalidArgument(f"memfd holds {st.st_size} bytes, not {size}")
         self.id = mem_id
         self.size = size
+        self.owner = owner  # the client's uid: its range stays charged to it while held
         try:
             self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as exc:
             raise InvalidArgument(f"cannot map the shared fd read-write: {exc}") from exc
+        self._fd = os.dup(fd)  # exports map their ranges apart (``export_map``)
+
+    def export_map(self, offset: int, length: int) -> ExportMap:
+        """``[offset, offset + length)`` mapped on its own, for one export to
+        register: its unexport retires exactly this mapping (``_retire``), so
+        a peer's write still streaming in when it answered lands in private
+        pages, never in the client's memory, which stays mapped and in use."""
+        self.view(offset, length)  # out_of_range if it does not fit
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            m = mmap.mmap(self._fd, offset + length - start, mmap.MAP_SHARED,
+                          mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot map [{offset}, {offset + length}) of memory "
+                                  f"{self.id} for its export: {exc}") from exc
+        return ExportMap(m, offset - start, length, self.owner)
 
     def view(self, offset: int, length: int | None = None) -> memoryview:
         end = self.size if length is None else offset + length
@@ -66,4 +84,22 @@ class SharedMap:
     def close(self) -> None:
         # Not unmapped at once: a peer's write may still be streaming into
         # these pages (see ``_retire``).
-        retire(self.map)
+        retire(self.map, self.owner)
+        os.close(self._fd)
+
+
+class ExportMap:
+    """One export's own mapping of its range (``SharedMap.export_map``)."""
+
+    def __init__(self, m: mmap.mmap, start: int, length: int, owner: int | None) -> None:
+        self.map = m
+        self.size = len(m)
+        self.owner = owner
+        self.view = memoryview(m)[start:start + length]
+
+    def retire(self) -> None:
+        """Its pages swapped for private ones now (``_retire``); the export's
+        registrations must be closed first."""
+        with contextlib.suppress(BufferError):  # a view still held: retire copes
+            self.view.release()
+        retire(self.map, self.owner)

@@ -80,12 +80,12 @@ class Writes:
         until = deadline_after(d.config.write_timeout_s)
         follower = d.follower
         if not follower.enabled:
-            desc = await d.regions.resolve(peer, region, until=until)
+            desc = await self.destination(session, peer, region, until)
             return await self._run(client, src, scatter, peer, region, desc, imm, session,
                                    notify, until)
         follower.check_peer(peer)
         with follower.track_write(peer):
-            desc = await d.regions.resolve(peer, region, until=until)
+            desc = await self.destination(session, peer, region, until)
             try:
                 follower.check_descriptor(desc)
             except PeerLost:
@@ -94,6 +94,21 @@ class Writes:
             return await self._run(client, src, scatter, peer, region, desc, imm, session,
                                    notify, until)
         raise AssertionError("unreachable")  # track_write raised PeerLost
+
+    def ours(self, desc: RegionDescriptor) -> bool:
+        """``desc`` is a region of this daemon, in its running life."""
+        return desc.node == self.d.node and desc.incarnation == self.d.incarnation
+
+    async def destination(self, session: ClientSession | None, peer: str, region: str,
+                          until: float) -> RegionDescriptor:
+        """``region`` on ``peer``, resolved. A region of this daemon meets the
+        writer's uid check (``ClientSession.may_write_into``) whatever name
+        reached it: this node's, or a peer entry whose address is our own
+        control port (the check must not depend on how the peer was named)."""
+        desc = await self.d.regions.resolve(peer, region, until=until)
+        if session is not None and self.ours(desc):
+            session.may_write_into(desc.name)
+        return desc
 
     async def _copy(self, session: ClientSession, src: memoryview, scatter: ScatterList,
                     region: str, imm: int | None, notify: bool) -> int:
@@ -118,8 +133,7 @@ class Writes:
                    session: ClientSession | None = None, notify: bool = False,
                    until: float = math.inf) -> int:
         d = self.d
-        if session is not None and self.local.enabled and desc.node == d.node \
-                and desc.incarnation == d.incarnation:
+        if session is not None and self.local.enabled and self.ours(desc):
             # ``peer`` names this daemon (an alias of ours): the same copy as a
             # write naming our own node, into the export of that name now.
             if not self.local.has(desc.name):

@@ -41,6 +41,10 @@ PROTOCOLS = {"client": CLIENT_REQUESTS, "peer": PEER_REQUESTS}
 #: maps, so this is generous, and it keeps a 16 MiB frame of empty maps from
 #: becoming gigabytes of dicts
 RESPONDER_MAX_CONTAINERS = 64
+#: the same bound on answers a daemon reads from its peers (they are as
+#: hostile as requests until proven otherwise), larger because answers nest
+#: more (``peers``, a remote ``status``); clients trust their own daemon
+PEER_ANSWER_MAX_CONTAINERS = 16384
 
 
 class Connection:
@@ -68,7 +72,8 @@ class Connection:
         self.send_max_frame = max_frame  # what the peer accepts (welcome may lower it)
         self._decoder = FrameDecoder(
             min(max_frame, handshake_max_frame),
-            max_containers=RESPONDER_MAX_CONTAINERS if our_role == RESPONDER else None)
+            max_containers=RESPONDER_MAX_CONTAINERS if our_role == RESPONDER
+            else PEER_ANSWER_MAX_CONTAINERS if protocol == "peer" else None)
         self._send_mac: FrameMac | None = None
         self._eof = False
         self._outstanding: set[int] = set()

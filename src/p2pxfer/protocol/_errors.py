@@ -20,6 +20,7 @@ from p2pxfer.errors import (
     EngineClosed,
     Forbidden,
     InvalidArgument,
+    LimitExceeded,
     NameTaken,
     NotificationUnknown,
     P2PXferError,
@@ -87,6 +88,7 @@ _ANSWERS: tuple[tuple[type[P2PXferError], bool], ...] = (
     (TransferTimeout, False),
     (TransferError, False),
     (EngineClosed, False),
+    (LimitExceeded, False),
     (DaemonError, False),  # "internal"
 )
 

@@ -1,0 +1,141 @@
+"""The client protocol's handler table: one function per request kind, each
+turning a request into calls on its ``ClientSession`` (``_sessions``) and the
+daemon's parts, checked against the protocol's request kinds when this
+module loads (a request without a handler fails the import, not a client).
+What must not live here: serving the connection (``_sessions``), or any
+rule a part owns (uid checks, the write path, the region directory).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from p2pxfer.errors import Forbidden, InvalidArgument, UnknownRegion
+from p2pxfer.protocol import CLIENT_REQUESTS, Message, check_handlers, unpack_scatter
+from p2pxfer.scatter import ScatterList
+
+from ._follow import WATCH_TIMEOUT_MAX_S
+
+if TYPE_CHECKING:
+    from ._sessions import ClientSession
+
+__all__ = ["HANDLERS"]
+
+Handler = Callable[["ClientSession", Message], Awaitable[dict[str, Any]]]
+
+
+async def _share(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return {"mem": s.share(msg["size"])}
+
+
+async def _unshare(s: ClientSession, msg: Message) -> dict[str, Any]:
+    s.unshare(msg["mem"])
+    return {}
+
+
+async def _export(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.name_freed(msg["name"])
+    return {"descriptor": s.export(msg["name"], msg["mem"], msg["offset"], msg["length"],
+                                   msg.get("writers"))}
+
+
+async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.unexport(msg["name"])
+    return {}
+
+
+async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
+    src = s.mem(msg["mem"]).view(msg["offset"])
+    scatter = ScatterList(*unpack_scatter(msg["scatter"]))
+    pieces = await s.daemon.writes.write(s.label, src, scatter, msg["peer"], msg["region"],
+                                         msg.get("imm"), session=s,
+                                         notify=msg.get("notify", False))
+    return {"pieces": pieces}
+
+
+async def _wait_imm(s: ClientSession, msg: Message) -> dict[str, Any]:
+    region = msg.get("region")
+    if region is not None and region not in s.exports:
+        raise UnknownRegion(f"this client exported no {region!r}: only a region's owner "
+                            "waits for its immediates")
+    value = s.daemon.imms.check_value(msg["imm"])
+    timeout_ms = msg.get("timeout_ms")
+    with trio.move_on_after(math.inf if timeout_ms is None else max(timeout_ms, 0) / 1000):
+        await s.counts.wait(region, value, msg["count"])
+        return {}
+    # Said here, where the count is: how far the wait got is the clue.
+    return {"timed_out": True, "arrived": s.counts.count(region, value)}
+
+
+async def _status(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return s.daemon.status()
+
+
+async def _peers(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return {"peers": s.daemon.peer_list()}
+
+
+async def _add_peer(s: ClientSession, msg: Message) -> dict[str, Any]:
+    if not s.privileged:
+        raise Forbidden(f"add_peer changes the whole node: only root or the daemon's uid "
+                        f"({os.getuid()}) may, not uid {s.uid}")
+    s.daemon.peers.add(msg["name"], msg["address"])
+    return {}
+
+
+async def _locate(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return {"nodes": await s.daemon.regions.locate(msg["region"])}
+
+
+async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
+    timeout_ms = msg.get("timeout_ms", 30_000)
+    if timeout_ms < 0:
+        raise InvalidArgument(f"timeout_ms must be >= 0, got {timeout_ms}")
+    d = s.daemon
+    return await d.follower.watch(msg["after"], min(timeout_ms / 1000, WATCH_TIMEOUT_MAX_S),
+                                  d.peer_list)
+
+
+async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.name_freed(msg["name"])
+    return s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
+                                msg.get("receive", True), msg.get("writers"))
+
+
+async def _kv_push(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return await s.daemon.kv.push(s, msg)
+
+
+async def _kv_wait(s: ClientSession, msg: Message) -> dict[str, Any]:
+    timeout_ms = msg.get("timeout_ms", -1)
+    return await s.daemon.kv.wait(s, msg["pool"], msg["request"], msg.get("first", 0),
+                                  msg["upto"], math.inf if timeout_ms < 0 else timeout_ms / 1000)
+
+
+async def _kv_forget(s: ClientSession, msg: Message) -> dict[str, Any]:
+    s.daemon.kv.forget(s, msg["pool"], msg["request"])
+    return {}
+
+
+async def _cancel(s: ClientSession, msg: Message) -> dict[str, Any]:
+    await s.cancel(msg["target"])
+    return {}
+
+
+async def _ping(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return await s.daemon.ping.run(msg.get("peer", ""), msg.get("timeout_ms", 10_000) / 1000)
+
+
+HANDLERS: dict[str, Handler] = {
+    "share": _share, "unshare": _unshare, "export": _export, "unexport": _unexport,
+    "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
+    "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
+    "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
+    "ping": _ping,
+}
+check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")

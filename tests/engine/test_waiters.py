@@ -1,0 +1,62 @@
+"""``p2pxfer._waiters.Tally``, the count-and-wait primitive of the engine's
+immediates and the daemon's per-session counts (issue 24, finding 2)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+import trio.testing
+
+from p2pxfer._waiters import Tally
+from p2pxfer.errors import LimitExceeded
+
+
+async def test_waiters_withdraw_in_linear_time() -> None:
+    """Cancelling every one of many waiters on one key: linear in them (a
+    list withdrew each with ``list.remove``: quadratic)."""
+
+    async def cancel_all(n: int) -> float:
+        tally = Tally[int]()
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(tally.wait, 7, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = time.process_time()
+            nursery.cancel_scope.cancel()
+        took = time.process_time() - t0
+        assert tally.waiting == 0 and not tally.awaited(7)
+        return took
+
+    small, large = await cancel_all(2_000), await cancel_all(40_000)
+    # 20 times the waiters: linear is about 20 times the work, quadratic 400.
+    assert large < 80 * max(small, 0.005), (small, large)
+
+
+async def test_a_waiter_served_as_it_is_cancelled_gives_back() -> None:
+    tally = Tally[str](limit=2, what="waits")
+    got: list[str] = []
+
+    async def wait(name: str, want: int) -> None:
+        await tally.wait("k", want)
+        got.append(name)
+
+    async with trio.open_nursery() as nursery:
+        first = trio.CancelScope()
+
+        async def first_waiter() -> None:
+            with first:
+                await wait("first", 3)
+
+        nursery.start_soon(first_waiter)
+        nursery.start_soon(wait, "second", 3)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(LimitExceeded, match="limit 2"):
+            await tally.wait("k", 1)
+        # The first is cancelled, and served before it runs (no checkpoint
+        # between): it gives the 3 back, and they go to the second.
+        first.cancel()
+        tally.add("k", 3)
+        await trio.testing.wait_all_tasks_blocked()
+    assert got == ["second"] and tally.count("k") == 0 and tally.waiting == 0
