@@ -181,8 +181,9 @@ class Client(Conversation):
         any region this client exported; they are consumed (the two views
         count apart). Pieces for other clients' regions never count here,
         nor do counts left by clients gone. ``imm`` is at most 20 bits wide
-        where the fabric carries 4 bytes of immediate data (EFA, verbs, or
-        ``imm_bytes = 4``), 52 bits otherwise (``bad_request`` beyond).
+        on every fabric (``status()["imm_value_bits"]``; ``bad_request``
+        beyond): where the CQ data has 8 bytes the rest carries the region
+        slot's secret tag (``docs/security.md``).
         ``WaitTimeout`` after ``timeout`` seconds. A wait that times out or is
         cancelled leaves nothing behind in the daemon: the pieces it had not
         consumed count for the next wait."""
