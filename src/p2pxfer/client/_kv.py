@@ -176,19 +176,26 @@ async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
     return KVPool(client, name, layout, mem, desc)
 
 
-async def start_push(client: Client, peer: str, pool: str, src: KVPool, src_blocks: Any,
-                     dst_blocks: Any, request: int, layers: Iterable[int] | None,
-                     deadline: float) -> KVPush:
+def push_fields(peer: str, pool: str, src: KVPool, src_blocks: Any, dst_blocks: Any,
+                request: int, layers: Iterable[int] | None, deadline: float) -> dict[str, Any]:
+    """A ``kv_push`` request's fields, checked (both clients send it)."""
     if not isinstance(src, KVPool):
         raise InvalidArgument(f"src must be a KVPool, got {type(src).__name__}")
     if deadline <= 0:
         raise InvalidArgument(f"deadline must be > 0 seconds, got {deadline}")
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {
+        "peer": peer, "pool": pool, "src": src.name,
+        "src_blocks": blocks_bin("src_blocks", src_blocks),
+        "dst_blocks": blocks_bin("dst_blocks", dst_blocks), "request": request,
+        "deadline_ms": max(1, int(deadline * 1000))}
     if layers is not None:
         fields["layers"] = blocks_bin("layers", list(layers))
-    pending = await client._start(
-        "kv_push", peer=peer, pool=pool, src=src.name,
-        src_blocks=blocks_bin("src_blocks", src_blocks),
-        dst_blocks=blocks_bin("dst_blocks", dst_blocks), request=request,
-        deadline_ms=max(1, int(deadline * 1000)), **fields)
+    return fields
+
+
+async def start_push(client: Client, peer: str, pool: str, src: KVPool, src_blocks: Any,
+                     dst_blocks: Any, request: int, layers: Iterable[int] | None,
+                     deadline: float) -> KVPush:
+    pending = await client._start("kv_push", **push_fields(
+        peer, pool, src, src_blocks, dst_blocks, request, layers, deadline))
     return KVPush(client, pending, request)

@@ -24,7 +24,7 @@ from p2pxfer.scatter import ScatterList
 
 from ._blocking import BlockingConversation
 from ._client import WAIT_MARGIN_S, SharedMemory, wait_timed_out
-from ._kv import KVPool, KVPushResult, blocks_bin, push_result
+from ._kv import KVPool, KVPushResult, push_fields, push_result
 
 RETRY_S = 0.1  # call_daemon: between tries on a daemon still starting
 
@@ -142,18 +142,8 @@ class SyncClient:
                 request: int, layers: Iterable[int] | None = None,
                 deadline: float = 30.0) -> KVPushResult:
         """Push and wait for it (the async ``kv_push`` + ``wait``)."""
-        if not isinstance(src, KVPool):
-            raise InvalidArgument(f"src must be a KVPool, got {type(src).__name__}")
-        if deadline <= 0:
-            raise InvalidArgument(f"deadline must be > 0 seconds, got {deadline}")
-        fields: dict[str, Any] = {}
-        if layers is not None:
-            fields["layers"] = blocks_bin("layers", list(layers))
-        r = self._c.request(
-            "kv_push", peer=peer, pool=pool, src=src.name,
-            src_blocks=blocks_bin("src_blocks", src_blocks),
-            dst_blocks=blocks_bin("dst_blocks", dst_blocks), request=request,
-            deadline_ms=max(1, int(deadline * 1000)), **fields)
+        r = self._c.request("kv_push", **push_fields(peer, pool, src, src_blocks, dst_blocks,
+                                                     request, layers, deadline))
         if r.get("cancelled"):
             raise TransferError(f"push of request {request} was cancelled")
         return push_result(request, r)
