@@ -149,7 +149,7 @@ class Daemon:
         self.follower.on_superseded = self._superseded
         self.writes = Writes(self)
         self.ping: Ping = Ping(self)
-        self._imms: ImmTable | None = None
+        self._imm_slots: ImmTable | None = None
         self.kv: KV = KV(self)
         self.follower.on_peer_lost = self.kv.peer_lost
         self.sessions: set[ClientSession] = set()
@@ -175,12 +175,12 @@ class Daemon:
         self.notes: list[str] = []
 
     @property
-    def imms(self) -> ImmTable:
+    def imm_slots(self) -> ImmTable:
         """Immediate slots: every arrival counts for its slot's owner only
         (made on first use: ``serve`` makes it before anything can arrive)."""
-        if self._imms is None:
-            self._imms = ImmTable(self.engine)
-        return self._imms
+        if self._imm_slots is None:
+            self._imm_slots = ImmTable(self.engine)
+        return self._imm_slots
 
     @property
     def control_address(self) -> str:
@@ -228,9 +228,9 @@ class Daemon:
             "membership_stats": {} if backend is None else backend.statistics(),
             "transfers_in_flight": self.writes.in_flight,
             "invalidations_pending": sum(self.regions.pending_invalidations.values()),
-            "imm_bits": self.imms.bits,
-            "imm_value_bits": self.imms.value_bits,
-            "imms_dropped": self.imms.dropped,
+            "imm_bits": self.imm_slots.bits,
+            "imm_value_bits": self.imm_slots.value_bits,
+            "imms_dropped": self.imm_slots.dropped,
             "completed": stats.completed,
             "failed": stats.failed,
             "nics": [asdict(n) for n in stats.nics],  # with each NIC's rail pairs' state
@@ -323,7 +323,7 @@ async def _start(daemon: Daemon, nursery: trio.Nursery,
     """Start the daemon's parts in ``nursery``; the client socket."""
     config, engine = daemon.config, daemon.engine
     daemon.notes = slow_paths(engine, config.provider)
-    daemon.imms  # noqa: B018  (the immediate route, before any export)
+    daemon.imm_slots  # noqa: B018  (the immediate route, before any export)
     await daemon.serve_peers(nursery)
     nursery.start_soon(daemon.peers.close_idle_links)
     nursery.start_soon(daemon.kv.reap)

@@ -63,7 +63,7 @@ async def _wait_imm(s: ClientSession, msg: Message) -> dict[str, Any]:
     if region is not None and region not in s.exports:
         raise UnknownRegion(f"this client exported no {region!r}: only a region's owner "
                             "waits for its immediates")
-    value = s.daemon.imms.check_value(msg["imm"])
+    value = s.daemon.imm_slots.check_value(msg["imm"])
     timeout_ms = msg.get("timeout_ms")
     with trio.move_on_after(math.inf if timeout_ms is None else max(timeout_ms, 0) / 1000):
         await s.counts.wait(region, value, msg["count"])

@@ -177,7 +177,7 @@ class KV:
             raise InvalidArgument(f"request {request}: layers "
                                   f"{lays[recv.claimed[lays]].tolist()[:8]} are pushed already")
         holder: list[int] = []
-        slot = self.d.imms.allocate(
+        slot = self.d.imm_slots.allocate(
             lambda layer, count: self._arrival(recv, holder[0], layer, count))
         holder.append(slot)
         recv.claimed[lays] = True
@@ -249,7 +249,7 @@ class KV:
     def _free(self, recv: _Recv, slot: int) -> None:
         self._slots.pop(slot, None)
         recv.slots.discard(slot)
-        self.d.imms.free(slot)
+        self.d.imm_slots.free(slot)
 
     def _end(self, recv: _Recv, error: P2PXferError | None) -> None:
         if error is not None and recv.error is None:

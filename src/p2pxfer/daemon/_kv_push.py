@@ -144,7 +144,7 @@ class Pushes:
                 a, b = bounds[k], bounds[k + 1]
                 transfers.append(await d.engine.submit(
                     src.view, desc, ScatterList(so[a:b], do[a:b], ln[a:b]),
-                    imm=d.imms.compose(slot, layer), notify=True, timeout=seconds_left(until)))
+                    imm=d.imm_slots.compose(slot, layer), notify=True, timeout=seconds_left(until)))
                 if k == 0:
                     await self._ask(peer, "kv_expect", until, slot=slot, first=0,
                                     pieces=pack_i64([transfers[0].imms]))
@@ -158,7 +158,7 @@ class Pushes:
                     a = bounds[k]
                     await settle_notification(
                         d.engine, self._ask, Unsettled(peer, pool, request, lays[k],
-                                                       d.imms.compose(slot, lays[k])),
+                                                       d.imm_slots.compose(slot, lays[k])),
                         src.view, desc, (so[a:a + 1], do[a:a + 1], ln[a:a + 1]), until, exc)
                 if k == 0:
                     first = time.perf_counter()

@@ -165,7 +165,7 @@ class LocalCopies:
             raise UnknownRegion(f"no region named {region!r} on {self.d.node}")
         writer.may_write_into(region)
         scatter.check_bounds(len(src), target.length)
-        full_imm = None if imm is None else self.d.imms.compose(target.slot, imm)
+        full_imm = None if imm is None else self.d.imm_slots.compose(target.slot, imm)
         sl, parts = self._plan(scatter)
         copy = _Copy()
         target.copies.add(copy)
@@ -183,9 +183,9 @@ class LocalCopies:
             self.writes += 1
             self.pieces += done
             if full_imm is not None and done and not notify:
-                self.d.imms.deliver(full_imm, done)
+                self.d.imm_slots.deliver(full_imm, done)
             elif full_imm is not None and notify and done == len(sl):
-                self.d.imms.deliver(full_imm, 1)
+                self.d.imm_slots.deliver(full_imm, 1)
             copy.done.set()
         if done < len(sl):
             self.stopped += 1

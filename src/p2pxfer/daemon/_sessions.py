@@ -368,14 +368,14 @@ class ClientSession:
         mem = self.mem(mem_id)
         own = mem.export_map(offset, length)
         try:
-            slot = d.imms.allocate(self.counts.sink(name))
+            slot = d.imm_slots.allocate(self.counts.sink(name))
         except BaseException:
             own.retire()
             raise
         try:
             desc = d.engine.export(own.view, name)
         except BaseException:
-            d.imms.free(slot)
+            d.imm_slots.free(slot)
             own.retire()
             raise
         d.regions.add_export(name, self.label, desc, slot)
@@ -401,7 +401,7 @@ class ClientSession:
         if self.kv_pools.get(name) is not None and self.kv_pools[name].receive:
             del self.kv_pools[name]
             self.daemon.kv.drop_pool(name)
-        self.daemon.imms.free(self.slots.pop(name))
+        self.daemon.imm_slots.free(self.slots.pop(name))
         self.daemon.regions.remove_export(name)
         engine = self.daemon.engine
         engine.unexport(name)

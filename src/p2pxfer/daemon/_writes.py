@@ -69,7 +69,7 @@ class Writes:
         (``_local``)."""
         d = self.d
         if imm is not None:
-            d.imms.check_value(imm)
+            d.imm_slots.check_value(imm)
         elif notify:
             raise InvalidArgument("notify needs an imm: it is the immediate sent once the "
                                   "write landed")
@@ -186,7 +186,7 @@ class Writes:
     def _imm(self, peer: str, region: str, value: int | None) -> int | None:
         if value is None:
             return None
-        return self.d.imms.compose(self.d.regions.slot(peer, region), value)
+        return self.d.imm_slots.compose(self.d.regions.slot(peer, region), value)
 
     async def _why_failed(self, peer: str, region: str, failure: TransferError,
                           until: float) -> RegionDescriptor | None:
