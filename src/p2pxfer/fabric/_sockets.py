@@ -150,19 +150,27 @@ def reset_connections(ours: Endpoint, peer: Endpoint) -> list[tuple[Endpoint, En
 
 
 # struct tcp_info (linux/tcp.h): offsets of the fields read below.
-_TCPI_STATE, _TCPI_LAST_ACK_RECV = 0, 56
+_TCPI_STATE, _TCPI_UNACKED, _TCPI_LAST_ACK_RECV = 0, 24, 56
 _TCPI_BYTES = 64
 _TCP_ESTABLISHED = 1
+#: how long ``link_carries`` waits for the peer's host to answer a knock:
+#: a link's round trip is far shorter; a starved process's kernel answers
+ANSWER_S = 0.2
 
 
 def link_carries(ours: Endpoint, peer: Endpoint, quiet_s: float) -> bool | None:
     """What the kernel knows of the link under our connections to ``peer``:
     True when one of them is established and heard an ACK within
     ``quiet_s`` (the link carries: ACKs of our data, or of the window
-    probes a peer that reads nothing gets, arrive; a pair without
-    completions then waits on a busy or slow process, not on the rail);
-    False when none did; None without any connection to judge by."""
+    probes a peer that reads nothing gets, arrive), or when none of them
+    has anything of ours unacknowledged and the peer's host answers a
+    connection right now (``_answers``: a starved peer process sends
+    nothing, so nothing is ACKed, but its kernel still answers); False
+    when there is no such evidence; None without any connection to judge
+    by. A pair without completions on a link that carries waits on a busy
+    or slow process, not on the rail."""
     verdict: bool | None = None
+    outstanding = False
     for fd, _, _ in _pair_sockets(ours, peer):
         try:
             with socket.socket(fileno=os.dup(fd)) as sock:
@@ -172,10 +180,31 @@ def link_carries(ours: Endpoint, peer: Endpoint, quiet_s: float) -> bool | None:
         if len(info) < _TCPI_BYTES:
             continue
         last_ack_ms, = struct.unpack_from("I", info, _TCPI_LAST_ACK_RECV)
+        unacked, = struct.unpack_from("I", info, _TCPI_UNACKED)
         if info[_TCPI_STATE] == _TCP_ESTABLISHED and last_ack_ms < quiet_s * 1000:
             return True
+        outstanding = outstanding or unacked > 0 or info[_TCPI_STATE] != _TCP_ESTABLISHED
         verdict = False
+    if verdict is False and not outstanding:
+        return _answers(ours, peer, min(ANSWER_S, quiet_s))
     return verdict
+
+
+def _answers(ours: Endpoint, peer: Endpoint, timeout: float) -> bool:
+    """Whether the peer's host answers a connection from our address within
+    ``timeout``: a SYN-ACK, or a reset (its process is gone, but the link
+    carries). Blocks that long at most."""
+    family = socket.AF_INET6 if peer[0].version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.bind((str(ours[0]), 0))
+            sock.connect((str(peer[0]), peer[1]))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return True
 
 
 class _Knock:
