@@ -135,3 +135,26 @@ def test_metrics_paths_and_bad_scrapers(pair: tuple[DaemonProc, DaemonProc, str]
         s.close()
     assert http_get(metrics)[0] == 200
     assert a.alive(), a.log_tail()
+
+
+def test_a_kv_push_counts_as_a_transfer(pair: tuple[DaemonProc, DaemonProc, str]) -> None:
+    """A KV push goes through the write path's bookkeeping: it is counted in
+    the write metrics (and in ``transfers_in_flight`` while it runs), as a
+    plain write is."""
+    from p2pxfer.client import SyncClient
+    from p2pxfer.kv import KVLayout
+
+    a, b, metrics = pair
+    layout = KVLayout(num_layers=4, num_blocks=16, block_bytes=4096)
+
+    def pushed() -> float:
+        return sum(v for lb, v in scrape(metrics).get("p2pxfer_write_seconds_count", [])
+                   if lb["outcome"] == "ok")
+
+    with SyncClient(b.socket) as decode, SyncClient(a.socket) as prefill:
+        decode.kv_pool("kv", layout)
+        src = prefill.kv_pool("kv-src", layout, receive=False)
+        before = pushed()
+        prefill.kv_push("node-b", "kv", src, [1, 2, 3], [4, 5, 6], request=1)
+        assert pushed() == before + 1
+        assert prefill.status()["transfers_in_flight"] == 0

@@ -113,8 +113,9 @@ class Pushes:
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
             try:
-                pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln,
-                                                 counts, until, pool, request)
+                with d.writes.accounted():
+                    pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln,
+                                                     counts, until, pool, request)
             except (trio.Cancelled, P2PXferError):
                 # As for a failed write: the pool (or its owner's life) may be
                 # what went; the next push resolves it afresh.

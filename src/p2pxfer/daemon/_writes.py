@@ -15,8 +15,10 @@ posting or completions (``p2pxfer.engine``), the copy itself (``_local``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -110,19 +112,28 @@ class Writes:
             session.may_write_into(desc.name)
         return desc
 
-    async def _copy(self, session: ClientSession, src: memoryview, scatter: ScatterList,
-                    region: str, imm: int | None, notify: bool) -> int:
-        """A write into a region of this daemon's clients: a copy."""
+    @contextlib.contextmanager
+    def accounted(self) -> Iterator[None]:
+        """One transfer in flight (``status``' ``transfers_in_flight``) and,
+        once it ends, in the write metrics: writes, same-daemon copies and
+        KV pushes alike."""
         self.in_flight += 1
         t0 = time.perf_counter()
         ok = False
         try:
-            pieces = await self.local.write(session, src, scatter, region, imm, notify)
+            yield
             ok = True
         finally:
             self.in_flight -= 1
             if self.d.metrics is not None:
                 self.d.metrics.observe_write(time.perf_counter() - t0, ok)
+
+    async def _copy(self, session: ClientSession, src: memoryview, scatter: ScatterList,
+                    region: str, imm: int | None, notify: bool) -> int:
+        """A write into a region of this daemon's clients: a copy."""
+        t0 = time.perf_counter()
+        with self.accounted():
+            pieces = await self.local.write(session, src, scatter, region, imm, notify)
         log.debug("transfer.complete", client=session.label, peer=self.d.node, region=region,
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0,
                   path="local-copy")
@@ -139,10 +150,8 @@ class Writes:
             if not self.local.has(desc.name):
                 d.regions.forget(peer, region)
             return await self._copy(session, src, scatter, desc.name, imm, notify)
-        self.in_flight += 1
         t0 = time.perf_counter()
-        ok = False
-        try:
+        with self.accounted():
             try:
                 pieces = await d.engine.write(src, desc, scatter,
                                               imm=self._imm(peer, region, imm),
@@ -174,11 +183,6 @@ class Writes:
                 pieces = await d.engine.write(src, fresh, scatter,
                                               imm=self._imm(peer, region, imm),
                                               notify=notify, timeout=seconds_left(until))
-            ok = True
-        finally:
-            self.in_flight -= 1
-            if d.metrics is not None:
-                d.metrics.observe_write(time.perf_counter() - t0, ok)
         log.debug("transfer.complete", client=client, peer=peer, region=region,
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return pieces
