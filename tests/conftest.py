@@ -24,6 +24,7 @@ from daemon_helpers import free_port
 from p2pxfer.engine import BlockingEngine, Engine, EngineConfig, open_engine
 from p2pxfer.fabric import Rail
 from p2pxfer.loopback import loopback_node
+from p2pxfer.testing import DaemonProc
 
 LOOPBACK = "127.0.0.1"
 
@@ -143,3 +144,12 @@ async def wait_until(cond: Callable[[], bool], timeout: float, what: str, *,
             await trio.sleep(interval)
         return trio.current_time() - t0
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def daemons() -> Iterator[list[DaemonProc]]:
+    """Daemons a test starts (it appends them), stopped at its end."""
+    started: list[DaemonProc] = []
+    yield started
+    for d in started:
+        d.stop()

@@ -31,6 +31,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fuzz_values import scalars as _scalars
+from fuzz_values import values as _values
 from p2pxfer.membership import ClusterAuth
 from p2pxfer.protocol import (
     RESPONDER,
@@ -49,13 +51,6 @@ TOKEN = "fuzz-token"
 # would be looked up in DNS, off this machine), the rest answer quickly.
 _KINDS = sorted(set(SCHEMA) - {"add_peer"})
 
-# Kept small and flat on purpose: drawing deep values costs more than a round
-# trip to the daemon, and the decoder's limits are tested on their own.
-_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
-    st.floats(allow_nan=True), st.text(max_size=12), st.binary(max_size=24))
-_values = st.one_of(_scalars, st.lists(_scalars, max_size=3),
-                    st.dictionaries(st.text(max_size=4), _scalars, max_size=3))
 
 
 @st.composite

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon_helpers import LOOPBACK, DaemonProc, free_port, start_daemon
+from fuzz_values import values as _values
 from p2pxfer.cli import main
 from p2pxfer.client import SyncClient
 from p2pxfer.errors import ConnectionLost, P2PXferError
@@ -36,11 +37,6 @@ from p2pxfer.scatter import ScatterList
 _CASES = settings(max_examples=300, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
 
-_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
-    st.floats(allow_nan=True), st.text(max_size=12), st.binary(max_size=24))
-_values = st.one_of(_scalars, st.lists(_scalars, max_size=3),
-                    st.dictionaries(st.text(max_size=4), _scalars, max_size=3))
 
 
 @st.composite
@@ -219,7 +215,8 @@ def _fill(reply: Any, rid: int) -> bytes:
     obj = dict(reply)
     if obj.get("id") == "{id}":
         obj["id"] = rid
-    return bytes(len(msgpack.packb(obj)).to_bytes(4, "big") + msgpack.packb(obj))
+    body = msgpack.packb(obj)
+    return len(body).to_bytes(4, "big") + body
 
 
 _GOOD_WELCOME = {"t": "welcome", "v": SCHEMA_VERSION, "node": "fake", "incarnation": 1,

@@ -41,14 +41,6 @@ from p2pxfer.testing import (
 )
 
 
-@pytest.fixture
-def daemons() -> Iterator[list[DaemonProc]]:
-    started: list[DaemonProc] = []
-    yield started
-    for d in started:
-        d.stop()
-
-
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds the process has used (scheduling delays on a
     busy machine do not count)."""

@@ -36,14 +36,6 @@ def RawPeer(address: str) -> RawControl:
     return RawControl(address, silence_closes=True)
 
 
-@pytest.fixture
-def daemons() -> Any:
-    started: list[DaemonProc] = []
-    yield started
-    for d in started:
-        d.stop()
-
-
 def _status(d: DaemonProc) -> dict[str, Any]:
     with RawConn(d.socket) as c:
         c.hello()

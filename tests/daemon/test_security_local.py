@@ -37,14 +37,6 @@ from p2pxfer.testing import (
 NOBODY = 65534
 
 
-@pytest.fixture
-def daemons() -> Iterator[list[DaemonProc]]:
-    started: list[DaemonProc] = []
-    yield started
-    for d in started:
-        d.stop()
-
-
 def _fds(d: DaemonProc) -> int:
     return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
 

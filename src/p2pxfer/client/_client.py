@@ -10,8 +10,9 @@ ends while a request waits raises ``ConnectionLost``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -102,12 +103,8 @@ class Client(Conversation):
 
     async def alloc(self, nbytes: int, name: str = "p2pxfer") -> SharedMemory:
         """Shared memory of ``nbytes``, mapped here and registered by the daemon."""
-        buf = SharedBuffer(nbytes, name)
-        try:
+        with new_buffer(nbytes, name) as buf:
             result = await self._request("share", fds=[buf.fd], size=nbytes, name=name)
-        except BaseException:
-            buf.close()
-            raise
         mem = SharedMemory(buf, int(result["mem"]))
         self._mems.append(mem)
         return mem
@@ -272,6 +269,17 @@ class Client(Conversation):
         for mem in self._mems:
             mem.close()
         self._mems.clear()
+
+
+@contextlib.contextmanager
+def new_buffer(nbytes: int, name: str) -> Iterator[SharedBuffer]:
+    """Memory to offer the daemon (``share``); closed if the offer fails."""
+    buf = SharedBuffer(nbytes, name)
+    try:
+        yield buf
+    except BaseException:
+        buf.close()
+        raise
 
 
 def wait_timed_out(result: dict[str, Any], imm: int, count: int, region: str | None,

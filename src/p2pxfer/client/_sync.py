@@ -16,14 +16,14 @@ from typing import Any, Self
 
 import sniffio
 
-from p2pxfer.buffers import RegionDescriptor, SharedBuffer
+from p2pxfer.buffers import RegionDescriptor
 from p2pxfer.errors import ConnectionLost, InvalidArgument, TransferError, UsageError, WaitTimeout
 from p2pxfer.kv_plan import KVLayout
 from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
 
 from ._blocking import BlockingConversation
-from ._client import WAIT_MARGIN_S, SharedMemory, wait_timed_out
+from ._client import WAIT_MARGIN_S, SharedMemory, new_buffer, wait_timed_out
 from ._kv import KVPool, KVPushResult, push_fields, push_result
 
 RETRY_S = 0.1  # call_daemon: between tries on a daemon still starting
@@ -54,12 +54,8 @@ class SyncClient:
 
     def alloc(self, nbytes: int, name: str = "p2pxfer") -> SharedMemory:
         """Shared memory of ``nbytes``, mapped here and registered by the daemon."""
-        buf = SharedBuffer(nbytes, name)
-        try:
+        with new_buffer(nbytes, name) as buf:
             result = self._c.request("share", [buf.fd], size=nbytes, name=name)
-        except BaseException:
-            buf.close()
-            raise
         mem = SharedMemory(buf, int(result["mem"]))
         self._mems.append(mem)
         return mem

@@ -171,6 +171,21 @@ class FabricInfo:
         )
 
 
+_VERSION = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
+
+
+def _hints() -> Any:
+    """What p2pxfer asks of a provider: RDM endpoints, RMA writes (with remote
+    CQ data), the mr_modes it handles, thread-safe domains."""
+    hints = ffi.gc(lib.fi_dupinfo(ffi.NULL), lib.fi_freeinfo)
+    hints.caps = lib.FI_RMA | lib.FI_WRITE | lib.FI_REMOTE_WRITE
+    hints.mode = 0
+    hints.ep_attr.type = lib.FI_EP_RDM
+    hints.domain_attr.mr_mode = SUPPORTED_MR_MODE
+    hints.domain_attr.threading = lib.FI_THREAD_SAFE
+    return hints
+
+
 def getinfo(
     provider: str,
     *,
@@ -188,12 +203,7 @@ def getinfo(
     if not provider or not isinstance(provider, str):
         raise ProviderNotFound("fi_getinfo", -lib.FI_ENODATA,
                                f"{fi_strerror(lib.FI_ENODATA)}: no provider named", repr(provider))
-    hints = ffi.gc(lib.fi_dupinfo(ffi.NULL), lib.fi_freeinfo)
-    hints.caps = lib.FI_RMA | lib.FI_WRITE | lib.FI_REMOTE_WRITE
-    hints.mode = 0
-    hints.ep_attr.type = lib.FI_EP_RDM
-    hints.domain_attr.mr_mode = SUPPORTED_MR_MODE
-    hints.domain_attr.threading = lib.FI_THREAD_SAFE
+    hints = _hints()
     # fi_freeinfo frees prov_name/name, so they must come from malloc.
     hints.fabric_attr.prov_name = lib.strdup(provider.encode())
     if domain:
@@ -202,8 +212,7 @@ def getinfo(
     c_node = node.encode() if node else ffi.NULL
     c_service = service.encode() if service else ffi.NULL
     flags = lib.FI_SOURCE if (node or service) else 0
-    version = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
-    rc = lib.fi_getinfo(version, c_node, c_service, flags, hints, out)
+    rc = lib.fi_getinfo(_VERSION, c_node, c_service, flags, hints, out)
     context = f"provider={provider!r} node={node!r} domain={domain!r}"
     if rc == -lib.FI_ENODATA:
         raise ProviderNotFound("fi_getinfo", int(rc),
@@ -242,15 +251,9 @@ def providers_here() -> list[str]:
     with RMA writes and remote CQ data (what p2pxfer can use), in
     ``fi_getinfo``'s order: the same question as :func:`getinfo` asks, with
     no provider, node or interface named."""
-    hints = ffi.gc(lib.fi_dupinfo(ffi.NULL), lib.fi_freeinfo)
-    hints.caps = lib.FI_RMA | lib.FI_WRITE | lib.FI_REMOTE_WRITE
-    hints.mode = 0
-    hints.ep_attr.type = lib.FI_EP_RDM
-    hints.domain_attr.mr_mode = SUPPORTED_MR_MODE
-    hints.domain_attr.threading = lib.FI_THREAD_SAFE
+    hints = _hints()
     out = ffi.new("struct fi_info **")
-    version = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
-    if lib.fi_getinfo(version, ffi.NULL, ffi.NULL, 0, hints, out) != 0:
+    if lib.fi_getinfo(_VERSION, ffi.NULL, ffi.NULL, 0, hints, out) != 0:
         return []
     names: list[str] = []
     try:
