@@ -22,20 +22,24 @@ from p2pxfer.hostile import HostLike, LoopSpec, rail_daemons, run_loop
 from p2pxfer.log import get_logger
 from p2pxfer.testing import LaunchError
 
-__all__ = ["Flapper", "sample", "soak"]
+__all__ = ["Flapper", "sample", "soak", "status_kib"]
 
 log = get_logger("p2pxfer.hostile")
 
 SAMPLE_EVERY_S = 30.0  # a soak samples the daemons' fds and RSS this often
 
 
+def status_kib(pid: int, field: str) -> int:
+    """A memory field of ``/proc/PID/status`` in KiB (``VmRSS``, ``VmHWM``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise LookupError(f"no {field} in /proc/{pid}/status")
+
+
 def sample(pid: int) -> dict[str, int]:
     """Open descriptors and resident memory (KiB) of process ``pid``."""
-    rss = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1])
-    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss_kib": rss}
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss_kib": status_kib(pid, "VmRSS")}
 
 
 class Flapper:

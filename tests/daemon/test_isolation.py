@@ -31,6 +31,7 @@ from p2pxfer.membership import ClusterAuth
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.protocol import SCHEMA_VERSION, FrameDecoder, encode_frame, pack_scatter
 from p2pxfer.scatter import ScatterList
+from p2pxfer.soak import status_kib
 from p2pxfer.testing import (
     LOOPBACK,
     DaemonProc,
@@ -533,10 +534,7 @@ def _empty_arrays_answer(rid: int) -> bytes:
 
 def _hwm_kib(d: DaemonProc) -> int:
     """The daemon's peak resident memory so far."""
-    for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
+    return status_kib(d.proc.pid, "VmHWM")
 
 
 def test_metrics_connections_are_capped(tmp_path: Path) -> None:

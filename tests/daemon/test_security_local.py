@@ -23,6 +23,7 @@ from daemon_helpers import as_uid
 from p2pxfer.kv import KVLayout
 from p2pxfer.memory import SharedBuffer
 from p2pxfer.protocol import SCHEMA_VERSION, encode_frame, pack_scatter
+from p2pxfer.soak import status_kib
 from p2pxfer.testing import (
     LOOPBACK,
     DaemonProc,
@@ -42,10 +43,7 @@ def _fds(d: DaemonProc) -> int:
 
 
 def _rss_kib(d: DaemonProc) -> int:
-    for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+    return status_kib(d.proc.pid, "VmRSS")
 
 
 def _sealable(size: int) -> int:
