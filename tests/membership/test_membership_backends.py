@@ -17,6 +17,7 @@ import httpx
 import pytest
 import structlog
 import trio
+import trio.testing
 
 import conftest
 from daemon_helpers import free_port
@@ -49,9 +50,13 @@ FAST = SwimConfig(period=0.25, ack_timeout=0.1, suspicion_mult=4.0, reconnect_in
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    """conftest's ``wait_until`` polling every 20 ms: the events these tests
-    check right after a state change reach their collector task meanwhile."""
-    return await conftest.wait_until(cond, timeout, what, interval=0.02)
+    """conftest's ``wait_until`` polling every 20 ms, then every other task
+    runs until it blocks: the event published with the state change the test
+    saw is in its collector's list before the test checks it (the collector
+    may be scheduled after the test task in the same batch)."""
+    took = await conftest.wait_until(cond, timeout, what, interval=0.02)
+    await trio.testing.wait_all_tasks_blocked()
+    return took
 
 
 def sees(backend: MembershipBackend, name: str, state: MemberState,
