@@ -33,6 +33,7 @@ from p2pxfer.membership import ClusterAuth
 from ._admit import Admission
 from ._config import DaemonConfig
 from ._control import serve_control
+from ._exports import Exports
 from ._follow import Follower, rail_hosts
 from ._imms import ImmTable
 from ._kv import KV
@@ -143,13 +144,15 @@ class Daemon:
         self.peers = PeerTable(self.node, config.peers, auth=self.auth,
                                max_frame=config.max_frame, max_peers=config.max_peers,
                                tls=self.tls)
-        self.regions = Regions(self.node, self.peers)
+        self._imm_slots: ImmTable | None = None
+        #: every export of this daemon's clients (one record each)
+        self.exports = Exports(self.node, engine, lambda: self.imm_slots)
+        self.regions = Regions(self.node, self.peers, self.exports)
         self.follower = Follower(self.node, self.peers)
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded
         self.writes = Writes(self)
         self.ping: Ping = Ping(self)
-        self._imm_slots: ImmTable | None = None
         self.kv: KV = KV(self)
         self.follower.on_peer_lost = self.kv.peer_lost
         self.sessions: set[ClientSession] = set()

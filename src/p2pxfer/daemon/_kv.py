@@ -49,6 +49,7 @@ from ._kv_push import Pushes, pack_i64, unpack_i64
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
+    from ._exports import Export
     from ._sessions import ClientSession
 
 __all__ = ["KV", "MAX_REQUESTS", "Pool", "pack_i64", "unpack_i64"]
@@ -117,6 +118,7 @@ class KV:
         # request slot -> (request, its layers, [how many are not complete yet])
         self._slots: dict[int, tuple[_Recv, I64, list[int]]] = {}
         self._pushes = Pushes(daemon, self)
+        daemon.exports.on_remove.append(self.drop_pool)
 
     # -- pools (client side) ---------------------------------------------------------
 
@@ -147,10 +149,14 @@ class KV:
         pool = self.pools.get(region)
         return None if pool is None else pool.layout.to_wire()
 
-    def drop_pool(self, name: str) -> None:
-        """A receiving pool went (unexported, its client gone): its requests end."""
-        if self.pools.pop(name, None) is None:
+    def drop_pool(self, export: Export) -> None:
+        """The export under a receiving pool went (unexported, its client
+        gone; an ``Exports.on_remove`` hook): the pool and its requests end."""
+        name = export.name
+        pool = self.pools.pop(name, None)
+        if pool is None:
             return
+        pool.session.kv_pools.pop(name, None)
         for key in [k for k in self._recv if k[0] == name]:
             recv = self._recv.pop(key)
             self._end(recv, UnknownRegion(f"KV pool {name!r} was closed"))

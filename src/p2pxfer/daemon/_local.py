@@ -2,10 +2,10 @@
 this same daemon exported is a copy between the two shared mappings (both
 mapped in this process), not a trip through a libfabric provider.
 
-``LocalCopies`` knows every export of this daemon's clients as a ``CopyTarget``
-(the owner's shared memory, the span and the immediate slot)
-and runs a write into one: the same checks as the fabric path (the writer's
-uid may write into it: ``ClientSession.may_write_into``; the scatter list
+``LocalCopies`` runs a write into an ``Export`` of this daemon's clients
+(``_exports``: the owner's shared memory, the span, the immediate slot):
+the same checks as the fabric path (the writer's uid may write into it:
+``Exports.check_writer``; the scatter list
 against both sizes: ``ScatterList.check_bounds``), then ``copy_scatter`` (C,
 ``memmove`` per piece, no Python per piece, without the GIL), then the
 immediates, routed by the region's slot through ``ImmTable.deliver`` exactly
@@ -20,10 +20,11 @@ equal bytes (``ScatterList.stripes``), and the reply's ``pieces`` counts the
 cut pieces. A copy stops only between pieces (``CopyStop``), so a cancelled
 write, or one cut short by an unexport, leaves whole pieces.
 
-Lifetime: a target leaves the table before its export goes (``remove``, from
-``unexport`` and a client's disconnect): new writes are refused at once, and
-copies into it are stopped and waited for (shielded; at most the pieces in
-hand), so no byte lands in the owner's memory after ``unexport`` answers and
+Lifetime: each copy is in its export's ``copies`` while it runs; an export
+leaves the registry before it goes (``Exports.remove``, from ``unexport``
+and a client's disconnect): new writes are refused at once, and copies into
+it are stopped and waited for (shielded; at most the pieces in hand), so no
+byte lands in the owner's memory after ``unexport`` answers and
 nothing is copied into a mapping that is being retired. A copy holds buffer
 exports of both mappings while it runs, so neither can be closed under it.
 
@@ -48,15 +49,14 @@ from p2pxfer.pages import CopyStop, copy_scatter
 from p2pxfer.scatter import ScatterList
 
 if TYPE_CHECKING:
-    from ._daemon import Daemon
+    from ._exports import Exports
+    from ._imms import ImmTable
     from ._sessions import ClientSession
-    from ._shared import SharedMap
 
 __all__ = [
     "INLINE_MAX",
     "MAX_AUTO_THREADS",
     "PARALLEL_MIN",
-    "CopyTarget",
     "LocalCopies",
     "auto_threads",
 ]
@@ -92,26 +92,16 @@ class _Copy:
     done: trio.Event = field(default_factory=trio.Event)
 
 
-@dataclass(eq=False)
-class CopyTarget:
-    """A region one of this daemon's clients exported, as a local write sees it."""
-
-    name: str
-    mem: SharedMap
-    offset: int
-    length: int
-    slot: int
-    copies: set[_Copy] = field(default_factory=set)
-
-
 class LocalCopies:
-    """This daemon's clients' exports, and the copies into them."""
+    """Copies into this daemon's clients' exports."""
 
-    def __init__(self, daemon: Daemon, *, enabled: bool, threads: int) -> None:
-        self.d = daemon
+    def __init__(self, node: str, exports: Exports, imm_slots: Callable[[], ImmTable], *,
+                 enabled: bool, threads: int) -> None:
+        self.node = node
+        self.exports = exports
+        self._imm_slots = imm_slots
         self.enabled = enabled
         self.threads = max(1, threads)
-        self._targets: dict[str, CopyTarget] = {}
         self.writes = 0  # copies that ran (whole or stopped)
         self.pieces = 0  # pieces copied
         self.bytes = 0  # bytes asked of the copies that finished whole
@@ -121,30 +111,6 @@ class LocalCopies:
         """For ``status``: whether the fast path is on, and what it copied."""
         return {"enabled": self.enabled, "threads": self.threads, "writes": self.writes,
                 "pieces": self.pieces, "bytes": self.bytes, "stopped": self.stopped}
-
-    # -- targets ------------------------------------------------------------------------
-
-    def add(self, name: str, mem: SharedMap, offset: int, length: int, slot: int) -> None:
-        """Client memory ``mem[offset:offset + length]`` is exported as ``name``."""
-        self._targets[name] = CopyTarget(name, mem, offset, length, slot)
-
-    def has(self, name: str) -> bool:
-        return name in self._targets
-
-    async def remove(self, name: str) -> None:
-        """``name`` is being unexported: refuse new copies into it, stop the
-        running ones between pieces and return once they have all returned.
-        Shielded: the wait is bounded by the pieces in hand, and an export
-        must never go while a copy still writes into it."""
-        target = self._targets.pop(name, None)
-        if target is None:
-            return
-        copies = list(target.copies)
-        for c in copies:
-            c.stop.set()
-        with trio.CancelScope(shield=True):
-            for c in copies:
-                await c.done.wait()
 
     # -- copies -------------------------------------------------------------------------
 
@@ -160,12 +126,13 @@ class LocalCopies:
 
         Cancellation: stops between pieces, waits for the pieces in hand,
         counts their immediates, then raises: ``src`` is no longer read."""
-        target = self._targets.get(region)
+        target = self.exports.get(region)
         if target is None:
-            raise UnknownRegion(f"no region named {region!r} on {self.d.node}")
+            raise UnknownRegion(f"no region named {region!r} on {self.node}")
         writer.may_write_into(region)
         scatter.check_bounds(len(src), target.length)
-        full_imm = None if imm is None else self.d.imm_slots.compose(target.slot, imm)
+        slots = self._imm_slots()
+        full_imm = None if imm is None else slots.compose(target.slot, imm)
         sl, parts = self._plan(scatter)
         copy = _Copy()
         target.copies.add(copy)
@@ -183,13 +150,13 @@ class LocalCopies:
             self.writes += 1
             self.pieces += done
             if full_imm is not None and done and not notify:
-                self.d.imm_slots.deliver(full_imm, done)
+                slots.deliver(full_imm, done)
             elif full_imm is not None and notify and done == len(sl):
-                self.d.imm_slots.deliver(full_imm, 1)
+                slots.deliver(full_imm, 1)
             copy.done.set()
         if done < len(sl):
             self.stopped += 1
-            raise UnknownRegion(f"region {region!r} on {self.d.node} was unexported during "
+            raise UnknownRegion(f"region {region!r} on {self.node} was unexported during "
                                 f"the write ({done} of {len(sl)} pieces landed)")
         self.bytes += scatter.nbytes
         return 1 if notify else len(sl)

@@ -32,8 +32,8 @@ from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
 
+from ._exports import RESERVED
 from ._notes import rails
-from ._regions import RESERVED
 
 if TYPE_CHECKING:
     from ._daemon import Daemon

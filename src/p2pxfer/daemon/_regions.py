@@ -1,13 +1,14 @@
 """The region directory: what this node exports, and what it resolved.
 
-``Regions`` holds this node's exports (name -> owner and descriptor), the
-descriptors resolved from peers (cached per ``(peer, region)``), and which
-peers resolved each of ours, to tell them with ``invalidate`` when it goes:
+``Regions`` answers for this node's exports (held by ``_exports``), holds
+the descriptors resolved from peers (cached per ``(peer, region)``), and
+which peers resolved each of ours, to tell them with ``invalidate`` when it goes:
 until they hear it, and however long that takes (a cut link), since a write
 through a closed key vanishes at our end without a word to the writer (tcp:
 small writes "succeed"; larger ones break the connection), also when a new
 export takes the name meanwhile. ``locate`` asks
-every reachable peer at once who exports a name. What must not live here:
+every reachable peer at once who exports a name. Owned by the daemon's
+trio thread. What must not live here: the exports themselves (``_exports``),
 client memory (``_sessions``) or membership verdicts (``_follow``).
 """
 
@@ -20,10 +21,11 @@ from typing import Any
 import trio
 
 from p2pxfer._pump import bounded
-from p2pxfer.errors import InvalidArgument, NameTaken, P2PXferError, PeerUnreachable, UnknownRegion
+from p2pxfer.errors import InvalidArgument, P2PXferError, PeerUnreachable, UnknownRegion
 from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 
+from ._exports import Export, Exports
 from ._peers import PeerTable
 
 __all__ = ["INVALIDATE_GIVE_UP_S", "INVALIDATE_RETRY_S", "LOCATE_CONCURRENCY",
@@ -38,21 +40,20 @@ LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
 #: surely written, failed and re-resolved, or gone: as long as ``_retire``
 #: holds a released range)
 INVALIDATE_RETRY_S = (0.1, 1.0)
-#: the scratch region ``ping`` writes into, exported by the daemon itself
-RESERVED = "p2pxfer.ping"
 INVALIDATE_GIVE_UP_S = 600.0
 
 
 class Regions:
     """Exports, resolved descriptors, and who resolved ours."""
 
-    def __init__(self, node: str, peers: PeerTable) -> None:
+    def __init__(self, node: str, peers: PeerTable, exports: Exports) -> None:
         self.node = node
         self.peers = peers
-        self._exports: dict[str, tuple[str, RegionDescriptor]] = {}  # name -> (owner, desc)
+        self.exports = exports
+        exports.on_remove.append(self.export_gone)
         self._resolved: dict[tuple[str, str], RegionDescriptor] = {}
-        # The immediate slot of each region (ours and resolved): a write's
-        # immediate names it, so the owner counts it for that region only.
+        # The immediate slot of each region resolved (ours: its export's): a
+        # write's immediate names it, so the owner counts it for that region only.
         self._slots: dict[tuple[str, str], int] = {}
         self._kv: dict[tuple[str, str], dict[str, Any]] = {}  # KV pools' layouts
         self._resolved_by: dict[str, set[str]] = {}
@@ -65,25 +66,11 @@ class Regions:
 
     # -- ours -------------------------------------------------------------------
 
-    def add_export(self, name: str, owner: str, desc: RegionDescriptor, slot: int) -> None:
-        self._exports[name] = (owner, desc)
-        self._slots[(self.node, name)] = slot
-
-    def check_free(self, name: str) -> None:
-        if not name:
-            raise InvalidArgument("region name must not be empty")
-        if name in self._exports:
-            raise NameTaken(f"a region named {name!r} is already exported on {self.node}")
-        if name == RESERVED:
-            raise NameTaken(f"the region name {name!r} is the daemon's own (p2pxfer ping)")
-
-    def remove_export(self, name: str) -> None:
-        """``name`` is gone: tell every peer that resolved it (in the background)."""
-        self._exports.pop(name, None)
-        self._slots.pop((self.node, name), None)
-        for peer in self._resolved_by.pop(name, set()):
+    def export_gone(self, export: Export) -> None:
+        """An export went: tell every peer that resolved it (in the background)."""
+        for peer in self._resolved_by.pop(export.name, set()):
             if peer in self.peers and self.nursery is not None:
-                self.nursery.start_soon(self._invalidate, peer, name)
+                self.nursery.start_soon(self._invalidate, peer, export.name)
 
     async def _invalidate(self, peer: str, region: str) -> None:
         """Tell ``peer`` that ``region`` went, again and again until it has
@@ -120,16 +107,16 @@ class Regions:
 
     def local_descriptor(self, region: str, *, for_peer: str = "") -> RegionDescriptor:
         """Our descriptor of ``region``; ``for_peer`` will be told when it goes."""
-        hit = self._exports.get(region)
-        if hit is None:
+        export = self.exports.get(region)
+        if export is None:
             raise UnknownRegion(f"no region named {region!r} on {self.node}")
         if for_peer and for_peer in self.peers:  # only known peers are told (bounded)
             self._resolved_by.setdefault(region, set()).add(for_peer)
-        return hit[1]
+        return export.desc
 
     def listing(self) -> list[dict[str, Any]]:
-        return [{"name": n, "length": d.length, "client": owner}
-                for n, (owner, d) in sorted(self._exports.items())]
+        return [{"name": e.name, "length": e.length, "client": e.owner.label}
+                for e in self.exports]
 
     # -- theirs -----------------------------------------------------------------
 
@@ -162,16 +149,19 @@ class Regions:
 
     def slot(self, peer: str, region: str) -> int:
         """The immediate slot of a region resolved (or exported) just now."""
-        slot = self._slots.get((peer, region))
+        if peer == self.node:
+            export = self.exports.get(region)
+            slot = None if export is None else export.slot
+        else:
+            slot = self._slots.get((peer, region))
         if slot is None:
             raise UnknownRegion(f"no region named {region!r} on {peer}")
         return slot
 
     def forget(self, peer: str, region: str) -> None:
         self._resolved.pop((peer, region), None)
-        if peer != self.node:
-            self._slots.pop((peer, region), None)
-            self._kv.pop((peer, region), None)
+        self._slots.pop((peer, region), None)
+        self._kv.pop((peer, region), None)
 
     def forget_peer(self, peer: str) -> None:
         """``peer``'s life (or address) changed: its descriptors are void, and
@@ -192,7 +182,7 @@ class Regions:
         life."""
         if not region:
             raise InvalidArgument("region name must not be empty")
-        found = [self.node] if region in self._exports else []
+        found = [self.node] if region in self.exports else []
         limiter = trio.CapacityLimiter(LOCATE_CONCURRENCY)
 
         async def ask(peer: str) -> None:

@@ -43,11 +43,12 @@ from p2pxfer.protocol import (
     wire_error,
 )
 
+from ._exports import Export
 from ._handlers import HANDLERS
 from ._imms import ImmCounts
 from ._io import UnixFdStream
 from ._kv import Pool
-from ._shared import ExportMap, SharedMap
+from ._shared import SharedMap
 
 if TYPE_CHECKING:
     from ._daemon import Daemon
@@ -96,12 +97,6 @@ class ClientSession:
         self.pump = Pump(Connection("client", RESPONDER, max_frame=daemon.config.max_frame),
                          self.stream, f"client {self.label}")
         self.mems: dict[int, SharedMap] = {}
-        self.exports: dict[str, int] = {}  # region name -> memory backing it
-        #: region name -> the export's own mapping of its range (retired at unexport)
-        self.export_maps: dict[str, ExportMap] = {}
-        self.slots: dict[str, int] = {}  # region name -> its immediate slot
-        # region name -> other uids its owner lets write into it from this node
-        self.grants: dict[str, frozenset[int]] = {}
         #: immediates landed in this session's regions (they die with it)
         self.counts = ImmCounts(self.label, max_waiters=daemon.config.max_waiters_per_client)
         self.kv_pools: dict[str, Pool] = {}  # this client's KV pools, by name
@@ -264,28 +259,22 @@ class ClientSession:
         """Root or the daemon's own uid: may change node-wide state."""
         return self.uid in (0, os.getuid())
 
+    @property
+    def exports(self) -> dict[str, Export]:
+        """This client's exports, by name (held by the daemon's ``Exports``)."""
+        return self.daemon.exports.owned_by(self)
+
     def may_write_into(self, region: str) -> None:
-        """A local region takes writes only from its owner's uid, the uids
-        its owner granted at export (``writers``), or a privileged one:
-        ``UnknownRegion`` otherwise, as if it did not exist, so another uid
-        learns nothing of what is exported here. (Isolation is per uid, not
-        per session: processes of one uid can already write each other's
-        memory through ptrace or /proc/PID/mem.)"""
-        for other in self.daemon.sessions:
-            if (region in other.exports and other.uid != self.uid and not self.privileged
-                    and self.uid not in other.grants.get(region, ())):
-                log.warning("client.write_refused", client=self.label, uid=self.uid,
-                            region=bounded(region, 100), owner=other.label)
-                raise UnknownRegion(f"no region named {bounded(region, 100)!r} on "
-                                    f"{self.daemon.node} that uid {self.uid} may write into")
-        # Not exported at all: the write path says so, after checking the rest.
+        """``Exports.check_writer`` for this client: ``UnknownRegion`` for a
+        region of this daemon its uid may not write into."""
+        self.daemon.exports.check_writer(region, self.uid, self.privileged, self.label)
 
     @property
     def mapped(self) -> int:
         """Bytes of this client's memory mapped here (exports map their
         ranges once more)."""
         return sum(m.size for m in self.mems.values()) \
-            + sum(e.size for e in self.export_maps.values())
+            + sum(e.own.size for e in self.exports.values())
 
     def may_name(self, name: str) -> None:
         """Region names are scoped by uid, so no uid can take a name another
@@ -328,8 +317,8 @@ class ClientSession:
 
     def unshare(self, mem_id: int) -> None:
         mem = self.mem(mem_id)
-        if mem.id in self.exports.values() or any(p.mem_id == mem.id
-                                                    for p in self.kv_pools.values()):
+        if self.daemon.exports.backing(self, mem.id) or any(p.mem_id == mem.id
+                                                            for p in self.kv_pools.values()):
             raise InvalidArgument(f"memory {mem.id} still backs an export or a KV pool")
         self.daemon.engine.deregister(mem.map)
         del self.mems[mem.id]
@@ -349,68 +338,27 @@ class ClientSession:
             return True
 
     async def name_freed(self, name: str) -> None:
-        """Before exporting ``name``: if a client that has hung up still holds
-        it, wait (up to ``RELEASE_WAIT_S``) for its session to release it,
-        so a client that replaces another under the same name is not told
-        ``name_taken`` for the moment the daemon takes to notice."""
-        for other in list(self.daemon.sessions):  # sessions end while we wait
-            if other is not self and name in other.exports and other.hung_up():
-                with trio.move_on_after(RELEASE_WAIT_S):
-                    await other.released.wait()
+        """Before exporting ``name``: ``Exports.freed`` (a client that hung
+        up and still holds it releases it first)."""
+        await self.daemon.exports.freed(name, self, RELEASE_WAIT_S)
 
     def export(self, name: str, mem_id: int, offset: int, length: int,
                writers: Any = None) -> dict[str, Any]:
         d = self.daemon
         grants = check_writers(writers)
         self.may_name(name)
-        d.regions.check_free(name)
+        d.exports.check_free(name)
         d.limits.export(self, length)
-        mem = self.mem(mem_id)
-        own = mem.export_map(offset, length)
-        try:
-            slot = d.imm_slots.allocate(self.counts.sink(name))
-        except BaseException:
-            own.retire()
-            raise
-        try:
-            desc = d.engine.export(own.view, name)
-        except BaseException:
-            d.imm_slots.free(slot)
-            own.retire()
-            raise
-        d.regions.add_export(name, self.label, desc, slot)
-        d.writes.local.add(name, mem, offset, desc.length, slot)
-        self.exports[name] = mem.id
-        self.export_maps[name] = own
-        self.slots[name] = slot
-        if grants:
-            self.grants[name] = grants
-        log.info("region.exported", client=self.label, region=name, nbytes=desc.length,
-                 writers=sorted(grants))
-        return desc.to_wire()
+        export = d.exports.add(self, name, self.mem(mem_id), offset, length, grants,
+                               self.counts.sink(name))
+        return export.desc.to_wire()
 
     async def unexport(self, name: str) -> None:
-        """Unexport ``name``; a copy into it from a client of this daemon is
-        stopped first, and waited for (``_local``): once this returns no
-        byte lands in the region's memory from here."""
+        """Unexport ``name`` (``Exports.remove``): once this returns no byte
+        lands in the region's memory from here."""
         if name not in self.exports:
             raise UnknownRegion(f"this client exported no {name!r}")
-        await self.daemon.writes.local.remove(name)
-        del self.exports[name]
-        self.grants.pop(name, None)
-        if self.kv_pools.get(name) is not None and self.kv_pools[name].receive:
-            del self.kv_pools[name]
-            self.daemon.kv.drop_pool(name)
-        self.daemon.imm_slots.free(self.slots.pop(name))
-        self.daemon.regions.remove_export(name)
-        engine = self.daemon.engine
-        engine.unexport(name)
-        own = self.export_maps.pop(name)
-        with contextlib.suppress(P2PXferError):
-            engine.deregister(own.view)  # the local registration the export pinned
-        # A peer's write still streaming in lands in private pages from now
-        # on, not in the client's memory (which it goes on using).
-        own.retire()
+        await self.daemon.exports.remove(name)
 
     async def _release(self) -> None:
         """The client is gone: drop its exports (once copies into them have

@@ -55,7 +55,8 @@ class Writes:
         config = daemon.config
         threads = config.local_copy_threads or auto_threads(_node_cpus(daemon.engine))
         #: the same-daemon fast path
-        self.local = LocalCopies(daemon, enabled=config.local_copy, threads=threads)
+        self.local = LocalCopies(daemon.node, daemon.exports, lambda: daemon.imm_slots,
+                                 enabled=config.local_copy, threads=threads)
 
     async def write(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
                     region: str, imm: int | None, *,
@@ -147,7 +148,7 @@ class Writes:
         if session is not None and self.local.enabled and self.ours(desc):
             # ``peer`` names this daemon (an alias of ours): the same copy as a
             # write naming our own node, into the export of that name now.
-            if not self.local.has(desc.name):
+            if desc.name not in d.exports:
                 d.regions.forget(peer, region)
             return await self._copy(session, src, scatter, desc.name, imm, notify)
         t0 = time.perf_counter()

@@ -1,0 +1,199 @@
+"""This daemon's exports: one record per exported region, in one registry.
+
+An ``Export`` is everything known of one region a client exported: its
+owner, the memory behind it (the owner's shared memory, and the export's
+own mapping of its range, which the engine registers), its immediate slot,
+its descriptor, the other uids it lets write into it, and the same-daemon
+copies running into it. ``Exports`` is the only place one is added or
+removed, and it fans each change out, in one order, to the parts that act on
+exports: the immediate table (the slot), the engine (registration and key),
+and the parts that subscribed with ``on_remove`` (the region directory tells
+the peers that resolved it; a KV pool on it ends its requests). Name
+uniqueness and the writer's uid rule are checked here, once.
+
+Every method runs in the daemon's trio thread, which owns this state.
+What must not live here: the copies themselves (``_local``), what peers
+resolved (``_regions``), a client's memory and its other requests
+(``_sessions``), the engine's registrations (``p2pxfer.engine``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from p2pxfer._pump import bounded
+from p2pxfer.engine import Engine
+from p2pxfer.errors import InvalidArgument, NameTaken, P2PXferError, UnknownRegion
+from p2pxfer.log import get_logger
+from p2pxfer.memory import RegionDescriptor
+
+if TYPE_CHECKING:
+    from ._imms import ImmTable, Sink
+    from ._shared import ExportMap, SharedMap
+
+__all__ = ["RESERVED", "Export", "ExportOwner", "Exports"]
+
+log = get_logger("p2pxfer.daemon")
+
+#: the scratch region ``ping`` writes into, exported by the daemon itself
+RESERVED = "p2pxfer.ping"
+
+
+class ExportOwner(Protocol):
+    """What the registry needs of a client that exports (``ClientSession``)."""
+
+    label: str
+    uid: int
+    released: trio.Event
+
+    def hung_up(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Export:
+    """One exported region of one client of this daemon."""
+
+    name: str
+    owner: ExportOwner
+    mem: SharedMap  # the owner's memory behind it
+    offset: int  # of the region in ``mem``
+    own: ExportMap  # the export's own mapping of its range (retired when it goes)
+    slot: int  # its immediate slot, tag included (``ImmTable.allocate``)
+    desc: RegionDescriptor
+    writers: frozenset[int]  # other uids its owner lets write into it from this node
+    #: same-daemon copies running into it (``_local``): stopped before it goes
+    copies: set[Any] = field(default_factory=set)
+
+    @property
+    def length(self) -> int:
+        return self.desc.length
+
+    def admits(self, uid: int, privileged: bool) -> bool:
+        """Whether a client of ``uid`` may write into it from this node."""
+        return privileged or uid == self.owner.uid or uid in self.writers
+
+
+class Exports:
+    """Every export of this daemon's clients, by name and by owner."""
+
+    def __init__(self, node: str, engine: Engine, imm_slots: Callable[[], ImmTable]) -> None:
+        self.node = node
+        self._engine = engine
+        self._imm_slots = imm_slots
+        self._by_name: dict[str, Export] = {}
+        self._by_owner: dict[ExportOwner, dict[str, Export]] = {}
+        #: called with each export as it goes, in order, after the copies into
+        #: it stopped and before its slot and key are given up
+        self.on_remove: list[Callable[[Export], None]] = []
+
+    def get(self, name: str) -> Export | None:
+        return self._by_name.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __iter__(self) -> Iterator[Export]:
+        return iter(sorted(self._by_name.values(), key=lambda e: e.name))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def owned_by(self, owner: ExportOwner) -> dict[str, Export]:
+        """``owner``'s exports by name (a view: do not change it)."""
+        return self._by_owner.get(owner, {})
+
+    def check_free(self, name: str) -> None:
+        if not name:
+            raise InvalidArgument("region name must not be empty")
+        if name in self._by_name:
+            raise NameTaken(f"a region named {name!r} is already exported on {self.node}")
+        if name == RESERVED:
+            raise NameTaken(f"the region name {name!r} is the daemon's own (p2pxfer ping)")
+
+    def check_writer(self, name: str, uid: int, privileged: bool, writer: str) -> None:
+        """A region of this daemon takes writes only from its owner's uid,
+        the uids its owner granted (``writers``), or a privileged one:
+        ``UnknownRegion`` otherwise, as if it did not exist, so another uid
+        learns nothing of what is exported here. (Isolation is per uid, not
+        per client: processes of one uid can already write each other's
+        memory through ptrace or /proc/PID/mem.) A name not exported passes:
+        the write path says so, after checking the rest."""
+        export = self._by_name.get(name)
+        if export is not None and not export.admits(uid, privileged):
+            log.warning("client.write_refused", client=writer, uid=uid,
+                        region=bounded(name, 100), owner=export.owner.label)
+            raise UnknownRegion(f"no region named {bounded(name, 100)!r} on {self.node} that "
+                                f"uid {uid} may write into")
+
+    async def freed(self, name: str, asker: ExportOwner, wait_s: float) -> None:
+        """If an owner other than ``asker`` that has hung up still holds
+        ``name``, wait (up to ``wait_s``) for its session to release it, so
+        a client that replaces another under the same name is not told
+        ``name_taken`` for the moment the daemon takes to notice."""
+        export = self._by_name.get(name)
+        if export is not None and export.owner is not asker and export.owner.hung_up():
+            with trio.move_on_after(wait_s):
+                await export.owner.released.wait()
+
+    def add(self, owner: ExportOwner, name: str, mem: SharedMap, offset: int, length: int,
+            writers: frozenset[int], sink: Sink) -> Export:
+        """Export ``mem[offset:offset + length]`` as ``name``: its own
+        mapping, an immediate slot routed to ``sink``, the engine's key
+        (the caller checked ``check_free`` first, before the client's caps).
+        Nothing is left behind if a step fails."""
+        own = mem.export_map(offset, length)
+        slots = self._imm_slots()
+        try:
+            slot = slots.allocate(sink)
+            try:
+                desc = self._engine.export(own.view, name)
+            except BaseException:
+                slots.free(slot)
+                raise
+        except BaseException:
+            own.retire()
+            raise
+        export = Export(name, owner, mem, offset, own, slot, desc, writers)
+        self._by_name[name] = export
+        self._by_owner.setdefault(owner, {})[name] = export
+        log.info("region.exported", client=owner.label, region=name, nbytes=desc.length,
+                 writers=sorted(writers))
+        return export
+
+    async def remove(self, name: str) -> None:
+        """Unexport ``name``: no new copy into it from now on; the running
+        ones are stopped and waited for (shielded: bounded by the pieces in
+        hand, and an export must never go while a copy still writes into
+        it); then the subscribers hear it, its slot and key go, and its
+        mapping is retired: once this returns no byte lands in the owner's
+        memory from here, and a peer's write still streaming in lands in
+        private pages."""
+        export = self._by_name.pop(name, None)
+        if export is None:
+            raise UnknownRegion(f"no region named {bounded(name, 100)!r} is exported here")
+        mine = self._by_owner[export.owner]
+        del mine[name]
+        if not mine:
+            del self._by_owner[export.owner]
+        copies = list(export.copies)
+        for c in copies:
+            c.stop.set()
+        with trio.CancelScope(shield=True):
+            for c in copies:
+                await c.done.wait()
+        for hook in self.on_remove:
+            hook(export)
+        self._imm_slots().free(export.slot)
+        self._engine.unexport(name)
+        with contextlib.suppress(P2PXferError):
+            self._engine.deregister(export.own.view)  # the registration the export pinned
+        export.own.retire()
+
+    def backing(self, owner: ExportOwner, mem_id: int) -> bool:
+        """Whether one of ``owner``'s exports lies in its memory ``mem_id``."""
+        return any(e.mem.id == mem_id for e in self.owned_by(owner).values())
