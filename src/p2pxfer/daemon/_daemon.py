@@ -151,7 +151,9 @@ class Daemon:
         self.follower = Follower(self.node, self.peers)
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded
-        self.writes = Writes(self)
+        self.writes = Writes(config, engine, self.regions, self.exports, self.follower,
+                             incarnation=self.incarnation, imm_slots=lambda: self.imm_slots,
+                             metrics=lambda: self.metrics)
         self.ping: Ping = Ping(self)
         self.kv: KV = KV(self)
         self.follower.on_peer_lost = self.kv.peer_lost

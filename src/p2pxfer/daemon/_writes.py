@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -38,7 +38,14 @@ from ._local import LocalCopies, auto_threads
 from ._peers import PEER_TIMEOUT_S, deadline_after, seconds_left
 
 if TYPE_CHECKING:
-    from ._daemon import Daemon
+    from p2pxfer.engine import Engine
+
+    from ._config import DaemonConfig
+    from ._exports import Exports
+    from ._follow import Follower
+    from ._imms import ImmTable
+    from ._metrics import DaemonMetrics
+    from ._regions import Regions
     from ._sessions import ClientSession
 
 __all__ = ["Writes"]
@@ -49,14 +56,28 @@ log = get_logger("p2pxfer.daemon")
 class Writes:
     """Writes in flight, and how each one runs."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, config: DaemonConfig, engine: Engine, regions: Regions,
+                 exports: Exports, follower: Follower, *, incarnation: int,
+                 imm_slots: Callable[[], ImmTable],
+                 metrics: Callable[[], DaemonMetrics | None]) -> None:
+        self.node = config.node
+        self.incarnation = incarnation
+        self.write_timeout_s = config.write_timeout_s
+        self.engine = engine
+        self.regions = regions
+        self.exports = exports
+        self.follower = follower
+        self._imm_slots = imm_slots  # made on first use (``Daemon.imm_slots``)
+        self._metrics = metrics  # set once the daemon serves (None: not configured)
         self.in_flight = 0
-        config = daemon.config
-        threads = config.local_copy_threads or auto_threads(_node_cpus(daemon.engine))
+        threads = config.local_copy_threads or auto_threads(_node_cpus(engine))
         #: the same-daemon fast path
-        self.local = LocalCopies(daemon.node, daemon.exports, lambda: daemon.imm_slots,
-                                 enabled=config.local_copy, threads=threads)
+        self.local = LocalCopies(self.node, exports, imm_slots, enabled=config.local_copy,
+                                 threads=threads)
+
+    @property
+    def imm_slots(self) -> ImmTable:
+        return self._imm_slots()
 
     async def write(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
                     region: str, imm: int | None, *,
@@ -70,18 +91,17 @@ class Writes:
         also lets the write fail over to another rail). ``session`` (the
         writer) makes a write into a region of this daemon's clients a copy
         (``_local``)."""
-        d = self.d
         if imm is not None:
-            d.imm_slots.check_value(imm)
+            self.imm_slots.check_value(imm)
         elif notify:
             raise InvalidArgument("notify needs an imm: it is the immediate sent once the "
                                   "write landed")
-        if peer == d.node and session is not None and self.local.enabled:
+        if peer == self.node and session is not None and self.local.enabled:
             return await self._copy(session, src, scatter, region, imm, notify)
         # One deadline for all of the write: asking the peer for the region
         # (or why it failed) spends the same time as posting and completing.
-        until = deadline_after(d.config.write_timeout_s)
-        follower = d.follower
+        until = deadline_after(self.write_timeout_s)
+        follower = self.follower
         if not follower.enabled:
             desc = await self.destination(session, peer, region, until)
             return await self._run(client, src, scatter, peer, region, desc, imm, session,
@@ -92,7 +112,7 @@ class Writes:
             try:
                 follower.check_descriptor(desc)
             except PeerLost:
-                d.regions.forget(peer, region)
+                self.regions.forget(peer, region)
                 raise
             return await self._run(client, src, scatter, peer, region, desc, imm, session,
                                    notify, until)
@@ -100,7 +120,7 @@ class Writes:
 
     def ours(self, desc: RegionDescriptor) -> bool:
         """``desc`` is a region of this daemon, in its running life."""
-        return desc.node == self.d.node and desc.incarnation == self.d.incarnation
+        return desc.node == self.node and desc.incarnation == self.incarnation
 
     async def destination(self, session: ClientSession | None, peer: str, region: str,
                           until: float) -> RegionDescriptor:
@@ -108,7 +128,7 @@ class Writes:
         writer's uid check (``ClientSession.may_write_into``) whatever name
         reached it: this node's, or a peer entry whose address is our own
         control port (the check must not depend on how the peer was named)."""
-        desc = await self.d.regions.resolve(peer, region, until=until)
+        desc = await self.regions.resolve(peer, region, until=until)
         if session is not None and self.ours(desc):
             session.may_write_into(desc.name)
         return desc
@@ -126,8 +146,9 @@ class Writes:
             ok = True
         finally:
             self.in_flight -= 1
-            if self.d.metrics is not None:
-                self.d.metrics.observe_write(time.perf_counter() - t0, ok)
+            metrics = self._metrics()
+            if metrics is not None:
+                metrics.observe_write(time.perf_counter() - t0, ok)
 
     async def _copy(self, session: ClientSession, src: memoryview, scatter: ScatterList,
                     region: str, imm: int | None, notify: bool) -> int:
@@ -135,7 +156,7 @@ class Writes:
         t0 = time.perf_counter()
         with self.accounted():
             pieces = await self.local.write(session, src, scatter, region, imm, notify)
-        log.debug("transfer.complete", client=session.label, peer=self.d.node, region=region,
+        log.debug("transfer.complete", client=session.label, peer=self.node, region=region,
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0,
                   path="local-copy")
         return pieces
@@ -144,24 +165,23 @@ class Writes:
                    region: str, desc: RegionDescriptor, imm: int | None,
                    session: ClientSession | None = None, notify: bool = False,
                    until: float = math.inf) -> int:
-        d = self.d
         if session is not None and self.local.enabled and self.ours(desc):
             # ``peer`` names this daemon (an alias of ours): the same copy as a
             # write naming our own node, into the export of that name now.
-            if desc.name not in d.exports:
-                d.regions.forget(peer, region)
+            if desc.name not in self.exports:
+                self.regions.forget(peer, region)
             return await self._copy(session, src, scatter, desc.name, imm, notify)
         t0 = time.perf_counter()
         with self.accounted():
             try:
-                pieces = await d.engine.write(src, desc, scatter,
+                pieces = await self.engine.write(src, desc, scatter,
                                               imm=self._imm(peer, region, imm),
                                               notify=notify, timeout=seconds_left(until))
             except trio.Cancelled:
                 # Given up (its client cancelled or went away), perhaps stuck
                 # on a cut link, during which the region may have gone (its
                 # invalidate lost): resolve afresh next time.
-                d.regions.forget(peer, region)
+                self.regions.forget(peer, region)
                 raise
             except TransferError as exc:
                 log.warning("transfer.failed", client=client, peer=peer, region=region,
@@ -170,7 +190,7 @@ class Writes:
                     # Its deadline has passed: asking the peer why (up to
                     # PEER_TIMEOUT_S more, a silent peer never answers) would
                     # break it. The next write resolves afresh.
-                    d.regions.forget(peer, region)
+                    self.regions.forget(peer, region)
                     raise
                 fresh = await self._why_failed(peer, region, exc, until)
                 if fresh is None or fresh.incarnation == desc.incarnation:
@@ -178,10 +198,10 @@ class Writes:
                 # The peer restarted since we resolved the region: nothing of
                 # this write can have landed in its new life's memory, so it
                 # is written once more, there.
-                d.follower.check_descriptor(fresh)
+                self.follower.check_descriptor(fresh)
                 log.info("transfer.retry_new_life", client=client, peer=peer, region=region,
                          incarnation=fresh.incarnation)
-                pieces = await d.engine.write(src, fresh, scatter,
+                pieces = await self.engine.write(src, fresh, scatter,
                                               imm=self._imm(peer, region, imm),
                                               notify=notify, timeout=seconds_left(until))
         log.debug("transfer.complete", client=client, peer=peer, region=region,
@@ -191,7 +211,7 @@ class Writes:
     def _imm(self, peer: str, region: str, value: int | None) -> int | None:
         if value is None:
             return None
-        return self.d.imm_slots.compose(self.d.regions.slot(peer, region), value)
+        return self.imm_slots.compose(self.regions.slot(peer, region), value)
 
     async def _why_failed(self, peer: str, region: str, failure: TransferError,
                           until: float) -> RegionDescriptor | None:
@@ -200,17 +220,16 @@ class Writes:
         peer says now; with membership, a peer whose daemon is unreachable
         too probably died: wait for the verdict (inside ``track_write`` it
         turns this into ``PeerLost``) and return None."""
-        d = self.d
-        backend = d.follower.backend
-        d.regions.forget(peer, region)
-        d.follower.check_peer(peer)
+        backend = self.follower.backend
+        self.regions.forget(peer, region)
+        self.follower.check_peer(peer)
         unreachable = False
         fresh = None
         # Up to PEER_TIMEOUT_S, or what is left of the write's time if more.
         until = max(until, trio.current_time() + PEER_TIMEOUT_S)
         with trio.move_on_at(until) as asking:
             try:
-                fresh = await d.regions.resolve(peer, region, until=until)
+                fresh = await self.regions.resolve(peer, region, until=until)
             except PeerUnreachable as exc:
                 if backend is None:
                     # Say what failed first, then why the peer's daemon was no help.
