@@ -443,6 +443,9 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("auth", {"proof": bytes(32)}, {}),
     ("resolve", {"region": "kv"}, {"descriptor": DESCRIPTOR, "slot": 3}),
+    ("resolve", {"region": "kv"}, {"descriptor": DESCRIPTOR, "slot": 3, "tickets": [3, 5]}),
+    ("imm_tickets", {"region": "kv", "n": 64}, {"tickets": [7, 9]}),
+    ("notify_settle", {"ticket": 7, "imm": 12}, {"arrived": False}),
     ("kv_begin", {"pool": "kv", "request": 7, "layers": bytes(16), "deadline_ms": 30_000},
      {"slot": 9}),
     ("kv_expect", {"slot": 9, "pieces": bytes(16)}, {}),
@@ -1077,10 +1080,12 @@ def test_specific_errors_and_unknown_codes() -> None:
 
 def test_handler_tables_are_checked() -> None:
     check_handlers({"status": 0, "peers": 0, "auth": 0, "resolve": 0, "invalidate": 0,
-                    "kv_begin": 0, "kv_expect": 0, "kv_arrived": 0, "ping": 0}, PEER_REQUESTS,
+                    "kv_begin": 0, "kv_expect": 0, "kv_arrived": 0, "imm_tickets": 0,
+                    "notify_settle": 0, "ping": 0}, PEER_REQUESTS,
                    "test")
     with pytest.raises(LocalProtocolError, match=r"missing \['invalidate'\]"):
         check_handlers({"status", "peers", "auth", "resolve", "kv_begin", "kv_expect",
-                        "kv_arrived", "ping"}, PEER_REQUESTS, "test")
+                        "kv_arrived", "imm_tickets", "notify_settle", "ping"}, PEER_REQUESTS,
+                       "test")
     with pytest.raises(LocalProtocolError, match=r"extra \['frobnicate'\]"):
         check_handlers({*PEER_REQUESTS, "frobnicate"}, PEER_REQUESTS, "test")

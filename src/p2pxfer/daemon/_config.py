@@ -149,6 +149,11 @@ class DaemonConfig:
     #: threads one large (>= 4 MiB) same-daemon copy is split over; 0: half
     #: the CPUs of the daemon's first NUMA node (at least 1, at most 8)
     local_copy_threads: int = 0
+    #: fault injection, for tests of what follows an unknown notification:
+    #: "landed" (every notify write's notification lands, then its outcome is
+    #: treated as unknown) or "lost" (it is not sent, and its outcome is
+    #: treated as unknown); "" (the default): no fault
+    fault_notify: str = ""
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DaemonConfig:
@@ -412,5 +417,6 @@ _CHECKS: dict[str, Any] = {
     "local_copy_threads": lambda k, v: _int(k, v, 0),
     "delivery_complete": _bool,
     "rail_stall_s": _seconds,
+    "fault_notify": lambda k, v: _choice(k, v, ("", "landed", "lost")),
 }
 assert set(_CHECKS) == {f.name for f in fields(DaemonConfig)}, "a config key has no check"

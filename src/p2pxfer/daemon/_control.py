@@ -47,6 +47,7 @@ from p2pxfer.protocol import (
 
 from . import _auth
 from ._auth import Caller
+from ._regions import TICKET_BATCH
 from ._tls import accept_tls
 
 if TYPE_CHECKING:
@@ -66,10 +67,23 @@ def _auth_request(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
 
 def _resolve(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
     desc = d.regions.local_descriptor(msg["region"], for_peer=caller.name)
-    result = {"descriptor": desc.to_wire(), "slot": d.regions.slot(d.node, msg["region"])}
+    slot = d.regions.slot(d.node, msg["region"])
+    result: dict[str, Any] = {"descriptor": desc.to_wire(), "slot": slot}
+    if caller.name in d.peers:  # tickets are held per peer: only known ones (bounded)
+        result["tickets"] = d.imm_slots.tickets(slot, caller.name, TICKET_BATCH)
     if (layout := d.kv.layout_of(msg["region"])) is not None:
         result["kv"] = layout  # a KV pool: pushers need its layout
     return result
+
+
+def _imm_tickets(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
+    if caller.name not in d.peers:
+        return {"tickets": []}
+    n = msg["n"]
+    if not 0 < n <= TICKET_BATCH:
+        raise InvalidArgument(f"imm_tickets: n must be within 1..{TICKET_BATCH}, got {n}")
+    slot = d.regions.slot(d.node, msg["region"])
+    return {"tickets": d.imm_slots.tickets(slot, caller.name, n)}
 
 
 def _invalidate(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
@@ -84,6 +98,9 @@ HANDLERS: dict[str, Handler] = {
                                                     msg.get("first", 0)),
     "kv_arrived": lambda d, caller, msg: d.kv.arrived(caller.name, msg["pool"], msg["request"],
                                                       msg["layer"]),
+    "imm_tickets": _imm_tickets,
+    "notify_settle": lambda d, caller, msg: {
+        "arrived": d.imm_slots.settle(msg["ticket"], caller.name, msg["imm"])},
     "auth": _auth_request,
     "resolve": _resolve,
     "invalidate": _invalidate,

@@ -147,7 +147,8 @@ class Daemon:
         self._imm_slots: ImmTable | None = None
         #: every export of this daemon's clients (one record each)
         self.exports = Exports(self.node, engine, lambda: self.imm_slots)
-        self.regions = Regions(self.node, self.peers, self.exports)
+        self.regions = Regions(self.node, self.peers, self.exports, lambda: self.imm_slots)
+        self.peers.on_forget = self._forget_peer
         self.follower = Follower(self.node, self.peers)
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded
@@ -201,6 +202,13 @@ class Daemon:
         """Where background work (closing links, invalidations) runs."""
         self._nursery = self.peers.nursery = self.regions.nursery = nursery
 
+    def _forget_peer(self, peer: str) -> None:
+        """``peer``'s life (or address) changed: what we resolved of it, and
+        the notification tickets it holds here, go."""
+        self.regions.forget_peer(peer)
+        if self._imm_slots is not None:
+            self._imm_slots.forget_peer(peer)
+
     def _superseded(self) -> None:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
@@ -244,6 +252,9 @@ class Daemon:
             # small writes on a quiet engine: completed inline, or handed over
             "express": {"completed": stats.express, "handed_over": stats.express_handed_over},
             "local_copy": self.writes.local.statistics(),
+            # notify writes whose notification's outcome was unknown: settled
+            # (it had landed / it was counted on asking), or left unknown
+            "notifications": dict(self.writes.notifications),
             "rails": rails(self.engine),
             "links": self.peers.link_states(),
             "notes": self.notes,

@@ -18,6 +18,17 @@ a slot nobody holds, or with a wrong tag, are dropped (counted). Slots are
 handed out round-robin, so a slot just freed is not soon reused (a late
 piece of an old writer must not count for a new owner).
 
+*Notification tickets* make a notify-mode write's one notification
+identifiable, so that when its outcome is unknown (its rail broke before
+the ack) the writer can learn whether it landed and have it counted if it
+did not, exactly once. A ticket is a one-shot prefix of a region's slot with
+a tag of its own, handed to one peer (with ``resolve``, then in batches on
+``imm_tickets``); the first arrival through it counts for the region and
+spends it (remembered as fired). ``settle`` answers the peer: fired, or not,
+and then revokes the ticket and counts the notification itself, so a late
+arrival through it cannot count twice. Only where the CQ data carries tags.
+
+Owned by the daemon's trio thread (arrivals are delivered there).
 What must not live here: the engine's own counting (``p2pxfer.engine``), or
 what a KV request does with its layers (``_kv``).
 """
@@ -25,15 +36,16 @@ what a KV request does with its layers (``_kv``).
 from __future__ import annotations
 
 import secrets
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from p2pxfer._waiters import Tally
 from p2pxfer.engine import Engine
-from p2pxfer.errors import InvalidArgument, LimitExceeded
+from p2pxfer.errors import InvalidArgument, LimitExceeded, UnknownRegion
 from p2pxfer.log import get_logger
 
-__all__ = ["MAX_UNCLAIMED", "SLOT_BITS", "TAG_BITS", "VALUE_BITS", "ImmCounts", "ImmTable",
-           "SlotsExhausted"]
+__all__ = ["FIRED_KEPT", "MAX_UNCLAIMED", "SLOT_BITS", "TAG_BITS", "TICKETS_PER_PEER",
+           "VALUE_BITS", "ImmCounts", "ImmTable", "SlotsExhausted"]
 
 log = get_logger("p2pxfer.daemon")
 
@@ -45,6 +57,11 @@ VALUE_BITS = 20
 #: distinct (region, value) counts a session keeps that nobody has waited for
 #: yet; beyond it the oldest are dropped (and logged)
 MAX_UNCLAIMED = 4096
+#: notification tickets one peer may hold unspent here; asking for more gets none
+TICKETS_PER_PEER = 4096
+#: spent tickets remembered for ``settle`` (oldest forgotten first): far more
+#: than the notifications in flight whose outcome a writer may ask about
+FIRED_KEPT = 1 << 16
 
 Sink = Callable[[int, int], None]  # (value, count)
 
@@ -66,6 +83,13 @@ class ImmTable:
         self._used: set[int] = set()  # slot numbers held
         self._next = 1
         self.dropped = 0  # pieces that arrived for a slot nobody holds (or a wrong tag)
+        # Notification tickets: unspent ones (-> their slot's prefix, the peer
+        # holding it), those of each slot, how many each peer holds, and the
+        # spent ones remembered (-> the peer).
+        self._tickets: dict[int, tuple[int, str]] = {}
+        self._slot_tickets: dict[int, set[int]] = {}
+        self._held: Counter[str] = Counter()
+        self._fired: OrderedDict[int, str] = OrderedDict()
         # Every immediate < 2**bits: ``imm >> bits == 0`` routes them all here.
         engine.route_imms(self.bits, 0, self._arrival)
 
@@ -88,6 +112,63 @@ class ImmTable:
     def free(self, prefix: int) -> None:
         if self._sinks.pop(prefix, None) is not None:
             self._used.discard(prefix >> self.tag_bits)
+        for ticket in self._slot_tickets.pop(prefix, ()):
+            self._spend(ticket)
+
+    # -- notification tickets --------------------------------------------------------
+
+    def tickets(self, prefix: int, peer: str, n: int) -> list[int]:
+        """Up to ``n`` fresh tickets of slot ``prefix`` for ``peer`` (none
+        without tags, or while the peer holds ``TICKETS_PER_PEER``)."""
+        if self.tag_bits == 0 or prefix not in self._sinks:
+            return []
+        n = max(0, min(n, TICKETS_PER_PEER - self._held[peer]))
+        slot_bits = prefix >> self.tag_bits << self.tag_bits
+        mine = self._slot_tickets.setdefault(prefix, set())
+        out: list[int] = []
+        while len(out) < n:
+            ticket = slot_bits | secrets.randbits(self.tag_bits)
+            if ticket in self._sinks or ticket in self._tickets or ticket in self._fired:
+                continue
+            self._tickets[ticket] = (prefix, peer)
+            mine.add(ticket)
+            out.append(ticket)
+        self._held[peer] += len(out)
+        return out
+
+    def settle(self, ticket: int, peer: str, value: int) -> bool:
+        """Whether the notification ``peer`` sent through ``ticket`` landed;
+        if it has not, the ticket is revoked and the notification counted
+        now (``value``, once): either way it counts exactly once."""
+        self.check_value(value)
+        if self._fired.get(ticket) == peer:
+            del self._fired[ticket]
+            return True
+        held = self._tickets.get(ticket)
+        if held is None or held[1] != peer:
+            raise UnknownRegion(f"no notification ticket {ticket:#x} of {peer!r} here (its "
+                                "region went, or it was settled already)")
+        self._spend(ticket)
+        self._slot_tickets[held[0]].discard(ticket)
+        self._sinks[held[0]](value, 1)
+        return False
+
+    def forget_peer(self, peer: str) -> None:
+        """``peer``'s life changed: its unspent tickets go with it."""
+        if not self._held.get(peer):
+            return
+        for ticket, (prefix, holder) in list(self._tickets.items()):
+            if holder == peer:
+                self._spend(ticket)
+                self._slot_tickets[prefix].discard(ticket)
+
+    def _spend(self, ticket: int) -> tuple[int, str] | None:
+        held = self._tickets.pop(ticket, None)
+        if held is not None:
+            self._held[held[1]] -= 1
+            if self._held[held[1]] <= 0:
+                del self._held[held[1]]
+        return held
 
     def check_value(self, value: object) -> int:
         if not isinstance(value, int) or isinstance(value, bool) \
@@ -110,7 +191,17 @@ class ImmTable:
         self._arrival(imm, count)
 
     def _arrival(self, imm: int, count: int) -> None:
-        sink = self._sinks.get(imm >> self.value_bits)
+        prefix = imm >> self.value_bits
+        sink = self._sinks.get(prefix)
+        if sink is None and (held := self._spend(prefix)) is not None:
+            # A notification through its ticket: it counts for the slot, and
+            # the ticket is spent (remembered for ``settle``).
+            self._slot_tickets[held[0]].discard(prefix)
+            self._fired[prefix] = held[1]
+            if len(self._fired) > FIRED_KEPT:
+                self._fired.popitem(last=False)
+            sink = self._sinks.get(held[0])
+            count = 1  # one notification, one count, whatever the CQ batched
         if sink is None:
             self.dropped += count
             return

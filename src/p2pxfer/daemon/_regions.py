@@ -26,10 +26,11 @@ from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 
 from ._exports import Export, Exports
+from ._imms import ImmTable
 from ._peers import PeerTable
 
 __all__ = ["INVALIDATE_GIVE_UP_S", "INVALIDATE_RETRY_S", "LOCATE_CONCURRENCY",
-           "LOCATE_TIMEOUT_S", "Regions"]
+           "LOCATE_TIMEOUT_S", "TICKET_BATCH", "Regions", "check_tickets"]
 
 log = get_logger("p2pxfer.daemon")
 
@@ -41,28 +42,34 @@ LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
 #: holds a released range)
 INVALIDATE_RETRY_S = (0.1, 1.0)
 INVALIDATE_GIVE_UP_S = 600.0
+#: notification tickets asked for at once (``_imms``: with ``resolve``, then
+#: ``imm_tickets`` whenever a region's run out)
+TICKET_BATCH = 64
 
 
 class Regions:
     """Exports, resolved descriptors, and who resolved ours."""
 
-    def __init__(self, node: str, peers: PeerTable, exports: Exports) -> None:
+    def __init__(self, node: str, peers: PeerTable, exports: Exports,
+                 imm_slots: Callable[[], ImmTable]) -> None:
         self.node = node
         self.peers = peers
         self.exports = exports
+        self._imm_slots = imm_slots
         exports.on_remove.append(self.export_gone)
         self._resolved: dict[tuple[str, str], RegionDescriptor] = {}
         # The immediate slot of each region resolved (ours: its export's): a
         # write's immediate names it, so the owner counts it for that region only.
         self._slots: dict[tuple[str, str], int] = {}
         self._kv: dict[tuple[str, str], dict[str, Any]] = {}  # KV pools' layouts
+        #: unspent notification tickets of each region resolved (``_imms``)
+        self._tickets: dict[tuple[str, str], list[int]] = {}
         self._resolved_by: dict[str, set[str]] = {}
         #: invalidations not delivered yet, per (peer, region) (``status``)
         self.pending_invalidations: Counter[tuple[str, str]] = Counter()
         #: whether a peer may be asked now (membership: it is running)
         self.reachable: Callable[[str], bool] = lambda peer: True
         self.nursery: trio.Nursery | None = None
-        peers.on_forget = self.forget_peer
 
     # -- ours -------------------------------------------------------------------
 
@@ -139,6 +146,7 @@ class Regions:
             raise PeerUnreachable(f"{peer} sent no immediate slot for {region!r}")
         self._resolved[key] = desc
         self._slots[key] = slot
+        self._tickets[key] = check_tickets(result.get("tickets"), slot, self._imm_slots())
         if isinstance(layout := result.get("kv"), dict):
             self._kv[key] = layout
         return desc
@@ -146,6 +154,33 @@ class Regions:
     def kv_layout(self, peer: str, region: str) -> dict[str, Any] | None:
         """The layout a peer gave with a region it resolved as a KV pool."""
         return self._kv.get((peer, region))
+
+    async def ticket(self, peer: str, region: str, until: float) -> int | None:
+        """A notification ticket of ``region`` on ``peer`` (resolved just
+        now), asked for when they have run out; None where the peer gives
+        none (no room for tags in the CQ data, or it holds too many): the
+        notification then goes through the region's slot."""
+        key = (peer, region)
+        held = self._tickets.get(key)
+        if held is None:
+            return None
+        if not held:
+            result = await self.peers.request(peer, "imm_tickets", region=region,
+                                              n=TICKET_BATCH, until=until)
+            if key not in self._resolved:  # forgotten meanwhile: its slot may be void
+                return None
+            held = self._tickets[key] = check_tickets(result.get("tickets"),
+                                                      self._slots[key], self._imm_slots())
+            if not held:
+                return None
+        return held.pop()
+
+    async def settle(self, peer: str, ticket: int, value: int, until: float) -> bool:
+        """``notify_settle`` on ``peer``: whether the notification through
+        ``ticket`` had landed (if not, the peer counted it now)."""
+        result = await self.peers.request(peer, "notify_settle", ticket=ticket, imm=value,
+                                          until=until)
+        return result.get("arrived") is True
 
     def slot(self, peer: str, region: str) -> int:
         """The immediate slot of a region resolved (or exported) just now."""
@@ -162,6 +197,7 @@ class Regions:
         self._resolved.pop((peer, region), None)
         self._slots.pop((peer, region), None)
         self._kv.pop((peer, region), None)
+        self._tickets.pop((peer, region), None)
 
     def forget_peer(self, peer: str) -> None:
         """``peer``'s life (or address) changed: its descriptors are void, and
@@ -170,6 +206,7 @@ class Regions:
             del self._resolved[key]
             self._slots.pop(key, None)
             self._kv.pop(key, None)
+            self._tickets.pop(key, None)
         for holders in self._resolved_by.values():
             holders.discard(peer)
         for key in [k for k in self.pending_invalidations if k[0] == peer]:
@@ -199,3 +236,19 @@ class Regions:
                 if self.reachable(peer):
                     nursery.start_soon(ask, peer)
         return sorted(found)
+
+
+def check_tickets(tickets: Any, slot: int, table: ImmTable) -> list[int]:
+    """The tickets a peer sent for a region whose slot is ``slot``: each a
+    prefix of that slot number with a tag of its own, else
+    ``PeerUnreachable`` (a peer that sends nonsense is no peer to count
+    with). None sent, or no room for tags here: none."""
+    if tickets is None or table.tag_bits == 0:
+        return []
+    limit = 1 << (table.bits - table.value_bits)
+    if not isinstance(tickets, list) or not all(
+            type(t) is int and 0 < t < limit and t >> table.tag_bits == slot >> table.tag_bits
+            for t in tickets):
+        raise PeerUnreachable("a peer sent notification tickets that are not of the "
+                              "region's slot")
+    return list(tickets)

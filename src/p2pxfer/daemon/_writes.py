@@ -25,6 +25,8 @@ import trio
 
 from p2pxfer.errors import (
     InvalidArgument,
+    NotificationUnknown,
+    P2PXferError,
     PeerLost,
     PeerUnreachable,
     TransferError,
@@ -63,6 +65,7 @@ class Writes:
         self.node = config.node
         self.incarnation = incarnation
         self.write_timeout_s = config.write_timeout_s
+        self.fault_notify = config.fault_notify
         self.engine = engine
         self.regions = regions
         self.exports = exports
@@ -70,6 +73,8 @@ class Writes:
         self._imm_slots = imm_slots  # made on first use (``Daemon.imm_slots``)
         self._metrics = metrics  # set once the daemon serves (None: not configured)
         self.in_flight = 0
+        #: notifications whose outcome was unknown, by how that ended
+        self.notifications = {"landed": 0, "counted_on_ask": 0, "unknown": 0}
         threads = config.local_copy_threads or auto_threads(_node_cpus(engine))
         #: the same-daemon fast path
         self.local = LocalCopies(self.node, exports, imm_slots, enabled=config.local_copy,
@@ -174,9 +179,7 @@ class Writes:
         t0 = time.perf_counter()
         with self.accounted():
             try:
-                pieces = await self.engine.write(src, desc, scatter,
-                                              imm=self._imm(peer, region, imm),
-                                              notify=notify, timeout=seconds_left(until))
+                pieces = await self._post(src, desc, scatter, peer, region, imm, notify, until)
             except trio.Cancelled:
                 # Given up (its client cancelled or went away), perhaps stuck
                 # on a cut link, during which the region may have gone (its
@@ -201,17 +204,65 @@ class Writes:
                 self.follower.check_descriptor(fresh)
                 log.info("transfer.retry_new_life", client=client, peer=peer, region=region,
                          incarnation=fresh.incarnation)
-                pieces = await self.engine.write(src, fresh, scatter,
-                                              imm=self._imm(peer, region, imm),
-                                              notify=notify, timeout=seconds_left(until))
+                pieces = await self._post(src, fresh, scatter, peer, region, imm, notify,
+                                          until)
         log.debug("transfer.complete", client=client, peer=peer, region=region,
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return pieces
 
-    def _imm(self, peer: str, region: str, value: int | None) -> int | None:
-        if value is None:
-            return None
-        return self.imm_slots.compose(self.regions.slot(peer, region), value)
+    async def _post(self, src: memoryview, desc: RegionDescriptor, scatter: ScatterList,
+                    peer: str, region: str, imm: int | None, notify: bool,
+                    until: float) -> int:
+        """The write on the engine, ``imm`` sent with the region's slot. A
+        notification goes through a ticket where the peer gives them
+        (``_imms``): when its outcome is unknown, the peer says over the
+        control connection whether it landed, and counts it if not
+        (``notify_settle``): exactly once, and unknown only when that path
+        fails too."""
+        ticket = None
+        if notify and imm is not None:
+            try:
+                ticket = await self.regions.ticket(peer, region, until)
+            except P2PXferError as exc:  # the notification goes through the slot
+                log.info("transfer.no_ticket", peer=peer, region=region, error=str(exc))
+        prefix = ticket if ticket is not None else self.regions.slot(peer, region)
+        full = None if imm is None else self.imm_slots.compose(prefix, imm)
+        try:
+            if notify and self.fault_notify:
+                await self._faulty_notify(src, desc, scatter, full, until)
+            return await self.engine.write(src, desc, scatter, imm=full, notify=notify,
+                                           timeout=seconds_left(until))
+        except NotificationUnknown as unknown:
+            if ticket is None or imm is None:
+                self.notifications["unknown"] += 1
+                raise
+            try:
+                arrived = await self.regions.settle(peer, ticket, imm, until)
+            except P2PXferError as exc:
+                self.notifications["unknown"] += 1
+                log.warning("transfer.notification_unsettled", peer=peer, region=region,
+                            error=str(exc))
+                raise unknown from exc
+            self.notifications["landed" if arrived else "counted_on_ask"] += 1
+            log.info("transfer.notification_settled", peer=peer, region=region,
+                     counted_on_ask=not arrived, why=str(unknown))
+            return 1
+
+    async def _faulty_notify(self, src: memoryview, desc: RegionDescriptor,
+                             scatter: ScatterList, imm: int | None, until: float) -> None:
+        """``fault_notify`` (tests): the write in notify mode, its
+        notification sent through its ticket ("landed") or through slot 0,
+        which nobody holds, so the target drops it ("lost"), then
+        ``NotificationUnknown`` as when its rail breaks before the
+        notification's ack. Either way every byte landed first, as there."""
+        assert imm is not None
+        if self.fault_notify == "lost":
+            imm &= (1 << self.imm_slots.value_bits) - 1
+        await self.engine.write(src, desc, scatter, imm=imm, notify=True,
+                                timeout=seconds_left(until))
+        raise NotificationUnknown(f"write to {desc.node}: every piece landed, but its "
+                                  f"notification's outcome is unknown (fault_notify = "
+                                  f"{self.fault_notify!r})")
 
     async def _why_failed(self, peer: str, region: str, failure: TransferError,
                           until: float) -> RegionDescriptor | None:

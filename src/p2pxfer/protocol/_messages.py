@@ -89,6 +89,10 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                   "first": (_INT, False)},
     "kv_arrived": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                    "layer": (_INT, True)},
+    # notification tickets (daemon -> daemon): a notify-mode write's one
+    # notification made identifiable, and settled when its outcome is unknown
+    "imm_tickets": {"id": (_INT, True), "region": (_STR, True), "n": (_INT, True)},
+    "notify_settle": {"id": (_INT, True), "ticket": (_INT, True), "imm": (_INT, True)},
     # -- ping: the check that two daemons work together (client and peer) ---------
     "ping": {"id": (_INT, True), "peer": (_STR, False), "timeout_ms": (_INT, False),
              "offset": (_INT, False), "length": (_INT, False)},
@@ -100,7 +104,8 @@ CLIENT_REQUESTS = frozenset(
      "ping"}
 )
 PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers", "kv_begin",
-                           "kv_expect", "kv_arrived", "ping"})
+                           "kv_expect", "kv_arrived", "imm_tickets", "notify_settle",
+                           "ping"})
 
 
 class Message:
