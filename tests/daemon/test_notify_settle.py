@@ -94,7 +94,8 @@ def test_settle_refuses_what_is_not_the_callers(pair: Pair) -> None:
         raw = RawControl(b.control)
         try:
             raw.hello("node-a")
-            reply = raw.request({"t": "resolve", "id": 1, "region": "settle-raw"})
+            reply = raw.request({"t": "resolve", "id": 1, "region": "settle-raw",
+                                 "tickets": 64})
             assert reply is not None and reply["t"] == "ok", reply
             tickets = reply["result"]["tickets"]
             slot = reply["result"]["slot"]
@@ -119,7 +120,8 @@ def test_settle_refuses_what_is_not_the_callers(pair: Pair) -> None:
         raw = RawControl(b.control)
         try:
             raw.hello("node-z")  # not in b's peer table
-            reply = raw.request({"t": "resolve", "id": 1, "region": "settle-raw"})
+            reply = raw.request({"t": "resolve", "id": 1, "region": "settle-raw",
+                                 "tickets": 64})
             assert reply is not None and "tickets" not in reply["result"], reply
             reply = raw.request({"t": "notify_settle", "id": 2, "ticket": tickets[1],
                                  "imm": 5})

@@ -443,7 +443,8 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("auth", {"proof": bytes(32)}, {}),
     ("resolve", {"region": "kv"}, {"descriptor": DESCRIPTOR, "slot": 3}),
-    ("resolve", {"region": "kv"}, {"descriptor": DESCRIPTOR, "slot": 3, "tickets": [3, 5]}),
+    ("resolve", {"region": "kv", "tickets": 2},
+     {"descriptor": DESCRIPTOR, "slot": 3, "tickets": [3, 5]}),
     ("imm_tickets", {"region": "kv", "n": 64}, {"tickets": [7, 9]}),
     ("notify_settle", {"ticket": 7, "imm": 12}, {"arrived": False}),
     ("kv_begin", {"pool": "kv", "request": 7, "layers": bytes(16), "deadline_ms": 30_000},

@@ -69,8 +69,9 @@ def _resolve(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
     desc = d.regions.local_descriptor(msg["region"], for_peer=caller.name)
     slot = d.regions.slot(d.node, msg["region"])
     result: dict[str, Any] = {"descriptor": desc.to_wire(), "slot": slot}
-    if caller.name in d.peers:  # tickets are held per peer: only known ones (bounded)
-        result["tickets"] = d.imm_slots.tickets(slot, caller.name, TICKET_BATCH)
+    want = msg.get("tickets", 0)
+    if want and caller.name in d.peers:  # held per peer: only known ones (bounded)
+        result["tickets"] = d.imm_slots.tickets(slot, caller.name, min(want, TICKET_BATCH))
     if (layout := d.kv.layout_of(msg["region"])) is not None:
         result["kv"] = layout  # a KV pool: pushers need its layout
     return result

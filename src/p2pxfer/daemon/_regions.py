@@ -62,8 +62,11 @@ class Regions:
         # write's immediate names it, so the owner counts it for that region only.
         self._slots: dict[tuple[str, str], int] = {}
         self._kv: dict[tuple[str, str], dict[str, Any]] = {}  # KV pools' layouts
-        #: unspent notification tickets of each region resolved (``_imms``)
-        self._tickets: dict[tuple[str, str], list[int]] = {}
+        #: unspent notification tickets of each region resolved (``_imms``),
+        #: with the slot they are of. Kept when the descriptor is forgotten
+        #: (they stay valid while the export does; a new export has another
+        #: slot): the peer holds them for us until its region or our life goes
+        self._tickets: dict[tuple[str, str], tuple[int, list[int]]] = {}
         self._resolved_by: dict[str, set[str]] = {}
         #: invalidations not delivered yet, per (peer, region) (``status``)
         self.pending_invalidations: Counter[tuple[str, str]] = Counter()
@@ -136,7 +139,10 @@ class Regions:
         key = (peer, region)
         if (hit := self._resolved.get(key)) is not None:
             return hit
-        result = await self.peers.request(peer, "resolve", region=region, until=until)
+        held = self._tickets.get(key)
+        want = 0 if held is not None and held[1] else TICKET_BATCH
+        result = await self.peers.request(peer, "resolve", region=region, until=until,
+                                          tickets=want)
         try:
             desc = RegionDescriptor.from_wire(result.get("descriptor"))
         except P2PXferError as exc:
@@ -146,7 +152,10 @@ class Regions:
             raise PeerUnreachable(f"{peer} sent no immediate slot for {region!r}")
         self._resolved[key] = desc
         self._slots[key] = slot
-        self._tickets[key] = check_tickets(result.get("tickets"), slot, self._imm_slots())
+        fresh = check_tickets(result.get("tickets"), slot, self._imm_slots())
+        if held is not None and held[0] == slot:
+            fresh.extend(held[1])
+        self._tickets[key] = (slot, fresh)
         if isinstance(layout := result.get("kv"), dict):
             self._kv[key] = layout
         return desc
@@ -161,19 +170,19 @@ class Regions:
         none (no room for tags in the CQ data, or it holds too many): the
         notification then goes through the region's slot."""
         key = (peer, region)
+        slot = self._slots.get(key)
         held = self._tickets.get(key)
-        if held is None:
+        if slot is None or held is None or held[0] != slot:
             return None
-        if not held:
+        if not held[1]:
             result = await self.peers.request(peer, "imm_tickets", region=region,
                                               n=TICKET_BATCH, until=until)
-            if key not in self._resolved:  # forgotten meanwhile: its slot may be void
+            if self._slots.get(key) != slot:  # forgotten meanwhile: its slot may be void
                 return None
-            held = self._tickets[key] = check_tickets(result.get("tickets"),
-                                                      self._slots[key], self._imm_slots())
-            if not held:
+            held[1].extend(check_tickets(result.get("tickets"), slot, self._imm_slots()))
+            if not held[1]:
                 return None
-        return held.pop()
+        return held[1].pop()
 
     async def settle(self, peer: str, ticket: int, value: int, until: float) -> bool:
         """``notify_settle`` on ``peer``: whether the notification through
@@ -197,7 +206,6 @@ class Regions:
         self._resolved.pop((peer, region), None)
         self._slots.pop((peer, region), None)
         self._kv.pop((peer, region), None)
-        self._tickets.pop((peer, region), None)
 
     def forget_peer(self, peer: str) -> None:
         """``peer``'s life (or address) changed: its descriptors are void, and

@@ -68,7 +68,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "locate": {"id": (_INT, True), "region": (_STR, True)},
     # daemon -> daemon
     "auth": {"id": (_INT, True), "proof": (_BIN, True)},
-    "resolve": {"id": (_INT, True), "region": (_STR, True)},
+    "resolve": {"id": (_INT, True), "region": (_STR, True), "tickets": (_INT, False)},
     "invalidate": {"id": (_INT, True), "region": (_STR, True)},
     # -- schema 3: cancellation crosses the socket; scoped immediates --------------
     # client -> daemon
