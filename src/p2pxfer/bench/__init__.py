@@ -12,6 +12,7 @@ ping-pong, idle, KV push, control round trip). The CLI (``p2pxfer bench``,
 (``summary_table``, ``write_json``, ``write_document``, ``plot``).
 """
 
+from ._calibrate import calibrate as calibrate
 from ._options import DEFAULT_PORT as DEFAULT_PORT
 from ._options import BenchConfigError as BenchConfigError
 from ._options import BenchError as BenchError

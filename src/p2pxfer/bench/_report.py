@@ -10,6 +10,7 @@ What must not live here: measuring.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,11 +23,24 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from p2pxfer.plan import Profile, ProfileMissing, load_profile
+
 from ._options import BenchError, format_size
 
-__all__ = ["RESULT_FIELDS", "BenchResult", "RailResult", "plot", "plot_series",
-           "read_json", "require_matplotlib", "summary_table", "summary_tables",
-           "write_document", "write_json"]
+__all__ = [
+    "RESULT_FIELDS",
+    "BenchResult",
+    "RailResult",
+    "plot",
+    "plot_series",
+    "read_json",
+    "require_matplotlib",
+    "summary_table",
+    "summary_tables",
+    "with_predictions",
+    "write_document",
+    "write_json",
+]
 
 #: Fields every JSON record has, and their types. ``baseline_gbps``, ``ratio``
 #: and the baseline percentiles are ``null`` only where no baseline could be
@@ -39,6 +53,8 @@ __all__ = ["RESULT_FIELDS", "BenchResult", "RailResult", "plot", "plot_series",
 #: ``null`` where the target's CPU cannot be read (a remote target). The
 #: ``mooncake_*`` fields are Mooncake Transfer Engine's numbers on the same
 #: pages in the same run, ``null`` unless it was asked for and could run.
+#: ``predicted_us``: what ``p2pxfer plan`` predicts for one transfer from the
+#: provider's calibration profile, ``null`` where none was saved.
 RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mode": str,
     "provider": str,
@@ -72,6 +88,7 @@ RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mooncake_gbps": (float, type(None)),
     "mooncake_p50_us": (float, type(None)),
     "mooncake_cpu_s_per_gb": (float, type(None)),
+    "predicted_us": (float, type(None)),
 }
 
 
@@ -126,6 +143,9 @@ class BenchResult:
     mooncake_gbps: float | None = None
     mooncake_p50_us: float | None = None
     mooncake_cpu_s_per_gb: float | None = None
+    #: what ``p2pxfer plan`` predicted for one transfer, from the provider's
+    #: calibration profile (None: no profile)
+    predicted_us: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,7 +205,8 @@ def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = No
         + ["in flight"] * multi_flight
     mooncake = any(r.mooncake_gbps is not None for r in results)
     measured = ["GB/s", "C GB/s", "ratio"] + ["Mooncake GB/s"] * mooncake
-    measured += ["p50 us", "p99 us", "CPU s/GB", "C CPU s/GB", "memcpy%"]
+    measured += ["p50 us"] + ["plan us"] * any(r.predicted_us is not None for r in results)
+    measured += ["p99 us", "CPU s/GB", "C CPU s/GB", "memcpy%"]
     shown = [c for c in measured if columns is None or c in columns]
     for col in key_columns + shown:
         table.add_column(col, justify="left" if col in ("provider", "transfer") else "right",
@@ -201,6 +222,7 @@ def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = No
         cells = {"GB/s": _gbps(r.gbps), "C GB/s": _gbps(r.baseline_gbps),
                  "ratio": "-" if r.ratio is None else f"[bold]{r.ratio:.2f}[/bold]",
                  "Mooncake GB/s": _gbps(r.mooncake_gbps), "p50 us": f"{r.p50_us:.0f}",
+                 "plan us": "-" if r.predicted_us is None else f"{r.predicted_us:.0f}",
                  "p99 us": f"{r.p99_us:.0f}", "CPU s/GB": _cpu(r.cpu_s_per_gb),
                  "C CPU s/GB": _cpu(r.baseline_cpu_s_per_gb),
                  "memcpy%": f"{100 * r.gbps / r.memcpy_gbps:.0f}%"}
@@ -209,7 +231,8 @@ def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = No
         table.caption = (f"memcpy, 1 thread: {memcpy_gbps:.2f} GB/s (the ceiling on one node). "
                          f"ratio = ours / C reference (C at both ends where the target runs "
                          f"here), same provider, pattern and run; CPU s/GB = CPU seconds of "
-                         f"both ends per GB; rnd/seq = random/sequential pages")
+                         f"both ends per GB; rnd/seq = random/sequential pages; plan us = "
+                         f"`p2pxfer plan`'s prediction of one transfer")
     return table
 
 
@@ -368,3 +391,19 @@ def _bars(ax: Any, series: dict[str, tuple[list[int], list[float]]],
     ax.set_title(title or f"p2pxfer bench ({', '.join(modes)}): {shape} per transfer, "
                  f"ours vs raw C loop")
     ax.legend(fontsize=8, loc="best")
+
+def with_predictions(results: list[BenchResult]) -> list[BenchResult]:
+    """``results``, each with what its provider's profile predicts for one
+    of its transfers (where a profile was saved)."""
+    profiles: dict[str, Profile | None] = {}
+    out = []
+    for r in results:
+        if r.provider not in profiles:
+            try:
+                profiles[r.provider] = load_profile(r.provider)
+            except ProfileMissing:
+                profiles[r.provider] = None
+        profile = profiles[r.provider]
+        out.append(r if profile is None else dataclasses.replace(
+            r, predicted_us=profile.seconds(r.pages, r.bytes, r.nrails) * 1e6))
+    return out

@@ -51,7 +51,7 @@ from ._mooncake import MooncakePeer, mooncake_missing
 from ._options import BenchError, BenchOptions, Case, build_cases, format_size
 from ._paths import EnginePath
 from ._reference import ReferenceInitiator, ReferenceTarget, close_rails, open_rails
-from ._report import BenchResult
+from ._report import BenchResult, with_predictions
 from ._server import (
     ServerConfig,
     ServerLink,
@@ -216,8 +216,8 @@ async def _run(opts: BenchOptions, progress: Progress) -> BenchReport:
     # copy runs on a machine no longer busy with the target.
     report.memcpy_gbps = measure_memcpy(opts.memcpy_size)
     log.info("bench.memcpy", gbps=report.memcpy_gbps, nbytes=opts.memcpy_size)
-    report.results = [dataclasses.replace(r, memcpy_gbps=report.memcpy_gbps)
-                      for r in report.results]
+    report.results = with_predictions([dataclasses.replace(r, memcpy_gbps=report.memcpy_gbps)
+                                       for r in report.results])
     return report
 
 

@@ -14,6 +14,7 @@ from ._common import DEFAULT_SOCKET, console
 from ._daemon import daemon, peers, status
 from ._demo import demo
 from ._ping import ping
+from ._plan import plan
 
 __all__ = ["DEFAULT_SOCKET", "console", "daemon", "main"]
 
@@ -28,7 +29,7 @@ def main(log_level: str) -> None:
     configure(log_level)
 
 
-for _command in (demo, daemon, status, peers, ping, bench, certs):
+for _command in (demo, daemon, status, peers, ping, plan, bench, certs):
     main.add_command(_command)
 
 

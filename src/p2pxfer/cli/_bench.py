@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -97,6 +97,12 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="draw bandwidth vs size here (PNG; needs matplotlib)")
 @click.option("--quiet", is_flag=True, help="no progress bar")
+@click.option("--calibrate", is_flag=True,
+              help="measure the shapes `p2pxfer plan` needs (loopback) and save each "
+                   "provider's profile")
+@click.option("--quick", is_flag=True, help="calibrate: small shapes only (a check, ~10 s)")
+@click.option("--profile-dir", type=click.Path(file_okay=False),
+              help="calibrate: where profiles go [$P2PXFER_PROFILE_DIR or ~/.cache/p2pxfer]")
 @click.pass_context
 def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | None,
           via_daemon: bool, port: int | None, bind: str, once: bool, socket_path: str,
@@ -107,7 +113,7 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
           pages_per_transfer: int | None, region_size: int | None, concurrency: int,
           warmup: int, iterations: int | None, memcpy_size: int, timeout: float,
           connect_timeout: float, seed: int, json_path: str | None, plot_path: str | None,
-          quiet: bool) -> None:
+          quiet: bool, calibrate: bool, quick: bool, profile_dir: str | None) -> None:
     """Bandwidth test: our path against the raw C loop over the same provider,
     pattern and target, in the same run, next to this machine's memcpy.
 
@@ -117,6 +123,7 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
       p2pxfer bench --server --port 7790          (on machine B)
       p2pxfer bench --client B:7790 --sweep       (on machine A)
       p2pxfer bench --via-daemon --peer node-b --region kv
+      p2pxfer bench --calibrate --provider 'tcp;ofi_rxm,shm'   (for `p2pxfer plan`)
     """
     import dataclasses
 
@@ -130,6 +137,13 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
     mode = {"--server": "server", "--client": "client",
             "--via-daemon": "via-daemon"}.get(modes[0] if modes else "", "loopback")
     provider_list = tuple(p.strip() for v in providers for p in v.split(","))
+    if calibrate:
+        if modes and modes != ["--loopback"]:
+            raise click.UsageError("--calibrate measures in loopback mode")
+        _calibrate(provider_list or ("tcp;ofi_rxm",), quick, profile_dir, rails, interfaces)
+        return
+    if quick or profile_dir is not None:
+        raise click.UsageError("--quick and --profile-dir are for --calibrate")
     if mode == "server":
         _bench_server(bind, DEFAULT_PORT if port is None else port, node, provider_list,
                       interfaces, once)
@@ -183,6 +197,29 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
     except BenchConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     _bench_run(opts, json_path, plot_path, quiet)
+
+
+def _calibrate(providers: tuple[str, ...], quick: bool, profile_dir: str | None,
+               rails: int | None, interfaces: str | None) -> None:
+    from p2pxfer.bench import calibrate
+    from p2pxfer.plan import profile_path, save_profile
+
+    for provider in providers:
+        try:
+            profile = calibrate(provider, quick=quick, rails=rails,
+                                interfaces=tuple(interfaces.split(",")) if interfaces else None,
+                                say=lambda text: console.print(f"calibrating {text}"))
+        except P2PXferError as exc:
+            raise click.ClickException(str(exc)) from exc
+        path = save_profile(profile, profile_path(provider, profile_dir))
+        console.print(f"{provider}: fixed {profile.latency_s * 1e6:.1f} us per transfer, "
+                      f"{profile.per_piece_s * 1e9:.0f} ns per piece, one rail "
+                      f"{profile.gbps:.2f} GB/s; worst fit "
+                      f"{_worst_fit(profile.points):.0%} (saved to {path})")
+
+
+def _worst_fit(points: tuple[dict[str, Any], ...]) -> float:
+    return max((abs(p["model_s"] / p["seconds"] - 1) for p in points), default=0.0)
 
 
 def _bench_server(bind: str, port: int, node: str | None, providers: tuple[str, ...],
