@@ -110,7 +110,7 @@ async def push_layers(plan: PushPlan, submit: Submit, *, announce: Announce | No
             for send in sends:
                 try:
                     await send.wait()
-                except P2PXferError as exc:  # already failing: the first error stands
+                except Exception as exc:  # already failing: the first error stands
                     log.debug("kv.layer_failed", error=str(exc))
         raise
     return [s.pieces for s in sends], first

@@ -187,7 +187,9 @@ class KVPool:
 
     def fail_request(self, request_id: int, reason: str) -> None:
         """End every wait on ``request_id`` with ``TransferError(reason)``."""
-        self._rx.get(request_id).end(TransferError(f"request {request_id} failed: {reason}"))
+        req = self._rx.get(request_id)
+        req.error = TransferError(f"request {request_id} failed: {reason}")  # the latest stands
+        req.wake()
 
     def forget(self, request_id: int) -> None:
         """Drop a finished request's bookkeeping (its id may then be reused)."""
