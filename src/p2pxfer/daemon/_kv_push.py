@@ -4,11 +4,13 @@ pool on a peer (or on this node), layer by layer.
 See ``_kv`` for the steps (``kv_begin``, one notify-mode send per layer,
 ``kv_expect``); the push itself runs in ``p2pxfer._kv_core.push_layers``
 (the in-process push's too), and the receiver's bookkeeping is
-``_kv.KV``'s. Each layer goes through the engine, inside
+``_kv.KV``'s. Each layer goes through the engine, or, into a pool of this
+same daemon, through the same-daemon copy (``_local``: ``LocalCopies.write``
+with the request's slot), as a plain write does; either way inside
 ``Writes.accounted`` (in flight, metrics). Owns no state of its own: each
 push lives in its request's task. What must not live here: the block
-expansion (``p2pxfer.kv_plan``), posting (the engine), settling an unknown
-notification (``_kv_settle``).
+expansion (``p2pxfer.kv_plan``), posting (the engine), the copy (``_local``),
+settling an unknown notification (``_kv_settle``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,6 +63,20 @@ def unpack_i64(data: bytes, what: str) -> I64:
     if len(data) % 8:
         raise InvalidArgument(f"{what}: {len(data)} bytes is not a whole number of int64")
     return np.frombuffer(data, dtype="<i8").astype(np.int64)
+
+
+@dataclass
+class _Copied:
+    """A layer the same-daemon copy wrote: over when its send returned."""
+
+    pieces: int
+    imms: int = 1
+
+    def cancel(self) -> None:
+        pass
+
+    async def wait(self) -> int:
+        return self.pieces
 
 
 class Pushes:
@@ -117,10 +134,11 @@ class Pushes:
             slot = begun.get("slot")
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
+            copied = d.writes.copies(desc)
             try:
                 with d.writes.accounted():
                     pieces, first = await self._post(s, src, desc, peer, slot, plan, until,
-                                                     pool, request)
+                                                     pool, request, copied)
             except (trio.Cancelled, P2PXferError):
                 # As for a failed write: the pool (or its owner's life) may be
                 # what went; the next push resolves it afresh.
@@ -128,19 +146,26 @@ class Pushes:
                 raise
         seconds = time.perf_counter() - t0
         log.debug("kv.push_complete", client=s.label, peer=peer, pool=pool, request=request,
-                  layers=len(plan.layers), nbytes=plan.nbytes, seconds=seconds)
+                  layers=len(plan.layers), nbytes=plan.nbytes, seconds=seconds,
+                  path="local-copy" if copied else "engine")
         return {"layers": pack_i64(plan.layers), "pieces": pack_i64(pieces),
                 "nbytes": plan.nbytes, "seconds": seconds, "first_layer_s": first - t0}
 
     async def _post(self, s: ClientSession, src: Pool, desc: RegionDescriptor, peer: str,
-                    slot: int, plan: PushPlan, until: float, pool: str, request: int
-                    ) -> tuple[list[int], float]:
-        """The layers, by ``push_layers``, through the engine. The
+                    slot: int, plan: PushPlan, until: float, pool: str, request: int,
+                    copied: bool) -> tuple[list[int], float]:
+        """The layers, by ``push_layers``: through the engine, or ``copied``
+        (the pool is this daemon's: ``Writes.copies``). The
         receiver hears each layer's count (``kv_expect``) as ``push_layers``
         announces it; a layer whose notification is unknown is settled
         (``_kv_settle``)."""
         d = self.d
+        local = d.writes.local
         base = d.imm_slots.compose(slot, 0)
+
+        async def copy(layer: int, sl: ScatterList) -> LayerSend:
+            await local.write(s, src.view, sl, desc.name, layer, notify=True, slot=slot)
+            return _Copied(len(sl))
 
         async def send(layer: int, sl: ScatterList) -> LayerSend:
             return await d.engine.submit(src.view, desc, sl, imm=layer_imm(base, layer),
@@ -159,7 +184,8 @@ class Pushes:
                 src.view, desc, (plan.src[one], plan.dst[one], plan.length[one]), until,
                 unknown)
 
-        return await push_layers(plan, send, announce=announce, settle=settle)
+        return await push_layers(plan, copy if copied else send, announce=announce,
+                                 settle=settle)
 
     @contextlib.contextmanager
     def _tracked(self, peer: str) -> Iterator[None]:
