@@ -16,8 +16,9 @@ settling an unknown notification (``_kv_settle``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,17 +66,26 @@ def unpack_i64(data: bytes, what: str) -> I64:
     return np.frombuffer(data, dtype="<i8").astype(np.int64)
 
 
-@dataclass
-class _Copied:
-    """A layer the same-daemon copy wrote: over when its send returned."""
+@dataclass(eq=False)
+class _LayerCopy:
+    """A layer for the same-daemon copy: copied when ``push_layers`` awaits
+    it (in layer order, so layer 0 is there before later layers are copied),
+    never once cancelled before that."""
 
+    copy: Callable[[], Awaitable[int]]
     pieces: int
     imms: int = 1
+    state: str = "queued"  # then "copying", "copied" or "cancelled"
 
     def cancel(self) -> None:
-        pass
+        if self.state == "queued":
+            self.state = "cancelled"
 
     async def wait(self) -> int:
+        if self.state == "queued":
+            self.state = "copying"
+            await self.copy()
+            self.state = "copied"
         return self.pieces
 
 
@@ -164,8 +174,8 @@ class Pushes:
         base = d.imm_slots.compose(slot, 0)
 
         async def copy(layer: int, sl: ScatterList) -> LayerSend:
-            await local.write(s, src.view, sl, desc.name, layer, notify=True, slot=slot)
-            return _Copied(len(sl))
+            return _LayerCopy(functools.partial(local.write, s, src.view, sl, desc.name, layer,
+                                                notify=True, slot=slot), len(sl))
 
         async def send(layer: int, sl: ScatterList) -> LayerSend:
             return await d.engine.submit(src.view, desc, sl, imm=layer_imm(base, layer),
