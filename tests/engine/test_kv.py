@@ -547,6 +547,18 @@ async def test_layer_arrivals_count_in_either_order() -> None:
     assert not await expired.wait(np.array([0]))
 
 
+async def test_the_receiver_belongs_to_the_engines_trio_thread() -> None:
+    """A pool's request bookkeeping is the engine's trio thread's: touched
+    from another thread it refuses (``OwnershipError``) rather than race."""
+    from p2pxfer.engine._owner import OwnershipError
+
+    async with open_engine(engine_config("shm")) as e:
+        pool = KVPool(e, "owned", KVLayout(2, 4, 256))
+        assert pool.layers_done(3) == []
+        with pytest.raises(OwnershipError, match="trio thread"):
+            await trio.to_thread.run_sync(pool.layers_done, 3)
+
+
 # -- bad input ----------------------------------------------------------------------
 
 
