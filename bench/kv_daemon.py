@@ -43,6 +43,7 @@ def cpu_of(pid: int) -> float:
 
 async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
     from p2pxfer import connect
+    from p2pxfer._kv_core import LayerSend, push_layers
     from p2pxfer.engine import EngineConfig, open_engine
     from p2pxfer.kv import KVLayout, KVPool, KVPoolDescriptor, plan_push, push_pages
     from p2pxfer.loopback import loopback_node
@@ -107,19 +108,16 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
             sb, db = rng.permutation(3500), rng.permutation(3500)
             lay_list = list(range(32))
             t_cpu = time.process_time()
-            lays, so, do, ln, counts = plan_push(small, small, sb, db, lay_list,
-                                                 src_size=small.nbytes, dst_size=small.nbytes)
-            bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+            plan = plan_push(small, small, sb, db, lay_list, src_size=small.nbytes,
+                             dst_size=small.nbytes)
             buf = np.zeros(small.nbytes, np.uint8)
             eng.register(buf)
-            transfers = []
-            for k in range(len(lays)):
-                x, y = bounds[k], bounds[k + 1]
-                transfers.append(await eng.submit(buf, dst.descriptor,  # type: ignore[arg-type]
-                                                  ScatterList(so[x:y], do[x:y], ln[x:y]),
-                                                  imm=k, notify=True, dry_run=True))
-            for t in transfers:
-                await t.wait()
+
+            async def submit(layer: int, sl: ScatterList) -> LayerSend:
+                return await eng.submit(buf, dst.descriptor,  # type: ignore[arg-type]
+                                        sl, imm=layer, notify=True, dry_run=True)
+
+            await push_layers(plan, submit)  # as the daemon posts, every transfer a dry run
             describe_cpu = time.process_time() - t_cpu
             cpu_a0, t_cpu = cpu_of(a.proc.pid), time.process_time()
             push = await prefill.kv_push("b", "bench-small", s_small, sb, db, request=1)
@@ -131,7 +129,7 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
                         "daemon_before_provider_cpu_ms": describe_cpu * 1e3,
                         "client_cpu_ms": client_cpu * 1e3,
                         "sending_daemon_cpu_ms_whole_push": daemon_cpu * 1e3,
-                        "pieces": int(sum(counts))})
+                        "pieces": int(plan.counts.sum())})
 
             rtt = []
             for _ in range(args.rtt):

@@ -2,16 +2,19 @@
 layer by layer, and decode waits per layer.
 
 What lives here: ``KVPool`` (a registered, exported pool plus the receiving
-side's per-layer bookkeeping) and ``push_pages`` (a planned push posted one
-layer at a time, in layer order). The layout, the plan and the immediate
-encoding are ``p2pxfer.kv_plan`` (no fabric; re-exported here). What must
-not: a Python loop over blocks or pieces. Engine-side state here is the
-trio thread's.
+side's requests) and ``push_pages`` (a planned push on an ``Engine``). The
+layout, the plan and the immediate encoding are ``p2pxfer.kv_plan`` (no
+fabric; re-exported here); posting a push layer by layer and counting a
+request's layers are ``p2pxfer._kv_core``'s, the same as the daemon's. What
+must not: a Python loop over blocks or pieces, a second push loop or layer
+count. Engine-side state here is the engine's trio thread's (``_Receiver``
+checks it).
 
-Each layer is one transfer in the engine's notify mode: its immediate arrives
-once, after every piece of the layer is in the receiver's memory, so the
-receiver needs no piece count (striping may split pieces), and a layer whose
-rail breaks fails over intact.
+Each layer is one transfer in the engine's notify mode: its immediate
+(``request_base(request) | layer``) arrives once, after every piece of the
+layer is in the receiver's memory, so every layer brings exactly one
+notification (striping may split pieces; the receiver needs no piece
+count), and a layer whose rail breaks fails over intact.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import trio
 
-from p2pxfer.engine import Engine, Transfer
+from p2pxfer._kv_core import LayerArrivals, LayerSend, push_layers
+from p2pxfer.engine import Engine
+from p2pxfer.engine._owner import ThreadOwner
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
@@ -46,7 +51,9 @@ from p2pxfer.kv_plan import (
     encode_imm,
     expand_pages,
     is_int,
+    layer_imm,
     plan_push,
+    request_base,
 )
 from p2pxfer.log import get_logger
 from p2pxfer.scatter import ScatterList
@@ -89,30 +96,27 @@ def _host_buffer(buffer: Any) -> Any:
     return buffer
 
 
-@dataclass
-class _Request:
-    arrived: set[int] = field(default_factory=set)  # layers whose notification came
-    error: str | None = None
-    changed: trio.Event = field(default_factory=trio.Event)
-
-
 class _Receiver:
     """Per-engine bookkeeping of KV arrivals, keyed by request id (request ids
-    are the receiving node's: the decode side hands them out)."""
+    are the receiving node's: the decode side hands them out). Every layer
+    brings one notification (notify mode), known in advance."""
 
     def __init__(self, engine: Engine) -> None:
-        self.requests: dict[int, _Request] = {}
+        self.requests: dict[int, LayerArrivals] = {}
+        self._owner = ThreadOwner("the engine's trio thread")
         engine.route_imms(TAG_SHIFT, KV_TAG, self.arrival)
 
-    def get(self, request_id: int) -> _Request:
-        return self.requests.setdefault(request_id, _Request())
+    def get(self, request_id: int, layers: int = 0) -> LayerArrivals:
+        self._owner.require("KV request bookkeeping")
+        req = self.requests.get(request_id)
+        if req is None:
+            req = self.requests[request_id] = LayerArrivals.for_layers(layers, expected=1)
+        req.widen(layers, expected=1)
+        return req
 
     def arrival(self, imm: int, count: int) -> None:
         request_id, layer = decode_imm(imm)
-        req = self.get(request_id)
-        req.arrived.add(layer)
-        req.changed.set()
-        req.changed = trio.Event()
+        self.get(request_id, layer + 1).arrive(layer, count)
 
 
 def _receiver(engine: Engine) -> _Receiver:
@@ -169,31 +173,23 @@ class KVPool:
             raise InvalidArgument(f"layers must be within 0..{n_layers - 1}, got {want}")
         if timeout is not None and timeout < 0:
             raise InvalidArgument(f"timeout must be >= 0, got {timeout}")
-        req = self._rx.get(request_id)
-
-        def missing() -> list[int]:
-            if req.error is not None:
-                raise TransferError(f"request {request_id} failed: {req.error}")
-            return [n for n in want if n not in req.arrived]
-
-        with trio.move_on_after(float("inf") if timeout is None else timeout):
-            while missing():
-                await req.changed.wait()
-        if gap := missing():
+        req = self._rx.get(request_id, n_layers)
+        if not await req.wait(np.asarray(want, np.int64),
+                              float("inf") if timeout is None else timeout):
+            gap = [n for n in want if not req.complete()[n]]
             raise WaitTimeout(f"request {request_id}: layers {gap} had not landed after "
                               f"{timeout} s")
         await trio.lowlevel.checkpoint()
 
     def layers_done(self, request_id: int) -> list[int]:
         req = self._rx.get(request_id)
-        return sorted(req.arrived)
+        return np.flatnonzero(req.complete()).tolist()
 
     def fail_request(self, request_id: int, reason: str) -> None:
         """End every wait on ``request_id`` with ``TransferError(reason)``."""
         req = self._rx.get(request_id)
-        req.error = reason
-        req.changed.set()
-        req.changed = trio.Event()
+        req.error = TransferError(f"request {request_id} failed: {reason}")  # the latest stands
+        req.wake()
 
     def forget(self, request_id: int) -> None:
         """Drop a finished request's bookkeeping (its id may then be reused)."""
@@ -224,41 +220,19 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
     """
     if not isinstance(dst_pool, KVPoolDescriptor):
         raise DescriptorError(f"dst_pool must be a KVPoolDescriptor, got {type(dst_pool)}")
-    encode_imm(request_id, 0)  # validates request_id
-    lays, so, do, ln, counts = plan_push(
+    base = request_base(request_id)
+    plan = plan_push(
         src_pool.layout, dst_pool.layout, src_blocks, dst_blocks, layers,
         src_size=src_pool.array.nbytes, dst_size=dst_pool.region.length, coalesce=coalesce)
-    bounds = np.concatenate([[0], np.cumsum(counts)])
     t0 = time.perf_counter()
-    transfers: list[Transfer] = []
 
-    first = 0.0
-    try:
-        for k, layer in enumerate(lays):
-            a, b = int(bounds[k]), int(bounds[k + 1])
-            sl = ScatterList(so[a:b], do[a:b], ln[a:b])
-            transfers.append(await engine.submit(src_pool.buffer, dst_pool.region, sl,
-                                                 imm=encode_imm(request_id, layer),
-                                                 notify=True))
-        for k, t in enumerate(transfers):
-            await t.wait()
-            if k == 0:
-                first = time.perf_counter() - t0
-    except BaseException:
-        # Stop what has not gone out; what was posted must finish before the
-        # source is reusable.
-        for t in transfers:
-            t.cancel()
-        with trio.CancelScope(shield=True):
-            for t in transfers:
-                try:
-                    await t.wait()
-                except Exception as exc:  # already failing; keep the first error
-                    log.debug("kv.layer_failed", error=str(exc))
-        raise
+    async def submit(layer: int, sl: ScatterList) -> LayerSend:
+        return await engine.submit(src_pool.buffer, dst_pool.region, sl,
+                                   imm=layer_imm(base, layer), notify=True)
+
+    pieces, first = await push_layers(plan, submit)
     seconds = time.perf_counter() - t0
-    nbytes = int(ln.sum())
-    log.debug("kv.push_complete", request_id=request_id, layers=len(lays), nbytes=nbytes,
-              seconds=seconds)
-    return PushResult(request_id, tuple(lays), tuple(t.pieces for t in transfers), nbytes,
-                      seconds, first)
+    log.debug("kv.push_complete", request_id=request_id, layers=len(plan.layers),
+              nbytes=plan.nbytes, seconds=seconds)
+    return PushResult(request_id, tuple(plan.layers), tuple(pieces), plan.nbytes, seconds,
+                      first - t0)

@@ -1,24 +1,31 @@
 """The KV core that needs no fabric: where block ``b`` of layer ``l``, plane
 ``p`` sits in a pool (``KVLayout``), what a peer needs to push into a pool
-(``KVPoolDescriptor``), the immediate that tells a receiver which layer of
-which request landed, and the plan of a push (block tables -> pieces per
-layer, coalesced, vectorized). Used by the in-process API (``p2pxfer.kv``),
-the daemon's KV pushes and the client library alike.
+(``KVPoolDescriptor``), the one immediate encoding of (request, layer), and
+the one plan of a push (``plan_push``: block tables -> ``PushPlan``, pieces
+per layer, coalesced, vectorized). Used by the in-process API
+(``p2pxfer.kv``), the daemon's KV pushes and the client library alike; the
+part that posts and counts is ``p2pxfer._kv_core``.
 
 What must not live here: posting, waiting, registration (``p2pxfer.kv``,
-``p2pxfer.daemon``), or a Python loop over blocks or pieces (numpy does the
-expansion). No mutable state.
+``p2pxfer._kv_core``, ``p2pxfer.daemon``), or a Python loop over blocks or
+pieces (numpy does the expansion). No mutable state.
 
-Immediate layout, 32 bits so it runs where the fabric carries 4 bytes of CQ
-data (EFA, verbs, ``imm_bytes = 4``) as well as 8: ``tag:4 | request:16 |
-layer:12``.
+Immediates: a layer's notification carries ``base | layer``, the layer in
+the low ``LAYER_BITS`` bits and the request in the bits above, named by a
+*base* whose low bits are zero (``layer_imm``). The base is whatever routes
+to the receiver's bookkeeping of that request: in-process
+``tag:4 | request:16`` (``request_base``; the engine routes the tag), through
+daemons the request slot the receiver handed out in ``kv_begin`` (its
+``ImmTable`` routes the slot). 32 bits either way, so it runs where the
+fabric carries 4 bytes of CQ data (EFA, verbs, ``imm_bytes = 4``) as well
+as 8.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -29,10 +36,13 @@ from p2pxfer.errors import DescriptorError, InvalidArgument
 __all__ = [
     "KVLayout",
     "KVPoolDescriptor",
+    "PushPlan",
     "decode_imm",
     "encode_imm",
     "expand_pages",
+    "layer_imm",
     "plan_push",
+    "request_base",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -42,6 +52,7 @@ REQUEST_BITS, LAYER_BITS = 16, 12
 TAG_SHIFT = REQUEST_BITS + LAYER_BITS  # 28: the tag is the top 4 of 32 bits
 MAX_REQUEST = (1 << REQUEST_BITS) - 1
 MAX_LAYERS = 1 << LAYER_BITS
+LAYER_MASK = MAX_LAYERS - 1
 
 ORDERS = ("layer_major", "block_major", "plane_major")
 
@@ -50,17 +61,31 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
-def encode_imm(request_id: int, layer: int) -> int:
-    if not is_int(request_id) or not 0 <= request_id <= MAX_REQUEST:
-        raise InvalidArgument(f"request_id {request_id} must be in 0..{MAX_REQUEST}")
+def layer_imm(base: int, layer: int) -> int:
+    """The immediate of ``layer`` of the request whose base is ``base``."""
+    if base & LAYER_MASK:
+        raise InvalidArgument(f"a KV request's base {base:#x} must leave the low "
+                              f"{LAYER_BITS} bits to the layer")
     if not is_int(layer) or not 0 <= layer < MAX_LAYERS:
         raise InvalidArgument(f"layer {layer} must be in 0..{MAX_LAYERS - 1}")
-    return (KV_TAG << TAG_SHIFT) | (request_id << LAYER_BITS) | layer
+    return base | int(layer)
+
+
+def request_base(request_id: int) -> int:
+    """The base of an in-process request (``tag:4 | request:16``, then the layer)."""
+    if not is_int(request_id) or not 0 <= request_id <= MAX_REQUEST:
+        raise InvalidArgument(f"request_id {request_id} must be in 0..{MAX_REQUEST}")
+    return (KV_TAG << TAG_SHIFT) | (int(request_id) << LAYER_BITS)
+
+
+def encode_imm(request_id: int, layer: int) -> int:
+    """The in-process immediate of ``layer`` of ``request_id``."""
+    return layer_imm(request_base(request_id), layer)
 
 
 def decode_imm(imm: int) -> tuple[int, int]:
-    """(request_id, layer) of a KV immediate."""
-    return (imm >> LAYER_BITS) & MAX_REQUEST, imm & (MAX_LAYERS - 1)
+    """(request_id, layer) of an in-process KV immediate."""
+    return (imm >> LAYER_BITS) & MAX_REQUEST, imm & LAYER_MASK
 
 
 @dataclass(frozen=True)
@@ -205,12 +230,33 @@ def expand_pages(src: KVLayout, dst: KVLayout, src_blocks: I64, dst_blocks: I64,
     return so[starts], do[starts], lengths.astype(np.int64), counts
 
 
+class PushPlan(NamedTuple):
+    """A checked push, expanded: its layers in order, every piece (source
+    offset, destination offset, length) layer after layer, and how many
+    pieces each layer has."""
+
+    layers: list[int]
+    src: I64
+    dst: I64
+    length: I64
+    counts: I64
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def per_layer(self) -> Iterator[tuple[int, slice]]:
+        """(layer, the slice of its pieces), in layer order."""
+        bounds = np.concatenate([[0], np.cumsum(self.counts)]).tolist()
+        for k, layer in enumerate(self.layers):
+            yield layer, slice(bounds[k], bounds[k + 1])
+
+
 def plan_push(s_lay: KVLayout, d_lay: KVLayout, src_blocks: Any, dst_blocks: Any,
               layers: Iterable[int] | None, *, src_size: int, dst_size: int,
-              coalesce: bool = True) -> tuple[list[int], I64, I64, I64, I64]:
+              coalesce: bool = True) -> PushPlan:
     """Check a push (layouts, block indices, layers, pool sizes) and expand
-    it: (layers in order, src offsets, dst offsets, lengths, pieces per
-    layer). Shared by the in-process ``push_pages`` and the daemon's KV
+    it. The one planner of the in-process ``push_pages`` and the daemon's KV
     push; raises ``InvalidArgument`` naming what is wrong, before anything
     is posted."""
     if (why := s_lay.compatible(d_lay)) is not None:
@@ -232,5 +278,4 @@ def plan_push(s_lay: KVLayout, d_lay: KVLayout, src_blocks: Any, dst_blocks: Any
         if lay.nbytes > size:
             raise InvalidArgument(f"the {what} pool's layout spans {lay.nbytes} bytes but "
                                   f"its memory holds {size}")
-    so, do, ln, counts = expand_pages(s_lay, d_lay, sb, db, lays, coalesce=coalesce)
-    return lays, so, do, ln, counts
+    return PushPlan(lays, *expand_pages(s_lay, d_lay, sb, db, lays, coalesce=coalesce))

@@ -9,8 +9,9 @@ as the reply's ``pieces`` says (inline, threaded and split copies), the
 engine's statistics untouched, the same errors as the fabric path, an
 unexport or a disconnect racing a large copy (the copy stops, nothing lands
 after the unexport answered), cancellation (returns once the source is no
-longer read), and ``local_copy = false`` sending the write through the
-engine again.
+longer read), ``local_copy = false`` sending the write through the
+engine again, and a KV push into a pool of this daemon copied layer by
+layer and counted as a fabric push is.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from daemon_helpers import (
     start_daemon,
 )
 from p2pxfer.errors import InvalidArgument, ScatterError, UnknownRegion, WaitTimeout
+from p2pxfer.kv_plan import KVLayout
 from p2pxfer.pages import CopyStop, copy_scatter
 from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
@@ -191,6 +193,58 @@ async def test_same_errors_as_the_fabric_path(solo: DaemonProc) -> None:
             # Refused before anything moved: the owner saw nothing.
             with pytest.raises(WaitTimeout):
                 await owner.wait_imm(0, 1, timeout=0.2)
+
+
+@pytest.mark.parametrize("peer", [NODE, "alias"])
+async def test_a_kv_push_into_a_pool_of_this_daemon_is_a_copy(solo: DaemonProc,
+                                                               peer: str) -> None:
+    """A KV push into a pool that a client of this same daemon owns (named by
+    this node's name or by a peer name that is this daemon) takes the
+    same-daemon copy: one copy per layer, nothing posted to the engine,
+    every byte of every pushed block in place and nothing else written; the
+    receiver counts each layer once, exactly as for a fabric push (its waits
+    complete, a layer not pushed does not, the request is over)."""
+    lay = KVLayout(4, 64, 16 << 10, planes=2, order="block_major")  # 1 MiB a layer: threads
+    rng = np.random.default_rng(23)
+    sb = rng.choice(lay.num_blocks, 32, replace=False).astype(np.int64)
+    db = rng.choice(lay.num_blocks, 32, replace=False).astype(np.int64)
+    pushed = [0, 1, 3]
+    with trio.fail_after(TIMEOUT):
+        async with p2pxfer.connect(solo.socket) as decode, \
+                p2pxfer.connect(solo.socket) as prefill:
+            name = f"lc-kv-{peer}"
+            dst = await decode.kv_pool(name, lay)
+            src = await prefill.kv_pool(name + "-src", lay, receive=False)
+            src.array[:] = np.frombuffer(rng.bytes(src.array.nbytes), np.uint8)
+            before = await prefill.status()
+            push = await prefill.kv_push(peer, name, src, sb, db, request=3, layers=pushed)
+            result = await push.wait()
+            await dst.wait_layers(3, 3, first=3, timeout=10)
+            await dst.wait_layers(3, 1, timeout=10)
+            with pytest.raises(WaitTimeout):  # layer 2 was not pushed
+                await dst.wait_layers(3, 2, timeout=0.2)
+            after = await prefill.status()
+            assert result.layers == tuple(pushed)
+            assert result.nbytes == len(pushed) * lay.planes * len(sb) * lay.block_bytes
+            assert engine_posted(after) == engine_posted(before)
+            assert after["local_copy"]["writes"] - before["local_copy"]["writes"] == len(pushed)
+            assert after["local_copy"]["bytes"] - before["local_copy"]["bytes"] == result.nbytes
+            assert after["imms_dropped"] == before["imms_dropped"]
+            assert after["transfers_in_flight"] == 0
+            want = np.zeros(lay.nbytes, np.uint8)
+            for layer in pushed:
+                for plane in range(lay.planes):
+                    for s_blk, d_blk in zip(sb.tolist(), db.tolist(), strict=True):
+                        off = (layer * lay.layer_stride + plane * lay.plane_stride)
+                        d_off = off + d_blk * lay.block_stride
+                        s_off = off + s_blk * lay.block_stride
+                        want[d_off:d_off + lay.block_bytes] = \
+                            src.array[s_off:s_off + lay.block_bytes]
+            assert np.array_equal(dst.array[:lay.nbytes], want)
+            with pytest.raises(InvalidArgument, match="pushed already"):
+                await (await prefill.kv_push(peer, name, src, sb, db, request=3,
+                                             layers=[0])).wait()
+            await dst.forget(3)
 
 
 async def test_a_peer_name_that_is_this_daemon_copies_too(solo: DaemonProc) -> None:

@@ -46,6 +46,7 @@ import pytest
 import trio
 
 from conftest import engine_config, engine_pair, wait_until
+from p2pxfer._kv_core import LayerArrivals
 from p2pxfer.client import SharedMemory
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.errors import (
@@ -68,6 +69,7 @@ from p2pxfer.kv import (
     expand_pages,
     push_pages,
 )
+from p2pxfer.kv_plan import layer_imm, request_base
 from p2pxfer.memory import SharedBuffer
 
 TCP = "tcp;ofi_rxm"
@@ -495,6 +497,66 @@ def test_immediate_encoding() -> None:
     for args in [(-1, 0), (MAX_REQUEST + 1, 0), (0, -1), (0, MAX_LAYERS), (0, 1.5)]:
         with pytest.raises(InvalidArgument):
             encode_imm(*args)
+
+
+def test_one_layer_encoding_for_every_base() -> None:
+    """``layer_imm`` is the one (request, layer) encoding: the in-process base
+    (``request_base``) and a daemon's request slot (``ImmTable.compose(slot,
+    0)``) both take the layer in the low bits; a base that would overlap
+    them is refused."""
+    from p2pxfer.daemon._imms import SLOT_BITS, VALUE_BITS
+
+    for rid, layer in [(0, 0), (MAX_REQUEST, MAX_LAYERS - 1), (77, 5)]:
+        assert layer_imm(request_base(rid), layer) == encode_imm(rid, layer)
+    slot_base = ((1 << SLOT_BITS) - 1) << VALUE_BITS  # a daemon's last slot, value 0
+    imm = layer_imm(slot_base, MAX_LAYERS - 1)
+    assert imm >> VALUE_BITS == (1 << SLOT_BITS) - 1 and imm & (MAX_LAYERS - 1) == MAX_LAYERS - 1
+    for base, layer in [(1, 0), (request_base(3) | 7, 0), (0, MAX_LAYERS), (0, -1)]:
+        with pytest.raises(InvalidArgument):
+            layer_imm(base, layer)
+
+
+async def test_layer_arrivals_count_in_either_order() -> None:
+    """The one receiver bookkeeping (``LayerArrivals``): a layer is complete
+    once as many notifications arrived as it brings, whether the count or
+    the arrivals come first; waits see it, and ``end`` ends them."""
+    rx = LayerArrivals.for_layers(3)
+    assert not rx.arrive(0, 1)  # before its count: kept, not lost
+    assert rx.announce(np.array([0, 1]), np.array([1, 2])) == 1
+    assert not rx.arrive(1, 1) and rx.arrive(1, 1) and not rx.arrive(1, 1)
+    assert not rx.arrive(7, 1)  # not a layer of this receiver
+    assert rx.complete().tolist() == [True, True, False] and rx.prefix(0) == 2
+    assert await rx.wait(np.array([0, 1]))
+    assert not await rx.wait(np.array([2]), timeout=0)
+
+    async def wait_all() -> None:
+        await rx.wait(np.arange(3))
+
+    with trio.fail_after(STEP):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_all)
+            await trio.sleep(0)
+            rx.announce(np.array([2]), np.array([1]))
+            assert rx.arrive(2, 1)  # completes it: the wait returns
+    failed = LayerArrivals.for_layers(2, expected=1)
+    failed.end(TransferError("gone"))
+    with pytest.raises(TransferError, match="gone"):
+        await failed.wait(np.array([0]))
+    expired = LayerArrivals.for_layers(2, expected=1)
+    expired.end(None)
+    assert not await expired.wait(np.array([0]))
+
+
+async def test_the_receiver_belongs_to_the_engines_trio_thread() -> None:
+    """A pool's request bookkeeping is the engine's trio thread's: touched
+    from another thread it refuses (``OwnershipError``) rather than race."""
+    from p2pxfer.engine._owner import OwnershipError
+
+    async with open_engine(engine_config("shm")) as e:
+        pool = KVPool(e, "owned", KVLayout(2, 4, 256))
+        assert pool.layers_done(3) == []
+        with pytest.raises(OwnershipError, match="trio thread"):
+            await trio.to_thread.run_sync(pool.layers_done, 3)
 
 
 # -- bad input ----------------------------------------------------------------------

@@ -31,8 +31,17 @@ from typing import Any
 import numpy as np
 import trio
 
+from p2pxfer._kv_core import LayerSend, push_layers
 from p2pxfer.engine import Engine, EngineConfig, open_engine
-from p2pxfer.kv import KVLayout, KVPool, KVPoolDescriptor, encode_imm, expand_pages, push_pages
+from p2pxfer.kv import (
+    KVLayout,
+    KVPool,
+    KVPoolDescriptor,
+    encode_imm,
+    expand_pages,
+    plan_push,
+    push_pages,
+)
 from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
@@ -208,20 +217,19 @@ async def _kv_describe(provider: str, layers: int = 32, blocks: int = 1750,
         dst = pool.describe()
         samples = []
         npages = 0
-        for i in range(repeat):
+
+        async def submit(layer: int, sl: ScatterList) -> LayerSend:
+            return await e.submit(pool.buffer, dst.region, sl, imm=encode_imm(1, layer),
+                                  notify=True, dry_run=True)
+
+        for _ in range(repeat):
             c0, w0 = process_cpu_seconds(), time.perf_counter()
-            so, do, ln, counts = expand_pages(layout, layout, sb, db, range(layers))
-            bounds = np.concatenate([[0], np.cumsum(counts)])
-            handles = []
-            for k in range(layers):
-                a, b = int(bounds[k]), int(bounds[k + 1])
-                handles.append(await e.submit(
-                    pool.buffer, dst.region, ScatterList(so[a:b], do[a:b], ln[a:b]),
-                    imm=encode_imm(i, k), notify=True, dry_run=True))
-            for h in handles:
-                await h.wait()
+            # As ``push_pages`` plans and posts, every transfer a dry run.
+            plan = plan_push(layout, layout, sb, db, range(layers), src_size=layout.nbytes,
+                             dst_size=layout.nbytes)
+            await push_layers(plan, submit)
             samples.append((process_cpu_seconds() - c0, time.perf_counter() - w0))
-            npages = int(counts.sum())
+            npages = int(plan.counts.sum())
     cpu, wall = (statistics.median(x) for x in zip(*samples, strict=True))
     return {"provider": provider, "pattern": f"describe+post {npages} pages (dry run)",
             "pages": npages, "cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3}

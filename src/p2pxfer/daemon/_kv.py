@@ -4,25 +4,32 @@ per-layer waits.
 
 A client names a pool (``kv_pool``: its shared memory and a ``KVLayout``);
 a receiving pool is exported under its name, and ``resolve`` hands its
-layout out with its descriptor. A push (``kv_push``) is checked and expanded
-here with ``p2pxfer.kv_plan.plan_push`` (numpy: no Python per block), then:
+layout out with its descriptor. A push (``kv_push``, the sending side in
+``_kv_push``) is planned with ``p2pxfer.kv_plan.plan_push`` and run by
+``p2pxfer._kv_core.push_layers``, as in-process pushes are, then:
 
 1. ``kv_begin`` asks the receiver's daemon for a *request slot* (an
    immediate slot, ``_imms``) for these layers of this request, with a
    deadline; the receiver notes who sends (membership's verdict on that node
    fails the request's waits with ``PeerLost``);
-2. one engine transfer per layer, in layer order, in the engine's notify
-   mode: ``slot << V | layer`` arrives once, after every piece of the layer
-   landed (32 bits whatever the layer's size; and a layer whose rail breaks
-   fails over to another rail, where per-piece immediates could no longer
-   be counted exactly);
+2. one notify-mode send per layer, in layer order: the layer's immediate
+   (``kv_plan.layer_imm`` over the slot's base) arrives once, after every
+   piece of the layer landed (32 bits whatever the layer's size; and a
+   layer whose rail breaks fails over to another rail, where per-piece
+   immediates could no longer be counted exactly). Into a pool of this same
+   daemon the send is the same-daemon copy (``_local``), whose immediates
+   reach the slot exactly as the engine's do;
 3. ``kv_expect`` tells the receiver how many immediates each layer brings
    (1 in notify mode; the receiver does not assume how the sender sends),
    so it knows when a layer is complete; arrivals before that are counted,
    not lost.
 
-What must not live here: the block expansion (``p2pxfer.kv``), posting
-(``p2pxfer.engine``), or the region directory (``_regions``).
+The receiving side's per-layer counts are ``_kv_core.LayerArrivals`` (the
+in-process receiver's too); what this module adds is the daemon's: request
+slots, senders, deadlines, the table of requests. All of it is the daemon's
+trio thread's. What must not live here: the block expansion
+(``p2pxfer.kv_plan``), posting (``p2pxfer.engine``), counting a layer
+(``_kv_core``), or the region directory (``_regions``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from p2pxfer._kv_core import LayerArrivals
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
@@ -73,34 +81,17 @@ class Pool:
     receive: bool
 
 
-@dataclass(eq=False)
-class _Recv:
-    """One request's arrivals into one of our pools, per layer."""
+@dataclass(eq=False, kw_only=True)
+class _Recv(LayerArrivals):
+    """One request's arrivals into one of our pools, and who sends them."""
 
     pool: str
     request: int
-    arrived: I64
-    expected: I64  # -1: not announced yet
     claimed: npt.NDArray[np.bool_]
     senders: set[str] = field(default_factory=set)
     slots: set[int] = field(default_factory=set)
     deadline: float = math.inf
-    expired: bool = False
-    error: P2PXferError | None = None
-    changed: trio.Event = field(default_factory=trio.Event)
     waiters: int = 0
-
-    def wake(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def complete(self) -> npt.NDArray[np.bool_]:
-        return (self.expected >= 0) & (self.arrived >= self.expected)
-
-    def prefix(self, first: int) -> int:
-        """The first layer from ``first`` on that is not complete."""
-        missing = np.flatnonzero(~self.complete()[first:])
-        return first + int(missing[0]) if len(missing) else len(self.arrived)
 
     @property
     def finished(self) -> bool:
@@ -210,9 +201,8 @@ class KV:
         told = lays[first:first + len(counts)]
         if (recv.expected[told] >= 0).any():
             raise InvalidArgument("kv_expect: piece counts of these layers were sent already")
-        recv.expected[told] = counts
         # Layers whose pieces had all landed before their count was known.
-        self._completed(recv, slot, left, int((recv.arrived[told] >= counts).sum()))
+        self._completed(slot, left, recv.announce(told, counts))
         return {}
 
     def arrived(self, sender: str, pool: str, request: int, layer: int) -> dict[str, Any]:
@@ -230,27 +220,16 @@ class KV:
         return {"arrived": int(recv.arrived[layer]), "expected": int(recv.expected[layer])}
 
     def _arrival(self, recv: _Recv, slot: int, layer: int, count: int) -> None:
-        """Pieces of ``layer`` landed (the engine's route, per batch of
-        completions: a few scalar operations, no numpy over layers)."""
-        if layer >= len(recv.arrived):
-            return  # not a layer of this pool: nothing to count it for
-        before = int(recv.arrived[layer])
-        recv.arrived[layer] = before + count
-        expected = int(recv.expected[layer])
-        if 0 <= expected <= before + count and before < expected:
-            entry = self._slots.get(slot)
-            if entry is not None:
-                self._completed(recv, slot, entry[2], 1)
+        """Notifications of ``layer`` landed (the slot's sink, in trio)."""
+        if recv.arrive(layer, count) and (entry := self._slots.get(slot)) is not None:
+            self._completed(slot, entry[2], 1)
 
-    def _completed(self, recv: _Recv, slot: int, left: list[int], layers: int) -> None:
+    def _completed(self, slot: int, left: list[int], layers: int) -> None:
         """``layers`` more layers of the push that holds ``slot`` are
-        complete: wake the waiters; once all are, the slot goes back."""
-        if not layers:
-            return
+        complete (their waiters are woken); once all are, the slot goes back."""
         left[0] -= layers
-        if left[0] <= 0:
-            self._free(recv, slot)
-        recv.wake()
+        if layers and left[0] <= 0:
+            self._free(self._slots[slot][0], slot)
 
     def _free(self, recv: _Recv, slot: int) -> None:
         self._slots.pop(slot, None)
@@ -258,11 +237,9 @@ class KV:
         self.d.imm_slots.free(slot)
 
     def _end(self, recv: _Recv, error: P2PXferError | None) -> None:
-        if error is not None and recv.error is None:
-            recv.error = error
         for slot in list(recv.slots):
             self._free(recv, slot)
-        recv.wake()
+        recv.end(error)
 
     def _request(self, pool: str, request: int, layers: int) -> _Recv:
         key = (pool, request)
@@ -271,8 +248,8 @@ class KV:
             if len(self._recv) >= MAX_REQUESTS:
                 self._trim()
             recv = self._recv[key] = _Recv(
-                pool, request, np.zeros(layers, np.int64), np.full(layers, -1, np.int64),
-                np.zeros(layers, bool))
+                np.zeros(layers, np.int64), np.full(layers, -1, np.int64), pool=pool,
+                request=request, claimed=np.zeros(layers, bool))
         return recv
 
     def _trim(self) -> None:
@@ -300,16 +277,8 @@ class KV:
         recv = self._request(pool, request, n)
         recv.waiters += 1
         try:
-            with trio.move_on_after(timeout_s):
-                while True:
-                    if recv.error is not None:
-                        raise recv.error
-                    done = recv.prefix(first)
-                    if done > upto:
-                        return {"done": done}
-                    if recv.expired:
-                        break
-                    await recv.changed.wait()
+            if await recv.wait(np.arange(first, upto + 1), timeout_s):
+                return {"done": recv.prefix(first)}
             return {"done": recv.prefix(first), "expired": True}
         finally:
             recv.waiters -= 1
@@ -341,7 +310,6 @@ class KV:
             for recv in list(self._recv.values()):
                 if not recv.finished and recv.deadline < now:
                     log.warning("kv.deadline", pool=recv.pool, request=recv.request)
-                    recv.expired = True
                     self._end(recv, None)
 
     async def push(self, s: ClientSession, msg: Any) -> dict[str, Any]:

@@ -1,25 +1,32 @@
 """The sending side of a KV push (``kv_push``): a client's source pool into a
 pool on a peer (or on this node), layer by layer.
 
-See ``_kv`` for the steps (``kv_begin``, one notify-mode transfer per
-layer, ``kv_expect``); the receiver's bookkeeping is ``_kv.KV``'s. Owns no
-state of its own: each push lives in its request's task. What must not live
-here: the block expansion (``p2pxfer.kv``), posting (the engine), settling
-an unknown notification (``_kv_settle``).
+See ``_kv`` for the steps (``kv_begin``, one notify-mode send per layer,
+``kv_expect``); the push itself runs in ``p2pxfer._kv_core.push_layers``
+(the in-process push's too), and the receiver's bookkeeping is
+``_kv.KV``'s. Each layer goes through the engine, or, into a pool of this
+same daemon, through the same-daemon copy (``_local``: ``LocalCopies.write``
+with the request's slot), as a plain write does; either way inside
+``Writes.accounted`` (in flight, metrics). Owns no state of its own: each
+push lives in its request's task. What must not live here: the block
+expansion (``p2pxfer.kv_plan``), posting (the engine), the copy (``_local``),
+settling an unknown notification (``_kv_settle``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import trio
 
-from p2pxfer.engine import Transfer
+from p2pxfer._kv_core import LayerSend, push_layers
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
@@ -27,7 +34,7 @@ from p2pxfer.errors import (
     P2PXferError,
     UnknownRegion,
 )
-from p2pxfer.kv_plan import KVLayout, plan_push
+from p2pxfer.kv_plan import KVLayout, PushPlan, layer_imm, plan_push
 from p2pxfer.log import get_logger
 from p2pxfer.scatter import ScatterList
 
@@ -35,6 +42,8 @@ from ._kv_settle import Unsettled, settle_notification
 from ._peers import deadline_after, seconds_left
 
 if TYPE_CHECKING:
+    from p2pxfer.memory import RegionDescriptor
+
     from ._daemon import Daemon
     from ._kv import KV, Pool
     from ._sessions import ClientSession
@@ -55,6 +64,29 @@ def unpack_i64(data: bytes, what: str) -> I64:
     if len(data) % 8:
         raise InvalidArgument(f"{what}: {len(data)} bytes is not a whole number of int64")
     return np.frombuffer(data, dtype="<i8").astype(np.int64)
+
+
+@dataclass(eq=False)
+class _LayerCopy:
+    """A layer for the same-daemon copy: copied when ``push_layers`` awaits
+    it (in layer order, so layer 0 is there before later layers are copied),
+    never once cancelled before that."""
+
+    copy: Callable[[], Awaitable[int]]
+    pieces: int
+    imms: int = 1
+    state: str = "queued"  # then "copying", "copied" or "cancelled"
+
+    def cancel(self) -> None:
+        if self.state == "queued":
+            self.state = "cancelled"
+
+    async def wait(self) -> int:
+        if self.state == "queued":
+            self.state = "copying"
+            await self.copy()
+            self.state = "copied"
+        return self.pieces
 
 
 class Pushes:
@@ -100,80 +132,70 @@ class Pushes:
             except DescriptorError as exc:
                 raise InvalidArgument(f"{peer} sent a bad KV layout: {exc}") from exc
             layers = msg.get("layers")
-            lays, so, do, ln, counts = plan_push(
+            plan = plan_push(
                 src.layout, dst_layout, unpack_i64(msg["src_blocks"], "src_blocks"),
                 unpack_i64(msg["dst_blocks"], "dst_blocks"),
                 None if layers is None else unpack_i64(layers, "layers").tolist(),
                 src_size=len(src.view), dst_size=desc.length)
             t0 = time.perf_counter()
             begun = await self._ask(peer, "kv_begin", until, pool=pool, request=request,
-                                    layers=pack_i64(lays),
+                                    layers=pack_i64(plan.layers),
                                     deadline_ms=msg.get("deadline_ms", DEFAULT_DEADLINE_MS))
             slot = begun.get("slot")
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
+            copied = d.writes.copies(desc)
             try:
                 with d.writes.accounted():
-                    pieces, first = await self._post(src, desc, peer, slot, lays, so, do, ln,
-                                                     counts, until, pool, request)
+                    pieces, first = await self._post(s, src, desc, peer, slot, plan, until,
+                                                     pool, request, copied)
             except (trio.Cancelled, P2PXferError):
                 # As for a failed write: the pool (or its owner's life) may be
                 # what went; the next push resolves it afresh.
                 d.regions.forget(peer, pool)
                 raise
         seconds = time.perf_counter() - t0
-        nbytes = int(ln.sum())
         log.debug("kv.push_complete", client=s.label, peer=peer, pool=pool, request=request,
-                  layers=len(lays), nbytes=nbytes, seconds=seconds)
-        return {"layers": pack_i64(lays), "pieces": pack_i64(pieces), "nbytes": nbytes,
-                "seconds": seconds, "first_layer_s": first - t0}
+                  layers=len(plan.layers), nbytes=plan.nbytes, seconds=seconds,
+                  path="local-copy" if copied else "engine")
+        return {"layers": pack_i64(plan.layers), "pieces": pack_i64(pieces),
+                "nbytes": plan.nbytes, "seconds": seconds, "first_layer_s": first - t0}
 
-    async def _post(self, src: Pool, desc: Any, peer: str, slot: int, lays: list[int],
-                    so: I64, do: I64, ln: I64, counts: I64,
-                    until: float, pool: str, request: int) -> tuple[list[int], float]:
-        """One transfer per layer, in layer order, submitted before any is
-        awaited; the receiver hears the first layer's piece count as soon as
-        it is known (so layer 0 can complete there while later layers are
-        still being submitted), the others' once all are submitted; then the
-        waits."""
+    async def _post(self, s: ClientSession, src: Pool, desc: RegionDescriptor, peer: str,
+                    slot: int, plan: PushPlan, until: float, pool: str, request: int,
+                    copied: bool) -> tuple[list[int], float]:
+        """The layers, by ``push_layers``: through the engine, or ``copied``
+        (the pool is this daemon's: ``Writes.copies``). The
+        receiver hears each layer's count (``kv_expect``) as ``push_layers``
+        announces it; a layer whose notification is unknown is settled
+        (``_kv_settle``)."""
         d = self.d
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        transfers: list[Transfer] = []
-        first = 0.0
-        try:
-            for k, layer in enumerate(lays):
-                a, b = bounds[k], bounds[k + 1]
-                transfers.append(await d.engine.submit(
-                    src.view, desc, ScatterList(so[a:b], do[a:b], ln[a:b]),
-                    imm=d.imm_slots.compose(slot, layer), notify=True, timeout=seconds_left(until)))
-                if k == 0:
-                    await self._ask(peer, "kv_expect", until, slot=slot, first=0,
-                                    pieces=pack_i64([transfers[0].imms]))
-            if len(transfers) > 1:
-                await self._ask(peer, "kv_expect", until, slot=slot, first=1,
-                                pieces=pack_i64([t.imms for t in transfers[1:]]))
-            for k, t in enumerate(transfers):
-                try:
-                    await t.wait()
-                except NotificationUnknown as exc:
-                    a = bounds[k]
-                    await settle_notification(
-                        d.engine, self._ask, Unsettled(peer, pool, request, lays[k],
-                                                       d.imm_slots.compose(slot, lays[k])),
-                        src.view, desc, (so[a:a + 1], do[a:a + 1], ln[a:a + 1]), until, exc)
-                if k == 0:
-                    first = time.perf_counter()
-        except BaseException:
-            # Stop what has not gone out; what was posted must finish before
-            # the source pool is the client's again.
-            for t in transfers:
-                t.cancel()
-            with trio.CancelScope(shield=True):
-                for t in transfers:
-                    with contextlib.suppress(P2PXferError):
-                        await t.wait()
-            raise
-        return [t.pieces for t in transfers], first
+        local = d.writes.local
+        base = d.imm_slots.compose(slot, 0)
+
+        async def copy(layer: int, sl: ScatterList) -> LayerSend:
+            return _LayerCopy(functools.partial(local.write, s, src.view, sl, desc.name, layer,
+                                                notify=True, slot=slot), len(sl))
+
+        async def send(layer: int, sl: ScatterList) -> LayerSend:
+            return await d.engine.submit(src.view, desc, sl, imm=layer_imm(base, layer),
+                                         notify=True, timeout=seconds_left(until))
+
+        async def announce(first: int, sends: list[LayerSend]) -> None:
+            await self._ask(peer, "kv_expect", until, slot=slot, first=first,
+                            pieces=pack_i64([t.imms for t in sends]))
+
+        async def settle(k: int, unknown: NotificationUnknown) -> None:
+            layer, part = list(plan.per_layer())[k]
+            one = slice(part.start, part.start + 1)
+            await settle_notification(
+                d.engine, self._ask, Unsettled(peer, pool, request, layer,
+                                               layer_imm(base, layer)),
+                src.view, desc, (plan.src[one], plan.dst[one], plan.length[one]), until,
+                unknown)
+
+        return await push_layers(plan, copy if copied else send, announce=announce,
+                                 settle=settle)
 
     @contextlib.contextmanager
     def _tracked(self, peer: str) -> Iterator[None]:

@@ -8,9 +8,12 @@ the same checks as the fabric path (the writer's uid may write into it:
 ``Exports.check_writer``; the scatter list
 against both sizes: ``ScatterList.check_bounds``), then ``copy_scatter`` (C,
 ``memmove`` per piece, no Python per piece, without the GIL), then the
-immediates, routed by the region's slot through ``ImmTable.deliver`` exactly
-as the engine's arrivals are: counted after the bytes are there, one per
-piece, so the owner sees what a remote write of the same pieces shows it.
+immediates, routed by the region's slot (or a KV request's) through
+``ImmTable.deliver`` exactly as the engine's arrivals are: counted after the
+bytes are there, one per piece (or one in notify mode), so the owner sees
+what a remote write of the same pieces shows it. Plain writes
+(``Writes._copy``) and KV pushes into a pool of this daemon
+(``_kv_push``) copy through here.
 
 Small copies run on the trio thread (a thread hop costs more than they do);
 larger ones on worker threads, and from ``PARALLEL_MIN`` on, split over
@@ -115,11 +118,14 @@ class LocalCopies:
     # -- copies -------------------------------------------------------------------------
 
     async def write(self, writer: ClientSession, src: memoryview, scatter: ScatterList,
-                    region: str, imm: int | None, notify: bool = False) -> int:
+                    region: str, imm: int | None, notify: bool = False, *,
+                    slot: int | None = None) -> int:
         """Copy ``scatter`` from ``src`` into this daemon's export ``region``;
         the pieces written (each carrying ``imm`` to the region's owner), or
         with ``notify`` 1: ``imm`` counted once, when every piece is there
         (never for a write stopped part way, as the engine's notify mode).
+        ``slot``: the immediate slot ``imm`` is counted under, where not the
+        region's own (a KV push's request slot, ``kv_begin``).
         ``UnknownRegion`` if no client of this daemon exports it, or none the
         writer's uid may write into, or when it is unexported before the copy
         is over; ``ScatterError`` for a piece outside either buffer.
@@ -132,7 +138,8 @@ class LocalCopies:
         writer.may_write_into(region)
         scatter.check_bounds(len(src), target.length)
         slots = self._imm_slots()
-        full_imm = None if imm is None else slots.compose(target.slot, imm)
+        full_imm = None if imm is None else slots.compose(
+            target.slot if slot is None else slot, imm)
         sl, parts = self._plan(scatter)
         copy = _Copy()
         target.copies.add(copy)

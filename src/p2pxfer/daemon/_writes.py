@@ -127,6 +127,10 @@ class Writes:
         """``desc`` is a region of this daemon, in its running life."""
         return desc.node == self.node and desc.incarnation == self.incarnation
 
+    def copies(self, desc: RegionDescriptor) -> bool:
+        """A client's write (or KV push) into ``desc`` is a same-daemon copy."""
+        return self.local.enabled and self.ours(desc)
+
     async def destination(self, session: ClientSession | None, peer: str, region: str,
                           until: float) -> RegionDescriptor:
         """``region`` on ``peer``, resolved. A region of this daemon meets the
@@ -170,7 +174,7 @@ class Writes:
                    region: str, desc: RegionDescriptor, imm: int | None,
                    session: ClientSession | None = None, notify: bool = False,
                    until: float = math.inf) -> int:
-        if session is not None and self.local.enabled and self.ours(desc):
+        if session is not None and self.copies(desc):
             # ``peer`` names this daemon (an alias of ours): the same copy as a
             # write naming our own node, into the export of that name now.
             if desc.name not in self.exports:
