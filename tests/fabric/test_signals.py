@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -87,8 +88,13 @@ except KeyboardInterrupt:
 """
 
 
+# A child that does not exit in time is asked for every thread's stack
+# (SIGUSR1: faulthandler), so the failure says where it hung.
+STACKS = "import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+
+
 def run_child(code: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
+    return subprocess.Popen([sys.executable, "-c", STACKS + textwrap.dedent(code)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -107,7 +113,15 @@ def test_ctrl_c_in_a_write_loop_raises_keyboard_interrupt(code: str) -> None:
         line = child.stdout.readline()  # bounded: the child writes with timeouts
         assert line.strip() == "ready", child.stderr.read() if child.stderr else ""
         os.kill(child.pid, signal.SIGINT)
-        out, err = child.communicate(timeout=EXIT_TIMEOUT)
+        try:
+            out, err = child.communicate(timeout=EXIT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.kill(child.pid, signal.SIGUSR1)
+            time.sleep(2)
+            child.kill()
+            out, err = child.communicate()
+            pytest.fail(f"no exit {EXIT_TIMEOUT:g} s after SIGINT; stdout {out!r}; the "
+                        f"child's threads:\n{err[-6000:]}")
     finally:
         if child.poll() is None:
             child.kill()
