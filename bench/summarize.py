@@ -61,8 +61,9 @@ def is_sweep(records: list[dict[str, Any]]) -> bool:
 
 
 def _row(provider: str, name: str, ours: str, ref: str, ratio: str, mooncake: str, cpu: str,
-         notes: str) -> str:
-    return f"| {provider} | {name} | {ours} | {ref} | {ratio} | {mooncake} | {cpu} | {notes} |"
+         notes: str, nixl: str = "-") -> str:
+    return (f"| {provider} | {name} | {ours} | {ref} | {ratio} | {nixl} | {mooncake} | {cpu} "
+            f"| {notes} |")
 
 
 def bench_rows(records: list[dict[str, Any]]) -> list[str]:
@@ -81,10 +82,15 @@ def bench_rows(records: list[dict[str, Any]]) -> list[str]:
             pieces = r["pages"] * r["transfers"]
             notes += (f"; {pieces / r['seconds'] / 1e6:.2f} M pieces/s vs "
                       f"{pieces / r['baseline_seconds'] / 1e6:.2f} M")
+        if r.get("nixl_p50_us") is not None:
+            notes += f"; NIXL p50 {r['nixl_p50_us']:.0f} us per round"
         if r.get("mooncake_p50_us") is not None:
             notes += f"; Mooncake p50 {r['mooncake_p50_us']:.0f} us per round"
+        if r.get("predicted_us") is not None:
+            notes += f"; plan {r['predicted_us']:.0f} us"
         out.append(_row(r["provider"], f"{r['mode']}: {shape(r)}", _gb(r["gbps"]), ref, ratio,
-                        _gb(r.get("mooncake_gbps")), _cpu(r), notes))
+                        _gb(r.get("mooncake_gbps")), _cpu(r), notes,
+                        _gb(r.get("nixl_gbps"))))
     return out
 
 
@@ -141,8 +147,8 @@ def load(path: str) -> Doc:
 
 def table(paths: list[str]) -> list[str]:
     lines = ["| provider | benchmark | p2pxfer | C reference (same run) | ratio | "
-             "Mooncake (same run) | CPU s/GB ours / C | notes |",
-             "|---|---|---|---|---|---|---|---|"]
+             "NIXL (same run) | Mooncake (same run) | CPU s/GB ours / C | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
         lines += rows(load(path))
     return lines
@@ -186,9 +192,10 @@ def sweeps(paths: list[str], heading: str) -> list[str]:
     return lines
 
 
-def check(paths: list[str], expect_mooncake: bool) -> list[str]:
+def check(paths: list[str], expect_mooncake: bool, expect_nixl: bool = False) -> list[str]:
     """What is wrong with the results: missing or unreadable files, empty
-    results, records without their reference, a Mooncake row that should be there."""
+    results, records without their reference, a Mooncake or NIXL row that
+    should be there."""
     problems = []
     for path in paths:
         try:
@@ -212,6 +219,9 @@ def check(paths: list[str], expect_mooncake: bool) -> list[str]:
                         and r["provider"].startswith("tcp") and r["pattern"] == "paged" \
                         and r.get("mooncake_gbps") is None:
                     problems.append(f"{what}: no Mooncake row")
+                if expect_nixl and r.get("mode") == "loopback" and r["pattern"] == "paged" \
+                        and r.get("nixl_gbps") is None:
+                    problems.append(f"{what}: no NIXL row")
         else:
             for r in records:
                 if any(k in r for k in ("baseline_gbps", "baseline_p50_us")) \
@@ -284,6 +294,8 @@ def main() -> int:
                     help="a whole Markdown page (machine, command, table, sweeps)")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 naming every missing or incomplete result")
+    ap.add_argument("--expect-nixl", action="store_true",
+                    help="paged loopback records must have a NIXL row")
     ap.add_argument("--expect-mooncake", action="store_true",
                     help="with --check: paged tcp loopback records must have a Mooncake row")
     ap.add_argument("--readme", help="rewrite the table between the bench markers of this file")
@@ -291,7 +303,7 @@ def main() -> int:
     ap.add_argument("paths", nargs="*")
     args = ap.parse_args()
     if args.check:
-        problems = check(args.paths, args.expect_mooncake)
+        problems = check(args.paths, args.expect_mooncake, args.expect_nixl)
         for p in problems:
             print(f"summarize: {p}", file=sys.stderr)
         return 1 if problems else 0

@@ -91,14 +91,17 @@ def main(log_level: str) -> None:
 @click.option("--iterations", type=int, help="timed rounds [enough for ~256 MiB]")
 @click.option("--memcpy-size", default="256MiB", callback=_size, show_default=True)
 @click.option("--mooncake", is_flag=True, help="Mooncake Transfer Engine on the same pages")
+@click.option("--nixl", is_flag=True, help="NIXL (UCX backend) on the same pages")
 def write(providers: tuple[str, ...], json_path: str | None, pattern: str,
           sizes: tuple[int, ...], page_size: int, pages: int, order: str, concurrency: int,
-          warmup: int, iterations: int | None, memcpy_size: int, mooncake: bool) -> None:
-    """Scatter writes over loopback: ours, the C reference (and Mooncake)."""
+          warmup: int, iterations: int | None, memcpy_size: int, mooncake: bool,
+          nixl: bool) -> None:
+    """Scatter writes over loopback: ours, the C reference (and NIXL, Mooncake)."""
     opts = BenchOptions(providers=tuple(_providers(providers)), pattern=pattern,
                         sizes=sizes or (64 << 20,), page_size=page_size, pages=pages,
                         order=order, concurrency=concurrency, warmup=warmup,
-                        iterations=iterations, memcpy_size=memcpy_size, mooncake=mooncake)
+                        iterations=iterations, memcpy_size=memcpy_size, mooncake=mooncake,
+                        nixl=nixl)
     _run(opts.check)
     report = _run(lambda: run_bench(opts))
     for note in report.notes:

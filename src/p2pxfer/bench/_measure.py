@@ -88,7 +88,7 @@ async def with_timeout(what: str, seconds: float, aw: Awaitable[Any]) -> Any:
 
 
 class Peer(Protocol):
-    """Another engine measured beside ours (Mooncake): blocking, whole blocks."""
+    """Another engine measured beside ours (Mooncake, NIXL): blocking, whole blocks."""
 
     name: str
 
@@ -288,7 +288,8 @@ async def measure_case(case: Case, ours: OurPath, base: Reference | None, check:
             rail_base = (base_rail_bytes[base_names.index(name)] / t_base.seconds / 1e9
                          if name in base_names and t_base.seconds > 0 else None)
         rails.append(RailResult(name, rail_gbps, rail_base))
-    mc = t_peers[0] if peers else None
+    by_name = {p.name: t for p, t in zip(peers, t_peers, strict=True)}
+    mc, nx = by_name.get("mooncake"), by_name.get("nixl")
     return BenchResult(
         mode=opts.mode, provider=provider, pattern=case.pattern, order=case.order,
         page_size=case.page_size, pages=case.pages, pool_pages=case.pool_pages,
@@ -307,4 +308,7 @@ async def measure_case(case: Case, ours: OurPath, base: Reference | None, check:
         mooncake_gbps=total / mc.seconds / 1e9 if mc else None,
         mooncake_p50_us=_pct(mc.lat, 50) if mc else None,
         mooncake_cpu_s_per_gb=mc.cpu_per_gb(total) if mc else None,
+        nixl_gbps=total / nx.seconds / 1e9 if nx else None,
+        nixl_p50_us=_pct(nx.lat, 50) if nx else None,
+        nixl_cpu_s_per_gb=nx.cpu_per_gb(total) if nx else None,
     )

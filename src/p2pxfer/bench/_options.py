@@ -118,6 +118,8 @@ class BenchOptions:
     port: int = DEFAULT_PORT
     #: loopback over tcp: measure Mooncake Transfer Engine on the same pages too
     mooncake: bool = False
+    #: loopback over tcp or shm: measure NIXL (UCX backend) on the same pages too
+    nixl: bool = False
     # via-daemon mode
     socket: str = ""
     peer: str = ""
@@ -155,6 +157,8 @@ class BenchOptions:
             raise BenchConfigError("timeouts must be > 0")
         if self.mooncake and self.mode != "loopback":
             raise BenchConfigError("the Mooncake row runs in loopback mode only")
+        if self.nixl and self.mode != "loopback":
+            raise BenchConfigError("the NIXL row runs in loopback mode only")
         if self.mode == "via-daemon" and not (self.socket and self.peer and self.region):
             raise BenchConfigError("--via-daemon needs --socket, --peer and --region")
         if self.pattern == "paged":

@@ -52,7 +52,8 @@ __all__ = [
 #: CPU seconds of both ends (initiator and target processes) per GB moved,
 #: ``null`` where the target's CPU cannot be read (a remote target). The
 #: ``mooncake_*`` fields are Mooncake Transfer Engine's numbers on the same
-#: pages in the same run, ``null`` unless it was asked for and could run.
+#: pages in the same run, ``null`` unless it was asked for and could run; the
+#: ``nixl_*`` fields NIXL's (UCX backend), likewise.
 #: ``predicted_us``: what ``p2pxfer plan`` predicts for one transfer from the
 #: provider's calibration profile, ``null`` where none was saved.
 RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -88,6 +89,9 @@ RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mooncake_gbps": (float, type(None)),
     "mooncake_p50_us": (float, type(None)),
     "mooncake_cpu_s_per_gb": (float, type(None)),
+    "nixl_gbps": (float, type(None)),
+    "nixl_p50_us": (float, type(None)),
+    "nixl_cpu_s_per_gb": (float, type(None)),
     "predicted_us": (float, type(None)),
 }
 
@@ -143,6 +147,9 @@ class BenchResult:
     mooncake_gbps: float | None = None
     mooncake_p50_us: float | None = None
     mooncake_cpu_s_per_gb: float | None = None
+    nixl_gbps: float | None = None
+    nixl_p50_us: float | None = None
+    nixl_cpu_s_per_gb: float | None = None
     #: what ``p2pxfer plan`` predicted for one transfer, from the provider's
     #: calibration profile (None: no profile)
     predicted_us: float | None = None
@@ -204,7 +211,9 @@ def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = No
     key_columns = ["provider", "transfer"] + ["rails"] * multi_rail \
         + ["in flight"] * multi_flight
     mooncake = any(r.mooncake_gbps is not None for r in results)
-    measured = ["GB/s", "C GB/s", "ratio"] + ["Mooncake GB/s"] * mooncake
+    nixl = any(r.nixl_gbps is not None for r in results)
+    measured = ["GB/s", "C GB/s", "ratio"] + ["NIXL GB/s"] * nixl \
+        + ["Mooncake GB/s"] * mooncake
     measured += ["p50 us"] + ["plan us"] * any(r.predicted_us is not None for r in results)
     measured += ["p99 us", "CPU s/GB", "C CPU s/GB", "memcpy%"]
     shown = [c for c in measured if columns is None or c in columns]
@@ -221,7 +230,8 @@ def summary_table(results: Sequence[BenchResult], memcpy_gbps: float | None = No
         row += [str(r.concurrency)] * multi_flight
         cells = {"GB/s": _gbps(r.gbps), "C GB/s": _gbps(r.baseline_gbps),
                  "ratio": "-" if r.ratio is None else f"[bold]{r.ratio:.2f}[/bold]",
-                 "Mooncake GB/s": _gbps(r.mooncake_gbps), "p50 us": f"{r.p50_us:.0f}",
+                 "Mooncake GB/s": _gbps(r.mooncake_gbps), "NIXL GB/s": _gbps(r.nixl_gbps),
+                 "p50 us": f"{r.p50_us:.0f}",
                  "plan us": "-" if r.predicted_us is None else f"{r.predicted_us:.0f}",
                  "p99 us": f"{r.p99_us:.0f}", "CPU s/GB": _cpu(r.cpu_s_per_gb),
                  "C CPU s/GB": _cpu(r.baseline_cpu_s_per_gb),
@@ -269,7 +279,8 @@ def summary_tables(results: Sequence[BenchResult], memcpy_gbps: float | None = N
 
 
 #: columns that stay together when the summary is split, headline first
-_GROUPS = (("GB/s", "C GB/s", "ratio"), ("Mooncake GB/s",), ("p50 us", "p99 us"),
+_GROUPS = (("GB/s", "C GB/s", "ratio"), ("NIXL GB/s", "Mooncake GB/s"),
+           ("p50 us", "plan us", "p99 us"),
            ("CPU s/GB", "C CPU s/GB"), ("memcpy%",))
 
 

@@ -48,6 +48,7 @@ from ._measure import (
     measure_memcpy,
 )
 from ._mooncake import MooncakePeer, mooncake_missing
+from ._nixl import NixlPeer, nixl_missing
 from ._options import BenchError, BenchOptions, Case, build_cases, format_size
 from ._paths import EnginePath
 from ._reference import ReferenceInitiator, ReferenceTarget, close_rails, open_rails
@@ -121,6 +122,12 @@ async def _server_session(opts: BenchOptions, provider: str, link: ServerLink, h
                 peers.append(stack.enter_context(MooncakePeer(src, size, opts.timeout)))
             else:
                 notes.append(f"no Mooncake row for {provider}: {why}")
+        if opts.nixl:
+            why = nixl_missing(provider) if loopback else "NIXL runs in --loopback only"
+            if why is None:
+                peers.append(stack.enter_context(NixlPeer(src, size, provider, opts.timeout)))
+            else:
+                notes.append(f"no NIXL row for {provider}: {why}")
         await connect_paths(ours, base, link.check, opts.timeout, peers)
         return [await measure_case(c, ours, base, link.check, opts, provider, target, progress,
                                    target_pid=target_pid, peers=peers) for c in cases]

@@ -97,6 +97,8 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="draw bandwidth vs size here (PNG; needs matplotlib)")
 @click.option("--quiet", is_flag=True, help="no progress bar")
+@click.option("--nixl", is_flag=True,
+              help="loopback: NIXL (UCX backend) writes the same pages too, where installed")
 @click.option("--calibrate", is_flag=True,
               help="measure the shapes `p2pxfer plan` needs (loopback) and save each "
                    "provider's profile")
@@ -113,7 +115,8 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
           pages_per_transfer: int | None, region_size: int | None, concurrency: int,
           warmup: int, iterations: int | None, memcpy_size: int, timeout: float,
           connect_timeout: float, seed: int, json_path: str | None, plot_path: str | None,
-          quiet: bool, calibrate: bool, quick: bool, profile_dir: str | None) -> None:
+          quiet: bool, nixl: bool, calibrate: bool, quick: bool,
+          profile_dir: str | None) -> None:
     """Bandwidth test: our path against the raw C loop over the same provider,
     pattern and target, in the same run, next to this machine's memcpy.
 
@@ -186,7 +189,7 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
             seed=seed, timeout=timeout, connect_timeout=connect_timeout, host=host,
             port=cport, socket=socket_path, peer=peer or "", region=region_name or "",
             interfaces=tuple(i.strip() for i in interfaces.split(",")) if interfaces else None,
-            order=order or "random", pages_per_transfer=pages_per_transfer)
+            order=order or "random", pages_per_transfer=pages_per_transfer, nixl=nixl)
         if page_size is not None:
             opts = dataclasses.replace(opts, page_size=page_size)
         if pages is not None:
