@@ -1,11 +1,16 @@
-"""KV push through the daemons, against an in-process engine on the same pages.
+"""KV push through the daemons, against an in-process engine and the C loop
+on the same pages.
 
 Two daemons (a: prefill, b: decode) run as separate processes on loopback.
 A decode client's pool (``--layers`` x ``--blocks`` x ``--block-kib`` KiB) is
 on daemon b; a prefill client's source pool on daemon a pushes every block
 into it (random block tables) with ``Client.kv_push``; then an in-process
 engine here pushes the same pages (the source pool's shared memory, mapped
-here too) into the same pool's region with ``kv.push_pages``.
+here too) into the same pool's region with ``kv.push_pages``; then the C
+reference (a C initiator posting the very same pieces, every layer in one
+call, into a busy-polling C target in its own process). ``--push-blocks N``
+pushes N random blocks of the pool each time (the shape a serving engine
+sends: 64 blocks of 16 KiB x 32 layers) instead of all of them.
 
 Reported: seconds per push (client-observed, median) and the ratio; time to
 first layer (``kv_push`` call -> decode's ``wait_layers(request, 0)``
@@ -44,8 +49,10 @@ def cpu_of(pid: int) -> float:
 async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
     from p2pxfer import connect
     from p2pxfer._kv_core import LayerSend, push_layers
+    from p2pxfer.bench._scenarios import c_to_c
     from p2pxfer.engine import EngineConfig, open_engine
     from p2pxfer.kv import KVLayout, KVPool, KVPoolDescriptor, plan_push, push_pages
+    from p2pxfer.kv_plan import expand_pages
     from p2pxfer.loopback import loopback_node
     from p2pxfer.scatter import ScatterList
     from p2pxfer.testing import free_port, start_daemon
@@ -70,35 +77,41 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
             # which shared memory does not, and the copy would not compare.
             local = KVPool(eng, "bench-local", lay, buffer=src.mem)
             target = KVPoolDescriptor(dst.descriptor, lay)  # type: ignore[arg-type]
-            daemon_s, engine_s, ttfl = [], [], []
-            for i in range(args.repeat + 1):  # the first of each warms up
-                sb = rng.permutation(lay.num_blocks)
-                db = rng.permutation(lay.num_blocks)
-                t0 = time.perf_counter()
-                first: list[float] = []
+            daemon_s, engine_s, c_s, ttfl = [], [], [], []
+            n = args.push_blocks or lay.num_blocks
+            with c_to_c(provider, src.array, lay.nbytes) as base:
+                for i in range(args.repeat + 1):  # the first of each warms up
+                    sb = rng.choice(lay.num_blocks, n, replace=False)
+                    db = rng.choice(lay.num_blocks, n, replace=False)
+                    t0 = time.perf_counter()
+                    first: list[float] = []
 
-                async def first_layer(req: int = i, t: float = t0, box: list[float] = first
-                                      ) -> None:
-                    await dst.wait_layers(req, 0, timeout=60)
-                    box.append(time.perf_counter() - t)
+                    async def first_layer(req: int = i, t: float = t0, box: list[float] = first
+                                          ) -> None:
+                        await dst.wait_layers(req, 0, timeout=60)
+                        box.append(time.perf_counter() - t)
 
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(first_layer)
-                    push = await prefill.kv_push("b", "bench-kv", src, sb, db, request=i)
-                    await push.wait()
-                    daemon_s.append(time.perf_counter() - t0)
-                await dst.wait_layers(i, lay.num_layers - 1, timeout=60)
-                ttfl.append(first[0])
-                await dst.forget(i)
-                t0 = time.perf_counter()
-                await push_pages(eng, local, target, sb, db, request_id=i)
-                engine_s.append(time.perf_counter() - t0)
-            nbytes = lay.num_layers * lay.num_blocks * lay.block_bytes
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(first_layer)
+                        push = await prefill.kv_push("b", "bench-kv", src, sb, db, request=i)
+                        await push.wait()
+                        daemon_s.append(time.perf_counter() - t0)
+                    await dst.wait_layers(i, lay.num_layers - 1, timeout=60)
+                    ttfl.append(first[0])
+                    await dst.forget(i)
+                    t0 = time.perf_counter()
+                    await push_pages(eng, local, target, sb, db, request_id=i)
+                    engine_s.append(time.perf_counter() - t0)
+                    so, do, ln, _ = expand_pages(lay, lay, sb, db, range(lay.num_layers))
+                    c_s.append(base.block([base.plan(ScatterList(so, do, ln))], 7, 60)[1][0])
+            nbytes = lay.num_layers * n * lay.block_bytes
             d, e = statistics.median(daemon_s[1:]), statistics.median(engine_s[1:])
+            c = statistics.median(c_s[1:])
             out.append({"provider": provider, "pattern": f"KV push {lay.num_layers} layers x "
-                        f"{lay.num_blocks} blocks x {args.block_kib} KiB",
-                        "daemon_s": d, "engine_s": e, "daemon_GBps": nbytes / d / 1e9,
-                        "engine_GBps": nbytes / e / 1e9, "ratio_daemon_over_engine": e / d,
+                        f"{n} random blocks of {lay.num_blocks} x {args.block_kib} KiB",
+                        "daemon_s": d, "engine_s": e, "c_s": c, "daemon_GBps": nbytes / d / 1e9,
+                        "engine_GBps": nbytes / e / 1e9, "c_GBps": nbytes / c / 1e9,
+                        "ratio_daemon_over_engine": e / d, "ratio_daemon_over_c": c / d,
                         "ttfl_ms_median": statistics.median(ttfl[1:]) * 1e3})
 
             # Describe + post of 112,000 pieces (32 layers x 3,500 blocks).
@@ -153,6 +166,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--block-kib", type=int, default=16)
+    ap.add_argument("--push-blocks", type=int, default=0,
+                    help="random blocks per push (0: every block of the pool)")
     ap.add_argument("--rtt", type=int, default=2000)
     args = ap.parse_args()
     results: list[dict[str, Any]] = []

@@ -104,6 +104,12 @@ def scenario_rows(doc: dict[str, Any]) -> list[str]:
                             f"**{r['ratio_to_memcpy']:.2f}**", "-", "-",
                             f"{r['pieces']} pieces; p50 {r['p50_us']:.0f} us; engine posted "
                             f"{r['engine_bytes_posted']} bytes"))
+        elif "ratio_daemon_over_engine" in r:  # kv push through daemons (kv_daemon.py)
+            out.append(_row(p, name, _gb(r["daemon_GBps"]), _gb(r["c_GBps"]),
+                            f"**{r['ratio_daemon_over_c']:.2f}**", "-", "-",
+                            f"in-process engine {_gb(r['engine_GBps'])} (daemons / engine "
+                            f"**{r['ratio_daemon_over_engine']:.2f}**); first layer after "
+                            f"{r['ttfl_ms_median']:.1f} ms"))
         elif "gbps" in r:  # kv push
             out.append(_row(p, name, _gb(r["gbps"]), _gb(r["baseline_gbps"]),
                             f"**{r['gbps'] / r['baseline_gbps']:.2f}**", "-", _cpu(r),

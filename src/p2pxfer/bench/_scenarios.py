@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,8 @@ from ._rtt import measure_control_rtt
 from ._run import loopback_server, unwrap_group
 from ._server import connect_server, pick_interfaces
 
-__all__ = ["SCENARIOS", "control_rtt", "dry_run", "idle", "kv", "latency", "run_scenario"]
+__all__ = ["SCENARIOS", "c_to_c", "control_rtt", "dry_run", "idle", "kv", "latency",
+           "run_scenario"]
 
 Record = dict[str, Any]
 TIMEOUT = 60.0
@@ -87,15 +88,24 @@ async def _setup(provider: str, size: int, *, reference: bool = True
             provider=provider, node=node, interfaces=names)))
         src = np.full(size, 0xA5, np.uint8)
         engine.register(src)
-        base = None
-        if reference:
-            target = stack.enter_context(ReferenceTarget(provider, node, names, size))
-            rails = open_rails(provider, node, names)
-            stack.callback(close_rails, rails)
-            ini = ReferenceInitiator(rails, src, target.descriptor)
-            stack.callback(ini.close)
-            base = Reference(ini, target)
+        base = stack.enter_context(c_to_c(provider, src, size)) if reference else None
         yield engine, src, dst, pid, base
+
+
+@contextmanager
+def c_to_c(provider: str, src: np.ndarray, size: int) -> Iterator[Reference]:
+    """The C reference alone (a C initiator writing from ``src`` into a
+    busy-polling C target of ``size`` bytes in its own process), for benches
+    that measure our side elsewhere (``bench/kv_daemon.py``)."""
+    node = loopback_node(provider)
+    names = pick_interfaces(provider, node, 1, None)
+    with ExitStack() as stack:
+        target = stack.enter_context(ReferenceTarget(provider, node, names, size))
+        rails = open_rails(provider, node, names)
+        stack.callback(close_rails, rails)
+        ini = ReferenceInitiator(rails, src, target.descriptor)
+        stack.callback(ini.close)
+        yield Reference(ini, target)
 
 
 async def dry_run(provider: str, pages: int = 4096, page_size: int = 64 << 10,
