@@ -271,8 +271,9 @@ def machine() -> str:
 INTRO = ("Every number stands next to a C reference measured in the same run over the same "
          "provider: a C initiator posting the same pieces into a C target that busy-polls its "
          "CQ in its own process (`native/src/baseline.c`, like fabtests' `fi_rma_bw`), or, "
-         "where marked, the C initiator into our own target. Mooncake Transfer Engine (TCP "
-         "transport) writes the same pages in the same run where installed. CPU s/GB: CPU "
+         "where marked, the C initiator into our own target. NIXL (UCX backend) and "
+         "Mooncake Transfer Engine (TCP transport) write the same pages in the same run "
+         "where installed. CPU s/GB: CPU "
          "seconds of both processes (initiator and target) per GB moved. These VMs are shared "
          "and noisy, so compare ratios, not runs.")
 
