@@ -43,7 +43,7 @@ LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
 INVALIDATE_RETRY_S = (0.1, 1.0)
 INVALIDATE_GIVE_UP_S = 600.0
 #: notification tickets asked for at once (``_imms``: with ``resolve``, then
-#: ``imm_tickets`` whenever a region's run out)
+#: ``imm_tickets`` in the background once half of them are spent)
 TICKET_BATCH = 64
 
 
@@ -67,6 +67,7 @@ class Regions:
         #: (they stay valid while the export does; a new export has another
         #: slot): the peer holds them for us until its region or our life goes
         self._tickets: dict[tuple[str, str], tuple[int, list[int]]] = {}
+        self._refilling: set[tuple[str, str]] = set()  # asked for more, not answered yet
         self._resolved_by: dict[str, set[str]] = {}
         #: invalidations not delivered yet, per (peer, region) (``status``)
         self.pending_invalidations: Counter[tuple[str, str]] = Counter()
@@ -164,25 +165,38 @@ class Regions:
         """The layout a peer gave with a region it resolved as a KV pool."""
         return self._kv.get((peer, region))
 
-    async def ticket(self, peer: str, region: str, until: float) -> int | None:
+    def ticket(self, peer: str, region: str) -> int | None:
         """A notification ticket of ``region`` on ``peer`` (resolved just
-        now), asked for when they have run out; None where the peer gives
-        none (no room for tags in the CQ data, or it holds too many): the
-        notification then goes through the region's slot."""
+        now), or None where none is in hand: the peer gives none (no room
+        for tags in the CQ data, or it holds too many), or a refill is still
+        on its way; the notification then goes through the region's slot.
+        Never waits: once half a batch is left, more are asked for in the
+        background (``_refill``), so a write never waits on the control
+        connection for one."""
         key = (peer, region)
         slot = self._slots.get(key)
         held = self._tickets.get(key)
         if slot is None or held is None or held[0] != slot:
             return None
-        if not held[1]:
+        if len(held[1]) <= TICKET_BATCH // 2 and key not in self._refilling \
+                and self.nursery is not None:
+            self._refilling.add(key)
+            self.nursery.start_soon(self._refill, peer, region, slot)
+        return held[1].pop() if held[1] else None
+
+    async def _refill(self, peer: str, region: str, slot: int) -> None:
+        key = (peer, region)
+        try:
             result = await self.peers.request(peer, "imm_tickets", region=region,
-                                              n=TICKET_BATCH, until=until)
-            if self._slots.get(key) != slot:  # forgotten meanwhile: its slot may be void
-                return None
-            held[1].extend(check_tickets(result.get("tickets"), slot, self._imm_slots()))
-            if not held[1]:
-                return None
-        return held[1].pop()
+                                              n=TICKET_BATCH)
+            held = self._tickets.get(key)
+            if held is not None and held[0] == slot:  # still that export's
+                held[1].extend(check_tickets(result.get("tickets"), slot, self._imm_slots()))
+        except P2PXferError as exc:
+            log.info("region.tickets_failed", peer=peer, region=region,
+                     error=bounded(str(exc)))
+        finally:
+            self._refilling.discard(key)
 
     async def settle(self, peer: str, ticket: int, value: int, until: float) -> bool:
         """``notify_settle`` on ``peer``: whether the notification through

@@ -223,12 +223,7 @@ class Writes:
         control connection whether it landed, and counts it if not
         (``notify_settle``): exactly once, and unknown only when that path
         fails too."""
-        ticket = None
-        if notify and imm is not None:
-            try:
-                ticket = await self.regions.ticket(peer, region, until)
-            except P2PXferError as exc:  # the notification goes through the slot
-                log.info("transfer.no_ticket", peer=peer, region=region, error=str(exc))
+        ticket = self.regions.ticket(peer, region) if notify and imm is not None else None
         prefix = ticket if ticket is not None else self.regions.slot(peer, region)
         full = None if imm is None else self.imm_slots.compose(prefix, imm)
         try:
