@@ -37,6 +37,7 @@ from ._exports import Exports
 from ._follow import Follower, rail_hosts
 from ._imms import ImmTable
 from ._kv import KV
+from ._kv_push import Pushes
 from ._limits import Limits
 from ._listener import remove_socket, serve_clients
 from ._metrics import DaemonMetrics, serve_metrics
@@ -155,8 +156,12 @@ class Daemon:
         self.writes = Writes(config, engine, self.regions, self.exports, self.follower,
                              incarnation=self.incarnation, imm_slots=lambda: self.imm_slots,
                              metrics=lambda: self.metrics)
-        self.ping: Ping = Ping(self)
-        self.kv: KV = KV(self)
+        self.ping: Ping = Ping(self.node, engine, self.peers)
+        self.kv: KV = KV(self.node, self.exports, lambda: self.imm_slots)
+        self.kv.pushes = Pushes(self.kv, node=self.node, engine=engine, peers=self.peers,
+                                regions=self.regions, writes=self.writes,
+                                follower=self.follower, imm_slots=lambda: self.imm_slots,
+                                write_timeout_s=config.write_timeout_s)
         self.follower.on_peer_lost = self.kv.peer_lost
         self.sessions: set[ClientSession] = set()
         #: caps per client and per uid, read from the sessions

@@ -35,6 +35,7 @@ trio thread's. What must not live here: the block expansion
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +57,8 @@ from p2pxfer.log import get_logger
 from ._kv_push import Pushes, pack_i64, unpack_i64
 
 if TYPE_CHECKING:
-    from ._daemon import Daemon
-    from ._exports import Export
+    from ._exports import Export, Exports
+    from ._imms import ImmTable
     from ._sessions import ClientSession
 
 __all__ = ["KV", "MAX_REQUESTS", "Pool", "pack_i64", "unpack_i64"]
@@ -102,14 +103,16 @@ class _Recv(LayerArrivals):
 class KV:
     """The daemon's KV pools and requests (both sides)."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, node: str, exports: Exports, imm_slots: Callable[[], ImmTable]) -> None:
+        self.node = node
+        self._imm_slots = imm_slots  # made on first use (``Daemon.imm_slots``)
         self.pools: dict[str, Pool] = {}  # receiving pools, by region name
         self._recv: dict[tuple[str, int], _Recv] = {}
         # request slot -> (request, its layers, [how many are not complete yet])
         self._slots: dict[int, tuple[_Recv, I64, list[int]]] = {}
-        self._pushes = Pushes(daemon, self)
-        daemon.exports.on_remove.append(self.drop_pool)
+        #: the sending side (``_kv_push``), wired by the daemon
+        self.pushes: Pushes | None = None
+        exports.on_remove.append(self.drop_pool)
 
     # -- pools (client side) ---------------------------------------------------------
 
@@ -158,7 +161,7 @@ class KV:
               deadline_ms: int) -> dict[str, Any]:
         p = self.pools.get(pool)
         if p is None:
-            raise UnknownRegion(f"no KV pool named {pool!r} on {self.d.node}")
+            raise UnknownRegion(f"no KV pool named {pool!r} on {self.node}")
         n = p.layout.num_layers
         lays = unpack_i64(layers, "kv_begin layers")
         if len(lays) == 0 or int(lays.min()) < 0 or int(lays.max()) >= n \
@@ -174,7 +177,7 @@ class KV:
             raise InvalidArgument(f"request {request}: layers "
                                   f"{lays[recv.claimed[lays]].tolist()[:8]} are pushed already")
         holder: list[int] = []
-        slot = self.d.imm_slots.allocate(
+        slot = self._imm_slots().allocate(
             lambda layer, count: self._arrival(recv, holder[0], layer, count))
         holder.append(slot)
         recv.claimed[lays] = True
@@ -234,7 +237,7 @@ class KV:
     def _free(self, recv: _Recv, slot: int) -> None:
         self._slots.pop(slot, None)
         recv.slots.discard(slot)
-        self.d.imm_slots.free(slot)
+        self._imm_slots().free(slot)
 
     def _end(self, recv: _Recv, error: P2PXferError | None) -> None:
         for slot in list(recv.slots):
@@ -314,4 +317,5 @@ class KV:
 
     async def push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
         """A ``kv_push`` (``_kv_push``)."""
-        return await self._pushes.push(s, msg)
+        assert self.pushes is not None, "the daemon wires KV.pushes"
+        return await self.pushes.push(s, msg)

@@ -42,11 +42,17 @@ from ._kv_settle import Unsettled, settle_notification
 from ._peers import deadline_after, seconds_left
 
 if TYPE_CHECKING:
+    from p2pxfer.engine import Engine
     from p2pxfer.memory import RegionDescriptor
 
-    from ._daemon import Daemon
+    from ._follow import Follower
+    from ._imms import ImmTable
     from ._kv import KV, Pool
+    from ._peers import PeerTable
+    from ._regions import Regions
     from ._sessions import ClientSession
+    from ._writes import Writes
+
 
 __all__ = ["DEFAULT_DEADLINE_MS", "Pushes", "pack_i64", "unpack_i64"]
 
@@ -92,41 +98,49 @@ class _LayerCopy:
 class Pushes:
     """This daemon's clients' pushes."""
 
-    def __init__(self, daemon: Daemon, kv: KV) -> None:
-        self.d = daemon
+    def __init__(self, kv: KV, *, node: str, engine: Engine, peers: PeerTable,
+                 regions: Regions, writes: Writes, follower: Follower,
+                 imm_slots: Callable[[], ImmTable], write_timeout_s: float) -> None:
         self.kv = kv
+        self.node = node
+        self.engine = engine
+        self.peers = peers
+        self.regions = regions
+        self.writes = writes
+        self.follower = follower
+        self._imm_slots = imm_slots  # made on first use (``Daemon.imm_slots``)
+        self.write_timeout_s = write_timeout_s
 
     async def _ask(self, peer: str, kind: str, until: float,
                    **fields: Any) -> dict[str, Any]:
-        if peer == self.d.node:  # into a pool of this node: no control link needed
+        if peer == self.node:  # into a pool of this node: no control link needed
             if kind == "kv_begin":
                 return self.kv.begin(peer, fields["pool"], fields["request"], fields["layers"],
                                   fields["deadline_ms"])
             if kind == "kv_arrived":
                 return self.kv.arrived(peer, fields["pool"], fields["request"], fields["layer"])
             return self.kv.expect(peer, fields["slot"], fields["pieces"], fields["first"])
-        return await self.d.peers.request(peer, kind, until=until, **fields)
+        return await self.peers.request(peer, kind, until=until, **fields)
 
     async def push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
-        d = self.d
         src = s.kv_pools.get(msg["src"])
         if src is None:
             raise UnknownRegion(f"this client has no KV pool {msg['src']!r}")
         peer, pool, request = msg["peer"], msg["pool"], msg["request"]
         if request < 0:
             raise InvalidArgument(f"request must be >= 0, got {request}")
-        d.follower.check_peer(peer)
+        self.follower.check_peer(peer)
         # One deadline for the whole push, as for a write: asking the peer
         # (resolve, kv_begin, kv_expect) spends the same time as the layers.
-        until = deadline_after(d.config.write_timeout_s)
+        until = deadline_after(self.write_timeout_s)
         with self._tracked(peer):
             # A pool of this node (by any name): the same uid rules as a local write.
-            desc = await d.writes.destination(s, peer, pool, until)
-            layout_wire = d.regions.kv_layout(peer, pool) if peer != d.node \
+            desc = await self.writes.destination(s, peer, pool, until)
+            layout_wire = self.regions.kv_layout(peer, pool) if peer != self.node \
                 else self.kv.layout_of(pool)
             if layout_wire is None:
                 raise InvalidArgument(f"{pool!r} on {peer} is a region, not a KV pool")
-            d.follower.check_descriptor(desc)
+            self.follower.check_descriptor(desc)
             try:
                 dst_layout = KVLayout.from_wire(layout_wire)
             except DescriptorError as exc:
@@ -144,15 +158,15 @@ class Pushes:
             slot = begun.get("slot")
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
-            copied = d.writes.copies(desc)
+            copied = self.writes.copies(desc)
             try:
-                with d.writes.accounted():
+                with self.writes.accounted():
                     pieces, first = await self._post(s, src, desc, peer, slot, plan, until,
                                                      pool, request, copied)
             except (trio.Cancelled, P2PXferError):
                 # As for a failed write: the pool (or its owner's life) may be
                 # what went; the next push resolves it afresh.
-                d.regions.forget(peer, pool)
+                self.regions.forget(peer, pool)
                 raise
         seconds = time.perf_counter() - t0
         log.debug("kv.push_complete", client=s.label, peer=peer, pool=pool, request=request,
@@ -169,16 +183,15 @@ class Pushes:
         receiver hears each layer's count (``kv_expect``) as ``push_layers``
         announces it; a layer whose notification is unknown is settled
         (``_kv_settle``)."""
-        d = self.d
-        local = d.writes.local
-        base = d.imm_slots.compose(slot, 0)
+        local = self.writes.local
+        base = self._imm_slots().compose(slot, 0)
 
         async def copy(layer: int, sl: ScatterList) -> LayerSend:
             return _LayerCopy(functools.partial(local.write, s, src.view, sl, desc.name, layer,
                                                 notify=True, slot=slot), len(sl))
 
         async def send(layer: int, sl: ScatterList) -> LayerSend:
-            return await d.engine.submit(src.view, desc, sl, imm=layer_imm(base, layer),
+            return await self.engine.submit(src.view, desc, sl, imm=layer_imm(base, layer),
                                          notify=True, timeout=seconds_left(until))
 
         async def announce(first: int, sends: list[LayerSend]) -> None:
@@ -189,7 +202,7 @@ class Pushes:
             layer, part = list(plan.per_layer())[k]
             one = slice(part.start, part.start + 1)
             await settle_notification(
-                d.engine, self._ask, Unsettled(peer, pool, request, layer,
+                self.engine, self._ask, Unsettled(peer, pool, request, layer,
                                                layer_imm(base, layer)),
                 src.view, desc, (plan.src[one], plan.dst[one], plan.length[one]), until,
                 unknown)
@@ -200,8 +213,8 @@ class Pushes:
     @contextlib.contextmanager
     def _tracked(self, peer: str) -> Iterator[None]:
         """With membership, a push dies with its peer (``PeerLost``)."""
-        if not self.d.follower.enabled or peer == self.d.node:
+        if not self.follower.enabled or peer == self.node:
             yield
             return
-        with self.d.follower.track_write(peer):
+        with self.follower.track_write(peer):
             yield

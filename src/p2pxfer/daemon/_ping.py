@@ -36,7 +36,9 @@ from ._exports import RESERVED
 from ._notes import rails
 
 if TYPE_CHECKING:
-    from ._daemon import Daemon
+    from p2pxfer.engine import Engine
+
+    from ._peers import PeerTable
 
 __all__ = ["PING_BYTES", "Ping"]
 
@@ -58,8 +60,10 @@ CHECK_AGAIN_S = 0.02
 class Ping:
     """This daemon's side of ``ping``, both ways."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, node: str, engine: Engine, peers: PeerTable) -> None:
+        self.node = node
+        self.engine = engine
+        self.peers = peers
         self._target: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._desc: RegionDescriptor | None = None
         self._src: np.ndarray[Any, np.dtype[np.uint8]] | None = None
@@ -71,7 +75,7 @@ class Ping:
         """Without a range: the scratch region's descriptor and our rails.
         With one: the BLAKE2b digest of those bytes of it."""
         if offset is None or length is None:
-            return {"descriptor": self._scratch().to_wire(), "rails": rails(self.d.engine)}
+            return {"descriptor": self._scratch().to_wire(), "rails": rails(self.engine)}
         if not 0 <= offset < offset + length <= PING_BYTES:
             raise InvalidArgument(f"ping range {offset}+{length} is outside 0..{PING_BYTES}")
         self._scratch()
@@ -81,7 +85,7 @@ class Ping:
     def _scratch(self) -> RegionDescriptor:
         if self._desc is None:
             self._target = np.zeros(PING_BYTES, np.uint8)
-            self._desc = self.d.engine.export(self._target, RESERVED)
+            self._desc = self.engine.export(self._target, RESERVED)
         return self._desc
 
     # -- our side: the client's ``ping`` ---------------------------------------
@@ -93,14 +97,14 @@ class Ping:
             raise InvalidArgument("ping needs a peer: the node to check the way to")
         if not 0 < timeout <= 600:
             raise InvalidArgument(f"ping timeout must be in (0, 600] s, got {timeout:g}")
-        link = self.d.peers.link(peer)  # UnknownPeer, naming the known ones
-        out: dict[str, Any] = {"peer": peer, "node": self.d.node, "control": link.address,
-                               "provider": self.d.engine.config.provider, "rails": [],
+        link = self.peers.link(peer)  # UnknownPeer, naming the known ones
+        out: dict[str, Any] = {"peer": peer, "node": self.node, "control": link.address,
+                               "provider": self.engine.config.provider, "rails": [],
                                "ok": False}
         t0 = time.perf_counter()
         try:
             with trio.fail_after(timeout):
-                hello = await self.d.peers.request(peer, "ping")
+                hello = await self.peers.request(peer, "ping")
             desc = RegionDescriptor.from_wire(hello.get("descriptor"))
         except (P2PXferError, trio.TooSlowError) as exc:
             why = str(exc) if isinstance(exc, P2PXferError) else f"no answer within {timeout:g} s"
@@ -112,7 +116,7 @@ class Ping:
                  for r in hello.get("rails", [])}
         async with self._lock:  # one source buffer: pings from here take turns
             for index, rail in enumerate(desc.rails):
-                where = _straddr(self.d, rail.address)
+                where = _straddr(self.engine, rail.address)
                 step = await self._rail(peer, desc, index, timeout)
                 step.update(peer_rail=where, peer_nic=names.get(where, ""))
                 out["rails"].append(step)
@@ -127,7 +131,7 @@ class Ping:
     async def _rail(self, peer: str, desc: RegionDescriptor, index: int,
                     timeout: float) -> dict[str, Any]:
         """A verified write into rail ``index`` of the peer's scratch alone."""
-        engine = self.d.engine
+        engine = self.engine
         if self._src is None:
             self._src = np.zeros(PING_BYTES, np.uint8)
             engine.register(self._src)
@@ -151,7 +155,7 @@ class Ping:
             # the bytes are in our socket): ask until they match, or time out.
             with trio.move_on_after(timeout):
                 while True:
-                    got = await self.d.peers.request(peer, "ping", offset=offset,
+                    got = await self.peers.request(peer, "ping", offset=offset,
                                                      length=nbytes)
                     if got.get("digest") == want:
                         break
@@ -169,8 +173,8 @@ class Ping:
         return step
 
 
-def _straddr(d: Daemon, address: bytes) -> str:
-    return _plain(d.engine.shards[0].memory.rails[0].av.straddr(address))
+def _straddr(engine: Engine, address: bytes) -> str:
+    return _plain(engine.shards[0].memory.rails[0].av.straddr(address))
 
 
 def _plain(text: str) -> str:
