@@ -10,9 +10,7 @@ a note. What must not live here: anything of ours on the data path.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import multiprocessing as mp
 import os
 import time
 from typing import Any
@@ -25,6 +23,7 @@ from p2pxfer.scatter import ScatterList
 
 from ._options import BenchError
 from ._reference import process_cpu_seconds
+from ._spawned import SpawnedTarget
 
 __all__ = ["MooncakePeer", "mooncake_missing"]
 
@@ -82,17 +81,10 @@ class MooncakePeer:
     def __init__(self, src: npt.NDArray[np.uint8], size: int, timeout: float) -> None:
         for k, v in _ENV.items():
             os.environ.setdefault(k, v)  # the spawned target inherits them
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_target_main, args=(child, size), daemon=True,
-                                 name="p2pxfer-mooncake-target")
-        self._proc.start()
+        self._target = SpawnedTarget(_target_main, (size,), "p2pxfer-mooncake-target",
+                                     "Mooncake target")
         try:
-            if not self._conn.poll(START_TIMEOUT):
-                raise BenchError(f"the Mooncake target did not start within {START_TIMEOUT:g} s")
-            msg = self._conn.recv()
-            if msg[0] != "ready":
-                raise BenchError(f"the Mooncake target failed: {msg[1]}")
+            msg = self._target.reply(START_TIMEOUT, "start")
             self._peer = f"127.0.0.1:{msg[1]}"
             self._dst = int(msg[2])
             self._engine = _engine()
@@ -103,8 +95,7 @@ class MooncakePeer:
         except BaseException:
             self.close()
             raise
-        assert self._proc.pid is not None
-        self._pid: int = self._proc.pid
+        self._pid = self._target.pid
 
     def plan(self, sl: ScatterList) -> tuple[list[int], list[int], list[int]]:
         """Raw addresses, as Mooncake takes them (built before any timing)."""
@@ -124,14 +115,7 @@ class MooncakePeer:
         return n, dts, process_cpu_seconds(self._pid) - cpu0
 
     def close(self) -> None:
-        if self._proc.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send(("stop",))
-            self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self._target.stop()
 
     def __enter__(self) -> MooncakePeer:
         return self

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import multiprocessing as mp
 import os
 import time
 from typing import Any
@@ -36,6 +35,7 @@ from p2pxfer.scatter import ScatterList
 
 from ._options import BenchError
 from ._reference import process_cpu_seconds
+from ._spawned import SpawnedTarget
 
 __all__ = ["INSTALL", "NixlPeer", "nixl_missing", "ucx_env"]
 
@@ -108,15 +108,12 @@ class NixlPeer:
     def __init__(self, src: npt.NDArray[np.uint8], size: int, provider: str,
                  timeout: float) -> None:
         self._fill = int(src[0])
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_target_main, args=(child, size, provider),
-                                 daemon=True, name="p2pxfer-nixl-target")
-        self._proc.start()
+        self._target = SpawnedTarget(_target_main, (size, provider), "p2pxfer-nixl-target",
+                                     "NIXL target")
         self._handles: list[Any] = []
         self._checked = False
         try:
-            msg = self._reply(START_TIMEOUT, "start")
+            msg = self._target.reply(START_TIMEOUT, "start")
             self._agent = _agent("p2pxfer-bench", provider)
             self._src = _register(self._agent, src)
             self._remote = self._agent.add_remote_agent(msg[1])
@@ -124,17 +121,8 @@ class NixlPeer:
         except BaseException:
             self.close()
             raise
-        assert self._proc.pid is not None
-        self._pid: int = self._proc.pid
+        self._pid = self._target.pid
         self._timeout = timeout
-
-    def _reply(self, timeout: float, what: str) -> tuple[Any, ...]:
-        if not self._conn.poll(timeout):
-            raise BenchError(f"the NIXL target did not {what} within {timeout:g} s")
-        msg: tuple[Any, ...] = self._conn.recv()
-        if msg[0] == "error":
-            raise BenchError(f"the NIXL target failed: {msg[1]}")
-        return msg
 
     def plan(self, sl: ScatterList) -> tuple[Any, ScatterList]:
         """A transfer handle for the round, made before any timing."""
@@ -164,8 +152,9 @@ class NixlPeer:
         if not self._checked:  # the first block (the warm-up): were the bytes written?
             self._checked = True
             for _, sl in plans:
-                self._conn.send(("check", sl.dst.tolist(), sl.length.tolist(), self._fill))
-                bad = self._reply(timeout, "check the bytes")[1]
+                self._target.conn.send(("check", sl.dst.tolist(), sl.length.tolist(),
+                                        self._fill))
+                bad = self._target.reply(timeout, "check the bytes")[1]
                 if bad:
                     raise BenchError(f"NIXL's transfer left {bad} bytes of the target wrong")
         return n, dts, cpu
@@ -176,14 +165,7 @@ class NixlPeer:
             with contextlib.suppress(Exception):  # NIXL raises its own types
                 agent.release_xfer_handle(handle)
         self._handles.clear()
-        if self._proc.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send(("stop",))
-            self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self._target.stop()
 
     def __enter__(self) -> NixlPeer:
         return self
