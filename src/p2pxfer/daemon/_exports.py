@@ -187,7 +187,11 @@ class Exports:
             for c in copies:
                 await c.done.wait()
         for hook in self.on_remove:
-            hook(export)
+            try:
+                hook(export)
+            except Exception as exc:  # the export must still go, whatever a part says
+                log.error("region.unexport_hook_failed", region=name, hook=repr(hook),
+                          error=bounded(str(exc)))
         self._imm_slots().free(export.slot)
         self._engine.unexport(name)
         with contextlib.suppress(P2PXferError):
