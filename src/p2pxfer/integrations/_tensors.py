@@ -1,0 +1,176 @@
+"""Serving engines' own KV tensors as blocks p2pxfer can move: where block
+``b`` of plane ``p`` (K, V, or MLA's one latent plane) of one layer's
+tensor sits, described as a one-layer ``KVLayout``, and the copies between
+such a tensor and a daemon-shared staging pool (``KVLayout`` ``layer_major``,
+the same block ids), for exactly the blocks being moved.
+
+Accepted tensors: CPU torch tensors of any dtype and numpy arrays, arranged
+as vLLM allocates them per layer:
+
+- ``planes_first``: ``(2, num_blocks, ...)`` (K plane, then V plane);
+- ``blocks_first``: ``(num_blocks, 2, ...)`` (K and V of a block together);
+- ``single``: ``(num_blocks, ...)`` (MLA: one latent plane).
+
+Within a block the rest (``block_size x heads x head_size`` in NHD, or
+``heads x block_size x head_size`` in HND) must be one contiguous run of
+bytes: whole blocks move, so NHD and HND are the same to a copy of whole
+blocks (they differ only for head slices, which this module does not cut).
+
+What must not live here: posting or waiting (the client), vLLM's objects
+(``p2pxfer.integrations.vllm``), or a Python loop over blocks: offsets come
+from ``kv_plan.expand_pages`` (numpy) and the copy is one C call
+(``p2pxfer.pages.copy_scatter``, GIL released). Stateless apart from the
+views each ``LayerTensor`` holds: safe from any thread, as long as no two
+threads copy into the same blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from p2pxfer.errors import InvalidArgument
+from p2pxfer.kv_plan import KVLayout, expand_pages
+from p2pxfer.pages import CopyStop, copy_scatter
+
+__all__ = ["ARRANGEMENTS", "LayerTensor", "checksum_blocks", "copy_blocks", "layer_tensor",
+           "staging_layout"]
+
+ARRANGEMENTS = ("planes_first", "blocks_first", "single")
+
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One layer's KV tensor: ``memory`` (uint8, every byte the tensor
+    spans, writable) and where its blocks sit in it (``layout``: one layer;
+    offsets from byte 0 of ``memory``)."""
+
+    memory: U8
+    layout: KVLayout
+    arrangement: str
+    dtype: str
+    owner: Any  # the tensor itself: keeps ``memory`` alive
+
+
+def _shape_strides(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, str, int, bool]:
+    """(shape, strides in elements, element size, dtype name, address,
+    is a torch tensor)."""
+    if type(t).__module__.startswith("torch"):
+        if t.device.type != "cpu":
+            raise InvalidArgument(
+                f"a {t.device.type} KV tensor: this build moves host memory only (use "
+                "vLLM's kv_buffer_device='cpu', or a CPU KV cache)")
+        return (tuple(t.shape), tuple(t.stride()), int(t.element_size()),
+                str(t.dtype).removeprefix("torch."), int(t.data_ptr()), True)
+    if isinstance(t, np.ndarray):
+        if not t.flags.writeable:
+            raise InvalidArgument("the KV array is read-only")
+        es = t.dtype.itemsize
+        if any(s % es for s in t.strides) or any(s < 0 for s in t.strides):
+            raise InvalidArgument("the KV array's strides are not whole, positive elements")
+        return (t.shape, tuple(s // es for s in t.strides), es, str(t.dtype),
+                int(t.ctypes.data), False)
+    raise InvalidArgument(f"a KV tensor must be a CPU torch tensor or a numpy array, got "
+                          f"{type(t).__name__}")
+
+
+def layer_tensor(t: Any, arrangement: str | None = None) -> LayerTensor:
+    """Describe one layer's KV tensor (``arrangement``: one of
+    :data:`ARRANGEMENTS`; by default guessed from the shape: a leading 2
+    is K/V planes, a 2 second is K/V inside each block, else one plane)."""
+    shape, strides, es, dtype, addr, _ = _shape_strides(t)
+    if len(shape) < 2:
+        raise InvalidArgument(f"a KV tensor has at least 2 dimensions, got shape {shape}")
+    if arrangement is None:
+        arrangement = ("planes_first" if shape[0] == 2 and len(shape) >= 3 else
+                       "blocks_first" if len(shape) >= 3 and shape[1] == 2 else "single")
+    if arrangement not in ARRANGEMENTS:
+        raise InvalidArgument(f"arrangement must be one of {ARRANGEMENTS}, got {arrangement!r}")
+    if arrangement == "single":
+        planes, block_dim, plane_dim = 1, 0, None
+    elif arrangement == "planes_first":
+        planes, block_dim, plane_dim = 2, 1, 0
+    else:
+        planes, block_dim, plane_dim = 2, 0, 1
+    if plane_dim is not None and shape[plane_dim] != 2:
+        raise InvalidArgument(f"{arrangement}: dimension {plane_dim} must hold K and V (2), "
+                              f"shape is {shape}")
+    inner = [d for d in range(len(shape)) if d not in (block_dim, plane_dim)]
+    # A block must be one run of bytes: its dimensions, innermost first, each
+    # step over exactly what the ones inside it hold.
+    run = 1
+    for d in sorted(inner, key=lambda d: strides[d]):
+        if shape[d] > 1 and strides[d] != run:
+            raise InvalidArgument(
+                f"the KV tensor's blocks are not contiguous (shape {shape}, strides "
+                f"{strides}): a permuted view (e.g. HND over an NHD allocation) cannot be "
+                "moved as whole blocks")
+        run *= shape[d]
+    block_bytes = run * es
+    num_blocks = shape[block_dim]
+    span = (sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1) * es
+    memory = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(addr))
+    layout = KVLayout(1, num_blocks, block_bytes, planes, "layer_major",
+                      block_stride=strides[block_dim] * es,
+                      plane_stride=0 if plane_dim is None else strides[plane_dim] * es)
+    if layout.nbytes > span:
+        raise InvalidArgument(f"the KV tensor spans {span} bytes, its blocks need "
+                              f"{layout.nbytes}")
+    return LayerTensor(memory, layout, arrangement, dtype, t)
+
+
+def staging_layout(first: LayerTensor, num_layers: int) -> KVLayout:
+    """A staging pool for ``num_layers`` layers like ``first``: every block
+    of every layer, ``[layer][plane][block]``, the engine's block ids."""
+    lay = first.layout
+    return KVLayout(num_layers, lay.num_blocks, lay.block_bytes, lay.planes, "layer_major")
+
+
+def _pieces(tensor: LayerTensor, staging: KVLayout, layer: int,
+            blocks: I64) -> tuple[I64, I64, I64]:
+    """(tensor offsets, staging offsets, lengths) of ``blocks`` of ``layer``,
+    adjacent blocks merged."""
+    t_off, s_off, length, _ = expand_pages(tensor.layout, staging, blocks, blocks, [0])
+    return t_off, s_off + layer * staging.layer_stride, length
+
+
+def copy_blocks(tensor: LayerTensor, staging: U8, layout: KVLayout, layer: int, blocks: Any,
+                *, to_staging: bool) -> int:
+    """Copy ``blocks`` of one layer between the engine's tensor and the
+    staging pool (``to_staging``: tensor -> staging); the bytes copied."""
+    ids = np.asarray(blocks, dtype=np.int64)
+    if len(ids) == 0:
+        return 0
+    if ids.min() < 0 or ids.max() >= min(tensor.layout.num_blocks, layout.num_blocks):
+        raise InvalidArgument(f"block ids must be within 0..{tensor.layout.num_blocks - 1}")
+    t_off, s_off, length = _pieces(tensor, layout, layer, ids)
+    if to_staging:
+        copy_scatter(staging, tensor.memory, t_off, s_off, length, 0, len(length), CopyStop())
+    else:
+        copy_scatter(tensor.memory, staging, s_off, t_off, length, 0, len(length), CopyStop())
+    return int(length.sum())
+
+
+def checksum_blocks(pool: U8, layout: KVLayout, layer: int, blocks: Any) -> int:
+    """CRC-32 of ``blocks`` of ``layer`` in a pool, planes outer and blocks
+    inner in the order given: the sender over its source blocks and the
+    receiver over the destination blocks they were written to agree byte
+    for byte. One gather (C copy) and one ``zlib.crc32`` (GIL released)."""
+    ids = np.asarray(blocks, dtype=np.int64)
+    one = KVLayout(1, len(ids) or 1, layout.block_bytes, layout.planes, "layer_major")
+    so, do, length, _ = expand_pages(layout, one, ids, np.arange(len(ids), dtype=np.int64),
+                                     [layer])
+    gathered = np.empty(math.prod((layout.planes, len(ids), layout.block_bytes)), np.uint8)
+    # expand_pages put the layer's offset on both sides; the gather has one layer.
+    copy_scatter(gathered, pool, so, do - layer * one.layer_stride, length, 0, len(length),
+                 CopyStop())
+    return zlib.crc32(memoryview(gathered)) & 0xFFFFFFFF
