@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from daemon_helpers import daemon_pair
+from daemon_helpers import LOOPBACK, daemon_pair, free_port, start_daemon
 from p2pxfer.integrations.vllm._plan import Load, Save, Send
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
 
@@ -101,3 +101,116 @@ def test_stage_pull_load_every_byte(pair: tuple[str, str], planes_first: bool) -
     finally:
         decode.close()
         prefill.close()
+
+
+def test_checksum_passes_and_a_corrupted_byte_is_a_load_error(pair: tuple[str, str]) -> None:
+    """With checksums: a clean load passes; a byte flipped on the receiving
+    side after it landed (the test hook) makes that load's blocks load
+    errors, naming the layer, and the engine's tensor is not written from
+    that layer on."""
+    a, b = pair
+    src, dst = caches(2), caches(None)
+    prefill = Worker(options(a, "P", send=True, receive=False, checksum=True))
+    decode = Worker(options(b, "D", send=False, receive=True, checksum=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        sb, db = [1, 2, 3, 4], [8, 9, 10, 20]
+        for name in src:
+            prefill.stage_layer(name, [Save("r", tuple(sb))])
+        prefill.hold([Send("r", 1, tuple(sb)), Send("r2", 2, tuple(sb))])
+        decode.load([Load("d1", prefill.node, "P", 0, 1, "r", 0, tuple(db))])
+        wait_finished(decode, received={"d1"})
+        assert decode.load_errors() == set()
+        blocks_equal(src, dst, sb, db)
+
+        hit: list[int] = []
+
+        def corrupt(pool: Any, layout: Any, layer: int, blocks: Any) -> None:
+            if layer == 2:
+                off = layer * layout.layer_stride + int(blocks[1]) * layout.block_stride + 77
+                pool[off] ^= 0x40
+                hit.append(layer)
+
+        decode.on_landed = corrupt
+        db2 = [30, 31, 32, 33]
+        decode.load([Load("d2", prefill.node, "P", 0, 2, "r2", 0, tuple(db2))])
+        wait_finished(decode, received={"d2"})
+        assert hit == [2]
+        assert decode.load_errors() == set(db2)
+        names = list(dst)
+        assert (dst[names[1]][:, db2].view(np.uint16) ==
+                src[names[1]][:, sb].view(np.uint16)).all()
+        assert (dst[names[2]][:, db2] == 0).all()  # the bad layer never reached the engine
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_prefill_nobody_pulls_is_released_after_its_lease(pair: tuple[str, str]) -> None:
+    a, _ = pair
+    prefill = Worker(options(a, "P", send=True, receive=False, lease_s=1.0))
+    try:
+        prefill.register(caches(3))
+        prefill.hold([Send("lonely", 4, (1, 2))])
+        wait_finished(prefill, sent={"lonely"})
+    finally:
+        prefill.close()
+
+
+def test_a_pull_that_does_not_match_its_key_is_refused(pair: tuple[str, str]) -> None:
+    """A pull naming another request than the key holds (a late pull for a
+    key since reused) pushes nothing; the held request is released, and
+    the decode's load fails by its deadline, not later."""
+    a, b = pair
+    src, dst = caches(4), caches(None)
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True, load_timeout_s=3.0))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        prefill.hold([Send("now", 5, (1, 2))])
+        decode.load([Load("late", prefill.node, "P", 0, 5, "before", 0, (3, 4))])
+        wait_finished(prefill, sent={"now"})
+        wait_finished(decode, received={"late"})
+        assert decode.load_errors() == {3, 4}
+        assert (dst[next(iter(dst))][:, [3, 4]] == 0).all()
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
+    """With membership: the decode's pull lands, then the prefill node's
+    daemon is SIGKILLed before it pushes; the load ends as load errors
+    (membership rules the node dead), its slots are released (a new load
+    of the same request id can start), nothing is left in flight."""
+    keys = {"membership": "embedded", "cluster_token": "vllm-cluster-token"}
+    pa, pb = free_port(), free_port()
+    b = start_daemon(tmp_path, "node-b", control_port=pb, **keys)
+    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **keys)
+    dst = caches(None)
+    decode = Worker(options(b.socket, "D", send=False, receive=True, load_timeout_s=600.0))
+    prefill = Worker(options(a.socket, "P", send=True, receive=False))
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while {p["name"]: p["state"] for p in b.status()["peers"]} != {
+                "node-a": "alive", "node-b": "alive"}:
+            assert time.monotonic() < deadline, b.status()["peers"]
+            time.sleep(0.1)
+        prefill.register(caches(5))
+        decode.register(dst)
+        # The prefill never learns the key (as if stuck), then its node dies.
+        decode.load([Load("d", "node-a", "P", 0, 6, "r", 0, (1, 2, 3))])
+        time.sleep(1.0)
+        a.proc.kill()
+        a.proc.wait(10)
+        wait_finished(decode, received={"d"})  # within DEADLINE_S, far below 600 s
+        assert decode.load_errors() == {1, 2, 3}
+        assert b.status()["transfers_in_flight"] == 0
+        assert "d" not in decode._slots
+    finally:
+        decode.close()
+        prefill.close()
+        a.stop()
+        b.stop()
