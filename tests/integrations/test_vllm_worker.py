@@ -68,11 +68,12 @@ def pair(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 def blocks_equal(src: dict[str, Any], dst: dict[str, Any], sb: list[int], db: list[int],
                  planes_first: bool = True) -> None:
-    for name in src:
+    for name, value in src.items():
+        s, d = value.view(np.uint16), dst[name].view(np.uint16)
         if planes_first:
-            assert (src[name][:, sb].view(np.uint16) == dst[name][:, db].view(np.uint16)).all(), name
+            assert (s[:, sb] == d[:, db]).all(), name
         else:
-            assert (src[name][sb].view(np.uint16) == dst[name][db].view(np.uint16)).all(), name
+            assert (s[sb] == d[db]).all(), name
 
 
 @pytest.mark.parametrize("planes_first", [True, False], ids=["planes_first", "blocks_first"])
