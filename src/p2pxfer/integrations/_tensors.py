@@ -173,4 +173,4 @@ def checksum_blocks(pool: U8, layout: KVLayout, layer: int, blocks: Any) -> int:
     # expand_pages put the layer's offset on both sides; the gather has one layer.
     copy_scatter(gathered, pool, so, do - layer * one.layer_stride, length, 0, len(length),
                  CopyStop())
-    return zlib.crc32(memoryview(gathered)) & 0xFFFFFFFF
+    return zlib.crc32(gathered.data) & 0xFFFFFFFF

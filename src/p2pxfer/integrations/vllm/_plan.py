@@ -96,7 +96,7 @@ def pull_slot_bytes(max_blocks: int) -> int:
 
 
 def encode_pull(p: Pull, slot_bytes: int) -> bytes:
-    body = msgpack.packb({"for": p.prefill_request, "node": p.node, "pool": p.pool,
+    body: bytes = msgpack.packb({"for": p.prefill_request, "node": p.node, "pool": p.pool,
                           "sums": p.sums, "request": p.request, "skip": p.skip,
                           "blocks": np.ascontiguousarray(p.blocks, "<i4").tobytes()})
     data = HEADER.pack(len(body)) + body
@@ -109,7 +109,7 @@ def encode_pull(p: Pull, slot_bytes: int) -> bytes:
 def decode_pull(slot: npt.NDArray[np.uint8]) -> Pull:
     """The pull in a mailbox slot; ``InvalidArgument`` if it is malformed
     (whoever could write the slot is a peer, not trusted to be right)."""
-    (n,) = HEADER.unpack_from(slot)
+    n = int(slot[:HEADER.size].view("<u4")[0])
     if n > len(slot) - HEADER.size:
         raise InvalidArgument(f"a pull claims {n} bytes in a {len(slot)}-byte slot")
     try:
