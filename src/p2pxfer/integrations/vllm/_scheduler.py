@@ -8,8 +8,9 @@ decode's request, as for NIXL):
 
 - a prefill request asks to be pulled with ``{"do_remote_decode": true}``;
 - its ``request_finished`` answers ``{"do_remote_prefill": true,
-  "remote_node", "remote_engine_id", "remote_rank", "remote_key",
-  "remote_request_id", "remote_block_ids"}`` and holds its blocks;
+  "remote_node", "remote_engine_id", "remote_key", "remote_request_id",
+  "remote_block_ids", "remote_tp_size"}`` and holds its blocks (each
+  decode TP rank pulls from the prefill rank of its own number);
 - a decode request with those loads the prompt's KV from there
   (``get_num_new_matched_tokens`` returns it as loaded asynchronously).
 
@@ -52,8 +53,9 @@ def _blocks_of(blocks: Any) -> list[int]:
 
 class SchedulerSide:
     def __init__(self, node: str, engine: str, block_size: int, max_held: int,
-                 send: bool, receive: bool) -> None:
+                 send: bool, receive: bool, tp_size: int = 1) -> None:
         self.node = node
+        self.tp_size = tp_size
         self.engine = engine
         self.block_size = block_size
         self.send = send
@@ -73,6 +75,12 @@ class SchedulerSide:
         if missing:
             raise InvalidArgument(f"request {request.request_id!r} asks for a remote prefill "
                                   f"without {missing} in kv_transfer_params")
+        if int(params.get("remote_tp_size", 1)) != self.tp_size:
+            # Head slices across TP sizes are not done yet: compute locally
+            # (the prefill's hold ends with its lease).
+            log.warning("vllm.tp_mismatch", request=request.request_id,
+                        remote_tp=params.get("remote_tp_size"), local_tp=self.tp_size)
+            return 0, False
         # Every prompt token the decode has not computed comes from the
         # prefill; vLLM then computes the sampled token itself.
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -100,30 +108,45 @@ class SchedulerSide:
                                   f"to load but the prefill holds {len(remote)}")
         self._loads[request.request_id] = Load(
             request.request_id, str(params["remote_node"]), str(params["remote_engine_id"]),
-            int(params.get("remote_rank", 0)), int(params["remote_key"]),
+            0, int(params["remote_key"]),
             str(params["remote_request_id"]), skip, tuple(local_new))
 
     # -- prefill -----------------------------------------------------------------------
 
-    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Any, block_ids: list[int], completed: bool
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: ``completed`` when it stopped or hit
+        its length (not aborted). A prefill that completed is held for its
+        pull; a decode request aborted before its load started releases the
+        prefill's hold at once (an empty pull)."""
         rid = request.request_id
         self._blocks.pop(rid, None)
         params = request.kv_transfer_params or {}
+        if self.receive and params.get("do_remote_prefill") and \
+                all(k in params for k in REMOTE_KEYS):
+            params["do_remote_prefill"] = False
+            self._loads[rid] = Load(rid, str(params["remote_node"]),
+                                    str(params["remote_engine_id"]), 0, int(params["remote_key"]),
+                                    str(params["remote_request_id"]),
+                                    len(params["remote_block_ids"]), ())
+            return False, None
         if not (self.send and params.get("do_remote_decode")):
             return False, None
-        status = str(getattr(request, "status", ""))
-        if "LENGTH_CAPPED" not in status and "STOPPED" not in status:
-            # Aborted (or errored): nobody will pull it; free its blocks now.
-            log.debug("vllm.not_held", request=rid, status=status)
-            return False, None
-        if not block_ids:
+        if not completed or not block_ids:
+            # Aborted (or errored): nobody will pull it; its blocks go now.
+            log.debug("vllm.not_held", request=rid, status=str(getattr(request, "status", "")))
             return False, None
         key = self._keys.take(rid)
         self._sends.append(Send(rid, key, tuple(int(b) for b in block_ids)))
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_node": self.node, "remote_engine_id": self.engine,
-                      "remote_rank": 0, "remote_key": key, "remote_request_id": rid,
-                      "remote_block_ids": [int(b) for b in block_ids]}
+                      "remote_key": key, "remote_request_id": rid,
+                      "remote_block_ids": [int(b) for b in block_ids],
+                      "remote_tp_size": self.tp_size}
+
+    def held(self) -> int:
+        """Prefill requests held for a pull."""
+        return len(self._keys)
 
     def sent(self, requests: set[str]) -> None:
         """Workers report these held requests pushed (or given up): their

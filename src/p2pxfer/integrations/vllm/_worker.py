@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -227,8 +227,12 @@ class Worker:
     # -- decode ------------------------------------------------------------------------
 
     def load(self, loads: Iterable[Load]) -> None:
-        """Start each load (a pull, then per-layer waits) and return."""
-        for job in loads:
+        """Start each load (a pull, then per-layer waits) and return. A load
+        of no blocks only releases the prefill's hold (its pull asks for
+        nothing), and is not reported back."""
+        for planned in loads:
+            # Rank r of a decode pulls from rank r of the prefill (equal TP).
+            job = replace(planned, rank=self.opts.rank)
             with self._lock:
                 slot = self._slots.take(job.request)
                 msg = self._msg_slots.take(job.request)
@@ -251,7 +255,7 @@ class Worker:
                                                                         job.key * self.slot_bytes),
                           src=self._msgs, imm=job.key, notify=True, timeout=o.load_timeout_s)
             t0 = time.perf_counter()
-            for layer in range(self.layout.num_layers):
+            for layer in range(self.layout.num_layers if len(dst) else 0):
                 await self._wait_layer(job, slot, layer, deadline)
                 if self.on_landed is not None:
                     self.on_landed(self.pool.array, self.layout, layer, dst)
@@ -275,7 +279,8 @@ class Worker:
             with self._lock:
                 self._slots.release(job.request)
                 self._msg_slots.release(job.request)
-                self._received.add(job.request)
+                if len(dst):
+                    self._received.add(job.request)
 
     async def _wait_layer(self, job: Load, slot: int, layer: int, deadline: float) -> None:
         """Until ``layer`` of the load has landed. Between waits of
