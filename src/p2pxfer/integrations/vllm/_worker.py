@@ -140,6 +140,8 @@ class Worker:
                                            f"{self.pull_name}-sums")
         if o.receive:
             self._msgs = await c.alloc(o.max_loads * self.slot_bytes, f"{self.pool_name}-msg")
+        if o.receive and o.checksum:
+            # One row of layer checksums per decode request number.
             self._sums = await c.alloc((MAX_REQUEST + 1) * n_layers * SUM_BYTES, self.sums_name)
             await c.export(self.sums_name, self._sums)
 
