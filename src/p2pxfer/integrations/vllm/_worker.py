@@ -243,7 +243,6 @@ class Worker:
     async def _load(self, job: Load, slot: int, msg: int) -> None:
         c, o = self.bridge.client, self.opts
         assert self.pool is not None and self.layout is not None and self._msgs is not None
-        layer = -1
         dst = np.asarray(job.blocks, np.int64)
         try:
             _, pull_region, _ = region_names(job.engine, job.rank)
@@ -257,20 +256,14 @@ class Worker:
                                                                         job.key * self.slot_bytes),
                           src=self._msgs, imm=job.key, notify=True, timeout=o.load_timeout_s)
             t0 = time.perf_counter()
-            for layer in range(self.layout.num_layers if len(dst) else 0):
-                await self._wait_layer(job, slot, layer, deadline)
-                if self.on_landed is not None:
-                    self.on_landed(self.pool.array, self.layout, layer, dst)
-                if o.checksum:
-                    self._check(job, slot, layer, dst)
-                copy_blocks(self.layers[layer], self.pool.array, self.layout, layer, dst,
-                            to_staging=False)
+            if len(dst):
+                await self._receive(job, slot, dst, deadline)
             log.debug("vllm.loaded", request=job.request, peer=job.node, blocks=len(dst),
                       seconds=time.perf_counter() - t0)
         except P2PXferError as exc:
             with self._lock:
                 self._errors.update(job.blocks)
-            log.warning("vllm.load_failed", request=job.request, peer=job.node, layer=layer,
+            log.warning("vllm.load_failed", request=job.request, peer=job.node,
                         blocks=len(job.blocks), error=str(exc))
         finally:
             with trio.CancelScope(shield=True):
@@ -284,32 +277,50 @@ class Worker:
                 if len(dst):
                     self._received.add(job.request)
 
-    async def _wait_layer(self, job: Load, slot: int, layer: int, deadline: float) -> None:
-        """Until ``layer`` of the load has landed. Between waits of
-        ``poll_s``, membership is asked about the prefill node: dead or left
-        is ``PeerLost`` (the daemon says so too, once the push has begun)."""
-        assert self.pool is not None
+    async def _receive(self, job: Load, slot: int, dst: npt.NDArray[np.int64],
+                       deadline: float) -> None:
+        """Each layer as it lands (several per round trip when they landed
+        together), checked and copied into the engine's tensor, in layer
+        order. A wait lasts at most ``poll_s``; between waits membership is
+        asked about the prefill node: dead, left or unknown is ``PeerLost``
+        (the daemon fails the wait itself too, once the push has begun)."""
+        assert self.pool is not None and self.layout is not None
         o = self.opts
-        while True:
+        nxt = 0
+        while nxt < self.layout.num_layers:
             left = deadline - trio.current_time()
             if left <= 0:
-                raise WaitTimeout(f"layer {layer} of {job.request!r} from {job.node} did not "
+                raise WaitTimeout(f"layer {nxt} of {job.request!r} from {job.node} did not "
                                   f"land within {o.load_timeout_s:g} s")
-            t0 = trio.current_time()
+            since = trio.current_time()
             try:
-                await self.pool.wait_layers(slot, layer, first=layer,
-                                            timeout=min(o.poll_s, left))
+                async for layer in self.pool.layers(slot, first=nxt,
+                                                    timeout=min(o.poll_s, left)):
+                    self._landed(job, slot, layer, dst)
+                    nxt = layer + 1
+                    since = trio.current_time()
                 return
             except WaitTimeout:
                 # An answer well before the poll's end is the daemon's: the
                 # push's own deadline passed.
-                if trio.current_time() - t0 < o.poll_s / 2 < left:
+                if trio.current_time() - since < o.poll_s / 2 < left:
                     raise
             peer = await self.bridge.client.lookup(job.node)
             state = None if peer is None else peer.get("state")
             if peer is None or state in GONE:
                 raise PeerLost(f"prefill node {job.node} is {state or 'unknown'} (layer "
-                               f"{layer} of {job.request!r} never came)")
+                               f"{nxt} of {job.request!r} never came)")
+
+    def _landed(self, job: Load, slot: int, layer: int, dst: npt.NDArray[np.int64]) -> None:
+        """A layer landed in the staging pool: check it, then copy it into
+        the engine's tensor (a bad layer never reaches the engine)."""
+        assert self.pool is not None and self.layout is not None
+        if self.on_landed is not None:
+            self.on_landed(self.pool.array, self.layout, layer, dst)
+        if self.opts.checksum:
+            self._check(job, slot, layer, dst)
+        copy_blocks(self.layers[layer], self.pool.array, self.layout, layer, dst,
+                    to_staging=False)
 
     def _check(self, job: Load, slot: int, layer: int, dst: npt.NDArray[np.int64]) -> None:
         assert self.pool is not None and self.layout is not None and self._sums is not None

@@ -1,0 +1,196 @@
+"""The vLLM connector's data path against the plain KV API, on the same pages.
+
+Two daemons (a: prefill, b: decode) on loopback. A batch of ``--requests``
+requests of ``--tokens`` tokens (``--block-size`` tokens per block, so 64
+blocks each by default) over ``--layers`` layers of K and V, in per-layer
+engine tensors (``(2, blocks, block_size, kv_heads, head)`` float16, as
+vLLM allocates them on CPU), moved three ways, round after round, in turn:
+
+- ``plain``: ``Client.kv_push`` of every request's blocks from a source
+  pool to a decode pool (the same layout as the connector's staging pools),
+  all requests at once, timed until every push has landed;
+- ``connector``: the connector's worker half (``_worker.Worker``, what
+  ``P2PXferConnector`` runs in vLLM's worker): the prefill stages each
+  layer of each request (untimed here: vLLM does it during the forward;
+  its CPU is reported), holds the requests; the decode loads them (pull,
+  push by the prefill's daemon, per-layer waits, copies into the decode's
+  engine tensors), timed from ``load`` to the last request received;
+- ``connector+checksum``: the same with checksums on.
+
+Reported (medians over rounds): seconds and GB/s of each, the ratio
+plain / connector (throughput of the connector relative to the plain API),
+the checksum's cost as connector+checksum / connector, and CPU
+milliseconds per request in vLLM's thread: describe and post (``hold`` +
+``load``), and staging (``stage_layer`` over every layer).
+
+    python bench/vllm_connector.py --json bench/results/vllm_connector.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from p2pxfer.bench import write_document
+
+
+def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
+    shape = (2, blocks, args.block_size, args.kv_heads, args.head)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(args.layers):
+        a = np.zeros(shape, np.float16)
+        if seed is not None:
+            a.view(np.uint8).reshape(-1)[:] = np.frombuffer(rng.bytes(a.nbytes), np.uint8)
+        out[f"model.layers.{i}.self_attn.attn"] = a
+    return out
+
+
+async def measure(tmp: Path, args: Any) -> dict[str, Any]:
+    from p2pxfer import connect
+    from p2pxfer.integrations.vllm._plan import Load, Save, Send
+    from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
+    from p2pxfer.testing import free_port, start_daemon
+
+    per_req = -(-args.tokens // args.block_size)
+    n_blocks = args.requests * per_req + 8
+    pa, pb = free_port(), free_port()
+    a = start_daemon(tmp, "node-a", control_port=pa,
+                     peers=[{"name": "node-b", "address": f"127.0.0.1:{pb}"}])
+    b = start_daemon(tmp, "node-b", control_port=pb,
+                     peers=[{"name": "node-a", "address": f"127.0.0.1:{pa}"}])
+    rng = np.random.default_rng(1)
+    src_tables = [np.arange(r * per_req, (r + 1) * per_req) for r in range(args.requests)]
+    perm = rng.permutation(n_blocks)
+    dst_tables = [perm[r * per_req:(r + 1) * per_req] for r in range(args.requests)]
+    src = engine_tensors(args, n_blocks, 7)
+
+    def workers(tag: str, checksum: bool) -> tuple[Worker, Worker]:
+        common: dict[str, Any] = {"rank": 0, "block_size": args.block_size,
+                                  "max_blocks": per_req + 1, "max_held": 4 * args.requests,
+                                  "max_loads": 4 * args.requests, "checksum": checksum}
+        p = Worker(WorkerOptions(socket=a.socket, engine=f"P{tag}", send=True, receive=False,
+                                 **common))
+        d = Worker(WorkerOptions(socket=b.socket, engine=f"D{tag}", send=False, receive=True,
+                                 **common))
+        p.register(src)
+        d.register(engine_tensors(args, n_blocks, None))
+        return p, d
+
+    # Blocking calls (vLLM's worker thread makes them), so not from this trio thread.
+    pairs = {"connector": await trio.to_thread.run_sync(workers, "", False),
+             "connector+checksum": await trio.to_thread.run_sync(workers, "c", True)}
+    times: dict[str, list[float]] = {"plain": [], "connector": [], "connector+checksum": []}
+    post_ms: list[float] = []
+    stage_ms: list[float] = []
+    nbytes = 0
+    try:
+        async with connect(a.socket) as prefill, connect(b.socket) as decode:
+            lay = pairs["connector"][0].layout
+            assert lay is not None
+            sp = await prefill.kv_pool("plain-src", lay, receive=False)
+            await decode.kv_pool("plain-dst", lay)
+            sp.array[:] = pairs["connector"][0].pool.array[: lay.nbytes]  # type: ignore[union-attr]
+
+            async def plain(round_: int) -> float:
+                t0 = time.perf_counter()
+                pushes = [await prefill.kv_push("node-b", "plain-dst", sp, s, d,
+                                                request=round_ * args.requests + i)
+                          for i, (s, d) in enumerate(zip(src_tables, dst_tables, strict=True))]
+                results = [await p.wait() for p in pushes]
+                nonlocal nbytes
+                nbytes = sum(r.nbytes for r in results)
+                return time.perf_counter() - t0
+
+            def connector(mode: str, round_: int) -> float:
+                p, d = pairs[mode]
+                ids = [f"r{round_}-{i}" for i in range(args.requests)]
+                saves = [Save(rid, tuple(int(x) for x in s))
+                         for rid, s in zip(ids, src_tables, strict=True)]
+                c0 = time.thread_time()
+                for name in src:
+                    p.stage_layer(name, saves)
+                stage_ms.append((time.thread_time() - c0) * 1000 / args.requests)
+                base = (round_ % 3) * args.requests + 1  # keys: free again by then
+                c0 = time.thread_time()
+                p.hold([Send(rid, base + i, s.blocks) for i, (rid, s) in
+                        enumerate(zip(ids, saves, strict=True))])
+                t0 = time.perf_counter()
+                d.load([Load(f"d-{rid}", "node-a", f"P{'c' if 'checksum' in mode else ''}",
+                             0, base + i, rid, 0, tuple(int(x) for x in dt))
+                        for i, (rid, dt) in enumerate(zip(ids, dst_tables, strict=True))])
+                post_ms.append((time.thread_time() - c0) * 1000 / args.requests)
+                want_d, want_p = {f"d-{r}" for r in ids}, set(ids)
+                while want_d or want_p:
+                    sent, received = p.finished()
+                    _, got = d.finished()
+                    want_p -= sent
+                    want_d -= received
+                    want_d -= got
+                    time.sleep(0.001)
+                took = time.perf_counter() - t0
+                if d.load_errors():
+                    raise RuntimeError(f"{mode}: load errors in round {round_}")
+                return took
+
+            for r in range(args.rounds + 1):  # round 0 warms up
+                got = {"plain": await plain(r)}
+                for mode in ("connector", "connector+checksum"):
+                    got[mode] = await trio.to_thread.run_sync(connector, mode, r)
+                if r:
+                    for k, v in got.items():
+                        times[k].append(v)
+            # The decode's engine tensors hold what the prefill's held.
+            d = pairs["connector"][1]
+            for name, t in src.items():
+                i = d.index[name]
+                got_t = d.layers[i].owner
+                for s, dt in zip(src_tables, dst_tables, strict=True):
+                    assert (got_t[:, dt].view(np.uint16) == t[:, s].view(np.uint16)).all()
+    finally:
+        for p, d in pairs.values():
+            await trio.to_thread.run_sync(d.close)
+            await trio.to_thread.run_sync(p.close)
+        a.stop()
+        b.stop()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "pattern": f"{args.requests} requests x {args.layers} layers x {per_req} blocks "
+                   f"(K+V, {lay.block_bytes >> 10} KiB per block per plane)",
+        "bytes_per_round": nbytes, "rounds": args.rounds,
+        "seconds": med, "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "ratio_connector_vs_plain": med["plain"] / med["connector"],
+        "checksum_cost_ratio": med["connector+checksum"] / med["connector"],
+        "cpu_ms_per_request": {"describe_and_post": statistics.median(post_ms),
+                               "stage_all_layers": statistics.median(stage_ms)},
+        "all_seconds": times,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="p2pxfer-vllm-bench-") as tmp:
+        result = trio.run(measure, Path(tmp), args)
+    sys.stdout.write(write_document("vllm_connector", [result], args.json))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
