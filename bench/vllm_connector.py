@@ -9,19 +9,22 @@ vLLM allocates them on CPU), moved three ways, round after round, in turn:
 - ``plain``: ``Client.kv_push`` of every request's blocks from a source
   pool to a decode pool (the same layout as the connector's staging pools),
   all requests at once, timed until every push has landed;
-- ``connector``: the connector's worker half (``_worker.Worker``, what
-  ``P2PXferConnector`` runs in vLLM's worker): the prefill stages each
-  layer of each request (untimed here: vLLM does it during the forward;
-  its CPU is reported), holds the requests; the decode loads them (pull,
-  push by the prefill's daemon, per-layer waits, copies into the decode's
-  engine tensors), timed from ``load`` to the last request received;
-- ``connector+checksum``: the same with checksums on.
+- ``staging``: the connector's worker half (``_worker.Worker``, what
+  ``P2PXferConnector`` runs in vLLM's worker) with its default memory: the
+  prefill copies each layer of each request into its staging pool
+  (untimed here: vLLM does it during the forward; its CPU is reported) and
+  holds the requests; the decode loads them (pull, push by the prefill's
+  daemon, per-layer waits, copies into the decode's engine tensors), timed
+  from ``load`` to the last request received;
+- ``shared``: the same with ``kv_memory = "shared"``: the engine tensors
+  live in the daemon-shared pools (no copy on either side);
+- ``...+checksum``: each with checksums on.
 
-Reported (medians over rounds): seconds and GB/s of each, the ratio
-plain / connector (throughput of the connector relative to the plain API),
-the checksum's cost as connector+checksum / connector, and CPU
-milliseconds per request in vLLM's thread: describe and post (``hold`` +
-``load``), and staging (``stage_layer`` over every layer).
+Reported (medians over rounds): seconds and GB/s of each, each mode's
+throughput relative to plain (plain seconds / its seconds), the checksum's
+cost (seconds with / without), and CPU milliseconds per request in vLLM's
+thread: describe and post (``hold`` + ``load``), and staging
+(``stage_layer`` over every layer; 0 when shared).
 
     python bench/vllm_connector.py --json bench/results/vllm_connector.json
 """
@@ -41,8 +44,13 @@ import trio
 
 from p2pxfer.bench import write_document
 
+MODES = ("staging", "staging+checksum", "shared", "shared+checksum")
+
 
 def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
+    """Per-layer CPU torch tensors (float16) as vLLM allocates them."""
+    import torch
+
     shape = (2, blocks, args.block_size, args.kv_heads, args.head)
     rng = np.random.default_rng(seed)
     out = {}
@@ -50,7 +58,7 @@ def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
         a = np.zeros(shape, np.float16)
         if seed is not None:
             a.view(np.uint8).reshape(-1)[:] = np.frombuffer(rng.bytes(a.nbytes), np.uint8)
-        out[f"model.layers.{i}.self_attn.attn"] = a
+        out[f"model.layers.{i}.self_attn.attn"] = torch.from_numpy(a)
     return out
 
 
@@ -72,33 +80,38 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
     perm = rng.permutation(n_blocks)
     dst_tables = [perm[r * per_req:(r + 1) * per_req] for r in range(args.requests)]
     src = engine_tensors(args, n_blocks, 7)
+    src_np = {k: v.numpy() for k, v in src.items()}
 
-    def workers(tag: str, checksum: bool) -> tuple[Worker, Worker]:
+    def workers(mode: str) -> tuple[Worker, Worker]:
         common: dict[str, Any] = {"rank": 0, "block_size": args.block_size,
                                   "max_blocks": per_req + 1, "max_held": 4 * args.requests,
-                                  "max_loads": 4 * args.requests, "checksum": checksum}
-        p = Worker(WorkerOptions(socket=a.socket, engine=f"P{tag}", send=True, receive=False,
+                                  "max_loads": 4 * args.requests,
+                                  "checksum": "checksum" in mode,
+                                  "memory": "shared" if "shared" in mode else "staging"}
+        p = Worker(WorkerOptions(socket=a.socket, engine=f"P{mode}", send=True, receive=False,
                                  **common))
-        d = Worker(WorkerOptions(socket=b.socket, engine=f"D{tag}", send=False, receive=True,
+        d = Worker(WorkerOptions(socket=b.socket, engine=f"D{mode}", send=False, receive=True,
                                  **common))
-        p.register(src)
+        # Each pair its own engine tensors: shared mode moves them into its pool.
+        p.register(engine_tensors(args, n_blocks, 7))
         d.register(engine_tensors(args, n_blocks, None))
         return p, d
 
     # Blocking calls (vLLM's worker thread makes them), so not from this trio thread.
-    pairs = {"connector": await trio.to_thread.run_sync(workers, "", False),
-             "connector+checksum": await trio.to_thread.run_sync(workers, "c", True)}
-    times: dict[str, list[float]] = {"plain": [], "connector": [], "connector+checksum": []}
-    post_ms: list[float] = []
-    stage_ms: list[float] = []
+    pairs = {mode: await trio.to_thread.run_sync(workers, mode) for mode in MODES}
+    times: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in MODES}}
+    post_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+    stage_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
     nbytes = 0
     try:
         async with connect(a.socket) as prefill, connect(b.socket) as decode:
-            lay = pairs["connector"][0].layout
+            lay = pairs["staging"][0].layout
             assert lay is not None
             sp = await prefill.kv_pool("plain-src", lay, receive=False)
             await decode.kv_pool("plain-dst", lay)
-            sp.array[:] = pairs["connector"][0].pool.array[: lay.nbytes]  # type: ignore[union-attr]
+            for i, t in enumerate(src_np.values()):  # the staging layout: [layer][plane][block]
+                sp.array[i * lay.layer_stride:(i + 1) * lay.layer_stride] = \
+                    t.view(np.uint8).reshape(-1)
 
             async def plain(round_: int) -> float:
                 t0 = time.perf_counter()
@@ -118,16 +131,16 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                 c0 = time.thread_time()
                 for name in src:
                     p.stage_layer(name, saves)
-                stage_ms.append((time.thread_time() - c0) * 1000 / args.requests)
+                stage_ms[mode].append((time.thread_time() - c0) * 1000 / args.requests)
                 base = (round_ % 3) * args.requests + 1  # keys: free again by then
                 c0 = time.thread_time()
                 p.hold([Send(rid, base + i, s.blocks) for i, (rid, s) in
                         enumerate(zip(ids, saves, strict=True))])
                 t0 = time.perf_counter()
-                d.load([Load(f"d-{rid}", "node-a", f"P{'c' if 'checksum' in mode else ''}",
-                             0, base + i, rid, 0, tuple(int(x) for x in dt))
+                d.load([Load(f"d-{rid}", "node-a", f"P{mode}", 0, base + i, rid, 0,
+                             tuple(int(x) for x in dt))
                         for i, (rid, dt) in enumerate(zip(ids, dst_tables, strict=True))])
-                post_ms.append((time.thread_time() - c0) * 1000 / args.requests)
+                post_ms[mode].append((time.thread_time() - c0) * 1000 / args.requests)
                 want_d, want_p = {f"d-{r}" for r in ids}, set(ids)
                 while want_d or want_p:
                     sent, received = p.finished()
@@ -143,18 +156,18 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
 
             for r in range(args.rounds + 1):  # round 0 warms up
                 got = {"plain": await plain(r)}
-                for mode in ("connector", "connector+checksum"):
+                for mode in MODES:
                     got[mode] = await trio.to_thread.run_sync(connector, mode, r)
                 if r:
                     for k, v in got.items():
                         times[k].append(v)
-            # The decode's engine tensors hold what the prefill's held.
-            d = pairs["connector"][1]
-            for name, t in src.items():
-                i = d.index[name]
-                got_t = d.layers[i].owner
-                for s, dt in zip(src_tables, dst_tables, strict=True):
-                    assert (got_t[:, dt].view(np.uint16) == t[:, s].view(np.uint16)).all()
+            # Every decode's engine tensors hold what the prefill's held.
+            for mode in MODES:
+                d = pairs[mode][1]
+                for name, t in src_np.items():
+                    got_t = d.layers[d.index[name]].owner.numpy()
+                    for s, dt in zip(src_tables, dst_tables, strict=True):
+                        assert (got_t[:, dt].view(np.uint16) == t[:, s].view(np.uint16)).all()
     finally:
         for p, d in pairs.values():
             await trio.to_thread.run_sync(d.close)
@@ -167,10 +180,12 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                    f"(K+V, {lay.block_bytes >> 10} KiB per block per plane)",
         "bytes_per_round": nbytes, "rounds": args.rounds,
         "seconds": med, "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
-        "ratio_connector_vs_plain": med["plain"] / med["connector"],
-        "checksum_cost_ratio": med["connector+checksum"] / med["connector"],
-        "cpu_ms_per_request": {"describe_and_post": statistics.median(post_ms),
-                               "stage_all_layers": statistics.median(stage_ms)},
+        "ratio_vs_plain": {mode: med["plain"] / med[mode] for mode in MODES},
+        "checksum_cost_ratio": {"staging": med["staging+checksum"] / med["staging"],
+                                "shared": med["shared+checksum"] / med["shared"]},
+        "cpu_ms_per_request": {mode: {"describe_and_post": statistics.median(post_ms[mode]),
+                                      "stage_all_layers": statistics.median(stage_ms[mode])}
+                               for mode in MODES},
         "all_seconds": times,
     }
 

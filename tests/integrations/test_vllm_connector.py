@@ -94,17 +94,28 @@ def test_the_factory_makes_both_roles(pair: tuple[DaemonProc, DaemonProc],
         close(p)
 
 
-@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
+@pytest.mark.parametrize(("checksum", "memory"), [(False, "staging"), (True, "staging"),
+                                                  (False, "shared"), (True, "shared")],
+                         ids=["staging", "staging-checksum", "shared", "shared-checksum"])
 def test_prefill_to_decode_every_byte_of_every_layer(pair: tuple[DaemonProc, DaemonProc],
-                                                     tmp_path: Path, checksum: bool) -> None:
+                                                     tmp_path: Path, checksum: bool,
+                                                     memory: str) -> None:
     """vLLM's prefill scheduler holds the finished request and answers its
     kv_transfer_params; vLLM's decode scheduler parks the request while
     its KV loads, then runs it from the last prompt token; every layer's
     blocks equal the prefill's; the prefill's blocks are freed after the
-    push, and its key is free again."""
+    push, and its key is free again. ``shared``: the engines' own tensors
+    live in the daemon-shared pools (the same tensor objects vLLM holds)."""
     a, b = pair
-    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", checksum=checksum)
-    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine", checksum=checksum)
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", checksum=checksum,
+                 kv_memory=memory)
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine", checksum=checksum,
+                 kv_memory=memory)
+    if memory == "shared":
+        for e in (p, d):
+            pool = e.worker.worker.pool.mem.array
+            t = e.kv[h.layer_names()[1]]
+            assert pool.ctypes.data <= t.data_ptr() < pool.ctypes.data + pool.nbytes
     try:
         params = prefill(p, "p1", PROMPT)
         assert params["remote_node"] == "node-a"

@@ -27,6 +27,7 @@ threads copy into the same blocks.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from p2pxfer.kv_plan import KVLayout, expand_pages
 from p2pxfer.pages import CopyStop, copy_scatter
 
 __all__ = ["ARRANGEMENTS", "LayerTensor", "checksum_blocks", "copy_blocks", "layer_tensor",
-           "staging_layout"]
+           "move_into", "shared_layout", "staging_layout"]
 
 ARRANGEMENTS = ("planes_first", "blocks_first", "single")
 
@@ -133,6 +134,43 @@ def staging_layout(first: LayerTensor, num_layers: int) -> KVLayout:
     of every layer, ``[layer][plane][block]``, the engine's block ids."""
     lay = first.layout
     return KVLayout(num_layers, lay.num_blocks, lay.block_bytes, lay.planes, "layer_major")
+
+
+def shared_layout(layers: list[LayerTensor]) -> KVLayout:
+    """A pool that holds every layer's whole tensor, one after another (each
+    at a page-aligned offset), its blocks where the tensor has them: the
+    engine's tensors can then live in it (:func:`move_into`)."""
+    lay = layers[0].layout
+    for lt in layers:
+        if (lt.layout.block_stride, lt.layout.plane_stride) != (lay.block_stride,
+                                                                lay.plane_stride):
+            raise InvalidArgument("the KV tensors' strides differ from layer to layer: they "
+                                  "cannot share one pool layout")
+    span = max(lt.memory.nbytes for lt in layers)
+    return KVLayout(len(layers), lay.num_blocks, lay.block_bytes, lay.planes, "layer_major",
+                    layer_stride=-(-span // 4096) * 4096, block_stride=lay.block_stride,
+                    plane_stride=lay.plane_stride)
+
+
+def move_into(lt: LayerTensor, memory: U8, offset: int) -> LayerTensor:
+    """Zero copy from here on: the torch tensor of ``lt`` is rebound
+    (``Tensor.set_``) onto ``memory[offset:]`` (memory the daemon maps),
+    with its shape, strides, dtype and contents. The same tensor object,
+    which the engine's attention layers hold, then reads and writes there;
+    its old storage is no longer used by it."""
+    t = lt.owner
+    if not type(t).__module__.startswith("torch"):
+        raise InvalidArgument("only a torch tensor can be moved into shared memory (a numpy "
+                              "array cannot be rebound): use staging")
+    torch = importlib.import_module("torch")  # only here: torch is optional
+    es = int(t.element_size())
+    if offset % es or memory.nbytes % es or offset + lt.memory.nbytes > memory.nbytes:
+        raise InvalidArgument(f"a {lt.memory.nbytes}-byte tensor of {es}-byte elements does "
+                              f"not fit at offset {offset} of {memory.nbytes} bytes")
+    moved = torch.from_numpy(memory).view(t.dtype).as_strided(t.shape, t.stride(), offset // es)
+    moved.copy_(t)
+    t.set_(moved)
+    return layer_tensor(t, lt.arrangement)
 
 
 def _pieces(tensor: LayerTensor, staging: KVLayout, layer: int,

@@ -12,7 +12,9 @@ request, checked on decode before a layer reaches the engine), ``lease_s``
 (how long a prefill holds a finished request for its pull),
 ``load_timeout_s``, ``poll_s``, ``max_held``, ``max_loads``,
 ``arrangement`` (``planes_first`` / ``blocks_first`` / ``single``; guessed
-from the tensors' shape by default).
+from the tensors' shape by default), ``kv_memory`` (``staging``, the
+default: a pool mirroring the KV tensors; ``shared``: vLLM's CPU KV
+tensors are moved into the daemon-shared pool, zero copy).
 
 This module is the only one of the package that imports vLLM (and it is
 loaded only when vLLM asks for the class: ``p2pxfer.integrations.vllm``
@@ -112,7 +114,8 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 checksum=bool(extra.get("checksum", False)),
                 lease_s=float(extra.get("lease_s", 120.0)),
                 load_timeout_s=float(extra.get("load_timeout_s", 120.0)),
-                poll_s=float(extra.get("poll_s", 0.5)), arrangement=extra.get("arrangement")))
+                poll_s=float(extra.get("poll_s", 0.5)), arrangement=extra.get("arrangement"),
+                memory=str(extra.get("kv_memory", "staging"))))
         else:
             raise InvalidArgument(f"unknown connector role {role!r}")
         log.info("vllm.connector", role=str(role), socket=socket, producer=send, consumer=receive,

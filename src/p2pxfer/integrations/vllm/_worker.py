@@ -39,6 +39,8 @@ from p2pxfer.integrations._tensors import (
     checksum_blocks,
     copy_blocks,
     layer_tensor,
+    move_into,
+    shared_layout,
     staging_layout,
 )
 from p2pxfer.kv_plan import MAX_REQUEST, KVLayout
@@ -75,6 +77,10 @@ class WorkerOptions:
     load_timeout_s: float = 120.0
     poll_s: float = 0.5  # how often a waiting load asks membership about its prefill
     arrangement: str | None = None
+    #: "staging": the pool mirrors the engine's tensors (a copy per layer per
+    #: request on each side); "shared": the engine's torch tensors are moved
+    #: into the pool (zero copy)
+    memory: str = "staging"
 
 
 class Worker:
@@ -104,6 +110,7 @@ class Worker:
         #: and before it is checked and copied (tests corrupt a byte with it)
         self.on_landed: Callable[[npt.NDArray[np.uint8], KVLayout, int, Any], None] | None = None
         self._staged_layers: set[int] = set()
+        self.shared = False
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -121,12 +128,21 @@ class Worker:
                     (first.num_blocks, first.block_bytes, first.planes):
                 raise InvalidArgument(f"KV layer {name!r} is shaped unlike the first ({lay} vs "
                                       f"{first}): one staging pool needs one block shape")
-        self.layout = staging_layout(self.layers[0], len(self.layers))
+        if self.opts.memory not in ("staging", "shared"):
+            raise InvalidArgument(f"kv memory must be 'staging' or 'shared', got "
+                                  f"{self.opts.memory!r}")
+        self.shared = self.opts.memory == "shared"
+        self.layout = shared_layout(self.layers) if self.shared else \
+            staging_layout(self.layers[0], len(self.layers))
         self.bridge.call(self._open)
+        if self.shared:
+            assert self.pool is not None
+            self.layers = [move_into(lt, self.pool.mem.array, i * self.layout.layer_stride)
+                           for i, lt in enumerate(self.layers)]
         log.info("vllm.registered", engine=self.opts.engine, rank=self.opts.rank,
                  layers=len(self.layers), blocks=first.num_blocks, block_bytes=first.block_bytes,
                  planes=first.planes, arrangement=self.layers[0].arrangement,
-                 staging_bytes=self.layout.nbytes, node=self.node)
+                 memory=self.opts.memory, pool_bytes=self.layout.nbytes, node=self.node)
 
     async def _open(self) -> None:
         c, o, lay = self.bridge.client, self.opts, self.layout
@@ -155,11 +171,13 @@ class Worker:
             raise InvalidArgument(f"save_kv_layer for {layer_name!r}, which register_kv_caches "
                                   "did not name")
         assert self.pool is not None and self.layout is not None
+        self._staged_layers.add(i)
+        if self.shared:
+            return 0  # the engine computed the blocks in the pool itself
         n = 0
         for s in saves:  # per request, not per block: one C copy each
             n += copy_blocks(self.layers[i], self.pool.array, self.layout, i, s.blocks,
                              to_staging=True)
-        self._staged_layers.add(i)
         return n
 
     def end_step(self, saves: list[Save]) -> None:
@@ -319,8 +337,9 @@ class Worker:
             self.on_landed(self.pool.array, self.layout, layer, dst)
         if self.opts.checksum:
             self._check(job, slot, layer, dst)
-        copy_blocks(self.layers[layer], self.pool.array, self.layout, layer, dst,
-                    to_staging=False)
+        if not self.shared:
+            copy_blocks(self.layers[layer], self.pool.array, self.layout, layer, dst,
+                        to_staging=False)
 
     def _check(self, job: Load, slot: int, layer: int, dst: npt.NDArray[np.int64]) -> None:
         assert self.pool is not None and self.layout is not None and self._sums is not None
