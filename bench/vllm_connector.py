@@ -20,7 +20,8 @@ vLLM allocates them on CPU), moved three ways, round after round, in turn:
   live in the daemon-shared pools (no copy on either side);
 - ``...+checksum``: each with checksums on.
 
-Reported (medians over rounds): seconds and GB/s of each, each mode's
+Reported (medians over rounds): seconds and GB/s of each, CPU seconds
+(this process and both daemons: on a busy host the fairer measure), each mode's
 throughput relative to plain (plain seconds / its seconds), the checksum's
 cost (seconds with / without), and CPU milliseconds per request in vLLM's
 thread: describe and post (``hold`` + ``load``), and staging
@@ -32,6 +33,7 @@ thread: describe and post (``hold`` + ``load``), and staging
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -45,6 +47,12 @@ import trio
 from p2pxfer.bench import write_document
 
 MODES = ("staging", "staging+checksum", "shared", "shared+checksum")
+
+
+def cpu_of(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
@@ -100,6 +108,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
     # Blocking calls (vLLM's worker thread makes them), so not from this trio thread.
     pairs = {mode: await trio.to_thread.run_sync(workers, mode) for mode in MODES}
     times: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in MODES}}
+    cpu_s: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in MODES}}
     post_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
     stage_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
     nbytes = 0
@@ -148,19 +157,27 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                     want_p -= sent
                     want_d -= received
                     want_d -= got
-                    time.sleep(0.001)
+                    time.sleep(0.005)
                 took = time.perf_counter() - t0
                 if d.load_errors():
                     raise RuntimeError(f"{mode}: load errors in round {round_}")
                 return took
 
+            def cpu() -> float:  # this process and both daemons
+                return cpu_of(os.getpid()) + cpu_of(a.proc.pid) + cpu_of(b.proc.pid)
+
             for r in range(args.rounds + 1):  # round 0 warms up
+                c0 = cpu()
                 got = {"plain": await plain(r)}
+                used = {"plain": cpu() - c0}
                 for mode in MODES:
+                    c0 = cpu()
                     got[mode] = await trio.to_thread.run_sync(connector, mode, r)
+                    used[mode] = cpu() - c0
                 if r:
                     for k, v in got.items():
                         times[k].append(v)
+                        cpu_s[k].append(used[k])
             # Every decode's engine tensors hold what the prefill's held.
             for mode in MODES:
                 d = pairs[mode][1]
@@ -180,6 +197,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                    f"(K+V, {lay.block_bytes >> 10} KiB per block per plane)",
         "bytes_per_round": nbytes, "rounds": args.rounds,
         "seconds": med, "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
+        "cpu_seconds_per_round": {k: statistics.median(v) for k, v in cpu_s.items()},
         "ratio_vs_plain": {mode: med["plain"] / med[mode] for mode in MODES},
         "checksum_cost_ratio": {"staging": med["staging+checksum"] / med["staging"],
                                 "shared": med["shared+checksum"] / med["shared"]},
