@@ -215,3 +215,42 @@ def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
         prefill.close()
         a.stop()
         b.stop()
+
+
+def test_mla_single_plane(pair: tuple[str, str]) -> None:
+    """MLA's one latent plane per layer (``(blocks, block_size, width)``)
+    moves as whole blocks too."""
+    a, b = pair
+    rng = np.random.default_rng(9)
+    src = {f"l{i}": rng.integers(0, 1 << 16, (BLOCKS, BLOCK_SIZE, 72), dtype=np.uint16)
+           for i in range(LAYERS)}
+    dst = {f"l{i}": np.zeros((BLOCKS, BLOCK_SIZE, 72), np.uint16) for i in range(LAYERS)}
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        assert prefill.layout is not None and prefill.layout.planes == 1
+        sb, db = [0, 1, 2, 63], [5, 6, 7, 8]
+        for name in src:
+            prefill.stage_layer(name, [Save("m", tuple(sb))])
+        prefill.hold([Send("m", 1, tuple(sb))])
+        decode.load([Load("dm", prefill.node, "P", 0, 1, "m", 0, tuple(db))])
+        wait_finished(decode, received={"dm"})
+        assert decode.load_errors() == set()
+        for name, value in src.items():
+            assert (dst[name][db] == value[sb]).all(), name
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_shared_memory_needs_torch_tensors(pair: tuple[str, str]) -> None:
+    from p2pxfer.errors import InvalidArgument
+
+    prefill = Worker(options(pair[0], "P", send=True, receive=False, memory="shared"))
+    try:
+        with pytest.raises(InvalidArgument, match="torch"):
+            prefill.register(caches(1))
+    finally:
+        prefill.close()

@@ -132,6 +132,10 @@ class Worker:
             raise InvalidArgument(f"kv memory must be 'staging' or 'shared', got "
                                   f"{self.opts.memory!r}")
         self.shared = self.opts.memory == "shared"
+        if self.shared and not all(type(lt.owner).__module__.startswith("torch")
+                                   for lt in self.layers):
+            raise InvalidArgument("kv_memory 'shared' moves torch tensors into the daemon's "
+                                  "memory; these KV tensors are not torch tensors: use staging")
         self.layout = shared_layout(self.layers) if self.shared else \
             staging_layout(self.layers[0], len(self.layers))
         self.bridge.call(self._open)
