@@ -146,7 +146,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                 p.hold([Send(rid, base + i, s.blocks) for i, (rid, s) in
                         enumerate(zip(ids, saves, strict=True))])
                 t0 = time.perf_counter()
-                d.load([Load(f"d-{rid}", "node-a", f"P{mode}", 0, base + i, rid, 0,
+                d.load([Load(f"d-{rid}", "node-a", f"P{mode}", base + i, rid, 0,
                              tuple(int(x) for x in dt))
                         for i, (rid, dt) in enumerate(zip(ids, dst_tables, strict=True))])
                 post_ms[mode].append((time.thread_time() - c0) * 1000 / args.requests)

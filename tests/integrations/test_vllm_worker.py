@@ -91,7 +91,7 @@ def test_stage_pull_load_every_byte(pair: tuple[str, str], planes_first: bool) -
             prefill.stage_layer(name, [Save("req-1", tuple(sb))])
         prefill.end_step([Save("req-1", tuple(sb))])
         prefill.hold([Send("req-1", 3, tuple(sb))])
-        decode.load([Load("dec-1", prefill.node, "P", 0, 3, "req-1", 0, tuple(db))])
+        decode.load([Load("dec-1", prefill.node, "P", 3, "req-1", 0, tuple(db))])
         wait_finished(decode, received={"dec-1"})
         wait_finished(prefill, sent={"req-1"})
         assert decode.load_errors() == set()
@@ -120,7 +120,7 @@ def test_checksum_passes_and_a_corrupted_byte_is_a_load_error(pair: tuple[str, s
         for name in src:
             prefill.stage_layer(name, [Save("r", tuple(sb))])
         prefill.hold([Send("r", 1, tuple(sb)), Send("r2", 2, tuple(sb))])
-        decode.load([Load("d1", prefill.node, "P", 0, 1, "r", 0, tuple(db))])
+        decode.load([Load("d1", prefill.node, "P", 1, "r", 0, tuple(db))])
         wait_finished(decode, received={"d1"})
         assert decode.load_errors() == set()
         blocks_equal(src, dst, sb, db)
@@ -135,7 +135,7 @@ def test_checksum_passes_and_a_corrupted_byte_is_a_load_error(pair: tuple[str, s
 
         decode.on_landed = corrupt
         db2 = [30, 31, 32, 33]
-        decode.load([Load("d2", prefill.node, "P", 0, 2, "r2", 0, tuple(db2))])
+        decode.load([Load("d2", prefill.node, "P", 2, "r2", 0, tuple(db2))])
         wait_finished(decode, received={"d2"})
         assert hit == [2]
         assert decode.load_errors() == set(db2)
@@ -171,7 +171,7 @@ def test_a_pull_that_does_not_match_its_key_is_refused(pair: tuple[str, str]) ->
         prefill.register(src)
         decode.register(dst)
         prefill.hold([Send("now", 5, (1, 2))])
-        decode.load([Load("late", prefill.node, "P", 0, 5, "before", 0, (3, 4))])
+        decode.load([Load("late", prefill.node, "P", 5, "before", 0, (3, 4))])
         wait_finished(prefill, sent={"now"})
         wait_finished(decode, received={"late"})
         assert decode.load_errors() == {3, 4}
@@ -202,7 +202,7 @@ def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
         prefill.register(caches(5))
         decode.register(dst)
         # The prefill never learns the key (as if stuck), then its node dies.
-        decode.load([Load("d", "node-a", "P", 0, 6, "r", 0, (1, 2, 3))])
+        decode.load([Load("d", "node-a", "P", 6, "r", 0, (1, 2, 3))])
         time.sleep(1.0)
         a.proc.kill()
         a.proc.wait(10)
@@ -235,7 +235,7 @@ def test_mla_single_plane(pair: tuple[str, str]) -> None:
         for name in src:
             prefill.stage_layer(name, [Save("m", tuple(sb))])
         prefill.hold([Send("m", 1, tuple(sb))])
-        decode.load([Load("dm", prefill.node, "P", 0, 1, "m", 0, tuple(db))])
+        decode.load([Load("dm", prefill.node, "P", 1, "m", 0, tuple(db))])
         wait_finished(decode, received={"dm"})
         assert decode.load_errors() == set()
         for name, value in src.items():
@@ -254,3 +254,93 @@ def test_shared_memory_needs_torch_tensors(pair: tuple[str, str]) -> None:
             prefill.register(caches(1))
     finally:
         prefill.close()
+
+
+def head_caches(seed: int | None, heads: int, layout: str) -> dict[str, Any]:
+    """Per-layer ``(2, blocks, block_size, heads, head)`` (NHD) or
+    ``(2, blocks, heads, block_size, head)`` (HND) uint16 tensors."""
+    shape = (2, BLOCKS, BLOCK_SIZE, heads, HEAD) if layout == "NHD" else \
+        (2, BLOCKS, heads, BLOCK_SIZE, HEAD)
+    rng = np.random.default_rng(seed)
+    return {f"l{i}": (rng.integers(0, 1 << 16, shape, dtype=np.uint16) if seed is not None
+                      else np.zeros(shape, np.uint16)) for i in range(LAYERS)}
+
+
+def heads_of(t: Any, blocks: list[int], lo: int, hi: int, layout: str) -> Any:
+    """Heads ``lo..hi-1`` of ``blocks`` of a layer tensor."""
+    return t[:, blocks, :, lo:hi] if layout == "NHD" else t[:, blocks, lo:hi]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_heterogeneous_tp_one_prefill_rank_to_two_decode_ranks(pair: tuple[str, str],
+                                                                layout: str) -> None:
+    """TP 1 -> 2: the prefill stages each block as two head slices; decode
+    rank r pulls slice r into its (half as wide) blocks. The prefill
+    releases the request once both ranks pulled."""
+    a, b = pair
+    src = head_caches(11, 4, layout)
+    dst = [head_caches(None, 2, layout) for _ in range(2)]
+    prefill = Worker(options(a, "P", send=True, receive=False, tp_size=1, peer_tp_size=2,
+                             head_layout=layout))
+    decode = [Worker(options(b, "D", rank=r, send=False, receive=True, tp_size=2,
+                             peer_tp_size=1, head_layout=layout)) for r in range(2)]
+    try:
+        prefill.register(src)
+        for w, caches_r in zip(decode, dst, strict=True):
+            w.register(caches_r)
+        sb, db = [3, 4, 5, 40], [7, 1, 2, 9]
+        for name in src:
+            prefill.stage_layer(name, [Save("r", tuple(sb))])
+        prefill.hold([Send("r", 2, tuple(sb))])
+        for r, w in enumerate(decode):
+            w.load([Load(f"d{r}", prefill.node, "P", 2, "r", 0, tuple(db))])
+        for r, w in enumerate(decode):
+            wait_finished(w, received={f"d{r}"})
+            assert w.load_errors() == set()
+        wait_finished(prefill, sent={"r"})
+        for r in range(2):
+            for name, value in src.items():
+                assert (dst[r][name][:, db] ==
+                        heads_of(value, sb, 2 * r, 2 * r + 2, layout)).all(), (r, name)
+    finally:
+        for w in decode:
+            w.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_heterogeneous_tp_two_prefill_ranks_to_one_decode_rank(pair: tuple[str, str],
+                                                                layout: str) -> None:
+    """TP 2 -> 1: the decode pulls from both prefill ranks, each pushing its
+    whole (half as wide) blocks into one head slice of the decode's staging
+    blocks; the decode puts the halves side by side, with checksums."""
+    a, b = pair
+    src = [head_caches(20 + q, 2, layout) for q in range(2)]
+    dst = head_caches(None, 4, layout)
+    prefill = [Worker(options(a, "P", rank=q, send=True, receive=False, tp_size=2,
+                              peer_tp_size=1, head_layout=layout, checksum=True))
+               for q in range(2)]
+    decode = Worker(options(b, "D", send=False, receive=True, tp_size=1, peer_tp_size=2,
+                            head_layout=layout, checksum=True))
+    try:
+        for w, caches_q in zip(prefill, src, strict=True):
+            w.register(caches_q)
+        decode.register(dst)
+        sb, db = [8, 9, 10], [0, 33, 34]
+        for w, caches_q in zip(prefill, src, strict=True):
+            for name in caches_q:
+                w.stage_layer(name, [Save("r", tuple(sb))])
+            w.hold([Send("r", 3, tuple(sb))])
+        decode.load([Load("d", prefill[0].node, "P", 3, "r", 0, tuple(db))])
+        wait_finished(decode, received={"d"})
+        assert decode.load_errors() == set()
+        for w in prefill:
+            wait_finished(w, sent={"r"})
+        for q in range(2):
+            for name, value in src[q].items():
+                assert (heads_of(dst[name], db, 2 * q, 2 * q + 2, layout) ==
+                        value[:, sb]).all(), (q, name)
+    finally:
+        decode.close()
+        for w in prefill:
+            w.close()

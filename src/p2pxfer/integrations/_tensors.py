@@ -40,8 +40,8 @@ from p2pxfer.errors import InvalidArgument
 from p2pxfer.kv_plan import KVLayout, expand_pages
 from p2pxfer.pages import CopyStop, copy_scatter
 
-__all__ = ["ARRANGEMENTS", "LayerTensor", "checksum_blocks", "copy_blocks", "layer_tensor",
-           "move_into", "shared_layout", "staging_layout"]
+__all__ = ["ARRANGEMENTS", "HeadSlices", "LayerTensor", "checksum_blocks", "copy_blocks",
+           "layer_tensor", "move_into", "shared_layout", "staging_layout"]
 
 ARRANGEMENTS = ("planes_first", "blocks_first", "single")
 
@@ -129,11 +129,42 @@ def layer_tensor(t: Any, arrangement: str | None = None) -> LayerTensor:
     return LayerTensor(memory, layout, arrangement, dtype, t)
 
 
-def staging_layout(first: LayerTensor, num_layers: int) -> KVLayout:
+@dataclass(frozen=True)
+class HeadSlices:
+    """A block cut into ``k`` slices of its KV heads (heterogeneous tensor
+    parallelism: a rank with ``k`` times the heads of its peer's ranks).
+    A slice of a block plane is ``runs`` pieces of ``run_bytes``,
+    ``run_stride`` apart: one piece in HND (heads outermost in the block),
+    one per token in NHD (heads inside each token's row)."""
+
+    k: int
+    runs: int
+    run_bytes: int
+    run_stride: int
+
+    @classmethod
+    def of(cls, block_bytes: int, k: int, head_layout: str, block_size: int) -> HeadSlices:
+        if k == 1:
+            return cls(1, 1, block_bytes, 0)
+        if head_layout == "HND":
+            if block_bytes % k:
+                raise InvalidArgument(f"a {block_bytes}-byte block does not split in {k}")
+            return cls(k, 1, block_bytes // k, 0)
+        if head_layout == "NHD":
+            row = block_bytes // block_size
+            if block_bytes % block_size or row % k:
+                raise InvalidArgument(f"a token's {row} bytes of heads do not split in {k}")
+            return cls(k, block_size, row // k, row)
+        raise InvalidArgument(f"head layout must be NHD or HND, got {head_layout!r}")
+
+
+def staging_layout(first: LayerTensor, num_layers: int, k: int = 1) -> KVLayout:
     """A staging pool for ``num_layers`` layers like ``first``: every block
-    of every layer, ``[layer][plane][block]``, the engine's block ids."""
+    of every layer, ``[layer][plane][block]``, the engine's block ids (with
+    ``k`` head slices, block ``b`` is staging blocks ``b*k .. b*k+k-1``)."""
     lay = first.layout
-    return KVLayout(num_layers, lay.num_blocks, lay.block_bytes, lay.planes, "layer_major")
+    return KVLayout(num_layers, lay.num_blocks * k, lay.block_bytes // k, lay.planes,
+                    "layer_major")
 
 
 def shared_layout(layers: list[LayerTensor]) -> KVLayout:
@@ -181,16 +212,37 @@ def _pieces(tensor: LayerTensor, staging: KVLayout, layer: int,
     return t_off, s_off + layer * staging.layer_stride, length
 
 
+def _sliced(tensor: LayerTensor, staging: KVLayout, layer: int, blocks: I64,
+            hs: HeadSlices) -> tuple[I64, I64, I64]:
+    """The pieces of every head slice of ``blocks`` (staging block
+    ``b*k + j`` is slice ``j`` of block ``b``), by broadcasting."""
+    tl = tensor.layout
+    planes = np.arange(tl.planes, dtype=np.int64)[:, None, None, None]
+    j = np.arange(hs.k, dtype=np.int64)[None, None, :, None]
+    t = np.arange(hs.runs, dtype=np.int64)[None, None, None, :]
+    b = blocks[None, :, None, None]
+    t_off = planes * tl.plane_stride + b * tl.block_stride + j * hs.run_bytes + t * hs.run_stride
+    s_off = (layer * staging.layer_stride + planes * staging.plane_stride
+             + (b * hs.k + j) * staging.block_stride + t * hs.run_bytes)
+    t_off, s_off = (np.broadcast_to(x, np.broadcast_shapes(t_off.shape, s_off.shape))
+                    .reshape(-1).copy() for x in (t_off, s_off))
+    return t_off, s_off, np.full(len(t_off), hs.run_bytes, np.int64)
+
+
 def copy_blocks(tensor: LayerTensor, staging: U8, layout: KVLayout, layer: int, blocks: Any,
-                *, to_staging: bool) -> int:
+                *, to_staging: bool, slices: HeadSlices | None = None) -> int:
     """Copy ``blocks`` of one layer between the engine's tensor and the
-    staging pool (``to_staging``: tensor -> staging); the bytes copied."""
+    staging pool (``to_staging``: tensor -> staging), whole or as head
+    ``slices``; the bytes copied."""
     ids = np.asarray(blocks, dtype=np.int64)
     if len(ids) == 0:
         return 0
-    if ids.min() < 0 or ids.max() >= min(tensor.layout.num_blocks, layout.num_blocks):
+    if ids.min() < 0 or ids.max() >= tensor.layout.num_blocks:
         raise InvalidArgument(f"block ids must be within 0..{tensor.layout.num_blocks - 1}")
-    t_off, s_off, length = _pieces(tensor, layout, layer, ids)
+    if slices is not None and slices.k > 1:
+        t_off, s_off, length = _sliced(tensor, layout, layer, ids, slices)
+    else:
+        t_off, s_off, length = _pieces(tensor, layout, layer, ids)
     if to_staging:
         copy_scatter(staging, tensor.memory, t_off, s_off, length, 0, len(length), CopyStop())
     else:

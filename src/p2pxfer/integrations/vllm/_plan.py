@@ -29,8 +29,8 @@ import numpy.typing as npt
 
 from p2pxfer.errors import InvalidArgument
 
-__all__ = ["Load", "Pull", "Save", "Send", "decode_pull", "encode_pull", "pull_slot_bytes",
-           "region_names"]
+__all__ = ["Load", "Pull", "Route", "Save", "Send", "decode_pull", "encode_pull", "pull_routes",
+           "pull_slot_bytes", "region_names", "split"]
 
 HEADER = struct.Struct("<I")
 SLACK = 1024  # the map's keys, names and ids around the block table
@@ -59,12 +59,11 @@ class Send:
 @dataclass(frozen=True)
 class Load:
     """Decode: pull ``remote_blocks[skip:]`` of a held prefill request into
-    ``blocks``."""
+    ``blocks`` (from the prefill ranks ``pull_routes`` names)."""
 
     request: str
     node: str
     engine: str
-    rank: int
     key: int
     remote_request: str
     skip: int
@@ -82,6 +81,42 @@ class Pull:
     request: int
     skip: int
     blocks: npt.NDArray[np.int64]
+
+
+def split(tp: int, peer_tp: int) -> int:
+    """Head slices per block in the staging pool of a rank of TP ``tp``
+    whose peer runs TP ``peer_tp``: ``peer_tp / tp`` when the peer's ranks
+    hold fewer heads, else 1. Sizes must divide one another."""
+    if tp <= 0 or peer_tp <= 0 or (tp % peer_tp and peer_tp % tp):
+        raise InvalidArgument(f"tensor parallel sizes {tp} and {peer_tp}: one must divide the "
+                              "other")
+    return peer_tp // tp if peer_tp > tp else 1
+
+
+@dataclass(frozen=True)
+class Route:
+    """One pull of a decode rank: from prefill ``rank``, into mailbox
+    sub-slot ``sub`` there (the head slice it pushes), landing in head
+    slice ``part`` of the decode's staging blocks."""
+
+    rank: int
+    sub: int
+    part: int
+
+
+def pull_routes(tp: int, rank: int, prefill_tp: int) -> list[Route]:
+    """The pulls decode rank ``rank`` (of TP ``tp``) makes from a prefill of
+    TP ``prefill_tp``: one, of head slice ``rank % k`` of prefill rank
+    ``rank // k``, when the decode has ``k`` times the ranks; ``k`` when
+    the prefill has ``k`` times the ranks, each a whole block of prefill
+    rank ``rank*k + j`` into head slice ``j`` here. (MLA's latent is the
+    same on every rank: its engines run equal TP here.)"""
+    split(tp, prefill_tp)
+    if tp >= prefill_tp:
+        k = tp // prefill_tp
+        return [Route(rank // k, rank % k, 0)]
+    k = prefill_tp // tp
+    return [Route(rank * k + j, 0, j) for j in range(k)]
 
 
 def region_names(engine: str, rank: int) -> tuple[str, str, str]:

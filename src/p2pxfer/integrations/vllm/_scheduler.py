@@ -108,7 +108,7 @@ class SchedulerSide:
                                   f"to load but the prefill holds {len(remote)}")
         self._loads[request.request_id] = Load(
             request.request_id, str(params["remote_node"]), str(params["remote_engine_id"]),
-            0, int(params["remote_key"]),
+            int(params["remote_key"]),
             str(params["remote_request_id"]), skip, tuple(local_new))
 
     # -- prefill -----------------------------------------------------------------------
@@ -126,7 +126,7 @@ class SchedulerSide:
                 all(k in params for k in REMOTE_KEYS):
             params["do_remote_prefill"] = False
             self._loads[rid] = Load(rid, str(params["remote_node"]),
-                                    str(params["remote_engine_id"]), 0, int(params["remote_key"]),
+                                    str(params["remote_engine_id"]), int(params["remote_key"]),
                                     str(params["remote_request_id"]),
                                     len(params["remote_block_ids"]), ())
             return False, None
