@@ -344,3 +344,42 @@ def test_heterogeneous_tp_two_prefill_ranks_to_one_decode_rank(pair: tuple[str, 
         decode.close()
         for w in prefill:
             w.close()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)], ids=["1to2", "2to1"])
+def test_heterogeneous_tp_mla_is_replicated(pair: tuple[str, str], prefill_tp: int,
+                                            decode_tp: int) -> None:
+    """MLA's latent is whole on every rank: each decode rank pulls whole
+    blocks from one prefill rank (no head slices), and releases the other
+    replicas' holds at once (their lease here is longer than the test)."""
+    a, b = pair
+    rng = np.random.default_rng(31)
+    latent = {f"l{i}": rng.integers(0, 1 << 16, (BLOCKS, BLOCK_SIZE, 40), dtype=np.uint16)
+              for i in range(LAYERS)}
+    prefill = [Worker(options(a, "P", rank=q, send=True, receive=False, tp_size=prefill_tp,
+                              peer_tp_size=decode_tp, lease_s=600.0))
+               for q in range(prefill_tp)]
+    decode = [Worker(options(b, "D", rank=r, send=False, receive=True, tp_size=decode_tp,
+                             peer_tp_size=prefill_tp)) for r in range(decode_tp)]
+    dst = [{n: np.zeros_like(v) for n, v in latent.items()} for _ in range(decode_tp)]
+    try:
+        sb, db = [1, 2, 3], [4, 5, 6]
+        for w in prefill:
+            w.register({n: v.copy() for n, v in latent.items()})  # replicated on each rank
+            for name in latent:
+                w.stage_layer(name, [Save("r", tuple(sb))])
+            w.hold([Send("r", 1, tuple(sb))])
+        for w, d in zip(decode, dst, strict=True):
+            w.register(d)
+            w.load([Load(f"d{w.opts.rank}", prefill[0].node, "P", 1, "r", 0, tuple(db))])
+        for w in decode:
+            wait_finished(w, received={f"d{w.opts.rank}"})
+            assert w.load_errors() == set()
+        for w in prefill:  # the replica nobody loads from is released at once too
+            wait_finished(w, sent={"r"})
+        for d in dst:
+            for name, value in latent.items():
+                assert (d[name][db] == value[sb]).all(), name
+    finally:
+        for w in decode + prefill:
+            w.close()

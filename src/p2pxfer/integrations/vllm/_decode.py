@@ -56,15 +56,16 @@ class DecodeSide(WorkerState):
         of no blocks only releases the prefill's hold (its pulls ask for
         nothing), and is not reported back."""
         o = self.opts
-        routes = pull_routes(o.tp_size, o.rank, o.peer_tp)
+        routes = pull_routes(o.tp_size, o.rank, o.peer_tp, replicated=self.replicated)
         for job in loads:
             blocks = np.asarray(job.blocks, np.int64)
             parts = []
             with self._lock:
                 for i, route in enumerate(routes):
                     key = f"{job.request}#{i}"
+                    staging = blocks[:0] if route.release else blocks * self.k + route.part
                     parts.append(_Part(route, self._slots.take(key), self._msg_slots.take(key),
-                                       blocks * self.k + route.part))
+                                       staging))
             self.bridge.spawn(self._load, job, parts)
 
     async def _load(self, job: Load, parts: list[_Part]) -> None:
@@ -74,8 +75,9 @@ class DecodeSide(WorkerState):
         try:
             deadline = trio.current_time() + o.load_timeout_s
             for p in parts:
+                skip = job.skip + len(job.blocks) if p.route.release else job.skip
                 data = encode_pull(Pull(job.remote_request, self.node, self.pool_name,
-                                        self.sums_name if o.checksum else "", p.slot, job.skip,
+                                        self.sums_name if o.checksum else "", p.slot, skip,
                                         p.staging), self.slot_bytes)
                 off = p.msg * self.slot_bytes
                 self._msgs.array[off:off + len(data)] = np.frombuffer(data, np.uint8)
@@ -86,7 +88,7 @@ class DecodeSide(WorkerState):
                               timeout=o.load_timeout_s)
             t0 = time.perf_counter()
             if job.blocks:
-                await self._receive(job, parts, deadline)
+                await self._receive(job, [p for p in parts if not p.route.release], deadline)
             log.debug("vllm.loaded", request=job.request, peer=job.node, blocks=len(job.blocks),
                       seconds=time.perf_counter() - t0)
         except P2PXferError as exc:

@@ -102,20 +102,26 @@ class Route:
     rank: int
     sub: int
     part: int
+    #: an empty pull: the rank holds a replica nobody needs (MLA), let it go
+    release: bool = False
 
 
-def pull_routes(tp: int, rank: int, prefill_tp: int) -> list[Route]:
+def pull_routes(tp: int, rank: int, prefill_tp: int, replicated: bool = False
+                ) -> list[Route]:
     """The pulls decode rank ``rank`` (of TP ``tp``) makes from a prefill of
     TP ``prefill_tp``: one, of head slice ``rank % k`` of prefill rank
     ``rank // k``, when the decode has ``k`` times the ranks; ``k`` when
     the prefill has ``k`` times the ranks, each a whole block of prefill
-    rank ``rank*k + j`` into head slice ``j`` here. (MLA's latent is the
-    same on every rank: its engines run equal TP here.)"""
+    rank ``rank*k + j`` into head slice ``j`` here. ``replicated`` (MLA:
+    every rank holds the whole latent): whole blocks, from one rank."""
     split(tp, prefill_tp)
     if tp >= prefill_tp:
         k = tp // prefill_tp
         return [Route(rank // k, rank % k, 0)]
     k = prefill_tp // tp
+    if replicated:
+        return [Route(rank * k, 0, 0)] + [Route(rank * k + j, 0, 0, release=True)
+                                          for j in range(1, k)]
     return [Route(rank * k + j, 0, j) for j in range(k)]
 
 

@@ -1,11 +1,12 @@
 """The worker side of a prefill: finished requests held under their keys
 until each pull lands in the mailbox, then pushed.
 
-A held request's key owns ``k`` mailbox slots (``k`` head slices per block
-when the decode's ranks hold fewer heads than ours; else 1): slot
-``key*k + j``, with immediate ``key*k + j``, is the pull of head slice
-``j`` (staging blocks ``b*k + j``). The request is released (reported
-finished sending, so vLLM frees its blocks) once every slot was served,
+A held request's key owns ``f`` mailbox slots (``f`` decode ranks per
+prefill rank; else 1): slot ``key*f + j``, with immediate ``key*f + j``,
+is the pull of decode rank ``j`` of those: head slice ``j`` (staging
+blocks ``b*k + j``, ``k == f``), or whole blocks for MLA (``k == 1``).
+The request is released (reported finished sending, so vLLM frees its
+blocks) once every slot was served (an empty pull releases at once),
 refused, or its lease passed. What must not live here: set-up
 (``_worker``), loads (``_decode``).
 """
@@ -42,7 +43,7 @@ class PrefillSide(WorkerState):
     async def _serve(self, s: Send) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                for j in range(self.k):
+                for j in range(self.fanout):
                     nursery.start_soon(self._serve_one, s, j)
         finally:
             with self._lock:
@@ -53,7 +54,7 @@ class PrefillSide(WorkerState):
         lease), then push it."""
         c, o = self.bridge.client, self.opts
         assert self._mailbox is not None and self.pool is not None
-        slot = s.key * self.k + j
+        slot = s.key * self.fanout + j
         outcome = "pushed"
         try:
             await c.wait_imm(slot, 1, region=self.pull_name, timeout=o.lease_s)
@@ -66,7 +67,7 @@ class PrefillSide(WorkerState):
             if not 0 <= pull.skip <= len(s.blocks) or len(blocks) != len(pull.blocks):
                 raise InvalidArgument(f"a pull of {len(pull.blocks)} blocks after {pull.skip} "
                                       f"for a request of {len(s.blocks)}")
-            src = blocks * self.k + j
+            src = blocks * self.k + (j if self.k > 1 else 0)
             if len(src):
                 if pull.sums:
                     await self._send_sums(slot, pull, src)

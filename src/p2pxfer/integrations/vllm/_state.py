@@ -68,8 +68,12 @@ class WorkerState:
 
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
-        #: head slices per staging block (the other side's ranks hold fewer heads)
-        self.k = split(opts.tp_size, opts.peer_tp)
+        #: pulls a held request serves (a prefill whose decode has more ranks)
+        self.fanout = split(opts.tp_size, opts.peer_tp)
+        #: head slices per staging block (the other side's ranks hold fewer
+        #: heads); 1 for MLA's latent, the same on every rank (``register``)
+        self.k = self.fanout
+        self.replicated = False  # MLA: one latent plane, whole on every rank
         self.bridge = Bridge(opts.socket, f"p2pxfer-vllm-r{opts.rank}")
         self.node = self.bridge.client.node
         self.pool_name, self.pull_name, self.sums_name = region_names(opts.engine, opts.rank)

@@ -77,6 +77,9 @@ class Worker(PrefillSide, DecodeSide):
                                    for lt in self.layers):
             raise InvalidArgument("kv_memory 'shared' moves torch tensors into the daemon's "
                                   "memory; these KV tensors are not torch tensors: use staging")
+        self.replicated = self.layers[0].arrangement == "single"
+        if self.replicated:
+            self.k = 1  # MLA: the latent is whole on every rank
         if self.shared and self.k > 1:
             raise InvalidArgument(f"kv_memory 'shared' needs equal tensor parallel sizes (here "
                                   f"{o.tp_size} and {o.peer_tp}): use staging")
@@ -99,7 +102,7 @@ class Worker(PrefillSide, DecodeSide):
         self.pool = await c.kv_pool(self.pool_name, lay, receive=o.receive)
         n_layers = lay.num_layers
         if o.send:
-            slots = (o.max_held + 1) * self.k  # a slot per key and head slice
+            slots = (o.max_held + 1) * self.fanout  # a slot per key and decode rank
             self._mailbox = await c.alloc(slots * self.slot_bytes, self.pull_name)
             await c.export(self.pull_name, self._mailbox)
             self._sums_out = await c.alloc(slots * n_layers * SUM_BYTES, f"{self.pull_name}-sums")
