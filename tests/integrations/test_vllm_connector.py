@@ -77,7 +77,8 @@ def occupy(d: h.Engine, n_tokens: int) -> None:
 
 def close(*engines: h.Engine) -> None:
     for e in engines:
-        e.worker.shutdown()
+        for w in e.workers:
+            w.shutdown()
 
 
 def test_the_factory_makes_both_roles(pair: tuple[DaemonProc, DaemonProc],
@@ -220,5 +221,39 @@ def test_a_decode_request_aborted_before_loading_releases_the_prefill(
         run_until([p, d], lambda: "p1" in p.finished_sending, "release")  # far below 600 s
         assert p.scheduler.connector.scheduler.held() == 0
         assert "d1" not in d.finished_recving
+    finally:
+        close(p, d)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)], ids=["1to2", "2to1"])
+def test_heterogeneous_tp_through_vllm(pair: tuple[DaemonProc, DaemonProc], tmp_path: Path,
+                                       prefill_tp: int, decode_tp: int) -> None:
+    """A prefill of TP ``p`` into a decode of TP ``d`` (``peer_tp_size`` on
+    both): every decode rank ends with its heads of every prefilled block,
+    vLLM's scheduler sees the load finished once every rank has it, and
+    the prefill's blocks are freed once every rank's pushes are done."""
+    a, b = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", tp=prefill_tp,
+                 peer_tp_size=decode_tp, checksum=True)
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine", tp=decode_tp,
+                 peer_tp_size=prefill_tp, checksum=True)
+    try:
+        params = prefill(p, "p1", PROMPT)
+        assert params["remote_tp_size"] == prefill_tp
+        occupy(d, 40)
+        d.scheduler.add_request(h.request("d1", PROMPT, 4, params))
+        run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
+                  "load")
+        assert d.load_errors == set()
+        out = d.step()
+        (new,) = [r for r in out.scheduled_new_reqs if r.req_id == "d1"]
+        src_ids = params["remote_block_ids"]
+        dst_ids = new.block_ids[0][:len(src_ids)]
+        # Both sides' heads, rank by rank, side by side (NHD: heads are dim 3).
+        for name in h.layer_names():
+            whole_p = torch.cat([kv[name][:, src_ids] for kv in p.kvs], dim=3)
+            whole_d = torch.cat([kv[name][:, dst_ids] for kv in d.kvs], dim=3)
+            assert torch.equal(whole_p.view(torch.int16), whole_d.view(torch.int16)), name
+        assert "p1" not in p.scheduler.requests
     finally:
         close(p, d)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -24,6 +26,7 @@ from vllm.config import (
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -39,6 +42,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+import p2pxfer.integrations.vllm._connector as connector_module
 
 LAYERS, BLOCK_SIZE, KV_HEADS, HEAD = 4, 16, 2, 16
 NUM_BLOCKS = 96
@@ -63,51 +68,78 @@ def layer_names() -> list[str]:
 
 @dataclass
 class Engine:
-    """One vLLM instance's scheduler and (single) worker connector."""
+    """One vLLM instance's scheduler and worker connectors (one per TP rank)."""
 
     config: VllmConfig
     scheduler: Scheduler
-    worker: Any
-    kv: dict[str, torch.Tensor]
+    workers: list[Any]
+    kvs: list[dict[str, torch.Tensor]]
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
     outputs: list[Any] = field(default_factory=list)
+    _partial: dict[str, Counter[str]] = field(default_factory=dict)
+
+    @property
+    def worker(self) -> Any:
+        return self.workers[0]
+
+    @property
+    def kv(self) -> dict[str, torch.Tensor]:
+        return self.kvs[0]
+
+    def _all_ranks(self, what: str, ids: set[str] | None) -> set[str]:
+        """What vLLM's output aggregator does: a request is finished once
+        every worker said so."""
+        seen = self._partial.setdefault(what, Counter())
+        seen.update(ids or ())
+        done = {r for r, n in seen.items() if n == len(self.workers)}
+        for r in done:
+            del seen[r]
+        return done
 
     def step(self, fill: Any = None) -> Any:
         """One engine step; ``fill(name, tensor, scheduler_output)`` writes
         what "attention" computed into a layer before it is saved."""
         out = self.scheduler.schedule()
-        w = self.worker
-        w.bind_connector_metadata(out.kv_connector_metadata)
-        w.start_load_kv(None)
-        if out.total_num_scheduled_tokens:
-            for name in layer_names():
-                w.wait_for_layer_load(name)
-                if fill is not None:
-                    fill(name, self.kv[name], out)
-                w.save_kv_layer(name, self.kv[name], None)
-            w.wait_for_save()
-        sending, recving = w.get_finished(set())
-        errors = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
-        self.finished_sending |= sending or set()
-        self.finished_recving |= recving or set()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        errors: set[int] = set()
+        for w, kv in zip(self.workers, self.kvs, strict=True):
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
+            if out.total_num_scheduled_tokens:
+                for name in layer_names():
+                    w.wait_for_layer_load(name)
+                    if fill is not None:
+                        fill(name, kv[name], out)
+                    w.save_kv_layer(name, kv[name], None)
+                w.wait_for_save()
+            s, r = w.get_finished(set())
+            sending |= self._all_ranks("sending", s)
+            recving |= self._all_ranks("recving", r)
+            errors |= w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+        self.finished_sending |= sending
+        self.finished_recving |= recving
         self.load_errors |= errors
         req_ids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[[7] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(finished_sending=sending,
-                                                  finished_recving=recving,
+            kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
+                                                  finished_recving=recving or None,
                                                   invalid_block_ids=errors))
         for eo in self.scheduler.update_from_output(out, mro).values():
             self.outputs.extend(eo.outputs)
         return out
 
 
-def engine(root: Path, role: str, socket: str, engine_id: str,
+def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
            **extra: Any) -> Engine:
+    """An engine of ``tp`` ranks (their worker connectors made here, rank by
+    rank, as vLLM's workers would make theirs); each rank holds
+    ``KV_HEADS / tp`` heads."""
     kv = KVTransferConfig(kv_connector="P2PXferConnector",
                           kv_connector_module_path="p2pxfer.integrations.vllm", kv_role=role,
                           engine_id=engine_id, kv_load_failure_policy="recompute",
@@ -119,21 +151,29 @@ def engine(root: Path, role: str, socket: str, engine_id: str,
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_LEN, max_num_seqs=8,
                                          max_model_len=MAX_LEN, is_encoder_decoder=False),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer_config=kv)
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD,
+    heads = KV_HEADS // tp
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD,
                              dtype=torch.float16)
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(layer_names(), spec)])
     scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
                           structured_output_manager=StructuredOutputManager(config),
                           block_size=BLOCK_SIZE)
-    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
-                                                 kv_cache_config)
-    tensors = {name: torch.zeros((2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD),
-                                 dtype=torch.float16) for name in layer_names()}
-    worker.register_kv_caches(tensors)
-    return Engine(config, scheduler, worker, tensors)
+    workers, kvs = [], []
+    for rank in range(tp):
+        # Outside vLLM's distributed set-up the connector would be rank 0.
+        with mock.patch.object(connector_module, "_rank", lambda rank=rank: rank):
+            worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
+                                                         kv_cache_config)
+        tensors = {name: torch.zeros((2, NUM_BLOCKS, BLOCK_SIZE, heads, HEAD),
+                                     dtype=torch.float16) for name in layer_names()}
+        worker.register_kv_caches(tensors)
+        workers.append(worker)
+        kvs.append(tensors)
+    return Engine(config, scheduler, workers, kvs)
 
 
 def request(rid: str, prompt: list[int], max_tokens: int,

@@ -14,7 +14,11 @@ request, checked on decode before a layer reaches the engine), ``lease_s``
 ``arrangement`` (``planes_first`` / ``blocks_first`` / ``single``; guessed
 from the tensors' shape by default), ``kv_memory`` (``staging``, the
 default: a pool mirroring the KV tensors; ``shared``: vLLM's CPU KV
-tensors are moved into the daemon-shared pool, zero copy).
+tensors are moved into the daemon-shared pool, zero copy),
+``peer_tp_size`` (the other side's tensor parallel size, when it differs:
+the decode's on a prefill, the prefill's on a decode), ``head_layout``
+(``NHD``, the default, or ``HND``: where the heads sit in a block, for
+head slices across TP sizes).
 
 This module is the only one of the package that imports vLLM (and it is
 loaded only when vLLM asks for the class: ``p2pxfer.integrations.vllm``
@@ -101,11 +105,12 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         max_len = int(vllm_config.model_config.max_model_len)
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         max_held = int(extra.get("max_held", 256))
+        peer_tp = int(extra.get("peer_tp_size", tp))
         self._scheduler: SchedulerSide | None = None
         self._worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(_daemon_node(socket), str(kv.engine_id), block_size,
-                                            max_held, send, receive, tp)
+                                            max_held, send, receive, tp, peer_tp)
         elif role == KVConnectorRole.WORKER:
             self._worker = Worker(WorkerOptions(
                 socket=socket, engine=str(kv.engine_id), rank=_rank(), send=send,
@@ -115,7 +120,8 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 lease_s=float(extra.get("lease_s", 120.0)),
                 load_timeout_s=float(extra.get("load_timeout_s", 120.0)),
                 poll_s=float(extra.get("poll_s", 0.5)), arrangement=extra.get("arrangement"),
-                memory=str(extra.get("kv_memory", "staging"))))
+                memory=str(extra.get("kv_memory", "staging")), tp_size=tp, peer_tp_size=peer_tp,
+                head_layout=str(extra.get("head_layout", "NHD"))))
         else:
             raise InvalidArgument(f"unknown connector role {role!r}")
         log.info("vllm.connector", role=str(role), socket=socket, producer=send, consumer=receive,

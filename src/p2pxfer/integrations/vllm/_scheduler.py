@@ -53,9 +53,12 @@ def _blocks_of(blocks: Any) -> list[int]:
 
 class SchedulerSide:
     def __init__(self, node: str, engine: str, block_size: int, max_held: int,
-                 send: bool, receive: bool, tp_size: int = 1) -> None:
+                 send: bool, receive: bool, tp_size: int = 1,
+                 peer_tp_size: int | None = None) -> None:
         self.node = node
         self.tp_size = tp_size
+        #: the other side's TP size the workers' pools are cut for
+        self.peer_tp = tp_size if peer_tp_size is None else peer_tp_size
         self.engine = engine
         self.block_size = block_size
         self.send = send
@@ -75,11 +78,12 @@ class SchedulerSide:
         if missing:
             raise InvalidArgument(f"request {request.request_id!r} asks for a remote prefill "
                                   f"without {missing} in kv_transfer_params")
-        if int(params.get("remote_tp_size", 1)) != self.tp_size:
-            # Head slices across TP sizes are not done yet: compute locally
-            # (the prefill's hold ends with its lease).
+        if int(params.get("remote_tp_size", 1)) != self.peer_tp:
+            # Our staging pools are cut for a prefill of peer_tp ranks: one of
+            # another size is not loaded from (computed here; the prefill's
+            # hold ends with its lease).
             log.warning("vllm.tp_mismatch", request=request.request_id,
-                        remote_tp=params.get("remote_tp_size"), local_tp=self.tp_size)
+                        remote_tp=params.get("remote_tp_size"), expected_tp=self.peer_tp)
             return 0, False
         # Every prompt token the decode has not computed comes from the
         # prefill; vLLM then computes the sampled token itself.
