@@ -8,7 +8,9 @@ vLLM allocates them on CPU), moved three ways, round after round, in turn:
 
 - ``plain``: ``Client.kv_push`` of every request's blocks from a source
   pool to a decode pool (the same layout as the connector's staging pools),
-  all requests at once, timed until every push has landed;
+  all requests at once, the decode taking each request's layers as they
+  land (``KVPool.layers``), timed until every push has landed and been
+  seen;
 - ``staging``: the connector's worker half (``_worker.Worker``, what
   ``P2PXferConnector`` runs in vLLM's worker) with its default memory: the
   prefill copies each layer of each request into its staging pool
@@ -117,20 +119,32 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
             lay = pairs["staging"][0].layout
             assert lay is not None
             sp = await prefill.kv_pool("plain-src", lay, receive=False)
-            await decode.kv_pool("plain-dst", lay)
+            dp = await decode.kv_pool("plain-dst", lay)
             for i, t in enumerate(src_np.values()):  # the staging layout: [layer][plane][block]
                 sp.array[i * lay.layer_stride:(i + 1) * lay.layer_stride] = \
                     t.view(np.uint8).reshape(-1)
 
+            async def landed(request: int) -> None:
+                async for _ in dp.layers(request, timeout=60):
+                    pass
+
             async def plain(round_: int) -> float:
+                """Push every request; the decode takes each layer as it
+                lands (as a plain-API decode does)."""
                 t0 = time.perf_counter()
-                pushes = [await prefill.kv_push("node-b", "plain-dst", sp, s, d,
-                                                request=round_ * args.requests + i)
-                          for i, (s, d) in enumerate(zip(src_tables, dst_tables, strict=True))]
-                results = [await p.wait() for p in pushes]
+                requests = [round_ * args.requests + i for i in range(args.requests)]
+                async with trio.open_nursery() as nursery:
+                    for r in requests:
+                        nursery.start_soon(landed, r)
+                    pushes = [await prefill.kv_push("node-b", "plain-dst", sp, s, d, request=r)
+                              for r, s, d in zip(requests, src_tables, dst_tables, strict=True)]
+                    results = [await p.wait() for p in pushes]
+                took = time.perf_counter() - t0
+                for r in requests:
+                    await dp.forget(r)
                 nonlocal nbytes
                 nbytes = sum(r.nbytes for r in results)
-                return time.perf_counter() - t0
+                return took
 
             def connector(mode: str, round_: int) -> float:
                 p, d = pairs[mode]

@@ -383,3 +383,17 @@ def test_heterogeneous_tp_mla_is_replicated(pair: tuple[str, str], prefill_tp: i
     finally:
         for w in decode + prefill:
             w.close()
+
+
+def test_importing_p2pxfer_and_the_worker_side_needs_no_vllm() -> None:
+    """``import p2pxfer`` (and the connector's vLLM-free halves) load
+    neither vLLM nor torch; only ``P2PXferConnector`` does, when asked for."""
+    import subprocess
+    import sys
+
+    code = ("import sys, p2pxfer, p2pxfer.integrations.vllm, "
+            "p2pxfer.integrations.vllm._worker, p2pxfer.integrations.vllm._scheduler\n"
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -88,10 +88,17 @@ class PrefillSide(WorkerState):
     async def _send_sums(self, slot: int, pull: Pull, src: npt.NDArray[np.int64]) -> None:
         """Each layer's checksum over the blocks about to be pushed, written
         into the decode's checksum region before the push starts."""
-        assert self.pool is not None and self.layout is not None
-        n = self.layout.num_layers
-        sums = np.array([checksum_blocks(self.pool.array, self.layout, layer, src)
-                         for layer in range(n)], "<u8")
+        pool, layout = self.pool, self.layout
+        assert pool is not None and layout is not None
+        n = layout.num_layers
+
+        def compute() -> npt.NDArray[np.uint64]:
+            return np.array([checksum_blocks(pool.array, layout, layer, src)
+                             for layer in range(n)], "<u8")
+
+        # In a thread (the gathers and CRCs release the GIL): the bridge
+        # serves other pulls and loads meanwhile.
+        sums = await trio.to_thread.run_sync(compute)
         out = self._sums_out
         assert out is not None
         off = slot * n * SUM_BYTES
