@@ -397,3 +397,46 @@ def test_importing_p2pxfer_and_the_worker_side_needs_no_vllm() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_layers_save_kv_layer_missed_are_staged_at_the_end_of_the_step(
+        pair: tuple[str, str]) -> None:
+    a, b = pair
+    src, dst = caches(12), caches(None)
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        sb, db = [10, 11], [20, 21]
+        saves = [Save("r", tuple(sb))]
+        prefill.stage_layer(next(iter(src)), saves)  # only the first layer's hook ran
+        prefill.end_step(saves)
+        prefill.hold([Send("r", 1, tuple(sb))])
+        decode.load([Load("d", prefill.node, "P", 1, "r", 0, tuple(db))])
+        wait_finished(decode, received={"d"})
+        blocks_equal(src, dst, sb, db)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_prefill_out_of_keys_holds_nothing() -> None:
+    """With every key held, a finished prefill is not held (its blocks go at
+    once, no kv_transfer_params) instead of failing vLLM's scheduler."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-a", "P", BLOCK_SIZE, 1, send=True, receive=False)
+
+    def req(rid: str) -> Any:
+        return SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_decode": True})
+
+    held, params = side.finished(req("one"), [1, 2], True)
+    assert held and params is not None and params["remote_key"] == 1
+    assert side.finished(req("two"), [3, 4], True) == (False, None)
+    assert side.finished(req("aborted"), [5], False) == (False, None)
+    side.sent({"one"})
+    held, params = side.finished(req("three"), [6], True)
+    assert held and params is not None and params["remote_key"] == 1

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from p2pxfer.errors import P2PXferError, PeerLost, TransferError, WaitTimeout
+from p2pxfer.errors import LimitExceeded, P2PXferError, PeerLost, TransferError, WaitTimeout
 from p2pxfer.integrations._tensors import checksum_blocks, copy_blocks
 from p2pxfer.log import get_logger
 from p2pxfer.scatter import ScatterList
@@ -61,11 +61,22 @@ class DecodeSide(WorkerState):
             blocks = np.asarray(job.blocks, np.int64)
             parts = []
             with self._lock:
-                for i, route in enumerate(routes):
-                    key = f"{job.request}#{i}"
-                    staging = blocks[:0] if route.release else blocks * self.k + route.part
-                    parts.append(_Part(route, self._slots.take(key), self._msg_slots.take(key),
-                                       staging))
+                try:
+                    for i, route in enumerate(routes):
+                        key = f"{job.request}#{i}"
+                        staging = blocks[:0] if route.release else blocks * self.k + route.part
+                        parts.append(_Part(route, self._slots.take(key),
+                                           self._msg_slots.take(key), staging))
+                except LimitExceeded as exc:
+                    # Too many loads at once: this one fails (vLLM recomputes).
+                    for i in range(len(parts)):
+                        self._slots.release(f"{job.request}#{i}")
+                        self._msg_slots.release(f"{job.request}#{i}")
+                    log.warning("vllm.load_failed", request=job.request, error=str(exc))
+                    if job.blocks:
+                        self._errors.update(job.blocks)
+                        self._received.add(job.request)
+                    continue
             self.bridge.spawn(self._load, job, parts)
 
     async def _load(self, job: Load, parts: list[_Part]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2pxfer.errors import InvalidArgument
+from p2pxfer.errors import InvalidArgument, LimitExceeded
 from p2pxfer.integrations._slots import SlotTable
 from p2pxfer.log import get_logger
 
@@ -140,7 +140,13 @@ class SchedulerSide:
             # Aborted (or errored): nobody will pull it; its blocks go now.
             log.debug("vllm.not_held", request=rid, status=str(getattr(request, "status", "")))
             return False, None
-        key = self._keys.take(rid)
+        try:
+            key = self._keys.take(rid)
+        except LimitExceeded as exc:
+            # Nothing to hold it under: its blocks go now, and the decode,
+            # given no kv_transfer_params, computes the prompt itself.
+            log.warning("vllm.not_held", request=rid, error=str(exc))
+            return False, None
         self._sends.append(Send(rid, key, tuple(int(b) for b in block_ids)))
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_node": self.node, "remote_engine_id": self.engine,

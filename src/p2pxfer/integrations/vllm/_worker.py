@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from p2pxfer.errors import InvalidArgument, TransferError
+from p2pxfer.errors import InvalidArgument
 from p2pxfer.integrations._tensors import (
     HeadSlices,
     copy_blocks,
@@ -133,13 +133,17 @@ class Worker(PrefillSide, DecodeSide):
         return n
 
     def end_step(self, saves: list[Save]) -> None:
-        """Every layer of a step with requests to stage must have been staged."""
+        """The step's forward is over: a layer ``save_kv_layer`` was not
+        called for (a layer sharing another's cache, a runner that skips
+        the hook) is staged now, from the tensor the forward wrote."""
         staged, self._staged_layers = self._staged_layers, set()
-        if saves and len(staged) != len(self.layers):
-            missing = sorted(set(range(len(self.layers))) - staged)[:8]
-            raise TransferError(f"this step staged {len(staged)} of {len(self.layers)} KV "
-                                f"layers (not {missing}...): save_kv_layer was not called for "
-                                "every layer")
+        if not saves or self.shared or len(staged) == len(self.layers):
+            return
+        missing = [name for name, i in self.index.items() if i not in staged]
+        log.info("vllm.staged_late", layers=len(missing), first=missing[0])
+        for name in missing:
+            self.stage_layer(name, saves)
+        self._staged_layers = set()
 
     # -- both --------------------------------------------------------------------------
 
