@@ -257,3 +257,49 @@ def test_heterogeneous_tp_through_vllm(pair: tuple[DaemonProc, DaemonProc], tmp_
         assert "p1" not in p.scheduler.requests
     finally:
         close(p, d)
+
+
+def test_a_chunked_prefill_stages_each_chunk(pair: tuple[DaemonProc, DaemonProc],
+                                             tmp_path: Path) -> None:
+    """A 300-token prompt prefilled 64 tokens a step: each step stages the
+    blocks its tokens touched; the decode gets every byte of every layer."""
+    a, b = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", chunk=64)
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine")
+    g = torch.Generator().manual_seed(3)
+
+    def fill(name: str, t: torch.Tensor, out: Any) -> None:
+        """Random K and V into exactly the slots this step's tokens write."""
+        for rid, n in out.num_scheduled_tokens.items():
+            ids = p.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            # schedule() has counted this step's tokens already.
+            done = p.scheduler.requests[rid].num_computed_tokens - n
+            slots = torch.arange(done, done + n)
+            blocks = torch.tensor(ids)[slots // h.BLOCK_SIZE]
+            t[:, blocks, slots % h.BLOCK_SIZE] = torch.randn(
+                (2, n, h.KV_HEADS, h.HEAD), generator=g).half()
+
+    try:
+        prompt = list(range(1, 301))
+        p.scheduler.add_request(h.request("p1", prompt, 1, {"do_remote_decode": True}))
+        steps = 0
+        while not [o for o in p.outputs if o.request_id == "p1"]:
+            p.step(fill)
+            steps += 1
+            assert steps < 20
+        assert steps == 5  # 64 tokens a step
+        (done,) = [o for o in p.outputs if o.request_id == "p1"]
+        params = dict(done.kv_transfer_params)
+        d.scheduler.add_request(h.request("d1", prompt, 4, params))
+        run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
+                  "load")
+        assert d.load_errors == set()
+        out = d.step()
+        (new,) = [r for r in out.scheduled_new_reqs if r.req_id == "d1"]
+        src_ids = params["remote_block_ids"]
+        dst_ids = new.block_ids[0][:len(src_ids)]
+        for name in h.layer_names():
+            assert torch.equal(p.kv[name][:, src_ids].view(torch.int16),
+                               d.kv[name][:, dst_ids].view(torch.int16)), name
+    finally:
+        close(p, d)

@@ -98,6 +98,10 @@ class Engine:
             del seen[r]
         return done
 
+    def _partial_prefill(self, rid: str) -> bool:
+        req = self.scheduler.requests[rid]
+        return bool(req.num_computed_tokens < req.num_prompt_tokens)
+
     def step(self, fill: Any = None) -> Any:
         """One engine step; ``fill(name, tensor, scheduler_output)`` writes
         what "attention" computed into a layer before it is saved."""
@@ -126,7 +130,8 @@ class Engine:
         req_ids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
+            # A partial prefill samples nothing (as a model runner's).
+            sampled_token_ids=[[] if self._partial_prefill(r) else [7] for r in req_ids],
             kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
                                                   finished_recving=recving or None,
                                                   invalid_block_ids=errors))
@@ -136,10 +141,10 @@ class Engine:
 
 
 def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
-           **extra: Any) -> Engine:
+           chunk: int = MAX_LEN, **extra: Any) -> Engine:
     """An engine of ``tp`` ranks (their worker connectors made here, rank by
     rank, as vLLM's workers would make theirs); each rank holds
-    ``KV_HEADS / tp`` heads."""
+    ``KV_HEADS / tp`` heads. ``chunk``: tokens per step (chunked prefill)."""
     kv = KVTransferConfig(kv_connector="P2PXferConnector",
                           kv_connector_module_path="p2pxfer.integrations.vllm", kv_role=role,
                           engine_id=engine_id, kv_load_failure_policy="recompute",
@@ -149,11 +154,16 @@ def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
         model_config=ModelConfig(model=model, tokenizer=model, skip_tokenizer_init=True,
                                  dtype="float16", max_model_len=MAX_LEN),
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_LEN, max_num_seqs=8,
-                                         max_model_len=MAX_LEN, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=8,
+                                         max_model_len=MAX_LEN, is_encoder_decoder=False,
+                                         enable_chunked_prefill=True),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer_config=kv)
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    # The CPU platform raises the step's token budget; a test asks for its own.
+    config.scheduler_config.max_num_batched_tokens = chunk
+    config.scheduler_config.max_num_scheduled_tokens = chunk
+    config.scheduler_config.enable_chunked_prefill = True
     heads = KV_HEADS // tp
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD,
                              dtype=torch.float16)
