@@ -126,9 +126,8 @@ def test_prefill_to_decode_every_byte_of_every_layer(pair: tuple[DaemonProc, Dae
         run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
                   "load")
         assert d.load_errors == set()
-        out = d.step()
         # vLLM runs it only now, from the last prompt token.
-        (new,) = [r for r in out.scheduled_new_reqs if r.req_id == "d1"]
+        new = d.scheduled("d1")
         assert new.num_computed_tokens == len(PROMPT) - 1
         src_ids = params["remote_block_ids"]
         dst_ids = new.block_ids[0][:len(src_ids)]
@@ -162,10 +161,9 @@ def test_a_corrupted_byte_is_a_load_error_and_vllm_recomputes(
         assert hit == [1]
         loaded = d.scheduler.kv_cache_manager.get_block_ids("d1")[0]
         assert d.load_errors == set(loaded[:len(params["remote_block_ids"])])
-        out = d.step()
         # vLLM recomputes (kv_load_failure_policy "recompute") instead of
         # trusting the bad layer: from the first failed block on.
-        assert out.num_scheduled_tokens.get("d1", 0) > 1
+        assert d.scheduled("d1").num_computed_tokens == 0
     finally:
         close(p, d)
 
@@ -195,8 +193,7 @@ def test_a_dead_prefill_node_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
         run_until([d], lambda: "d1" in d.finished_recving, "load outcome")  # far below 600 s
         loaded = d.scheduler.kv_cache_manager.get_block_ids("d1")[0]
         assert d.load_errors == set(loaded[:len(params["remote_block_ids"])])
-        out = d.step()
-        assert out.num_scheduled_tokens.get("d1", 0) > 1  # recomputed, not stuck
+        assert d.scheduled("d1").num_computed_tokens == 0  # recomputed, not stuck
         assert b.status()["transfers_in_flight"] == 0
     finally:
         close(*[e for e in (p, d) if e is not None])
@@ -245,8 +242,7 @@ def test_heterogeneous_tp_through_vllm(pair: tuple[DaemonProc, DaemonProc], tmp_
         run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
                   "load")
         assert d.load_errors == set()
-        out = d.step()
-        (new,) = [r for r in out.scheduled_new_reqs if r.req_id == "d1"]
+        new = d.scheduled("d1")
         src_ids = params["remote_block_ids"]
         dst_ids = new.block_ids[0][:len(src_ids)]
         # Both sides' heads, rank by rank, side by side (NHD: heads are dim 3).
@@ -294,8 +290,7 @@ def test_a_chunked_prefill_stages_each_chunk(pair: tuple[DaemonProc, DaemonProc]
         run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
                   "load")
         assert d.load_errors == set()
-        out = d.step()
-        (new,) = [r for r in out.scheduled_new_reqs if r.req_id == "d1"]
+        new = d.scheduled("d1")
         src_ids = params["remote_block_ids"]
         dst_ids = new.block_ids[0][:len(src_ids)]
         for name in h.layer_names():

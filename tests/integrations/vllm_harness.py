@@ -78,6 +78,8 @@ class Engine:
     finished_recving: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
     outputs: list[Any] = field(default_factory=list)
+    #: each request as vLLM first scheduled it (its blocks, computed tokens)
+    new_reqs: dict[str, Any] = field(default_factory=dict)
     _partial: dict[str, Counter[str]] = field(default_factory=dict)
 
     @property
@@ -98,6 +100,13 @@ class Engine:
             del seen[r]
         return done
 
+    def scheduled(self, rid: str) -> Any:
+        """How vLLM first scheduled ``rid`` (stepping once more if it has
+        not yet)."""
+        if rid not in self.new_reqs:
+            self.step()
+        return self.new_reqs[rid]
+
     def _partial_prefill(self, rid: str) -> bool:
         req = self.scheduler.requests[rid]
         return bool(req.num_computed_tokens < req.num_prompt_tokens)
@@ -106,6 +115,8 @@ class Engine:
         """One engine step; ``fill(name, tensor, scheduler_output)`` writes
         what "attention" computed into a layer before it is saved."""
         out = self.scheduler.schedule()
+        for new in out.scheduled_new_reqs:
+            self.new_reqs.setdefault(new.req_id, new)
         sending: set[str] = set()
         recving: set[str] = set()
         errors: set[int] = set()
