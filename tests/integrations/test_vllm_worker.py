@@ -209,7 +209,7 @@ def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
         wait_finished(decode, received={"d"})  # within DEADLINE_S, far below 600 s
         assert decode.load_errors() == {1, 2, 3}
         assert b.status()["transfers_in_flight"] == 0
-        assert "d" not in decode._slots
+        assert "d#0" not in decode._slots  # the request number went back
     finally:
         decode.close()
         prefill.close()
@@ -440,3 +440,41 @@ def test_a_prefill_out_of_keys_holds_nothing() -> None:
     side.sent({"one"})
     held, params = side.finished(req("three"), [6], True)
     assert held and params is not None and params["remote_key"] == 1
+
+
+def test_a_replaced_prefill_is_a_load_error(tmp_path: Path) -> None:
+    """With membership: the prefill node is replaced (killed and started
+    again under its name) while a decode waits on a request it held; the
+    new life holds nothing of it, so the load ends as load errors (dead, or
+    a new incarnation), its slots released, not at the load's deadline."""
+    keys = {"membership": "embedded", "cluster_token": "vllm-cluster-token"}
+    pa, pb = free_port(), free_port()
+    b = start_daemon(tmp_path, "node-b", control_port=pb, **keys)
+    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **keys)
+    decode = Worker(options(b.socket, "D", send=False, receive=True, load_timeout_s=600.0))
+    prefill = Worker(options(a.socket, "P", send=True, receive=False))
+    a2 = None
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while {p["name"]: p["state"] for p in b.status()["peers"]} != {
+                "node-a": "alive", "node-b": "alive"}:
+            assert time.monotonic() < deadline, b.status()["peers"]
+            time.sleep(0.1)
+        prefill.register(caches(5))
+        decode.register(caches(None))
+        decode.load([Load("d", "node-a", "P", 6, "r", 0, (1, 2, 3))])
+        time.sleep(1.0)
+        a.proc.kill()
+        a.proc.wait(10)
+        prefill.close()
+        a2 = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"],
+                          **keys)
+        wait_finished(decode, received={"d"})  # within DEADLINE_S, far below 600 s
+        assert decode.load_errors() == {1, 2, 3}
+        assert "d#0" not in decode._slots
+    finally:
+        decode.close()
+        prefill.close()
+        for d in (a2, a, b):
+            if d is not None:
+                d.stop()

@@ -85,6 +85,9 @@ class DecodeSide(WorkerState):
         kp = split(o.peer_tp, o.tp_size)  # the prefill's head slices per block
         try:
             deadline = trio.current_time() + o.load_timeout_s
+            # The prefill's life now: a restarted prefill holds nothing of ours.
+            peer = await c.lookup(job.node)
+            life = None if peer is None else peer.get("incarnation")
             for p in parts:
                 skip = job.skip + len(job.blocks) if p.route.release else job.skip
                 data = encode_pull(Pull(job.remote_request, self.node, self.pool_name,
@@ -99,7 +102,8 @@ class DecodeSide(WorkerState):
                               timeout=o.load_timeout_s)
             t0 = time.perf_counter()
             if job.blocks:
-                await self._receive(job, [p for p in parts if not p.route.release], deadline)
+                await self._receive(job, [p for p in parts if not p.route.release], deadline,
+                                    life)
             log.debug("vllm.loaded", request=job.request, peer=job.node, blocks=len(job.blocks),
                       seconds=time.perf_counter() - t0)
         except P2PXferError as exc:
@@ -121,7 +125,8 @@ class DecodeSide(WorkerState):
                 if job.blocks:
                     self._received.add(job.request)
 
-    async def _receive(self, job: Load, parts: list[_Part], deadline: float) -> None:
+    async def _receive(self, job: Load, parts: list[_Part], deadline: float,
+                       life: int | None) -> None:
         """Each layer as it lands, checked and copied into the engine's
         tensor, in layer order. One pull: every layer that landed comes in
         one round trip (``KVPool.layers``); several: layer by layer, each
@@ -131,7 +136,7 @@ class DecodeSide(WorkerState):
         if len(parts) > 1:
             for layer in range(n):
                 for p in parts:
-                    await self._wait_layer(job, p.slot, layer, deadline)
+                    await self._wait_layer(job, p.slot, layer, deadline, life)
                 self._landed(job, parts, layer)
             return
         nxt = 0
@@ -144,9 +149,10 @@ class DecodeSide(WorkerState):
                     since = trio.current_time()
                 return
             except WaitTimeout:
-                await self._still_there(job, nxt, since, deadline)
+                await self._still_there(job, nxt, since, deadline, life)
 
-    async def _wait_layer(self, job: Load, slot: int, layer: int, deadline: float) -> None:
+    async def _wait_layer(self, job: Load, slot: int, layer: int, deadline: float,
+                          life: int | None) -> None:
         assert self.pool is not None
         while True:
             since, poll = trio.current_time(), self._poll(job, layer, deadline)
@@ -154,7 +160,7 @@ class DecodeSide(WorkerState):
                 await self.pool.wait_layers(slot, layer, first=layer, timeout=poll)
                 return
             except WaitTimeout:
-                await self._still_there(job, layer, since, deadline)
+                await self._still_there(job, layer, since, deadline, life)
 
     def _poll(self, job: Load, layer: int, deadline: float) -> float:
         """How long the next wait may last: ``poll_s``, less near the deadline."""
@@ -164,11 +170,13 @@ class DecodeSide(WorkerState):
                               f"within {self.opts.load_timeout_s:g} s")
         return min(self.opts.poll_s, left)
 
-    async def _still_there(self, job: Load, layer: int, since: float, deadline: float) -> None:
+    async def _still_there(self, job: Load, layer: int, since: float, deadline: float,
+                           life: int | None) -> None:
         """A wait ended without the layer: ``WaitTimeout`` if the daemon
         ended it (well before ``poll_s``: the push's own deadline passed),
-        ``PeerLost`` if membership says the prefill node is dead, left or
-        unknown (the daemon fails the wait itself too once a push began)."""
+        ``PeerLost`` if membership says the prefill node is dead, left,
+        unknown or restarted since the load began (its held requests died
+        with it; the daemon fails the wait itself too once a push began)."""
         if trio.current_time() - since < self.opts.poll_s / 2 < deadline - trio.current_time():
             raise WaitTimeout(f"the push of {job.request!r} from {job.node} passed its deadline "
                               f"before layer {layer} landed")
@@ -177,6 +185,10 @@ class DecodeSide(WorkerState):
         if peer is None or state in GONE:
             raise PeerLost(f"prefill node {job.node} is {state or 'unknown'} (layer {layer} of "
                            f"{job.request!r} never came)")
+        if life is not None and peer.get("incarnation") not in (None, life):
+            raise PeerLost(f"prefill node {job.node} restarted (incarnation {life} -> "
+                           f"{peer.get('incarnation')}): layer {layer} of {job.request!r} "
+                           "will not come")
 
     def _landed(self, job: Load, parts: list[_Part], layer: int) -> None:
         """A layer landed in the staging pool (every pull's part of it):
