@@ -478,3 +478,53 @@ def test_a_replaced_prefill_is_a_load_error(tmp_path: Path) -> None:
         for d in (a2, a, b):
             if d is not None:
                 d.stop()
+
+
+def test_a_decode_prefix_hit_skips_the_blocks_it_has() -> None:
+    """The decode already holds the prompt's first 2 blocks (a local prefix
+    hit): it loads only the other 5, into its new blocks, and the pull asks
+    the prefill to skip its first 2."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-b", "D", BLOCK_SIZE, 8, send=False, receive=True)
+    params = {"do_remote_prefill": True, "remote_node": "node-a", "remote_engine_id": "P",
+              "remote_key": 3, "remote_request_id": "p1", "remote_tp_size": 1,
+              "remote_block_ids": [10, 11, 12, 13, 14, 15, 16]}
+    request = SimpleNamespace(request_id="d1", kv_transfer_params=params,
+                              prompt_token_ids=list(range(100)))
+    assert side.matched_tokens(request, 32) == (68, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([40, 41, 50, 51, 52, 53, 54],))
+    side.after_alloc(request, blocks, 68)
+    (load,) = side.plan(SimpleNamespace()).loads
+    assert (load.skip, load.blocks, load.key, load.remote_request) == (
+        2, (50, 51, 52, 53, 54), 3, "p1")
+    assert params["do_remote_prefill"] is False  # once: a preempted request computes
+    assert side.matched_tokens(request, 32) == (0, False)
+
+
+def test_a_prefill_stages_its_cached_prefix_first_then_each_chunk() -> None:
+    """A prefill with a local prefix hit (32 tokens cached) stages from its
+    first block on its first step (the cached blocks are pushed too, though
+    not computed again); a later chunk stages only the blocks it touched."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-a", "P", BLOCK_SIZE, 8, send=True, receive=False)
+    request = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True})
+    side.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],)), 0)
+    first = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="p1", block_ids=([7, 8, 9, 10],),
+                                            num_computed_tokens=32)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              num_computed_tokens=[]),
+        num_scheduled_tokens={"p1": 32})
+    assert side.plan(first).saves == [Save("p1", (7, 8, 9, 10))]
+    second = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["p1"], new_block_ids=[([11, 12],)],
+                                              num_computed_tokens=[64]),
+        num_scheduled_tokens={"p1": 36})
+    assert side.plan(second).saves == [Save("p1", (11, 12))]  # tokens 64..99
