@@ -298,3 +298,28 @@ def test_a_chunked_prefill_stages_each_chunk(pair: tuple[DaemonProc, DaemonProc]
                                d.kv[name][:, dst_ids].view(torch.int16)), name
     finally:
         close(p, d)
+
+
+def test_a_decode_request_aborted_while_loading_frees_its_blocks_after_the_load(
+        pair: tuple[DaemonProc, DaemonProc], tmp_path: Path) -> None:
+    """Aborted while its load runs: vLLM keeps its blocks until the load
+    reports done (it does, however it ends), then frees them; the
+    connector's slots go back too."""
+    from vllm.v1.request import RequestStatus
+
+    a, b = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine")
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine")
+    try:
+        params = prefill(p, "p1", PROMPT)
+        d.scheduler.add_request(h.request("d1", PROMPT, 4, params))
+        d.step()  # the load starts
+        d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+        assert "d1" in d.scheduler.requests  # its blocks still held for the load
+        run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
+                  "load")
+        d.step()
+        assert "d1" not in d.scheduler.requests
+        assert len(d.worker.worker._slots) == 0
+    finally:
+        close(p, d)
