@@ -1,0 +1,218 @@
+"""The worker side of a decode: loads. A load writes its pulls (one per
+prefill rank it reads from: ``_plan.pull_routes``) into the prefill's
+mailbox, then takes each layer as it lands in the staging pool, checks it
+(checksums, when asked), and copies it into the engine's tensor (whole
+blocks, or head slices when the prefill's ranks hold fewer heads). A layer
+that does not come (the prefill died: membership says so; the push's or
+the load's deadline passed) or does not check makes the load's blocks
+load errors. What must not live here: set-up (``_worker``), serving pulls
+(``_prefill``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from p2pxfer.errors import LimitExceeded, P2PXferError, PeerLost, TransferError, WaitTimeout
+from p2pxfer.integrations._tensors import checksum_blocks, copy_blocks
+from p2pxfer.log import get_logger
+from p2pxfer.scatter import ScatterList
+
+from ._plan import Load, Pull, Route, encode_pull, pull_routes, region_names, split
+from ._state import SUM_BYTES, WorkerState
+
+__all__ = ["DecodeSide", "LoadCorrupted"]
+
+log = get_logger("p2pxfer.vllm")
+
+GONE = ("dead", "left")
+I64 = npt.NDArray[np.int64]
+
+
+class LoadCorrupted(TransferError):
+    """A layer's bytes landed but their checksum is not the sender's."""
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One pull of a load: its route, decode request number, message slot,
+    and the staging blocks it lands in."""
+
+    route: Route
+    slot: int
+    msg: int
+    staging: I64
+
+
+class DecodeSide(WorkerState):
+    def load(self, loads: Iterable[Load]) -> None:
+        """Start each load (pulls, then per-layer waits) and return. A load
+        of no blocks only releases the prefill's hold (its pulls ask for
+        nothing), and is not reported back."""
+        o = self.opts
+        routes = pull_routes(o.tp_size, o.rank, o.peer_tp, replicated=self.replicated)
+        for job in loads:
+            blocks = np.asarray(job.blocks, np.int64)
+            parts = []
+            with self._lock:
+                try:
+                    for i, route in enumerate(routes):
+                        key = f"{job.request}#{i}"
+                        staging = blocks[:0] if route.release else blocks * self.k + route.part
+                        parts.append(_Part(route, self._slots.take(key),
+                                           self._msg_slots.take(key), staging))
+                except LimitExceeded as exc:
+                    # Too many loads at once: this one fails (vLLM recomputes).
+                    for i in range(len(parts)):
+                        self._slots.release(f"{job.request}#{i}")
+                        self._msg_slots.release(f"{job.request}#{i}")
+                    log.warning("vllm.load_failed", request=job.request, error=str(exc))
+                    if job.blocks:
+                        self._errors.update(job.blocks)
+                        self._received.add(job.request)
+                    continue
+            self.bridge.spawn(self._load, job, parts)
+
+    async def _load(self, job: Load, parts: list[_Part]) -> None:
+        c, o = self.bridge.client, self.opts
+        assert self.pool is not None and self._msgs is not None
+        kp = split(o.peer_tp, o.tp_size)  # the prefill's head slices per block
+        try:
+            deadline = trio.current_time() + o.load_timeout_s
+            # The prefill's life now: a restarted prefill holds nothing of ours.
+            peer = await c.lookup(job.node)
+            life = None if peer is None else peer.get("incarnation")
+            for p in parts:
+                skip = job.skip + len(job.blocks) if p.route.release else job.skip
+                data = encode_pull(Pull(job.remote_request, self.node, self.pool_name,
+                                        self.sums_name if o.checksum else "", p.slot, skip,
+                                        p.staging), self.slot_bytes)
+                off = p.msg * self.slot_bytes
+                self._msgs.array[off:off + len(data)] = np.frombuffer(data, np.uint8)
+                mailbox = job.key * kp + p.route.sub
+                await c.write(job.node, region_names(job.engine, p.route.rank)[1],
+                              ScatterList.contiguous(len(data), off, mailbox * self.slot_bytes),
+                              src=self._msgs, imm=mailbox, notify=True,
+                              timeout=o.load_timeout_s)
+            t0 = time.perf_counter()
+            if job.blocks:
+                await self._receive(job, [p for p in parts if not p.route.release], deadline,
+                                    life)
+            log.debug("vllm.loaded", request=job.request, peer=job.node, blocks=len(job.blocks),
+                      seconds=time.perf_counter() - t0)
+        except P2PXferError as exc:
+            with self._lock:
+                self._errors.update(job.blocks)
+            log.warning("vllm.load_failed", request=job.request, peer=job.node,
+                        blocks=len(job.blocks), error=str(exc))
+        finally:
+            with trio.CancelScope(shield=True):
+                for p in parts:
+                    try:
+                        await self.pool.forget(p.slot)
+                    except P2PXferError as exc:
+                        log.debug("vllm.forget_failed", request=job.request, error=str(exc))
+            with self._lock:
+                for i in range(len(parts)):
+                    self._slots.release(f"{job.request}#{i}")
+                    self._msg_slots.release(f"{job.request}#{i}")
+                if job.blocks:
+                    self._received.add(job.request)
+
+    async def _receive(self, job: Load, parts: list[_Part], deadline: float,
+                       life: int | None) -> None:
+        """Each layer as it lands, checked and copied into the engine's
+        tensor, in layer order. One pull: every layer that landed comes in
+        one round trip (``KVPool.layers``); several: layer by layer, each
+        pull's in turn."""
+        assert self.pool is not None and self.layout is not None
+        n = self.layout.num_layers
+        if len(parts) > 1:
+            for layer in range(n):
+                for p in parts:
+                    await self._wait_layer(job, p.slot, layer, deadline, life)
+                self._landed(job, parts, layer)
+            return
+        nxt = 0
+        while nxt < n:
+            since, poll = trio.current_time(), self._poll(job, nxt, deadline)
+            try:
+                async for layer in self.pool.layers(parts[0].slot, first=nxt, timeout=poll):
+                    self._landed(job, parts, layer)
+                    nxt = layer + 1
+                    since = trio.current_time()
+                return
+            except WaitTimeout:
+                await self._still_there(job, nxt, since, deadline, life)
+
+    async def _wait_layer(self, job: Load, slot: int, layer: int, deadline: float,
+                          life: int | None) -> None:
+        assert self.pool is not None
+        while True:
+            since, poll = trio.current_time(), self._poll(job, layer, deadline)
+            try:
+                await self.pool.wait_layers(slot, layer, first=layer, timeout=poll)
+                return
+            except WaitTimeout:
+                await self._still_there(job, layer, since, deadline, life)
+
+    def _poll(self, job: Load, layer: int, deadline: float) -> float:
+        """How long the next wait may last: ``poll_s``, less near the deadline."""
+        left = deadline - trio.current_time()
+        if left <= 0:
+            raise WaitTimeout(f"layer {layer} of {job.request!r} from {job.node} did not land "
+                              f"within {self.opts.load_timeout_s:g} s")
+        return min(self.opts.poll_s, left)
+
+    async def _still_there(self, job: Load, layer: int, since: float, deadline: float,
+                           life: int | None) -> None:
+        """A wait ended without the layer: ``WaitTimeout`` if the daemon
+        ended it (well before ``poll_s``: the push's own deadline passed),
+        ``PeerLost`` if membership says the prefill node is dead, left,
+        unknown or restarted since the load began (its held requests died
+        with it; the daemon fails the wait itself too once a push began)."""
+        if trio.current_time() - since < self.opts.poll_s / 2 < deadline - trio.current_time():
+            raise WaitTimeout(f"the push of {job.request!r} from {job.node} passed its deadline "
+                              f"before layer {layer} landed")
+        peer = await self.bridge.client.lookup(job.node)
+        state = None if peer is None else peer.get("state")
+        if peer is None or state in GONE:
+            raise PeerLost(f"prefill node {job.node} is {state or 'unknown'} (layer {layer} of "
+                           f"{job.request!r} never came)")
+        if life is not None and peer.get("incarnation") not in (None, life):
+            raise PeerLost(f"prefill node {job.node} restarted (incarnation {life} -> "
+                           f"{peer.get('incarnation')}): layer {layer} of {job.request!r} "
+                           "will not come")
+
+    def _landed(self, job: Load, parts: list[_Part], layer: int) -> None:
+        """A layer landed in the staging pool (every pull's part of it):
+        check it, then copy it into the engine's tensor (a bad layer never
+        reaches the engine)."""
+        assert self.pool is not None and self.layout is not None
+        for p in parts:
+            if self.on_landed is not None:
+                self.on_landed(self.pool.array, self.layout, layer, p.staging)
+            if self.opts.checksum:
+                self._check(job, p, layer)
+        if not self.shared:
+            copy_blocks(self.layers[layer], self.pool.array, self.layout, layer, job.blocks,
+                        to_staging=False, slices=self.slices)
+
+    def _check(self, job: Load, p: _Part, layer: int) -> None:
+        assert self.pool is not None and self.layout is not None and self._sums is not None
+        n = self.layout.num_layers
+        off = (p.slot * n + layer) * SUM_BYTES
+        want = int(self._sums.array[off:off + SUM_BYTES].view("<u8")[0])
+        got = checksum_blocks(self.pool.array, self.layout, layer, p.staging)
+        if got != want:
+            blocks = p.staging.tolist()
+            raise LoadCorrupted(f"layer {layer} of {job.request!r} from {job.node} (rank "
+                                f"{p.route.rank}): checksum {got:#010x} over the bytes landed, "
+                                f"{want:#010x} sent, staging blocks {blocks[:16]}"
+                                f"{'...' if len(blocks) > 16 else ''}")

@@ -1,0 +1,107 @@
+"""The worker side of a prefill: finished requests held under their keys
+until each pull lands in the mailbox, then pushed.
+
+A held request's key owns ``f`` mailbox slots (``f`` decode ranks per
+prefill rank; else 1): slot ``key*f + j``, with immediate ``key*f + j``,
+is the pull of decode rank ``j`` of those: head slice ``j`` (staging
+blocks ``b*k + j``, ``k == f``), or whole blocks for MLA (``k == 1``).
+The request is released (reported finished sending, so vLLM frees its
+blocks) once every slot was served (an empty pull releases at once),
+refused, or its lease passed. What must not live here: set-up
+(``_worker``), loads (``_decode``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from p2pxfer.errors import InvalidArgument, P2PXferError, WaitTimeout
+from p2pxfer.integrations._tensors import checksum_blocks
+from p2pxfer.log import get_logger
+from p2pxfer.scatter import ScatterList
+
+from ._plan import Pull, Send, decode_pull
+from ._state import SUM_BYTES, WorkerState
+
+__all__ = ["PrefillSide"]
+
+log = get_logger("p2pxfer.vllm")
+
+
+class PrefillSide(WorkerState):
+    def hold(self, sends: Iterable[Send]) -> None:
+        """Serve the pulls of these finished requests (in the bridge) and return."""
+        for s in sends:
+            if not 1 <= s.key <= self.opts.max_held:
+                raise InvalidArgument(f"key {s.key} is outside 1..{self.opts.max_held}")
+            self.bridge.spawn(self._serve, s)
+
+    async def _serve(self, s: Send) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                for j in range(self.fanout):
+                    nursery.start_soon(self._serve_one, s, j)
+        finally:
+            with self._lock:
+                self._sent.add(s.request)
+
+    async def _serve_one(self, s: Send, j: int) -> None:
+        """Wait for the pull of head slice ``j`` of ``s`` (at most its
+        lease), then push it."""
+        c, o = self.bridge.client, self.opts
+        assert self._mailbox is not None and self.pool is not None
+        slot = s.key * self.fanout + j
+        outcome = "pushed"
+        try:
+            await c.wait_imm(slot, 1, region=self.pull_name, timeout=o.lease_s)
+            sb = self.slot_bytes
+            pull = decode_pull(self._mailbox.array[slot * sb:(slot + 1) * sb])
+            if pull.prefill_request != s.request:
+                raise InvalidArgument(f"a pull for {pull.prefill_request!r} came under key "
+                                      f"{s.key}, which holds {s.request!r}")
+            blocks = np.asarray(s.blocks, np.int64)[pull.skip:]
+            if not 0 <= pull.skip <= len(s.blocks) or len(blocks) != len(pull.blocks):
+                raise InvalidArgument(f"a pull of {len(pull.blocks)} blocks after {pull.skip} "
+                                      f"for a request of {len(s.blocks)}")
+            src = blocks * self.k + (j if self.k > 1 else 0)
+            if len(src):
+                if pull.sums:
+                    await self._send_sums(slot, pull, src)
+                push = await c.kv_push(pull.node, pull.pool, self.pool, src, pull.blocks,
+                                       request=pull.request, deadline=o.lease_s)
+                result = await push.wait()
+                log.debug("vllm.pushed", request=s.request, peer=pull.node, nbytes=result.nbytes,
+                          seconds=result.seconds, part=j)
+        except WaitTimeout:
+            outcome = "lease_expired"
+            log.warning("vllm.lease_expired", request=s.request, key=s.key, part=j,
+                        lease_s=o.lease_s)
+        except P2PXferError as exc:
+            outcome = "failed"
+            log.warning("vllm.push_failed", request=s.request, key=s.key, part=j, error=str(exc))
+        log.debug("vllm.released", request=s.request, key=s.key, part=j, outcome=outcome)
+
+    async def _send_sums(self, slot: int, pull: Pull, src: npt.NDArray[np.int64]) -> None:
+        """Each layer's checksum over the blocks about to be pushed, written
+        into the decode's checksum region before the push starts."""
+        pool, layout = self.pool, self.layout
+        assert pool is not None and layout is not None
+        n = layout.num_layers
+
+        def compute() -> npt.NDArray[np.uint64]:
+            return np.array([checksum_blocks(pool.array, layout, layer, src)
+                             for layer in range(n)], "<u8")
+
+        # In a thread (the gathers and CRCs release the GIL): the bridge
+        # serves other pulls and loads meanwhile.
+        sums = await trio.to_thread.run_sync(compute)
+        out = self._sums_out
+        assert out is not None
+        off = slot * n * SUM_BYTES
+        out.array[off:off + n * SUM_BYTES] = sums.view(np.uint8)
+        where = ScatterList.contiguous(n * SUM_BYTES, off, pull.request * n * SUM_BYTES)
+        await self.bridge.client.write(pull.node, pull.sums, where, src=out)

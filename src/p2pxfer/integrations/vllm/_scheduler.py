@@ -1,0 +1,202 @@
+"""The connector's scheduler side, on vLLM's request and scheduler-output
+objects (read by attribute, no vLLM import): what a decode loads, what a
+prefill stages each step and holds when it finishes, and the keys that
+name held requests.
+
+``kv_transfer_params`` (vLLM carries them from the prefill's answer to the
+decode's request, as for NIXL):
+
+- a prefill request asks to be pulled with ``{"do_remote_decode": true}``;
+- its ``request_finished`` answers ``{"do_remote_prefill": true,
+  "remote_node", "remote_engine_id", "remote_key", "remote_request_id",
+  "remote_block_ids", "remote_tp_size"}`` and holds its blocks (each
+  decode TP rank pulls from the prefill rank of its own number);
+- a decode request with those loads the prompt's KV from there
+  (``get_num_new_matched_tokens`` returns it as loaded asynchronously).
+
+State: vLLM's scheduler thread only (vLLM calls all of this from it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2pxfer.errors import InvalidArgument, LimitExceeded
+from p2pxfer.integrations._slots import SlotTable
+from p2pxfer.log import get_logger
+
+from ._plan import Load, Save, Send
+
+__all__ = ["SchedulerSide", "StepPlan"]
+
+log = get_logger("p2pxfer.vllm")
+
+REMOTE_KEYS = ("remote_node", "remote_engine_id", "remote_key", "remote_request_id",
+               "remote_block_ids")
+
+
+@dataclass
+class StepPlan:
+    """What the workers do this step (carried in the connector's metadata)."""
+
+    saves: list[Save] = field(default_factory=list)
+    sends: list[Send] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+
+
+def _blocks_of(blocks: Any) -> list[int]:
+    """The first KV cache group's block ids of a ``KVCacheBlocks``."""
+    ids = blocks.get_block_ids()
+    return list(ids[0]) if ids else []
+
+
+class SchedulerSide:
+    def __init__(self, node: str, engine: str, block_size: int, max_held: int,
+                 send: bool, receive: bool, tp_size: int = 1,
+                 peer_tp_size: int | None = None) -> None:
+        self.node = node
+        self.tp_size = tp_size
+        #: the other side's TP size the workers' pools are cut for
+        self.peer_tp = tp_size if peer_tp_size is None else peer_tp_size
+        self.engine = engine
+        self.block_size = block_size
+        self.send = send
+        self.receive = receive
+        self._keys = SlotTable(1, max_held, "held prefill request")
+        self._loads: dict[str, Load] = {}  # to start at the next step
+        self._blocks: dict[str, list[int]] = {}  # prefill: every block of a request to stage
+        self._sends: list[Send] = []
+
+    # -- decode ------------------------------------------------------------------------
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not (self.receive and params.get("do_remote_prefill")):
+            return 0, False
+        missing = [k for k in REMOTE_KEYS if k not in params]
+        if missing:
+            raise InvalidArgument(f"request {request.request_id!r} asks for a remote prefill "
+                                  f"without {missing} in kv_transfer_params")
+        if int(params.get("remote_tp_size", 1)) != self.peer_tp:
+            # Our staging pools are cut for a prefill of peer_tp ranks: one of
+            # another size is not loaded from (computed here; the prefill's
+            # hold ends with its lease).
+            log.warning("vllm.tp_mismatch", request=request.request_id,
+                        remote_tp=params.get("remote_tp_size"), expected_tp=self.peer_tp)
+            return 0, False
+        # Every prompt token the decode has not computed comes from the
+        # prefill; vLLM then computes the sampled token itself.
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if self.send and params.get("do_remote_decode"):
+            self._blocks[request.request_id] = _blocks_of(blocks)
+        if not (self.receive and params.get("do_remote_prefill")):
+            return
+        # Once: a request preempted and scheduled again computes for itself.
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            return
+        local = _blocks_of(blocks)
+        remote = [int(b) for b in params["remote_block_ids"]]
+        n_new = -(-num_external_tokens // self.block_size)
+        local_new = local[len(local) - n_new:] if n_new else []
+        # The blocks decode already had (a local prefix hit) are skipped on
+        # the prefill side: the remote table's tail matches our new blocks.
+        skip = len(remote) - len(local_new)
+        if skip < 0:
+            raise InvalidArgument(f"request {request.request_id!r}: {len(local_new)} new blocks "
+                                  f"to load but the prefill holds {len(remote)}")
+        self._loads[request.request_id] = Load(
+            request.request_id, str(params["remote_node"]), str(params["remote_engine_id"]),
+            int(params["remote_key"]),
+            str(params["remote_request_id"]), skip, tuple(local_new))
+
+    # -- prefill -----------------------------------------------------------------------
+
+    def finished(self, request: Any, block_ids: list[int], completed: bool
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: ``completed`` when it stopped or hit
+        its length (not aborted). A prefill that completed is held for its
+        pull; a decode request aborted before its load started releases the
+        prefill's hold at once (an empty pull)."""
+        rid = request.request_id
+        self._blocks.pop(rid, None)
+        params = request.kv_transfer_params or {}
+        if self.receive and params.get("do_remote_prefill") and \
+                all(k in params for k in REMOTE_KEYS):
+            params["do_remote_prefill"] = False
+            self._loads[rid] = Load(rid, str(params["remote_node"]),
+                                    str(params["remote_engine_id"]), int(params["remote_key"]),
+                                    str(params["remote_request_id"]),
+                                    len(params["remote_block_ids"]), ())
+            return False, None
+        if not (self.send and params.get("do_remote_decode")):
+            return False, None
+        if not completed or not block_ids:
+            # Aborted (or errored): nobody will pull it; its blocks go now.
+            log.debug("vllm.not_held", request=rid, status=str(getattr(request, "status", "")))
+            return False, None
+        try:
+            key = self._keys.take(rid)
+        except LimitExceeded as exc:
+            # Nothing to hold it under: its blocks go now, and the decode,
+            # given no kv_transfer_params, computes the prompt itself.
+            log.warning("vllm.not_held", request=rid, error=str(exc))
+            return False, None
+        self._sends.append(Send(rid, key, tuple(int(b) for b in block_ids)))
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_node": self.node, "remote_engine_id": self.engine,
+                      "remote_key": key, "remote_request_id": rid,
+                      "remote_block_ids": [int(b) for b in block_ids],
+                      "remote_tp_size": self.tp_size}
+
+    def held(self) -> int:
+        """Prefill requests held for a pull."""
+        return len(self._keys)
+
+    def sent(self, requests: set[str]) -> None:
+        """Workers report these held requests pushed (or given up): their
+        keys are free again."""
+        for rid in requests:
+            self._keys.release(rid)
+
+    # -- every step --------------------------------------------------------------------
+
+    def plan(self, scheduler_output: Any) -> StepPlan:
+        step = StepPlan(loads=list(self._loads.values()), sends=self._sends)
+        self._loads = {}
+        self._sends = []
+        if self.send and self._blocks:
+            step.saves = self._saves(scheduler_output)
+        return step
+
+    def _saves(self, out: Any) -> list[Save]:
+        """The blocks each step's tokens touch, per request to be pulled; a
+        request's first step stages from its first block (a locally cached
+        prefix is not computed again, but it is pushed)."""
+        bs = self.block_size
+        scheduled = out.num_scheduled_tokens
+        saves = []
+        for new in out.scheduled_new_reqs:
+            blocks = self._blocks.get(new.req_id)
+            if blocks is None:
+                continue
+            self._blocks[new.req_id] = blocks = list(new.block_ids[0])
+            end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            saves.append(Save(new.req_id, tuple(blocks[:-(-end // bs)])))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            blocks = self._blocks.get(rid)
+            if blocks is None:
+                continue
+            added = cached.new_block_ids[i]
+            if added:
+                blocks.extend(added[0])
+            start = cached.num_computed_tokens[i]
+            end = start + scheduled.get(rid, 0)
+            saves.append(Save(rid, tuple(blocks[start // bs:-(-end // bs)])))
+        return saves

@@ -1,0 +1,99 @@
+"""The worker side's options and state, shared by its halves
+(``_prefill.PrefillSide``, ``_decode.DecodeSide``) and put together by
+``_worker.Worker``. No I/O here.
+
+Threads: vLLM's thread calls the public methods; the transfers run in the
+bridge's trio thread (``_bridge``). The fields under ``_lock`` (finished
+sets, load errors, slot tables) are the only ones both touch; everything
+else is set in ``Worker.register`` before any transfer starts, and read
+after.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from p2pxfer.client import KVPool, SharedMemory
+from p2pxfer.integrations._bridge import Bridge
+from p2pxfer.integrations._slots import SlotTable
+from p2pxfer.integrations._tensors import HeadSlices, LayerTensor
+from p2pxfer.kv_plan import MAX_REQUEST, KVLayout
+
+from ._plan import pull_slot_bytes, region_names, split
+
+__all__ = ["SUM_BYTES", "WorkerOptions", "WorkerState"]
+
+SUM_BYTES = 8  # one little-endian uint64 (a CRC-32) per layer
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    socket: str
+    engine: str
+    rank: int
+    send: bool  # prefill (or both)
+    receive: bool  # decode (or both)
+    block_size: int  # tokens per block
+    max_blocks: int  # blocks of the longest request
+    max_held: int = 256  # prefill requests held for a pull at once
+    max_loads: int = 256  # decode loads in flight at once
+    checksum: bool = False
+    lease_s: float = 120.0
+    load_timeout_s: float = 120.0
+    poll_s: float = 0.5  # how often a waiting load asks membership about its prefill
+    arrangement: str | None = None
+    #: "staging": the pool mirrors the engine's tensors (a copy per layer per
+    #: request on each side); "shared": the engine's torch tensors are moved
+    #: into the pool (zero copy)
+    memory: str = "staging"
+    tp_size: int = 1  # this engine's tensor parallel size
+    #: the other side's (decode's for a prefill, prefill's for a decode);
+    #: None: the same as ours
+    peer_tp_size: int | None = None
+    head_layout: str = "NHD"  # where the heads sit in a block: NHD or HND
+
+    @property
+    def peer_tp(self) -> int:
+        return self.tp_size if self.peer_tp_size is None else self.peer_tp_size
+
+
+class WorkerState:
+    """Everything the worker's halves share (see the module docstring)."""
+
+    def __init__(self, opts: WorkerOptions) -> None:
+        self.opts = opts
+        #: pulls a held request serves (a prefill whose decode has more ranks)
+        self.fanout = split(opts.tp_size, opts.peer_tp)
+        #: head slices per staging block (the other side's ranks hold fewer
+        #: heads); 1 for MLA's latent, the same on every rank (``register``)
+        self.k = self.fanout
+        self.replicated = False  # MLA: one latent plane, whole on every rank
+        self.bridge = Bridge(opts.socket, f"p2pxfer-vllm-r{opts.rank}")
+        self.node = self.bridge.client.node
+        self.pool_name, self.pull_name, self.sums_name = region_names(opts.engine, opts.rank)
+        self.slot_bytes = pull_slot_bytes(opts.max_blocks)
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._received: set[str] = set()
+        self._errors: set[int] = set()
+        self._slots = SlotTable(0, MAX_REQUEST, "decode request")
+        self._msg_slots = SlotTable(0, opts.max_loads - 1, "pull message")
+        self.layers: list[LayerTensor] = []
+        self.index: dict[str, int] = {}
+        self.layout: KVLayout | None = None
+        self.slices: HeadSlices | None = None
+        self.pool: KVPool | None = None
+        self._mailbox: SharedMemory | None = None
+        self._sums: SharedMemory | None = None  # decode: checksums as they land
+        self._sums_out: SharedMemory | None = None  # prefill: checksums to send
+        self._msgs: SharedMemory | None = None
+        #: test hook: ``(staging array, layout, layer, blocks)`` after a layer landed
+        #: and before it is checked and copied (tests corrupt a byte with it)
+        self.on_landed: Callable[[npt.NDArray[np.uint8], KVLayout, int, Any], None] | None = None
+        self.shared = False

@@ -1,0 +1,165 @@
+"""The connector's worker side, without vLLM's types: the engine's per-layer
+KV tensors, a pool shared with the node daemon (a staging mirror of the
+tensors with the same block ids, or the tensors themselves, moved into
+it), the prefill's held requests (``_prefill``) and the decode's loads
+(``_decode``).
+
+Prefill: each computed layer's blocks are copied into the staging pool
+(``stage_layer``, from vLLM's ``save_kv_layer``: only the blocks the step
+touched; nothing to copy when the tensors live in the pool); a finished
+request is held under its key until a decode's pull lands in the mailbox,
+then its blocks are pushed into the decode's pool, all layers, in layer
+order, by the daemon (``kv_push``). Decode: see ``_decode``.
+
+Heterogeneous tensor parallelism (``tp_size`` != ``peer_tp_size``, one
+dividing the other): the side whose ranks hold ``k`` times the heads keeps
+``k`` head slices of each block as ``k`` staging blocks (``b*k + j``), so
+every push moves whole staging blocks of equal size on both sides. HND
+slices are one piece per block plane, NHD slices one per token; the
+shared (zero-copy) memory mode needs equal sizes. Threads: see ``_state``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from p2pxfer.errors import InvalidArgument
+from p2pxfer.integrations._tensors import (
+    HeadSlices,
+    copy_blocks,
+    layer_tensor,
+    move_into,
+    shared_layout,
+    staging_layout,
+)
+from p2pxfer.kv_plan import MAX_REQUEST
+from p2pxfer.log import get_logger
+
+from ._decode import DecodeSide, LoadCorrupted
+from ._plan import Save
+from ._prefill import PrefillSide
+from ._state import SUM_BYTES, WorkerOptions
+
+__all__ = ["LoadCorrupted", "Worker", "WorkerOptions"]
+
+log = get_logger("p2pxfer.vllm")
+
+
+class Worker(PrefillSide, DecodeSide):
+    """See the module docstring."""
+
+    def __init__(self, opts: WorkerOptions) -> None:
+        super().__init__(opts)
+        self._staged_layers: set[int] = set()
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """The engine's per-layer KV tensors, in layer order; opens the pool
+        (and the mailbox or checksum region) with the daemon."""
+        o = self.opts
+        if not kv_caches:
+            raise InvalidArgument("register_kv_caches got no KV tensors")
+        self.layers = [layer_tensor(t, o.arrangement) for t in kv_caches.values()]
+        self.index = {name: i for i, name in enumerate(kv_caches)}
+        first = self.layers[0].layout
+        for name, lt in zip(kv_caches, self.layers, strict=True):
+            lay = lt.layout
+            if (lay.num_blocks, lay.block_bytes, lay.planes) != \
+                    (first.num_blocks, first.block_bytes, first.planes):
+                raise InvalidArgument(f"KV layer {name!r} is shaped unlike the first ({lay} vs "
+                                      f"{first}): one staging pool needs one block shape")
+        if o.memory not in ("staging", "shared"):
+            raise InvalidArgument(f"kv memory must be 'staging' or 'shared', got {o.memory!r}")
+        self.shared = o.memory == "shared"
+        if self.shared and not all(type(lt.owner).__module__.startswith("torch")
+                                   for lt in self.layers):
+            raise InvalidArgument("kv_memory 'shared' moves torch tensors into the daemon's "
+                                  "memory; these KV tensors are not torch tensors: use staging")
+        self.replicated = self.layers[0].arrangement == "single"
+        if self.replicated:
+            self.k = 1  # MLA: the latent is whole on every rank
+        if self.shared and self.k > 1:
+            raise InvalidArgument(f"kv_memory 'shared' needs equal tensor parallel sizes (here "
+                                  f"{o.tp_size} and {o.peer_tp}): use staging")
+        self.slices = HeadSlices.of(first.block_bytes, self.k, o.head_layout, o.block_size)
+        self.layout = shared_layout(self.layers) if self.shared else \
+            staging_layout(self.layers[0], len(self.layers), self.k)
+        self.bridge.call(self._open)
+        if self.shared:
+            assert self.pool is not None
+            self.layers = [move_into(lt, self.pool.mem.array, i * self.layout.layer_stride)
+                           for i, lt in enumerate(self.layers)]
+        log.info("vllm.registered", engine=o.engine, rank=o.rank, layers=len(self.layers),
+                 blocks=first.num_blocks, block_bytes=first.block_bytes, planes=first.planes,
+                 arrangement=self.layers[0].arrangement, memory=o.memory, head_slices=self.k,
+                 pool_bytes=self.layout.nbytes, node=self.node)
+
+    async def _open(self) -> None:
+        c, o, lay = self.bridge.client, self.opts, self.layout
+        assert lay is not None
+        self.pool = await c.kv_pool(self.pool_name, lay, receive=o.receive)
+        n_layers = lay.num_layers
+        if o.send:
+            slots = (o.max_held + 1) * self.fanout  # a slot per key and decode rank
+            self._mailbox = await c.alloc(slots * self.slot_bytes, self.pull_name)
+            await c.export(self.pull_name, self._mailbox)
+            self._sums_out = await c.alloc(slots * n_layers * SUM_BYTES, f"{self.pull_name}-sums")
+        if o.receive:
+            self._msgs = await c.alloc(o.max_loads * self.slot_bytes, f"{self.pool_name}-msg")
+        if o.receive and o.checksum:
+            # One row of layer checksums per decode request number.
+            self._sums = await c.alloc((MAX_REQUEST + 1) * n_layers * SUM_BYTES, self.sums_name)
+            await c.export(self.sums_name, self._sums)
+
+    # -- prefill -----------------------------------------------------------------------
+
+    def stage_layer(self, layer_name: str, saves: Iterable[Save]) -> int:
+        """Copy this step's blocks of layer ``layer_name`` into the staging
+        pool, for every request that will be pulled; the bytes copied."""
+        i = self.index.get(layer_name)
+        if i is None:
+            raise InvalidArgument(f"save_kv_layer for {layer_name!r}, which register_kv_caches "
+                                  "did not name")
+        assert self.pool is not None and self.layout is not None
+        self._staged_layers.add(i)
+        if self.shared:
+            return 0  # the engine computed the blocks in the pool itself
+        n = 0
+        for s in saves:  # per request, not per block: one C copy each
+            n += copy_blocks(self.layers[i], self.pool.array, self.layout, i, s.blocks,
+                             to_staging=True, slices=self.slices)
+        return n
+
+    def end_step(self, saves: list[Save]) -> None:
+        """The step's forward is over: a layer ``save_kv_layer`` was not
+        called for (a layer sharing another's cache, a runner that skips
+        the hook) is staged now, from the tensor the forward wrote."""
+        staged, self._staged_layers = self._staged_layers, set()
+        if not saves or self.shared or len(staged) == len(self.layers):
+            return
+        missing = [name for name, i in self.index.items() if i not in staged]
+        log.info("vllm.staged_late", layers=len(missing), first=missing[0])
+        for name in missing:
+            self.stage_layer(name, saves)
+        self._staged_layers = set()
+
+    # -- both --------------------------------------------------------------------------
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """(requests done sending, requests done receiving) since the last call."""
+        with self._lock:
+            sent, self._sent = self._sent, set()
+            received, self._received = self._received, set()
+        return sent, received
+
+    def load_errors(self) -> set[int]:
+        """Block ids whose loads failed since the last call."""
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        """Stop every transfer and close the client (its pools go with it)."""
+        self.bridge.close()

@@ -1,0 +1,530 @@
+"""The vLLM connector's worker side without vLLM (``_worker.Worker``, which
+takes plain tensors and plans): two real daemons, a prefill worker that
+stages numpy per-layer KV tensors and is pulled, a decode worker that loads
+them into its own tensors; every byte of every layer checked. These run
+wherever p2pxfer runs (no vLLM needed); ``test_vllm_connector.py`` drives
+the same through vLLM's own objects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from daemon_helpers import LOOPBACK, daemon_pair, free_port, start_daemon
+from p2pxfer.integrations.vllm._plan import Load, Save, Send
+from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD = 4, 64, 16, 2, 32
+DEADLINE_S = 120.0
+
+
+def caches(seed: int | None, planes_first: bool = True) -> dict[str, npt.NDArray[np.float16]]:
+    """Per-layer tensors as vLLM allocates them: ``(2, blocks, block_size,
+    heads, head)`` (random when ``seed`` is given, else zeros)."""
+    shape = (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD) if planes_first else \
+        (BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(LAYERS):
+        a = np.zeros(shape, np.float16)
+        if seed is not None:
+            a.view(np.uint16)[...] = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+        out[f"model.layers.{i}.self_attn.attn"] = a
+    return out
+
+
+def options(socket: str, engine: str, **kw: Any) -> WorkerOptions:
+    base: dict[str, Any] = {"rank": 0, "block_size": BLOCK_SIZE, "max_blocks": BLOCKS,
+                            "max_held": 8, "max_loads": 8, "lease_s": 60.0,
+                            "load_timeout_s": 60.0}
+    base.update(kw)
+    return WorkerOptions(socket=socket, engine=engine, **base)
+
+
+def wait_finished(w: Worker, *, sent: set[str] = frozenset(),  # type: ignore[assignment]
+                  received: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    want_s, want_r = set(sent), set(received)
+    deadline = time.monotonic() + DEADLINE_S
+    while want_s or want_r:
+        s, r = w.finished()
+        want_s -= s
+        want_r -= r
+        assert time.monotonic() < deadline, f"still waiting for {want_s} / {want_r}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    with daemon_pair(tmp_path) as (a, b):
+        yield a.socket, b.socket
+
+
+def blocks_equal(src: dict[str, Any], dst: dict[str, Any], sb: list[int], db: list[int],
+                 planes_first: bool = True) -> None:
+    for name, value in src.items():
+        s, d = value.view(np.uint16), dst[name].view(np.uint16)
+        if planes_first:
+            assert (s[:, sb] == d[:, db]).all(), name
+        else:
+            assert (s[sb] == d[db]).all(), name
+
+
+@pytest.mark.parametrize("planes_first", [True, False], ids=["planes_first", "blocks_first"])
+def test_stage_pull_load_every_byte(pair: tuple[str, str], planes_first: bool) -> None:
+    a, b = pair
+    src, dst = caches(1, planes_first), caches(None, planes_first)
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        sb = [5, 6, 7, 30, 2, 9]
+        db = [11, 40, 41, 42, 3, 0]
+        for name in src:  # a prefill step: every layer's blocks staged
+            prefill.stage_layer(name, [Save("req-1", tuple(sb))])
+        prefill.end_step([Save("req-1", tuple(sb))])
+        prefill.hold([Send("req-1", 3, tuple(sb))])
+        decode.load([Load("dec-1", prefill.node, "P", 3, "req-1", 0, tuple(db))])
+        wait_finished(decode, received={"dec-1"})
+        wait_finished(prefill, sent={"req-1"})
+        assert decode.load_errors() == set()
+        blocks_equal(src, dst, sb, db, planes_first)
+        untouched = sorted(set(range(BLOCKS)) - set(db))
+        assert all((dst[n][:, untouched] == 0).all() if planes_first else
+                   (dst[n][untouched] == 0).all() for n in dst)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_checksum_passes_and_a_corrupted_byte_is_a_load_error(pair: tuple[str, str]) -> None:
+    """With checksums: a clean load passes; a byte flipped on the receiving
+    side after it landed (the test hook) makes that load's blocks load
+    errors, naming the layer, and the engine's tensor is not written from
+    that layer on."""
+    a, b = pair
+    src, dst = caches(2), caches(None)
+    prefill = Worker(options(a, "P", send=True, receive=False, checksum=True))
+    decode = Worker(options(b, "D", send=False, receive=True, checksum=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        sb, db = [1, 2, 3, 4], [8, 9, 10, 20]
+        for name in src:
+            prefill.stage_layer(name, [Save("r", tuple(sb))])
+        prefill.hold([Send("r", 1, tuple(sb)), Send("r2", 2, tuple(sb))])
+        decode.load([Load("d1", prefill.node, "P", 1, "r", 0, tuple(db))])
+        wait_finished(decode, received={"d1"})
+        assert decode.load_errors() == set()
+        blocks_equal(src, dst, sb, db)
+
+        hit: list[int] = []
+
+        def corrupt(pool: Any, layout: Any, layer: int, blocks: Any) -> None:
+            if layer == 2:
+                off = layer * layout.layer_stride + int(blocks[1]) * layout.block_stride + 77
+                pool[off] ^= 0x40
+                hit.append(layer)
+
+        decode.on_landed = corrupt
+        db2 = [30, 31, 32, 33]
+        decode.load([Load("d2", prefill.node, "P", 2, "r2", 0, tuple(db2))])
+        wait_finished(decode, received={"d2"})
+        assert hit == [2]
+        assert decode.load_errors() == set(db2)
+        names = list(dst)
+        assert (dst[names[1]][:, db2].view(np.uint16) ==
+                src[names[1]][:, sb].view(np.uint16)).all()
+        assert (dst[names[2]][:, db2] == 0).all()  # the bad layer never reached the engine
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_prefill_nobody_pulls_is_released_after_its_lease(pair: tuple[str, str]) -> None:
+    a, _ = pair
+    prefill = Worker(options(a, "P", send=True, receive=False, lease_s=1.0))
+    try:
+        prefill.register(caches(3))
+        prefill.hold([Send("lonely", 4, (1, 2))])
+        wait_finished(prefill, sent={"lonely"})
+    finally:
+        prefill.close()
+
+
+def test_a_pull_that_does_not_match_its_key_is_refused(pair: tuple[str, str]) -> None:
+    """A pull naming another request than the key holds (a late pull for a
+    key since reused) pushes nothing; the held request is released, and
+    the decode's load fails by its deadline, not later."""
+    a, b = pair
+    src, dst = caches(4), caches(None)
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True, load_timeout_s=3.0))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        prefill.hold([Send("now", 5, (1, 2))])
+        decode.load([Load("late", prefill.node, "P", 5, "before", 0, (3, 4))])
+        wait_finished(prefill, sent={"now"})
+        wait_finished(decode, received={"late"})
+        assert decode.load_errors() == {3, 4}
+        assert (dst[next(iter(dst))][:, [3, 4]] == 0).all()
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
+    """With membership: the decode's pull lands, then the prefill node's
+    daemon is SIGKILLed before it pushes; the load ends as load errors
+    (membership rules the node dead), its slots are released (a new load
+    of the same request id can start), nothing is left in flight."""
+    keys = {"membership": "embedded", "cluster_token": "vllm-cluster-token"}
+    pa, pb = free_port(), free_port()
+    b = start_daemon(tmp_path, "node-b", control_port=pb, **keys)
+    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **keys)
+    dst = caches(None)
+    decode = Worker(options(b.socket, "D", send=False, receive=True, load_timeout_s=600.0))
+    prefill = Worker(options(a.socket, "P", send=True, receive=False))
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while {p["name"]: p["state"] for p in b.status()["peers"]} != {
+                "node-a": "alive", "node-b": "alive"}:
+            assert time.monotonic() < deadline, b.status()["peers"]
+            time.sleep(0.1)
+        prefill.register(caches(5))
+        decode.register(dst)
+        # The prefill never learns the key (as if stuck), then its node dies.
+        decode.load([Load("d", "node-a", "P", 6, "r", 0, (1, 2, 3))])
+        time.sleep(1.0)
+        a.proc.kill()
+        a.proc.wait(10)
+        wait_finished(decode, received={"d"})  # within DEADLINE_S, far below 600 s
+        assert decode.load_errors() == {1, 2, 3}
+        assert b.status()["transfers_in_flight"] == 0
+        assert "d#0" not in decode._slots  # the request number went back
+    finally:
+        decode.close()
+        prefill.close()
+        a.stop()
+        b.stop()
+
+
+def test_mla_single_plane(pair: tuple[str, str]) -> None:
+    """MLA's one latent plane per layer (``(blocks, block_size, width)``)
+    moves as whole blocks too."""
+    a, b = pair
+    rng = np.random.default_rng(9)
+    src = {f"l{i}": rng.integers(0, 1 << 16, (BLOCKS, BLOCK_SIZE, 72), dtype=np.uint16)
+           for i in range(LAYERS)}
+    dst = {f"l{i}": np.zeros((BLOCKS, BLOCK_SIZE, 72), np.uint16) for i in range(LAYERS)}
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        assert prefill.layout is not None and prefill.layout.planes == 1
+        sb, db = [0, 1, 2, 63], [5, 6, 7, 8]
+        for name in src:
+            prefill.stage_layer(name, [Save("m", tuple(sb))])
+        prefill.hold([Send("m", 1, tuple(sb))])
+        decode.load([Load("dm", prefill.node, "P", 1, "m", 0, tuple(db))])
+        wait_finished(decode, received={"dm"})
+        assert decode.load_errors() == set()
+        for name, value in src.items():
+            assert (dst[name][db] == value[sb]).all(), name
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_shared_memory_needs_torch_tensors(pair: tuple[str, str]) -> None:
+    from p2pxfer.errors import InvalidArgument
+
+    prefill = Worker(options(pair[0], "P", send=True, receive=False, memory="shared"))
+    try:
+        with pytest.raises(InvalidArgument, match="torch"):
+            prefill.register(caches(1))
+    finally:
+        prefill.close()
+
+
+def head_caches(seed: int | None, heads: int, layout: str) -> dict[str, Any]:
+    """Per-layer ``(2, blocks, block_size, heads, head)`` (NHD) or
+    ``(2, blocks, heads, block_size, head)`` (HND) uint16 tensors."""
+    shape = (2, BLOCKS, BLOCK_SIZE, heads, HEAD) if layout == "NHD" else \
+        (2, BLOCKS, heads, BLOCK_SIZE, HEAD)
+    rng = np.random.default_rng(seed)
+    return {f"l{i}": (rng.integers(0, 1 << 16, shape, dtype=np.uint16) if seed is not None
+                      else np.zeros(shape, np.uint16)) for i in range(LAYERS)}
+
+
+def heads_of(t: Any, blocks: list[int], lo: int, hi: int, layout: str) -> Any:
+    """Heads ``lo..hi-1`` of ``blocks`` of a layer tensor."""
+    return t[:, blocks, :, lo:hi] if layout == "NHD" else t[:, blocks, lo:hi]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_heterogeneous_tp_one_prefill_rank_to_two_decode_ranks(pair: tuple[str, str],
+                                                                layout: str) -> None:
+    """TP 1 -> 2: the prefill stages each block as two head slices; decode
+    rank r pulls slice r into its (half as wide) blocks. The prefill
+    releases the request once both ranks pulled."""
+    a, b = pair
+    src = head_caches(11, 4, layout)
+    dst = [head_caches(None, 2, layout) for _ in range(2)]
+    prefill = Worker(options(a, "P", send=True, receive=False, tp_size=1, peer_tp_size=2,
+                             head_layout=layout))
+    decode = [Worker(options(b, "D", rank=r, send=False, receive=True, tp_size=2,
+                             peer_tp_size=1, head_layout=layout)) for r in range(2)]
+    try:
+        prefill.register(src)
+        for w, caches_r in zip(decode, dst, strict=True):
+            w.register(caches_r)
+        sb, db = [3, 4, 5, 40], [7, 1, 2, 9]
+        for name in src:
+            prefill.stage_layer(name, [Save("r", tuple(sb))])
+        prefill.hold([Send("r", 2, tuple(sb))])
+        for r, w in enumerate(decode):
+            w.load([Load(f"d{r}", prefill.node, "P", 2, "r", 0, tuple(db))])
+        for r, w in enumerate(decode):
+            wait_finished(w, received={f"d{r}"})
+            assert w.load_errors() == set()
+        wait_finished(prefill, sent={"r"})
+        for r in range(2):
+            for name, value in src.items():
+                assert (dst[r][name][:, db] ==
+                        heads_of(value, sb, 2 * r, 2 * r + 2, layout)).all(), (r, name)
+    finally:
+        for w in decode:
+            w.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_heterogeneous_tp_two_prefill_ranks_to_one_decode_rank(pair: tuple[str, str],
+                                                                layout: str) -> None:
+    """TP 2 -> 1: the decode pulls from both prefill ranks, each pushing its
+    whole (half as wide) blocks into one head slice of the decode's staging
+    blocks; the decode puts the halves side by side, with checksums."""
+    a, b = pair
+    src = [head_caches(20 + q, 2, layout) for q in range(2)]
+    dst = head_caches(None, 4, layout)
+    prefill = [Worker(options(a, "P", rank=q, send=True, receive=False, tp_size=2,
+                              peer_tp_size=1, head_layout=layout, checksum=True))
+               for q in range(2)]
+    decode = Worker(options(b, "D", send=False, receive=True, tp_size=1, peer_tp_size=2,
+                            head_layout=layout, checksum=True))
+    try:
+        for w, caches_q in zip(prefill, src, strict=True):
+            w.register(caches_q)
+        decode.register(dst)
+        sb, db = [8, 9, 10], [0, 33, 34]
+        for w, caches_q in zip(prefill, src, strict=True):
+            for name in caches_q:
+                w.stage_layer(name, [Save("r", tuple(sb))])
+            w.hold([Send("r", 3, tuple(sb))])
+        decode.load([Load("d", prefill[0].node, "P", 3, "r", 0, tuple(db))])
+        wait_finished(decode, received={"d"})
+        assert decode.load_errors() == set()
+        for w in prefill:
+            wait_finished(w, sent={"r"})
+        for q in range(2):
+            for name, value in src[q].items():
+                assert (heads_of(dst[name], db, 2 * q, 2 * q + 2, layout) ==
+                        value[:, sb]).all(), (q, name)
+    finally:
+        decode.close()
+        for w in prefill:
+            w.close()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)], ids=["1to2", "2to1"])
+def test_heterogeneous_tp_mla_is_replicated(pair: tuple[str, str], prefill_tp: int,
+                                            decode_tp: int) -> None:
+    """MLA's latent is whole on every rank: each decode rank pulls whole
+    blocks from one prefill rank (no head slices), and releases the other
+    replicas' holds at once (their lease here is longer than the test)."""
+    a, b = pair
+    rng = np.random.default_rng(31)
+    latent = {f"l{i}": rng.integers(0, 1 << 16, (BLOCKS, BLOCK_SIZE, 40), dtype=np.uint16)
+              for i in range(LAYERS)}
+    prefill = [Worker(options(a, "P", rank=q, send=True, receive=False, tp_size=prefill_tp,
+                              peer_tp_size=decode_tp, lease_s=600.0))
+               for q in range(prefill_tp)]
+    decode = [Worker(options(b, "D", rank=r, send=False, receive=True, tp_size=decode_tp,
+                             peer_tp_size=prefill_tp)) for r in range(decode_tp)]
+    dst = [{n: np.zeros_like(v) for n, v in latent.items()} for _ in range(decode_tp)]
+    try:
+        sb, db = [1, 2, 3], [4, 5, 6]
+        for w in prefill:
+            w.register({n: v.copy() for n, v in latent.items()})  # replicated on each rank
+            for name in latent:
+                w.stage_layer(name, [Save("r", tuple(sb))])
+            w.hold([Send("r", 1, tuple(sb))])
+        for w, d in zip(decode, dst, strict=True):
+            w.register(d)
+            w.load([Load(f"d{w.opts.rank}", prefill[0].node, "P", 1, "r", 0, tuple(db))])
+        for w in decode:
+            wait_finished(w, received={f"d{w.opts.rank}"})
+            assert w.load_errors() == set()
+        for w in prefill:  # the replica nobody loads from is released at once too
+            wait_finished(w, sent={"r"})
+        for d in dst:
+            for name, value in latent.items():
+                assert (d[name][db] == value[sb]).all(), name
+    finally:
+        for w in decode + prefill:
+            w.close()
+
+
+def test_importing_p2pxfer_and_the_worker_side_needs_no_vllm() -> None:
+    """``import p2pxfer`` (and the connector's vLLM-free halves) load
+    neither vLLM nor torch; only ``P2PXferConnector`` does, when asked for."""
+    import subprocess
+    import sys
+
+    code = ("import sys, p2pxfer, p2pxfer.integrations.vllm, "
+            "p2pxfer.integrations.vllm._worker, p2pxfer.integrations.vllm._scheduler\n"
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_layers_save_kv_layer_missed_are_staged_at_the_end_of_the_step(
+        pair: tuple[str, str]) -> None:
+    a, b = pair
+    src, dst = caches(12), caches(None)
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        sb, db = [10, 11], [20, 21]
+        saves = [Save("r", tuple(sb))]
+        prefill.stage_layer(next(iter(src)), saves)  # only the first layer's hook ran
+        prefill.end_step(saves)
+        prefill.hold([Send("r", 1, tuple(sb))])
+        decode.load([Load("d", prefill.node, "P", 1, "r", 0, tuple(db))])
+        wait_finished(decode, received={"d"})
+        blocks_equal(src, dst, sb, db)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_prefill_out_of_keys_holds_nothing() -> None:
+    """With every key held, a finished prefill is not held (its blocks go at
+    once, no kv_transfer_params) instead of failing vLLM's scheduler."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-a", "P", BLOCK_SIZE, 1, send=True, receive=False)
+
+    def req(rid: str) -> Any:
+        return SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_decode": True})
+
+    held, params = side.finished(req("one"), [1, 2], True)
+    assert held and params is not None and params["remote_key"] == 1
+    assert side.finished(req("two"), [3, 4], True) == (False, None)
+    assert side.finished(req("aborted"), [5], False) == (False, None)
+    side.sent({"one"})
+    held, params = side.finished(req("three"), [6], True)
+    assert held and params is not None and params["remote_key"] == 1
+
+
+def test_a_replaced_prefill_is_a_load_error(tmp_path: Path) -> None:
+    """With membership: the prefill node is replaced (killed and started
+    again under its name) while a decode waits on a request it held; the
+    new life holds nothing of it, so the load ends as load errors (dead, or
+    a new incarnation), its slots released, not at the load's deadline."""
+    keys = {"membership": "embedded", "cluster_token": "vllm-cluster-token"}
+    pa, pb = free_port(), free_port()
+    b = start_daemon(tmp_path, "node-b", control_port=pb, **keys)
+    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **keys)
+    decode = Worker(options(b.socket, "D", send=False, receive=True, load_timeout_s=600.0))
+    prefill = Worker(options(a.socket, "P", send=True, receive=False))
+    a2 = None
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while {p["name"]: p["state"] for p in b.status()["peers"]} != {
+                "node-a": "alive", "node-b": "alive"}:
+            assert time.monotonic() < deadline, b.status()["peers"]
+            time.sleep(0.1)
+        prefill.register(caches(5))
+        decode.register(caches(None))
+        decode.load([Load("d", "node-a", "P", 6, "r", 0, (1, 2, 3))])
+        time.sleep(1.0)
+        a.proc.kill()
+        a.proc.wait(10)
+        prefill.close()
+        a2 = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"],
+                          **keys)
+        wait_finished(decode, received={"d"})  # within DEADLINE_S, far below 600 s
+        assert decode.load_errors() == {1, 2, 3}
+        assert "d#0" not in decode._slots
+    finally:
+        decode.close()
+        prefill.close()
+        for d in (a2, a, b):
+            if d is not None:
+                d.stop()
+
+
+def test_a_decode_prefix_hit_skips_the_blocks_it_has() -> None:
+    """The decode already holds the prompt's first 2 blocks (a local prefix
+    hit): it loads only the other 5, into its new blocks, and the pull asks
+    the prefill to skip its first 2."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-b", "D", BLOCK_SIZE, 8, send=False, receive=True)
+    params = {"do_remote_prefill": True, "remote_node": "node-a", "remote_engine_id": "P",
+              "remote_key": 3, "remote_request_id": "p1", "remote_tp_size": 1,
+              "remote_block_ids": [10, 11, 12, 13, 14, 15, 16]}
+    request = SimpleNamespace(request_id="d1", kv_transfer_params=params,
+                              prompt_token_ids=list(range(100)))
+    assert side.matched_tokens(request, 32) == (68, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([40, 41, 50, 51, 52, 53, 54],))
+    side.after_alloc(request, blocks, 68)
+    (load,) = side.plan(SimpleNamespace()).loads
+    assert (load.skip, load.blocks, load.key, load.remote_request) == (
+        2, (50, 51, 52, 53, 54), 3, "p1")
+    assert params["do_remote_prefill"] is False  # once: a preempted request computes
+    assert side.matched_tokens(request, 32) == (0, False)
+
+
+def test_a_prefill_stages_its_cached_prefix_first_then_each_chunk() -> None:
+    """A prefill with a local prefix hit (32 tokens cached) stages from its
+    first block on its first step (the cached blocks are pushed too, though
+    not computed again); a later chunk stages only the blocks it touched."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-a", "P", BLOCK_SIZE, 8, send=True, receive=False)
+    request = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True})
+    side.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],)), 0)
+    first = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="p1", block_ids=([7, 8, 9, 10],),
+                                            num_computed_tokens=32)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              num_computed_tokens=[]),
+        num_scheduled_tokens={"p1": 32})
+    assert side.plan(first).saves == [Save("p1", (7, 8, 9, 10))]
+    second = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["p1"], new_block_ids=[([11, 12],)],
+                                              num_computed_tokens=[64]),
+        num_scheduled_tokens={"p1": 36})
+    assert side.plan(second).saves == [Save("p1", (11, 12))]  # tokens 64..99
