@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import queue
+import signal
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -21,6 +22,7 @@ from typing import Any, Self, TypeVar
 
 import trio
 
+from p2pxfer._sigmask import MAIN_THREAD_SIGNALS
 from p2pxfer.errors import EngineClosed, WaitTimeout
 from p2pxfer.memory import RegionDescriptor
 from p2pxfer.scatter import ScatterList
@@ -64,6 +66,9 @@ class BlockingEngine:
                                 **options))
 
     def _main(self, started: queue.SimpleQueue[BaseException | None]) -> None:
+        # Our thread for good: Ctrl-C goes to the caller's (main) thread, which
+        # waits on this one and must wake at once (``p2pxfer._sigmask``).
+        signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
         try:
             trio.run(self._serve, started)
         except BaseException as exc:

@@ -18,6 +18,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from p2pxfer._sigmask import main_thread_signals
 from p2pxfer.errors import P2PXferError
 
 if TYPE_CHECKING:
@@ -56,7 +57,8 @@ class PollerLoop:
         if s._pin and s.topo.cpus:  # the node's CPUs, not one core
             os.sched_setaffinity(0, s.topo.cpus)
         try:
-            self._loop()
+            with main_thread_signals():  # Ctrl-C wakes the caller, not this thread
+                self._loop()
         finally:
             if s._pin and s.topo.cpus:
                 os.sched_setaffinity(0, before)
