@@ -81,6 +81,21 @@ def close(*engines: h.Engine) -> None:
             w.shutdown()
 
 
+
+def load_d1(p: Any, d: Any, prompt: list[int], params: dict[str, Any]
+            ) -> tuple[list[int], list[int], Any]:
+    """The decode takes request "d1" with the prefill's ``params``, runs
+    until the load is done (no load error), and vLLM schedules it: the
+    prefill's block ids, the decode's, and the scheduled request."""
+    d.scheduler.add_request(h.request("d1", prompt, 4, params))
+    run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
+              "load")
+    assert d.load_errors == set()
+    new = d.scheduled("d1")
+    src_ids = params["remote_block_ids"]
+    return src_ids, new.block_ids[0][:len(src_ids)], new
+
+
 def test_the_factory_makes_both_roles(pair: tuple[DaemonProc, DaemonProc],
                                       tmp_path: Path) -> None:
     a, _ = pair
@@ -122,15 +137,9 @@ def test_prefill_to_decode_every_byte_of_every_layer(pair: tuple[DaemonProc, Dae
         assert params["remote_node"] == "node-a"
         assert p.scheduler.connector.scheduler.held() == 1
         occupy(d, 40)
-        d.scheduler.add_request(h.request("d1", PROMPT, 4, params))
-        run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
-                  "load")
-        assert d.load_errors == set()
+        src_ids, dst_ids, new = load_d1(p, d, PROMPT, params)
         # vLLM runs it only now, from the last prompt token.
-        new = d.scheduled("d1")
         assert new.num_computed_tokens == len(PROMPT) - 1
-        src_ids = params["remote_block_ids"]
-        dst_ids = new.block_ids[0][:len(src_ids)]
         assert src_ids != dst_ids
         for name in h.layer_names():
             assert torch.equal(p.kv[name][:, src_ids].view(torch.int16),
@@ -238,13 +247,7 @@ def test_heterogeneous_tp_through_vllm(pair: tuple[DaemonProc, DaemonProc], tmp_
         params = prefill(p, "p1", PROMPT)
         assert params["remote_tp_size"] == prefill_tp
         occupy(d, 40)
-        d.scheduler.add_request(h.request("d1", PROMPT, 4, params))
-        run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
-                  "load")
-        assert d.load_errors == set()
-        new = d.scheduled("d1")
-        src_ids = params["remote_block_ids"]
-        dst_ids = new.block_ids[0][:len(src_ids)]
+        src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
         # Both sides' heads, rank by rank, side by side (NHD: heads are dim 3).
         for name in h.layer_names():
             whole_p = torch.cat([kv[name][:, src_ids] for kv in p.kvs], dim=3)
@@ -286,13 +289,7 @@ def test_a_chunked_prefill_stages_each_chunk(pair: tuple[DaemonProc, DaemonProc]
         assert steps == 5  # 64 tokens a step
         (done,) = [o for o in p.outputs if o.request_id == "p1"]
         params = dict(done.kv_transfer_params)
-        d.scheduler.add_request(h.request("d1", prompt, 4, params))
-        run_until([p, d], lambda: "d1" in d.finished_recving and "p1" in p.finished_sending,
-                  "load")
-        assert d.load_errors == set()
-        new = d.scheduled("d1")
-        src_ids = params["remote_block_ids"]
-        dst_ids = new.block_ids[0][:len(src_ids)]
+        src_ids, dst_ids, _ = load_d1(p, d, prompt, params)
         for name in h.layer_names():
             assert torch.equal(p.kv[name][:, src_ids].view(torch.int16),
                                d.kv[name][:, dst_ids].view(torch.int16)), name

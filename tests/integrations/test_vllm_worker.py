@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -181,16 +182,20 @@ def test_a_pull_that_does_not_match_its_key_is_refused(pair: tuple[str, str]) ->
         prefill.close()
 
 
-def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
-    """With membership: the decode's pull lands, then the prefill node's
-    daemon is SIGKILLed before it pushes; the load ends as load errors
-    (membership rules the node dead), its slots are released (a new load
-    of the same request id can start), nothing is left in flight."""
-    keys = {"membership": "embedded", "cluster_token": "vllm-cluster-token"}
+MEMBERS = {"membership": "embedded", "cluster_token": "vllm-cluster-token"}
+
+
+@contextmanager
+def a_load_from_a_stuck_prefill(tmp_path: Path) -> Iterator[tuple[Any, Any, int, Worker,
+                                                                   Worker]]:
+    """Members node-a (prefill) and node-b (decode), alive to each other; the
+    decode loads request "d" from a prefill that never learns its key (as if
+    stuck), one second ago. Yields (a, b, a's control port, decode, prefill);
+    on the way out the workers close and the daemons stop (a test that
+    starts node-a again stops its own)."""
     pa, pb = free_port(), free_port()
-    b = start_daemon(tmp_path, "node-b", control_port=pb, **keys)
-    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **keys)
-    dst = caches(None)
+    b = start_daemon(tmp_path, "node-b", control_port=pb, **MEMBERS)
+    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **MEMBERS)
     decode = Worker(options(b.socket, "D", send=False, receive=True, load_timeout_s=600.0))
     prefill = Worker(options(a.socket, "P", send=True, receive=False))
     try:
@@ -200,21 +205,29 @@ def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, b.status()["peers"]
             time.sleep(0.1)
         prefill.register(caches(5))
-        decode.register(dst)
-        # The prefill never learns the key (as if stuck), then its node dies.
+        decode.register(caches(None))
         decode.load([Load("d", "node-a", "P", 6, "r", 0, (1, 2, 3))])
         time.sleep(1.0)
+        yield a, b, pa, decode, prefill
+    finally:
+        decode.close()
+        prefill.close()
+        a.stop()
+        b.stop()
+
+
+def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
+    """With membership: the decode's pull lands, then the prefill node's
+    daemon is SIGKILLed before it pushes; the load ends as load errors
+    (membership rules the node dead), its slots are released (a new load
+    of the same request id can start), nothing is left in flight."""
+    with a_load_from_a_stuck_prefill(tmp_path) as (a, b, _, decode, _prefill):
         a.proc.kill()
         a.proc.wait(10)
         wait_finished(decode, received={"d"})  # within DEADLINE_S, far below 600 s
         assert decode.load_errors() == {1, 2, 3}
         assert b.status()["transfers_in_flight"] == 0
         assert "d#0" not in decode._slots  # the request number went back
-    finally:
-        decode.close()
-        prefill.close()
-        a.stop()
-        b.stop()
 
 
 def test_mla_single_plane(pair: tuple[str, str]) -> None:
@@ -447,37 +460,20 @@ def test_a_replaced_prefill_is_a_load_error(tmp_path: Path) -> None:
     again under its name) while a decode waits on a request it held; the
     new life holds nothing of it, so the load ends as load errors (dead, or
     a new incarnation), its slots released, not at the load's deadline."""
-    keys = {"membership": "embedded", "cluster_token": "vllm-cluster-token"}
-    pa, pb = free_port(), free_port()
-    b = start_daemon(tmp_path, "node-b", control_port=pb, **keys)
-    a = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"], **keys)
-    decode = Worker(options(b.socket, "D", send=False, receive=True, load_timeout_s=600.0))
-    prefill = Worker(options(a.socket, "P", send=True, receive=False))
     a2 = None
     try:
-        deadline = time.monotonic() + DEADLINE_S
-        while {p["name"]: p["state"] for p in b.status()["peers"]} != {
-                "node-a": "alive", "node-b": "alive"}:
-            assert time.monotonic() < deadline, b.status()["peers"]
-            time.sleep(0.1)
-        prefill.register(caches(5))
-        decode.register(caches(None))
-        decode.load([Load("d", "node-a", "P", 6, "r", 0, (1, 2, 3))])
-        time.sleep(1.0)
-        a.proc.kill()
-        a.proc.wait(10)
-        prefill.close()
-        a2 = start_daemon(tmp_path, "node-a", control_port=pa, seeds=[f"{LOOPBACK}:{pb}"],
-                          **keys)
-        wait_finished(decode, received={"d"})  # within DEADLINE_S, far below 600 s
-        assert decode.load_errors() == {1, 2, 3}
-        assert "d#0" not in decode._slots
+        with a_load_from_a_stuck_prefill(tmp_path) as (a, b, pa, decode, prefill):
+            a.proc.kill()
+            a.proc.wait(10)
+            prefill.close()
+            a2 = start_daemon(tmp_path, "node-a", control_port=pa,
+                              seeds=[b.control], **MEMBERS)
+            wait_finished(decode, received={"d"})  # within DEADLINE_S, far below 600 s
+            assert decode.load_errors() == {1, 2, 3}
+            assert "d#0" not in decode._slots
     finally:
-        decode.close()
-        prefill.close()
-        for d in (a2, a, b):
-            if d is not None:
-                d.stop()
+        if a2 is not None:
+            a2.stop()
 
 
 def test_a_decode_prefix_hit_skips_the_blocks_it_has() -> None:
