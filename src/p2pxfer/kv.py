@@ -183,7 +183,7 @@ class KVPool:
 
     def layers_done(self, request_id: int) -> list[int]:
         req = self._rx.get(request_id)
-        return np.flatnonzero(req.complete()).tolist()
+        return [int(n) for n in np.flatnonzero(req.complete())]  # a row per layer
 
     def fail_request(self, request_id: int, reason: str) -> None:
         """End every wait on ``request_id`` with ``TransferError(reason)``."""
