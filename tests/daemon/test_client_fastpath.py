@@ -97,7 +97,7 @@ async def _mixed(client: p2pxfer.Client) -> None:
             tg.start_soon(cancelled_leader_then_follower)
     assert sorted(got) == sorted(list(range(8)) * 40)
     # Nothing was left waiting in the daemon, nothing unread here.
-    assert not client._pending and client._leader is None
+    assert not client._conv._pending and getattr(client._conv, "_leader", None) is None
     await client.unexport("fast")
     await client.free(mem)
 
@@ -106,12 +106,12 @@ async def _unattended(client: p2pxfer.Client) -> None:
     """A request whose reply nobody awaits yet (as ``kv_push`` leaves one):
     other calls go on, and its reply is there when it is awaited."""
     with anyio.fail_after(TIMEOUT):
-        pending = await client._start("locate", region="nowhere")
+        pending = await client._conv.start("locate", region="nowhere")
         for _ in range(20):
             assert await client.peers() == []
         await anyio.sleep(0.05)
         assert pending.reply is not None  # read meanwhile, by someone
-        assert await client._finish(pending) == {"nodes": []}
+        assert await client._conv.finish(pending) == {"nodes": []}
 
 
 def test_trio_callers_share_the_socket(daemon: DaemonProc) -> None:
@@ -144,7 +144,7 @@ def test_trio_leader_cancelled_while_reading(daemon: DaemonProc) -> None:
                     with trio.move_on_after(0.02) as scope:
                         await client.wait_imm(7, 1)
                     assert scope.cancelled_caught
-                    assert client._leader is None and not client._pending
+                    assert client._conv._leader is None and not client._conv._pending
                     assert await client.peers() == []
 
     trio.run(main)

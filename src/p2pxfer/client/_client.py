@@ -36,7 +36,7 @@ from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
 
 from ._kv import KVPool, KVPush, open_pool, start_push
-from ._wire import Conversation
+from ._wire import Conversation, open_conversation
 
 __all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedMemory",
            "connect"]
@@ -92,11 +92,12 @@ class SharedMemory:
         self.buffer.close()
 
 
-class Client(Conversation):
+class Client:
     """A connection to the node daemon. Use :func:`connect`."""
 
-    def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
-        super().__init__(stream, max_frame, path)
+    def __init__(self, conversation: Conversation) -> None:
+        #: the conversation with the daemon, of this loop's regime
+        self._conv = conversation
         self._mems: list[SharedMemory] = []
 
     # -- API ------------------------------------------------------------------
@@ -104,7 +105,7 @@ class Client(Conversation):
     async def alloc(self, nbytes: int, name: str = "p2pxfer") -> SharedMemory:
         """Shared memory of ``nbytes``, mapped here and registered by the daemon."""
         with new_buffer(nbytes, name) as buf:
-            result = await self._request("share", fds=[buf.fd], size=nbytes, name=name)
+            result = await self._conv.request("share", fds=[buf.fd], size=nbytes, name=name)
         mem = SharedMemory(buf, int(result["mem"]))
         self._mems.append(mem)
         return mem
@@ -112,7 +113,7 @@ class Client(Conversation):
     async def free(self, mem: SharedMemory) -> None:
         """Give shared memory back: the daemon deregisters and unmaps it (it
         must not back an export), then it is unmapped here."""
-        await self._request("unshare", mem=mem.mem_id)
+        await self._conv.request("unshare", mem=mem.mem_id)
         self._forget(mem)
 
     def _forget(self, mem: SharedMemory) -> None:
@@ -128,12 +129,12 @@ class Client(Conversation):
         the daemon's, or a uid in ``writers``."""
         length = mem.nbytes - offset if length is None else length
         fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
-        result = await self._request("export", name=name, mem=mem.mem_id, offset=offset,
+        result = await self._conv.request("export", name=name, mem=mem.mem_id, offset=offset,
                                      length=length, **fields)
         return RegionDescriptor.from_wire(result["descriptor"])
 
     async def unexport(self, name: str) -> None:
-        await self._request("unexport", name=name)
+        await self._conv.request("unexport", name=name)
 
     async def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
                     src_offset: int = 0, imm: int | None = None, notify: bool = False,
@@ -164,7 +165,7 @@ class Client(Conversation):
         packed = pack_scatter(scatter.src, scatter.dst, scatter.length)
         with anyio.move_on_after(timeout) as scope:
             extra: dict[str, Any] = {"notify": True} if notify else {}
-            result = await self._request("write", peer=peer, region=region, mem=src.mem_id,
+            result = await self._conv.request("write", peer=peer, region=region, mem=src.mem_id,
                                          offset=src_offset, scatter=packed, imm=imm, **extra)
         if scope.cancelled_caught:
             raise WaitTimeout(f"write to {region!r} on {peer!r} did not finish within "
@@ -186,11 +187,11 @@ class Client(Conversation):
         consumed count for the next wait."""
         fields: dict[str, Any] = {"region": region} if region is not None else {}
         if timeout is None:
-            await self._request("wait_imm", imm=imm, count=count, **fields)
+            await self._conv.request("wait_imm", imm=imm, count=count, **fields)
             return
         # The daemon keeps the deadline, so it can say how many arrived; ours
         # is the backstop for a daemon that does not answer at all.
-        result = await self._request("wait_imm", imm=imm, count=count,
+        result = await self._conv.request("wait_imm", imm=imm, count=count,
                                      timeout_ms=max(0, round(timeout * 1000)),
                                      timeout=timeout + WAIT_MARGIN_S, **fields)
         if result.get("timed_out"):
@@ -202,7 +203,7 @@ class Client(Conversation):
         peer's rails (every rail pair that reaches it). The result says
         ``ok``; where a step failed, ``failed`` names it and, where a port
         did not answer, the port. ``timeout`` bounds each step."""
-        return await self._request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)),
+        return await self._conv.request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)),
                                    timeout=None)
 
     async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
@@ -228,10 +229,10 @@ class Client(Conversation):
                                 layers, deadline)
 
     async def status(self) -> dict[str, Any]:
-        return await self._request("status")
+        return await self._conv.request("status")
 
     async def peers(self) -> list[dict[str, Any]]:
-        return list((await self._request("peers"))["peers"])
+        return list((await self._conv.request("peers"))["peers"])
 
     async def lookup(self, name: str) -> dict[str, Any] | None:
         """The member (or static peer) called ``name`` as this node's daemon
@@ -242,7 +243,7 @@ class Client(Conversation):
     async def locate(self, region: str) -> list[str]:
         """The nodes that export a region called ``region`` (this one
         included), as far as this node's daemon can reach right now."""
-        return [str(n) for n in (await self._request("locate", region=region))["nodes"]]
+        return [str(n) for n in (await self._conv.request("locate", region=region))["nodes"]]
 
     async def watch_members(self, *, poll_s: float = 30.0) -> AsyncIterator[MemberUpdate]:
         """Membership changes, as they happen, for as long as you iterate:
@@ -253,7 +254,7 @@ class Client(Conversation):
         Each round trip waits up to ``poll_s`` for news (a long poll)."""
         after = -1
         while True:
-            result = await self._request("watch", after=after, timeout_ms=int(poll_s * 1000))
+            result = await self._conv.request("watch", after=after, timeout_ms=int(poll_s * 1000))
             if result.get("reset"):
                 for m in result["members"]:
                     yield MemberUpdate._from_wire("present", m)
@@ -262,10 +263,20 @@ class Client(Conversation):
             after = int(result["next"])
 
     async def add_peer(self, name: str, address: str) -> None:
-        await self._request("add_peer", name=name, address=address)
+        await self._conv.request("add_peer", name=name, address=address)
+
+    @property
+    def node(self) -> str:
+        """The daemon's node name (from its welcome)."""
+        return self._conv.node
+
+    @property
+    def incarnation(self) -> int:
+        """The daemon's life (from its welcome)."""
+        return self._conv.incarnation
 
     async def aclose(self) -> None:
-        await super().aclose()
+        await self._conv.aclose()
         for mem in self._mems:
             mem.close()
         self._mems.clear()
@@ -314,12 +325,12 @@ async def connect(path: str, *, max_frame: int = 16 << 20) -> AsyncIterator[Clie
         stream = await anyio.connect_unix(path)
     except OSError as exc:
         raise ConnectionLost(unreachable(path, exc)) from exc
-    client = Client(stream, max_frame, path)
+    client = Client(open_conversation(stream, max_frame, path))
     try:
-        await client._handshake()
+        await client._conv.handshake()
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(client._reader)
+                tg.start_soon(client._conv.run_reader)
                 try:
                     yield client
                 finally:

@@ -72,7 +72,7 @@ class KVPush:
 
     async def wait(self, *, timeout: float | None = None) -> KVPushResult:
         if self._result is None:
-            r = await self._client._finish(self._pending, timeout)
+            r = await self._client._conv.finish(self._pending, timeout)
             if r.get("cancelled"):
                 raise TransferError(f"push of request {self.request} was cancelled (an "
                                     "earlier wait on it was cancelled or timed out)")
@@ -122,7 +122,7 @@ class KVPool:
         fields: dict[str, Any] = {}
         if timeout is not None:
             fields["timeout_ms"] = max(0, int(timeout * 1000))
-        r = await self._async_client()._request("kv_wait", pool=self.name, request=request,
+        r = await self._async_client()._conv.request("kv_wait", pool=self.name, request=request,
                                                 first=first, upto=upto, **fields)
         return self.check_done(request, int(r["done"]), upto, timeout)
 
@@ -157,7 +157,7 @@ class KVPool:
     async def forget(self, request: int) -> None:
         """Drop the daemon's bookkeeping of ``request`` (its id may then be
         pushed again); waits on it end with ``UnknownRegion``."""
-        await self._async_client()._request("kv_forget", pool=self.name, request=request)
+        await self._async_client()._conv.request("kv_forget", pool=self.name, request=request)
 
 
 async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
@@ -167,7 +167,7 @@ async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
     mem = await client.alloc(layout.nbytes, name)
     try:
         fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
-        r = await client._request("kv_pool", name=name, mem=mem.mem_id,
+        r = await client._conv.request("kv_pool", name=name, mem=mem.mem_id,
                                   layout=layout.to_wire(), receive=receive, **fields)
     except BaseException:
         await client.free(mem)
@@ -196,6 +196,6 @@ def push_fields(peer: str, pool: str, src: KVPool, src_blocks: Any, dst_blocks: 
 async def start_push(client: Client, peer: str, pool: str, src: KVPool, src_blocks: Any,
                      dst_blocks: Any, request: int, layers: Iterable[int] | None,
                      deadline: float) -> KVPush:
-    pending = await client._start("kv_push", **push_fields(
+    pending = await client._conv.start("kv_push", **push_fields(
         peer, pool, src, src_blocks, dst_blocks, request, layers, deadline))
     return KVPush(client, pending, request)

@@ -1,7 +1,11 @@
 """The client's end of its conversation with the daemon: requests out,
-replies back to whoever awaits them (trio and asyncio alike, through anyio).
+replies back to whoever awaits them. One class per concurrency regime, each
+owning its connection: ``TrioConversation``, ``AsyncioConversation`` (both
+over ``Conversation``, which sends, cancels and hands out replies), and, for
+blocking callers, ``BlockingConversation`` (``_blocking.py``, a socket of its
+own). ``open_conversation`` picks the one for the running loop.
 
-Nobody reads the socket all the time. A caller awaiting its reply reads the
+Nobody reads the socket all the time. Under trio, a caller awaiting its reply reads the
 socket itself when nobody else does (it *leads*): it hands every other reply
 it reads to its caller and stops at its own. Callers that find a leader wait
 for it to hand them their reply; a leader whose reply came hands the socket
@@ -9,6 +13,8 @@ to a caller still waiting or, when only requests nobody awaits are left (a
 KV push not yet awaited), to the connection's reader task. Why: a reply read
 by a reader task reaches its caller one or two scheduler rounds later, and
 those rounds were most of a no-op round trip (see docs/architecture.md).
+Under asyncio a callback of the loop reads (it runs inside the loop's poll;
+no task wakes to read).
 
 The socket is used directly (non-blocking ``send`` and ``recv``, parking only
 when the kernel says "not now"); anyio's stream only for what must wait or
@@ -41,7 +47,7 @@ from p2pxfer.protocol import (
     ProtocolError,
 )
 
-__all__ = ["Conversation"]
+__all__ = ["AsyncioConversation", "Conversation", "TrioConversation", "open_conversation"]
 
 _READER = object()  # the reader task, when it leads
 
@@ -100,9 +106,18 @@ class _Pending:
             event.set()
 
 
+def open_conversation(stream: anyio.abc.SocketStream, max_frame: int,
+                      path: str = "") -> Conversation:
+    """The conversation for the loop this runs in (trio or asyncio)."""
+    if sniffio.current_async_library() == "asyncio":
+        return AsyncioConversation(stream, max_frame, path)
+    return TrioConversation(stream, max_frame, path)
+
+
 class Conversation:
-    """Requests and replies over the daemon's socket (the module docstring
-    says who reads). ``Client`` is built on it."""
+    """Requests and replies over the daemon's socket: what both async
+    regimes share (sending, cancelling, handing out replies). Who reads is
+    the regime's: ``_await_reply`` and ``run_reader``."""
 
     def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
         self._pump = Pump(Connection("client", INITIATOR, max_frame=max_frame),
@@ -111,22 +126,24 @@ class Conversation:
         raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
         assert isinstance(raw, socket.socket)
         self._raw = raw
-        # Under asyncio a callback of the loop reads (``_on_readable``): it
-        # runs inside the loop's poll, no task wakes to read. Trio has no such
-        # callback: there a waiting caller leads.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        if sniffio.current_async_library() == "asyncio":
-            self._loop = asyncio.get_running_loop()
         self._path = path
         self._pending: dict[int, _Pending] = {}  # sent, not answered
-        self._waiting: dict[int, _Pending] = {}  # callers waiting for a leader
-        self._leader: object | None = None  # a _Pending, _READER or None
-        self._wanted = anyio.Event()  # wakes the reader task
         self._closed: P2PXferError | None = None
         self.node = ""
         self.incarnation = 0
 
-    async def _handshake(self) -> None:
+    async def _await_reply(self, p: _Pending) -> None:
+        """Until ``p`` is answered or the conversation is over."""
+        raise NotImplementedError
+
+    async def run_reader(self) -> None:
+        """The connection's reader task, for the conversation's lifetime."""
+        raise NotImplementedError
+
+    def _nudge_reader(self) -> None:
+        """Replies may be due that nobody reads (a send waits on the socket)."""
+
+    async def handshake(self) -> None:
         msg = await self._pump.hello(v=SCHEMA_VERSION, role="client")
         self.node, self.incarnation = msg["node"], msg["incarnation"]
 
@@ -164,107 +181,14 @@ class Conversation:
         self._pump.conn.receive_data(data)
         return True
 
-    async def _lead(self, mine: _Pending | None) -> None:
-        """Read and hand out replies until ``mine`` is answered (None: until
-        no reply is due that nobody waits for), or the conversation ends."""
-        try:
-            while self._closed is None and (
-                    mine.reply is None if mine is not None else self._unattended()):
-                msg = self._take()
-                if msg is not None:
-                    self._deliver(msg)
-                elif not self._recv_nowait():
-                    try:
-                        await trio.lowlevel.wait_readable(self._raw)
-                    except trio.ClosedResourceError:
-                        self._pump.conn.receive_data(b"")  # closed under us: the end
-        except ProtocolError as exc:
-            self._fail_all(ConnectionLost(f"protocol error from the daemon: {exc}"))
-        except P2PXferError as exc:
-            self._fail_all(exc)
-
-    def _hand_over(self) -> None:
-        """The leader left: the socket to a caller still waiting, else to the
-        reader task if replies nobody awaits are due."""
-        if self._closed is not None or not self._pending:
-            return
-        for p in self._waiting.values():
-            if p.reply is None:
-                p.wake()
-                return
-        self._wanted.set()
-
-    async def _await_reply(self, p: _Pending) -> None:
-        """Until ``p`` is answered or the conversation is over."""
-        if self._loop is not None:  # asyncio: ``_on_readable`` reads
-            while p.reply is None and self._closed is None:
-                p.event = future = self._loop.create_future()
-                await future
-            return
-        while p.reply is None and self._closed is None:
-            if self._leader is None:
-                self._leader = p
-                try:
-                    await self._lead(p)
-                finally:
-                    self._leader = None
-                    self._hand_over()
-            else:
-                p.event = event = anyio.Event()
-                self._waiting[p.rid] = p
-                try:
-                    await event.wait()
-                finally:
-                    del self._waiting[p.rid]
-
-    def _unattended(self) -> bool:
-        """Replies are due that no waiting caller will read."""
-        return bool(self._pending) and not any(p.reply is None for p in self._waiting.values())
-
-    def _on_readable(self) -> None:
-        """asyncio: the socket has something; read it and hand out replies."""
-        try:
-            if self._recv_nowait():
-                while self._closed is None and (msg := self._take()) is not None:
-                    self._deliver(msg)
-        except ProtocolError as exc:
-            self._fail_all(ConnectionLost(f"protocol error from the daemon: {exc}"))
-        except P2PXferError as exc:
-            self._fail_all(exc)
-        if self._closed is not None and self._loop is not None:
-            self._loop.remove_reader(self._raw)  # at the end it would fire for ever
-
-    async def _reader(self) -> None:
-        """Trio: reads for requests nobody awaits right now, so their replies
-        never pile up unread (the daemon would stall on a full socket).
-        asyncio: keeps ``_on_readable`` on the loop while it runs."""
-        if self._loop is not None:
-            self._loop.add_reader(self._raw, self._on_readable)
-            try:
-                await anyio.sleep_forever()
-            finally:
-                self._loop.remove_reader(self._raw)
-        while self._closed is None:
-            await self._wanted.wait()
-            self._wanted = anyio.Event()
-            if self._leader is not None or not self._unattended():
-                continue
-            self._leader = _READER
-            try:
-                await self._lead(None)
-            finally:
-                self._leader = None
-                self._hand_over()
-
     def _fail_all(self, exc: P2PXferError) -> None:
         self._closed = exc
         for p in self._pending.values():
             p.wake()
-        self._wanted.set()
 
     # -- requests ---------------------------------------------------------------
 
-    async def _request(self, kind: str, fds: list[int] | None = None, *,
+    async def request(self, kind: str, fds: list[int] | None = None, *,
                        timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send one request and await its reply. Cancelled (or interrupted)
         while waiting: the daemon is told (``cancel``) and this returns only
@@ -272,12 +196,12 @@ class Conversation:
         a write's buffer is no longer read, a wait no longer counts. After
         ``timeout`` seconds the same, then ``WaitTimeout`` (unless the reply
         came meanwhile: then it is returned)."""
-        pending = await self._start(kind, fds, **fields)
-        return await self._finish(pending, timeout)
+        pending = await self.start(kind, fds, **fields)
+        return await self.finish(pending, timeout)
 
-    async def _start(self, kind: str, fds: list[int] | None = None, **fields: Any
-                     ) -> _Pending:
-        """Send a request; its reply is awaited with ``_finish``."""
+    async def start(self, kind: str, fds: list[int] | None = None, **fields: Any
+                    ) -> _Pending:
+        """Send a request; its reply is awaited with ``finish``."""
         if self._closed is not None:
             raise ConnectionLost(f"connection to the daemon is closed ({self._closed})")
         p = _Pending(kind, self._pump.conn.next_id())
@@ -289,7 +213,7 @@ class Conversation:
             raise
         return p
 
-    async def _finish(self, p: _Pending, timeout: float | None = None) -> dict[str, Any]:
+    async def finish(self, p: _Pending, timeout: float | None = None) -> dict[str, Any]:
         try:
             if timeout is None:
                 await self._await_reply(p)
@@ -344,10 +268,10 @@ class Conversation:
                 lock.release()
                 raise
         try:
-            if not fds and self._leader is None and self._pending:
+            if not fds and self._pending:
                 # The daemon may be stalled sending us replies nobody reads:
                 # read them while we wait to send.
-                self._wanted.set()
+                self._nudge_reader()
             with anyio.CancelScope(shield=True):
                 await self._pump.stream.send_all(data, fds)
         finally:
@@ -376,3 +300,127 @@ class Conversation:
         with contextlib.suppress(OSError, ValueError):
             anyio.notify_closing(self._raw)  # a leader parked on it wakes up
         await self._pump.aclose()
+
+
+class TrioConversation(Conversation):
+    """Trio: a waiting caller leads (reads the socket and hands out the
+    replies it meets); the reader task reads only for requests nobody awaits."""
+
+    def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
+        super().__init__(stream, max_frame, path)
+        self._waiting: dict[int, _Pending] = {}  # callers waiting for a leader
+        self._leader: object | None = None  # a _Pending, _READER or None
+        self._wanted = anyio.Event()  # wakes the reader task
+
+    def _nudge_reader(self) -> None:
+        if self._leader is None:
+            self._wanted.set()
+
+    def _fail_all(self, exc: P2PXferError) -> None:
+        super()._fail_all(exc)
+        self._wanted.set()  # the reader task ends
+
+    async def _lead(self, mine: _Pending | None) -> None:
+        """Read and hand out replies until ``mine`` is answered (None: until
+        no reply is due that nobody waits for), or the conversation ends."""
+        try:
+            while self._closed is None and (
+                    mine.reply is None if mine is not None else self._unattended()):
+                msg = self._take()
+                if msg is not None:
+                    self._deliver(msg)
+                elif not self._recv_nowait():
+                    try:
+                        await trio.lowlevel.wait_readable(self._raw)
+                    except trio.ClosedResourceError:
+                        self._pump.conn.receive_data(b"")  # closed under us: the end
+        except ProtocolError as exc:
+            self._fail_all(ConnectionLost(f"protocol error from the daemon: {exc}"))
+        except P2PXferError as exc:
+            self._fail_all(exc)
+
+    def _hand_over(self) -> None:
+        """The leader left: the socket to a caller still waiting, else to the
+        reader task if replies nobody awaits are due."""
+        if self._closed is not None or not self._pending:
+            return
+        for p in self._waiting.values():
+            if p.reply is None:
+                p.wake()
+                return
+        self._wanted.set()
+
+    async def _await_reply(self, p: _Pending) -> None:
+        """Until ``p`` is answered or the conversation is over: lead if
+        nobody does, else wait for the leader to hand the reply over."""
+        while p.reply is None and self._closed is None:
+            if self._leader is None:
+                self._leader = p
+                try:
+                    await self._lead(p)
+                finally:
+                    self._leader = None
+                    self._hand_over()
+            else:
+                p.event = event = anyio.Event()
+                self._waiting[p.rid] = p
+                try:
+                    await event.wait()
+                finally:
+                    del self._waiting[p.rid]
+
+    def _unattended(self) -> bool:
+        """Replies are due that no waiting caller will read."""
+        return bool(self._pending) and not any(p.reply is None for p in self._waiting.values())
+
+    async def run_reader(self) -> None:
+        """Reads for requests nobody awaits right now, so their replies
+        never pile up unread (the daemon would stall on a full socket)."""
+        while self._closed is None:
+            await self._wanted.wait()
+            self._wanted = anyio.Event()
+            if self._leader is not None or not self._unattended():
+                continue
+            self._leader = _READER
+            try:
+                await self._lead(None)
+            finally:
+                self._leader = None
+                self._hand_over()
+
+
+class AsyncioConversation(Conversation):
+    """asyncio: a callback of the loop reads whenever the socket is
+    readable, and wakes each caller's future; no task wakes to read."""
+
+    def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
+        super().__init__(stream, max_frame, path)
+        self._loop = asyncio.get_running_loop()
+
+    def _on_readable(self) -> None:
+        """asyncio: the socket has something; read it and hand out replies."""
+        try:
+            if self._recv_nowait():
+                while self._closed is None and (msg := self._take()) is not None:
+                    self._deliver(msg)
+        except ProtocolError as exc:
+            self._fail_all(ConnectionLost(f"protocol error from the daemon: {exc}"))
+        except P2PXferError as exc:
+            self._fail_all(exc)
+        if self._closed is not None:
+            self._loop.remove_reader(self._raw)  # at the end it would fire for ever
+
+    async def _await_reply(self, p: _Pending) -> None:
+        """Until ``p`` is answered or the conversation is over: the loop's
+        callback (``_on_readable``) reads."""
+        while p.reply is None and self._closed is None:
+            p.event = future = self._loop.create_future()
+            await future
+
+    async def run_reader(self) -> None:
+        """Keeps ``_on_readable`` on the loop while the conversation lasts."""
+        self._loop.add_reader(self._raw, self._on_readable)
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self._loop.remove_reader(self._raw)
