@@ -88,9 +88,13 @@ except KeyboardInterrupt:
 """
 
 
-# A child that does not exit in time is asked for every thread's stack
+# The child handles Ctrl-C as an interactive program does: a suite started
+# in the background by a non-interactive shell (CI, `cmd &`) hands its
+# children SIGINT ignored, and Python then installs no handler at all. A
+# child that does not exit in time is asked for every thread's stack
 # (SIGUSR1: faulthandler), so the failure says where it hung.
-STACKS = "import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+STACKS = ("import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)"
+          "; signal.signal(signal.SIGINT, signal.default_int_handler)\n")
 
 
 def run_child(code: str) -> subprocess.Popen[str]:
