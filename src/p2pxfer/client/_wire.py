@@ -24,6 +24,7 @@ blocking client's conversation (``_blocking.py``, a socket of its own).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import socket
@@ -114,7 +115,7 @@ def open_conversation(stream: anyio.abc.SocketStream, max_frame: int,
     return TrioConversation(stream, max_frame, path)
 
 
-class Conversation:
+class Conversation(abc.ABC):
     """Requests and replies over the daemon's socket: what both async
     regimes share (sending, cancelling, handing out replies). Who reads is
     the regime's: ``_await_reply`` and ``run_reader``."""
@@ -132,14 +133,15 @@ class Conversation:
         self.node = ""
         self.incarnation = 0
 
+    @abc.abstractmethod
     async def _await_reply(self, p: _Pending) -> None:
         """Until ``p`` is answered or the conversation is over."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def run_reader(self) -> None:
         """The connection's reader task, for the conversation's lifetime."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _nudge_reader(self) -> None:
         """Replies may be due that nobody reads (a send waits on the socket)."""
 
@@ -355,12 +357,7 @@ class TrioConversation(Conversation):
         nobody does, else wait for the leader to hand the reply over."""
         while p.reply is None and self._closed is None:
             if self._leader is None:
-                self._leader = p
-                try:
-                    await self._lead(p)
-                finally:
-                    self._leader = None
-                    self._hand_over()
+                await self._lead_as(p, p)
             else:
                 p.event = event = anyio.Event()
                 self._waiting[p.rid] = p
@@ -379,14 +376,17 @@ class TrioConversation(Conversation):
         while self._closed is None:
             await self._wanted.wait()
             self._wanted = anyio.Event()
-            if self._leader is not None or not self._unattended():
-                continue
-            self._leader = _READER
-            try:
-                await self._lead(None)
-            finally:
-                self._leader = None
-                self._hand_over()
+            if self._leader is None and self._unattended():
+                await self._lead_as(_READER, None)
+
+    async def _lead_as(self, leader: object, mine: _Pending | None) -> None:
+        """``_lead`` as ``leader``, then the socket to whoever is next."""
+        self._leader = leader
+        try:
+            await self._lead(mine)
+        finally:
+            self._leader = None
+            self._hand_over()
 
 
 class AsyncioConversation(Conversation):
@@ -396,6 +396,9 @@ class AsyncioConversation(Conversation):
     def __init__(self, stream: anyio.abc.SocketStream, max_frame: int, path: str = "") -> None:
         super().__init__(stream, max_frame, path)
         self._loop = asyncio.get_running_loop()
+
+    def _nudge_reader(self) -> None:
+        pass  # the loop's callback reads whenever the socket is readable
 
     def _on_readable(self) -> None:
         """asyncio: the socket has something; read it and hand out replies."""
