@@ -144,7 +144,15 @@ class DaemonProc:
         """The daemon's status, over a raw connection (every read bounded)."""
         with RawConn(self.socket, timeout) as c:
             c.hello()
-            reply = c.request({"t": "status", "id": 1})
+            try:
+                reply = c.request({"t": "status", "id": 1})
+            except LaunchError as exc:
+                # Said here, with what the daemon said last: the report of a
+                # long test may keep only its first lines.
+                time.sleep(0.2)  # a dying daemon's exit status and last words
+                raise LaunchError(f"daemon {self.name} (alive: {self.alive()}, exit: "
+                                  f"{self.proc.returncode}): {exc}\n{self.log_tail(25)}"
+                                  ) from None
             if reply["t"] != "ok":
                 raise LaunchError(f"daemon {self.name} answered status with {reply!r:.300}")
             return dict(reply["result"])

@@ -56,6 +56,8 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
       p2pxfer daemon --node a --socket /tmp/a.sock --control 127.0.0.1:7700 \\
           --fabric-node 127.0.0.1 --peer b=127.0.0.1:7701
     """
+    import faulthandler
+
     import trio
 
     from p2pxfer._startup import check_startup, leaves, one_line
@@ -78,6 +80,9 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
         if isinstance(exc, ConfigError | ProviderNotFound):
             raise ConfigFailure(str(exc)) from None
         raise click.ClickException(str(exc)) from None
+    # A crash in the native layer says where (every thread's stack, on
+    # stderr: the daemon's log) instead of ending with a bare signal.
+    faulthandler.enable()
     try:
         trio.run(partial(serve, cfg, handle_signals=True))
     except KeyboardInterrupt:

@@ -73,6 +73,9 @@ class Rail:
         self.ordered = info.ordered_writes
         #: a completion read means landed or queued ahead of later writes
         self.completions_ordered = info.completions_order_writes
+        # Its connections are kernel TCP sockets we can see (``disconnect``).
+        parts = info.provider.split(";")
+        self._rxm_over_tcp = "ofi_rxm" in parts and "tcp" in parts
         log.debug(
             "rail.open", provider=info.provider, domain=info.domain_name,
             address=self.address.hex(), mr_mode=info.mr_mode.names(),
@@ -153,16 +156,27 @@ class Rail:
         them and their queued writes, which go out whenever the link lets
         them), then the address leaves the AV. The next write to the peer
         (``peer`` inserts it again) connects anew. Returns the connections
-        reset."""
+        reset.
+
+        On tcp;ofi_rxm the address stays when the provider holds no
+        connection to the peer: libfabric 1.17's ofi_rxm keeps a connection
+        it closed on the peer's "already connected" reject (the peer still
+        has our old one: a reset that never reached it) indexed without its
+        endpoint, and ``fi_av_remove``'s cleanup closes that endpoint again,
+        a NULL dereference that killed the process. Without a connection
+        nothing is queued, so there is nothing to drop either."""
         reset: list[str] = []
+        remove = True
         if not self.av.is_shm and self.av.holds(address):
             ours = parse_sockaddr(self.av.straddr(self.address))
             peer = parse_sockaddr(self.av.straddr(address))
             if ours is not None and peer is not None:
-                conns = reset_connections(ours, peer)
+                conns = reset_connections(ours, peer, skip=self._knocks.fds())
                 self._knocks.add(conns, time.monotonic())
                 reset = [label(*c) for c in conns]
-        self.av.remove(address)
+                remove = bool(conns) or not self._rxm_over_tcp
+        if remove:
+            self.av.remove(address)
         return reset
 
     def link_carries(self, address: bytes, quiet_s: float) -> bool | None:

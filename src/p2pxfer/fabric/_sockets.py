@@ -113,17 +113,18 @@ def label(local: Endpoint, remote: Endpoint) -> str:
     return f"{local[0]}:{local[1]}->{remote[0]}:{remote[1]}"
 
 
-def _pair_sockets(ours: Endpoint, peer: Endpoint) -> Iterator[tuple[int, Endpoint, Endpoint]]:
+def _pair_sockets(ours: Endpoint, peer: Endpoint, skip: frozenset[int] = frozenset(),
+                  ) -> Iterator[tuple[int, Endpoint, Endpoint]]:
     """(fd, local, remote) of this process's TCP connections between our
     endpoint ``ours`` (its listening address) and the peer endpoint ``peer``
-    (see the module doc)."""
+    (see the module doc), less the descriptors in ``skip``."""
     ours_ip, ours_port = ours
     peer_ip, _ = peer
     accepted_too = not _same_host(peer_ip, ours_ip)
     fds = _socket_fds()
     for inode, (local, remote) in _connections().items():
         fd = fds.get(inode)
-        if fd is None:
+        if fd is None or fd in skip:
             continue
         mine = local[1] == ours_port and (ours_ip.is_unspecified or local[0] == ours_ip)
         if remote == peer or (accepted_too and mine and remote[0] == peer_ip):
@@ -135,11 +136,13 @@ def _pair_sockets(ours: Endpoint, peer: Endpoint) -> Iterator[tuple[int, Endpoin
             yield fd, local, remote
 
 
-def reset_connections(ours: Endpoint, peer: Endpoint) -> list[tuple[Endpoint, Endpoint]]:
-    """Reset this process's TCP connections between ``ours`` and ``peer``;
-    returns (local, remote) of each one reset."""
+def reset_connections(ours: Endpoint, peer: Endpoint, skip: frozenset[int] = frozenset(),
+                      ) -> list[tuple[Endpoint, Endpoint]]:
+    """Reset this process's TCP connections between ``ours`` and ``peer``
+    (not the descriptors in ``skip``: our own knocks); returns (local,
+    remote) of each one reset."""
     done = []
-    for fd, local, remote in _pair_sockets(ours, peer):
+    for fd, local, remote in _pair_sockets(ours, peer, skip):
         rc = lib.p2p_tcp_reset(fd)
         if rc:
             log.warning("rail.reset_failed", connection=label(local, remote),
@@ -290,6 +293,11 @@ class Knocks:
 
     def __bool__(self) -> bool:
         return bool(self._knocks)
+
+    def fds(self) -> frozenset[int]:
+        """The descriptors of the knocks under way (connections of ours,
+        not the provider's)."""
+        return frozenset(k.sock.fileno() for k in self._knocks if k.sock is not None)
 
     def add(self, reset: list[tuple[Endpoint, Endpoint]], now: float) -> None:
         for local, remote in reset:
