@@ -14,6 +14,8 @@ dropped by nftables in its own namespace.
 from __future__ import annotations
 
 import json
+import select
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -55,6 +57,7 @@ WRITER = textwrap.dedent("""
     from p2pxfer.bench._loops import reference_target, reference_write
     from p2pxfer.errors import FabricError
     from p2pxfer.fabric import ACCESS_WRITE, Rail
+    from p2pxfer.fabric._sockets import connections, parse_sockaddr
     from p2pxfer.memory import buffer_span
 
     node, peer = sys.argv[1], json.loads(sys.argv[2])
@@ -88,7 +91,10 @@ WRITER = textwrap.dedent("""
         say(step="refused", refused=True, error=str(exc))
     # Its last attempt is refused too once the provider reads its events:
     # then it has no connection to the peer, only the refused one's record.
-    reference_target(rail, 1 << 30, 0.5)
+    ours, them = (parse_sockaddr(rail.av.straddr(a)) for a in (rail.address, address))
+    deadline = time.monotonic() + 20
+    while connections(ours, them) and time.monotonic() < deadline:
+        reference_target(rail, 1 << 30, 0.1)
     say(step="reset again", reset=rail.disconnect(address))
     nft("delete table inet p2prst")
     # The knocks end the peer's old connection; then a write goes through.
@@ -116,13 +122,16 @@ def test_disconnecting_a_peer_that_refused_us_as_already_connected() -> None:
     and refuses the next as a duplicate; disconnecting again must not crash
     (before: SIGSEGV in ``fi_av_remove``), and once the resets get through
     the writer's knocks end the old connection and its writes land."""
+    if shutil.which("nft") is None:
+        pytest.skip("nftables (`nft`) is not installed")
     with two_hosts(rails=1) as (a, b):
         target = _spawn(b, TARGET, b.addresses[0])
         writer = None
         try:
             assert target.stdout is not None
-            peer = target.stdout.readline()
-            assert peer, target.communicate(timeout=TIMEOUT)[1]
+            ready = select.select([target.stdout], [], [], TIMEOUT)[0]
+            peer = target.stdout.readline() if ready else ""
+            assert peer, "the target did not start"
             writer = _spawn(a, WRITER, a.addresses[0], peer.strip())
             out, err = writer.communicate(timeout=TIMEOUT)
             steps = {s["step"]: s for s in map(json.loads, out.splitlines())}

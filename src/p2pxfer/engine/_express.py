@@ -95,9 +95,11 @@ class Express:
             if not left:
                 end = time.perf_counter_ns() + budget_of(scatter.nbytes)
                 while True:
-                    k = poller.poll(max(end - time.perf_counter_ns(), 0), n - got)
-                    if poller.failed:
-                        failed = poller.completions(k)  # counted once it is regular
+                    with s._cq_guard:
+                        k = poller.poll(max(end - time.perf_counter_ns(), 0), n - got)
+                        if poller.failed:
+                            failed = poller.completions(k)  # counted once it is regular
+                    if failed is not None:
                         break
                     for rail, ctx, flags, data, cnt in poller.runs(k):
                         if flags & FLAG_REMOTE_CQ_DATA:

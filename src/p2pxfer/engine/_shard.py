@@ -18,6 +18,7 @@ and counts completions. What must not live here: validation
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,6 +80,13 @@ class Shard:
             os.close(self.wake_fd)
             self._group.close()
             raise
+        # The trio thread's CQ reads (the inline and express polls) and the
+        # poller thread's ``Rail.disconnect`` exclude each other: a read can
+        # change a provider connection's state between disconnect's look at
+        # it and the AV removal. Held only for those; never with the lock.
+        self._cq_guard = threading.Lock()
+        for rail in rails:
+            rail.progress_guard = self._cq_guard
         self.slots = trio.Semaphore(max_inflight)
         # Who owns what: ``_owner.py``. The lock is held across C calls only
         # for short non-blocking ones that must not race a teardown: a direct
@@ -290,8 +298,9 @@ class Shard:
                 # One C call spins until this write's completions arrived (or
                 # others', or the budget ran out): no Python per empty poll.
                 left = deadline - time.perf_counter_ns()
-                c = self._inline_poller.progress(spin_ns=max(left, 0),
-                                                 min_entries=max(tr.remaining, 1))
+                with self._cq_guard:
+                    c = self._inline_poller.progress(spin_ns=max(left, 0),
+                                                     min_entries=max(tr.remaining, 1))
                 with self._lock:
                     self._absorb(c)
                 if self._finished or self._imm_batches:

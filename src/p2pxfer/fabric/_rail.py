@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -33,7 +34,7 @@ from ._objects import (
     MemoryRegion,
     check_shm_peer,
 )
-from ._sockets import Knocks, label, link_carries, parse_sockaddr, reset_connections
+from ._sockets import Knocks, dialed, label, link_carries, parse_sockaddr, reset_connections
 
 __all__ = [
     "FLAG_REMOTE_CQ_DATA", "CompletionError", "Completions", "Poller", "Rail", "StallWatch",
@@ -76,6 +77,9 @@ class Rail:
         # Its connections are kernel TCP sockets we can see (``disconnect``).
         parts = info.provider.split(";")
         self._rxm_over_tcp = "ofi_rxm" in parts and "tcp" in parts
+        #: held by whoever reads this rail's CQ outside the thread that calls
+        #: ``disconnect``, and by ``disconnect`` (a shard shares one)
+        self.progress_guard = threading.Lock()
         log.debug(
             "rail.open", provider=info.provider, domain=info.domain_name,
             address=self.address.hex(), mr_mode=info.mr_mode.names(),
@@ -158,25 +162,30 @@ class Rail:
         (``peer`` inserts it again) connects anew. Returns the connections
         reset.
 
-        On tcp;ofi_rxm the address stays when the provider holds no
-        connection to the peer: libfabric 1.17's ofi_rxm keeps a connection
-        it closed on the peer's "already connected" reject (the peer still
-        has our old one: a reset that never reached it) indexed without its
-        endpoint, and ``fi_av_remove``'s cleanup closes that endpoint again,
-        a NULL dereference that killed the process. Without a connection
-        nothing is queued, so there is nothing to drop either."""
+        On tcp;ofi_rxm the address leaves the AV only when we hold a
+        connection we dialed to the peer: libfabric 1.17's ofi_rxm keeps a
+        connection it closed on the peer's "already connected" reject (the
+        peer still has our old one: a reset that never reached it) indexed
+        without its endpoint, and ``fi_av_remove``'s cleanup closes that
+        endpoint again, a NULL dereference that killed the process. Such a
+        connection has no socket and nothing queued; one the peer dialed
+        is reset above when the peer is on another host, and the provider
+        fails what it had queued on it (same host: docs, "Known gaps").
+        ``progress_guard`` keeps CQ reads of other threads (which can turn
+        a connecting connection into a refused one) out of that look."""
         reset: list[str] = []
         remove = True
-        if not self.av.is_shm and self.av.holds(address):
-            ours = parse_sockaddr(self.av.straddr(self.address))
-            peer = parse_sockaddr(self.av.straddr(address))
-            if ours is not None and peer is not None:
-                conns = reset_connections(ours, peer, skip=self._knocks.fds())
-                self._knocks.add(conns, time.monotonic())
-                reset = [label(*c) for c in conns]
-                remove = bool(conns) or not self._rxm_over_tcp
-        if remove:
-            self.av.remove(address)
+        with self.progress_guard:
+            if not self.av.is_shm and self.av.holds(address):
+                ours = parse_sockaddr(self.av.straddr(self.address))
+                peer = parse_sockaddr(self.av.straddr(address))
+                if ours is not None and peer is not None:
+                    conns = reset_connections(ours, peer, skip=self._knocks.fds())
+                    self._knocks.add(conns, time.monotonic())
+                    reset = [label(*c) for c in conns]
+                    remove = dialed(ours, conns) or not self._rxm_over_tcp
+            if remove:
+                self.av.remove(address)
         return reset
 
     def link_carries(self, address: bytes, quiet_s: float) -> bool | None:

@@ -35,7 +35,8 @@ from p2pxfer.log import get_logger
 
 from ._binding import lib
 
-__all__ = ["Knocks", "link_carries", "parse_sockaddr", "reset_connections"]
+__all__ = ["Knocks", "connections", "dialed", "link_carries", "parse_sockaddr",
+           "reset_connections"]
 
 log = get_logger("p2pxfer.fabric")
 
@@ -126,14 +127,30 @@ def _pair_sockets(ours: Endpoint, peer: Endpoint, skip: frozenset[int] = frozens
         fd = fds.get(inode)
         if fd is None or fd in skip:
             continue
-        mine = local[1] == ours_port and (ours_ip.is_unspecified or local[0] == ours_ip)
-        if remote == peer or (accepted_too and mine and remote[0] == peer_ip):
+        ours_too = ours_ip.is_unspecified or local[0] == ours_ip
+        mine = local[1] == ours_port and ours_too
+        # Dialed: from our address (another rail's connection to the same
+        # peer endpoint is not ours to reset), or accepted by our endpoint.
+        if (remote == peer and ours_too) or (accepted_too and mine and remote[0] == peer_ip):
             try:
                 if os.fstat(fd).st_ino != inode:  # closed and reused since the listing
                     continue
             except OSError:
                 continue
             yield fd, local, remote
+
+
+def connections(ours: Endpoint, peer: Endpoint, skip: frozenset[int] = frozenset(),
+                ) -> list[tuple[Endpoint, Endpoint]]:
+    """(local, remote) of this process's TCP connections between ``ours``
+    and ``peer`` (see the module doc), less the descriptors in ``skip``."""
+    return [(local, remote) for _, local, remote in _pair_sockets(ours, peer, skip)]
+
+
+def dialed(ours: Endpoint, conns: list[tuple[Endpoint, Endpoint]]) -> bool:
+    """Whether one of ``conns`` is a connection our endpoint dialed (not
+    one it accepted: those name only the peer's ephemeral port)."""
+    return any(local[1] != ours[1] for local, _ in conns)
 
 
 def reset_connections(ours: Endpoint, peer: Endpoint, skip: frozenset[int] = frozenset(),
