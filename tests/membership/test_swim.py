@@ -260,6 +260,31 @@ def test_partition_heals_and_membership_converges() -> None:
                for a in names for b in names)
 
 
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_a_healed_minority_cannot_kill_members_the_majority_hears(seed: int) -> None:
+    """One member cut off long enough to declare the other three dead; the
+    link heals and its verdicts reach them. Each has heard from the others
+    itself within a suspicion's length: the verdict is a suspicion there,
+    refuted, never a death (a write between two of them would fail on it)."""
+    c = formed(4, seed=seed)
+    names = sorted(c.nodes)
+    lone, rest = names[-1], names[:-1]
+    c.partition([lone], rest)
+    assert c.run_until(lambda: all(c.nodes[lone].member(n).state is DEAD  # type: ignore[union-attr]
+                                   for n in rest), 30) is not None
+    c.heal()
+    assert c.run_until(c.converged, 30) is not None
+    for n in rest:
+        for m in rest:
+            assert not about(c.events[n], m, MemberDead), (n, m)
+    # A real death is still taken at once from another member's word: the
+    # dead member was last heard from longer ago than a suspicion lasts.
+    c.kill(rest[0])
+    timeout = c.nodes[rest[1]].suspicion_timeout()
+    took = c.run_until(lambda: c.all_see(rest[0], [DEAD]), 30)
+    assert took is not None and took <= timeout + 4 * c.nodes[rest[1]].config.period, took
+
+
 # -- authentication -----------------------------------------------------------------
 
 

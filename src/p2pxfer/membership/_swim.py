@@ -28,6 +28,9 @@ implementations share):
   (``new_incarnation``). ``is_current(name, incarnation)`` is what the
   daemon checks before it trusts a descriptor stamped with an incarnation.
 - **Partitions.** A member declared dead by mistake refutes like a suspect.
+  Another member's "dead" about one we heard from ourselves within a
+  suspicion's length is only a suspicion here (a healed partition's side
+  declared ours dead; a true death's verdict comes later than that).
   Every ``reconnect_interval`` a member pings one random dead member, telling
   it it is considered dead, so two halves of a healed partition find each
   other again.

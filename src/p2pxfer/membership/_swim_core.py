@@ -149,6 +149,16 @@ class _SwimCore:
             if direct and e.state is ALIVE:
                 e.last_heard = now
             return
+        if (state is DEAD and not direct and inc == e.incarnation and e.state in _RUNNING
+                and now - e.last_heard < self.suspicion_timeout()):
+            # Another member's verdict on one we heard from ourselves within
+            # a suspicion's length: a true death's verdict comes later than
+            # that (its sender had to suspect first). It is a healed
+            # partition's side declaring ours dead: a suspicion here, which
+            # the member refutes if it lives; our own timer decides if not.
+            if e.state is ALIVE:
+                self._suspect(e, now)
+            return
         old_inc, old_state = e.incarnation, e.state
         e.set_addresses(address, extra)
         if direct:
