@@ -84,7 +84,7 @@ def daemon(config_path: str | None, node: str | None, socket_path: str | None,
     # stderr: the daemon's log) instead of ending with a bare signal.
     faulthandler.enable()
     try:
-        trio.run(partial(serve, cfg, handle_signals=True))
+        trio.run(partial(serve, cfg, handle_signals=True, process_exits=True))
     except KeyboardInterrupt:
         pass
     except Exception as exc:  # the edge: everything becomes one line (or a traceback)

@@ -280,6 +280,7 @@ class Daemon:
 
 
 async def serve(config: DaemonConfig, *, handle_signals: bool = False,
+                process_exits: bool = False,
                 task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a daemon until cancelled (or, with ``handle_signals``, until SIGINT
     or SIGTERM, then return normally). ``nursery.start(serve, config)``
@@ -289,6 +290,9 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     ``STOP_MEMBERSHIP_S``), cancels every task, and whatever still runs
     ``SHUTDOWN_GRACE_S`` after stopping began (a write waiting for pieces
     posted to a silent peer) is failed by closing the engine under it.
+    ``process_exits``: the process ends when this returns (the CLI), so the
+    engine may leave to the kernel what libfabric cannot close safely
+    (``Rail.close``).
     Refuses (``ConfigError``) to run open on a non-loopback address, and
     (``ConfigError``, naming the file) to start with TLS files that are not
     right."""
@@ -310,6 +314,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     daemon: Daemon | None = None
     try:
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as guard:
+            engine.process_exits = process_exits
             check_rail_ports(config, engine)
             try:
                 async with trio.open_nursery() as nursery:

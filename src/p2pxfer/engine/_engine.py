@@ -65,6 +65,9 @@ class Engine:
         #: per-engine state of layers above (e.g. the KV receiver), by name
         self.attachments: dict[str, Any] = {}
         self._closed = False
+        #: set by a process that exits right after closing the engine (the
+        #: daemon): ``Rail.close`` then leaves what crashes libfabric to exit
+        self.process_exits = False
         self._clock = _YieldClock()
 
     # -- memory ---------------------------------------------------------------
@@ -430,5 +433,5 @@ class Engine:
                 await shard.thread_done.wait()
         self._arrivals.close()
         for shard in self.shards:
-            shard.close()
+            shard.close(process_exits=self.process_exits)
         log.info("engine.closed", shards=len(self.shards))

@@ -349,13 +349,13 @@ class RailGroup:
                              route.dest, dst.node, targets,
                              imm if notify else None, (sl.src, sl.dst, sl.length))
 
-    def close(self) -> None:
+    def close(self, *, process_exits: bool = False) -> None:
         for exp, _ in self._exports.values():
             exp.close()
         self._exports.clear()
         self.cache.close()
         for rail in self.rails:
-            rail.close()
+            rail.close(process_exits=process_exits)
 
     def __enter__(self) -> Self:
         return self

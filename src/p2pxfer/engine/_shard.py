@@ -279,9 +279,10 @@ class Shard:
             tr.done.set()
         self.pull_imms()
 
-    def close(self) -> None:
-        """Deregister everything and close the rails (the poller thread has stopped)."""
-        self._group.close()
+    def close(self, *, process_exits: bool = False) -> None:
+        """Deregister everything and close the rails (the poller thread has
+        stopped); ``Rail.close`` says what ``process_exits`` leaves open."""
+        self._group.close(process_exits=process_exits)
         os.close(self.wake_fd)
 
     # -- poller thread --------------------------------------------------------
