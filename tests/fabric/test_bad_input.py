@@ -534,3 +534,24 @@ def test_write_to_an_endpoint_closed_in_this_process_fails_cleanly(tmp_path: Pat
     code, got = run_child(ctx, write_to_departed, "shm", None, None, str(tmp_path))
     assert code == 0, f"writer died with exit code {code}: {got}"
     assert got is not None and got.split(":")[0] in GONE_ERRORS, got
+
+
+def test_a_gone_shm_peer_is_refused_before_any_provider_call() -> None:
+    """libfabric 1.17's shm dies inserting or posting to a peer whose segment
+    is gone, so every ``Rail.peer`` on shm looks for the segment first: a peer
+    closed since its last write is ``PeerUnreachable``, not a crash."""
+    from p2pxfer.errors import PeerUnreachable
+    from p2pxfer.fabric import Rail
+
+    with Rail.open("shm") as ours:
+        peer = Rail.open("shm")
+        try:
+            addr = peer.address
+            first = ours.peer(addr)
+            assert ours.peer(addr) == first  # inserted once, looked up since
+        finally:
+            peer.close()
+        with pytest.raises(PeerUnreachable, match="is gone"):
+            ours.peer(addr)
+        with pytest.raises(PeerUnreachable, match="is gone"):
+            ours.peer(b"fi_shm://../etc/passwd\0")

@@ -216,13 +216,31 @@ class AddressVector(_Fid):
         return address.hex() if s == ffi.NULL else str(ffi.string(s).decode(errors="replace"))
 
 
+#: peer address -> its segment's path (``check_shm_peer`` runs per write)
+_SHM_PATHS: dict[bytes, str] = {}
+_SHM_PATHS_MAX = 4096
+
+
 def check_shm_peer(address: bytes) -> None:
     """libfabric 1.17's shm segfaults in fi_av_insert when the peer's segment is
-    gone; its segment lives at /dev/shm/<name>, so look before inserting."""
+    gone; its segment lives at /dev/shm/<name>, so look before inserting. One
+    ``stat`` per call: the path is worked out once per peer."""
+    path = _SHM_PATHS.get(address)
+    if path is None:
+        name = address.rstrip(b"\0").decode(errors="replace").removeprefix("fi_shm://")
+        path = "" if "/" in name else f"/dev/shm/{name}"
+        if len(_SHM_PATHS) >= _SHM_PATHS_MAX:
+            _SHM_PATHS.clear()  # many peers came and went: start over
+        _SHM_PATHS[address] = path
+    try:
+        if path:
+            os.stat(path)
+            return
+    except OSError:
+        pass
     text = address.rstrip(b"\0").decode(errors="replace")
-    name = text.removeprefix("fi_shm://")
-    if "/" in name or not os.path.exists(os.path.join("/dev/shm", name)):
-        raise PeerUnreachable(f"shm peer {text!r} is gone: no /dev/shm/{name}")
+    raise PeerUnreachable(f"shm peer {text!r} is gone: no /dev/shm/"
+                          f"{text.removeprefix('fi_shm://')}")
 
 
 class Endpoint(_Fid):
