@@ -182,7 +182,9 @@ def sweep_table(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def sweeps(paths: list[str], heading: str) -> list[str]:
+def sweeps(paths: list[str], heading: str, doc_dir: Path | None = None) -> list[str]:
+    """The sweep tables; a plot beside a result is linked relative to
+    ``doc_dir`` (the directory of the page written; None: the results' own)."""
     lines: list[str] = []
     for path in paths:
         doc = load(path)
@@ -194,7 +196,9 @@ def sweeps(paths: list[str], heading: str) -> list[str]:
                   f"this machine: {memcpy:.2f} GB/s.", "", *sweep_table(doc)]
         png = Path(path).with_suffix(".png")
         if png.exists():
-            lines += ["", f"![bandwidth vs size]({png.name})"]
+            link = png.name if doc_dir is None else os.path.relpath(png.resolve(),
+                                                                    doc_dir.resolve())
+            lines += ["", f"![bandwidth vs size]({link})"]
     return lines
 
 
@@ -291,7 +295,7 @@ def rewrite_readme(readme: Path, paths: list[str], command: str) -> None:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     body = [f"Measured with `{command}` on {machine()}. {INTRO}", "", *table(paths),
-            *sweeps(paths, "###")]
+            *sweeps(paths, "###", readme.parent)]
     readme.write_text(head + BEGIN + "\n" + "\n".join(body) + "\n" + END + tail)
 
 

@@ -13,7 +13,7 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
     libfabric-dev libfabric-bin gcc libc6-dev python3 python3-venv python3-dev \
-    pkg-config iproute2 ethtool nftables etcd-server procps systemd >/dev/null
+    pkg-config iproute2 ethtool nftables etcd-server procps systemd curl >/dev/null
 
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
