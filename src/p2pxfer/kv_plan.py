@@ -52,6 +52,12 @@ REQUEST_BITS, LAYER_BITS = 16, 12
 TAG_SHIFT = REQUEST_BITS + LAYER_BITS  # 28: the tag is the top 4 of 32 bits
 MAX_REQUEST = (1 << REQUEST_BITS) - 1
 MAX_LAYERS = 1 << LAYER_BITS
+#: pieces one push may expand to before coalescing (layers x planes x
+#: blocks): expanding is vectorized but takes memory and time in the caller's
+#: thread (the daemon's event loop), ~100 bytes and a few ns per piece; the
+#: largest shapes serving engines send (80 layers x 2 planes x 16k blocks)
+#: stay well under it
+MAX_PUSH_PIECES = 1 << 22
 LAYER_MASK = MAX_LAYERS - 1
 
 ORDERS = ("layer_major", "block_major", "plane_major")
@@ -274,6 +280,11 @@ def plan_push(s_lay: KVLayout, d_lay: KVLayout, src_blocks: Any, dst_blocks: Any
         raise InvalidArgument(f"layers must be integers within 0..{s_lay.num_layers - 1}, "
                               f"got {req_layers}")
     lays = sorted({int(n) for n in req_layers})
+    pieces = len(lays) * s_lay.planes * len(sb)
+    if pieces > MAX_PUSH_PIECES:
+        raise InvalidArgument(f"a push of {len(lays)} layers x {s_lay.planes} planes x "
+                              f"{len(sb)} blocks is {pieces} pieces, more than "
+                              f"{MAX_PUSH_PIECES}: split it into several pushes")
     for what, lay, size in (("source", s_lay, src_size), ("destination", d_lay, dst_size)):
         if lay.nbytes > size:
             raise InvalidArgument(f"the {what} pool's layout spans {lay.nbytes} bytes but "

@@ -34,6 +34,35 @@ WINDOW_S = 10.0
 UNLIMITED_LEVELS = frozenset({"debug", "error", "critical", "exception"})
 
 
+#: longest text one field of a log line carries: fields may quote hostile
+#: input (a client's region name), and a line, or a rate limiter's key, must
+#: not hold megabytes of it
+MAX_FIELD_CHARS = 1024
+SUBJECT_CHARS = 256  # of a field, in a rate limiter's key
+
+
+def cut_long_values(logger: Any, method: str,
+                    event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A structlog processor: every str or bytes field past
+    :data:`MAX_FIELD_CHARS` is cut there, saying how long it was."""
+    for key, value in event.items():
+        if type(value) is str and len(value) > MAX_FIELD_CHARS:
+            event[key] = f"{value[:MAX_FIELD_CHARS]}... ({len(value)} characters)"
+        elif type(value) is bytes and len(value) > MAX_FIELD_CHARS // 4:
+            # its repr takes up to 4 characters a byte
+            event[key] = f"{value[:MAX_FIELD_CHARS // 4]!r}... ({len(value)} bytes)"
+    return event
+
+
+def _subject(key: str, value: Any) -> str:
+    """What a rate limiter tells lines apart by: a remote end by its host
+    alone (a flood from one host comes from ever new ports)."""
+    text = str(value)[:SUBJECT_CHARS]
+    if key == "remote" and value is not None:
+        return text.rsplit(":", 1)[0]
+    return text
+
+
 class RateLimiter:
     """A structlog processor: at most ``burst`` lines of one event about one
     subject (the :data:`REPEAT_KEYS` it carries) per ``window`` seconds; the
@@ -51,7 +80,7 @@ class RateLimiter:
                  event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         if method in UNLIMITED_LEVELS:
             return event
-        key = (method, event.get("event"), *(str(event.get(k)) for k in REPEAT_KEYS))
+        key = (method, event.get("event"), *(_subject(k, event.get(k)) for k in REPEAT_KEYS))
         now = self.clock()
         with self._lock:
             state = self._seen.get(key)
@@ -94,7 +123,7 @@ def _processors(rate_limit: bool, json: bool) -> list[Any]:
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     )
     out: list[Any] = [structlog.contextvars.merge_contextvars,
-                      structlog.processors.add_log_level]
+                      structlog.processors.add_log_level, cut_long_values]
     if rate_limit:
         out.append(RateLimiter())
     return [*out, structlog.processors.TimeStamper(fmt="iso", key="timestamp"), renderer]

@@ -386,3 +386,63 @@ def test_a_name_held_by_a_client_that_hung_up_is_taken_over(tmp_path: Path,
                                     "offset": 0, "length": 4096})
             assert reply["t"] == "ok", reply
     assert d.alive()
+
+
+# -- what one client's requests may make the daemon hold or do ----------------------------
+
+def test_hostile_names_deadlines_and_push_sizes_are_refused_by_name(
+        tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """A region name of megabytes (every status reply would carry it, every
+    log line too), a KV push that would hold a receiving slot of the node's
+    few for ever, and one whose pieces would take the event loop and
+    gigabytes to expand: each refused with an error naming it, while
+    another client is served throughout; an id-less ``error`` from a client
+    ends its connection quietly, not as a crash."""
+    d = start_daemon(tmp_path, "hostile")
+    daemons.append(d)
+    with RawConn(d.socket) as other:
+        other.hello()
+
+        def one(req: dict[str, Any], mem_size: int = 1 << 16) -> dict[str, Any]:
+            with RawConn(d.socket, timeout=20) as c:
+                c.hello()
+                mem = _shared_mem(c, 1, mem_size)
+                return c.request({**req, "mem": mem} if "mem" in req else req)
+
+        r = one({"t": "export", "id": 2, "name": "x" * 300, "mem": 0, "offset": 0,
+                 "length": 4096})
+        assert r["code"] == "bad_request" and "'name' is 300 characters" in r["message"], r
+        r = one({"t": "write", "id": 2, "peer": "hostile", "region": "r" * (1 << 20),
+                 "mem": 0, "offset": 0, "scatter": pack_scatter(*[np.array([0])] * 3)})
+        assert r["code"] == "bad_request" and "'region'" in r["message"], r
+        assert len(r["message"]) < 1000
+
+        with RawConn(d.socket, timeout=20) as c:
+            c.hello()
+            blocks = 1 << 17  # 64 layers x 131072 one-byte blocks: 8.4M pieces
+            mem = _shared_mem(c, 1, 64 * blocks)
+            lay = KVLayout(64, blocks, 1).to_wire()
+            for rid, name, receive in ((2, "src", False), (3, "dst", True)):
+                assert c.request({"t": "kv_pool", "id": rid, "name": name, "mem": mem,
+                                  "layout": lay, "receive": receive})["t"] == "ok"
+            every = np.arange(blocks, dtype=np.int64).tobytes()
+            push = {"t": "kv_push", "peer": "hostile", "pool": "dst", "src": "src",
+                    "src_blocks": every, "dst_blocks": every, "request": 1}
+            t0 = time.monotonic()
+            r = c.request({**push, "id": 4})
+            assert r["code"] == "bad_request" and "8388608 pieces" in r["message"], r
+            assert time.monotonic() - t0 < 5
+            one_block = np.array([0], dtype=np.int64).tobytes()
+            r = c.request({**push, "id": 5, "src_blocks": one_block, "dst_blocks": one_block,
+                           "deadline_ms": 1 << 40})
+            assert r["code"] == "bad_request" and "deadline_ms" in r["message"], r
+            assert other.request({"t": "status", "id": 1})["t"] == "ok"
+
+        with RawConn(d.socket) as c:
+            c.hello()
+            c.send({"t": "error", "code": "x", "message": "y" * 1000})
+            assert c.frame() is None  # closed, unanswered
+        assert other.request({"t": "status", "id": 2})["t"] == "ok"
+    said = d.log.read_text()
+    assert "client.error_received" in said and "request.crashed" not in said, d.log_tail()
+    assert d.alive()

@@ -524,3 +524,14 @@ def test_a_prefill_stages_its_cached_prefix_first_then_each_chunk() -> None:
                                               num_computed_tokens=[64]),
         num_scheduled_tokens={"p1": 36})
     assert side.plan(second).saves == [Save("p1", (11, 12))]  # tokens 64..99
+
+
+def test_a_lease_longer_than_a_push_may_wait_is_refused_at_start() -> None:
+    """``lease_s`` is the deadline of the prefill's push; a receiving daemon
+    holds a slot at most ten minutes for a push, so a longer lease would fail
+    every request later: it fails the connector's start instead."""
+    from p2pxfer.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=r"lease_s must be within 0\.\.600 seconds"):
+        WorkerOptions(socket="/nonexistent", engine="e", rank=0, send=True, receive=False,
+                      block_size=16, max_blocks=4, lease_s=3600.0)

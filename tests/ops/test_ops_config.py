@@ -18,6 +18,7 @@ from p2pxfer.errors import ConfigError, InvalidArgument
     ({"log_format": "xml"}, "log_format must be one of"),
     ({"node": 5}, "node must be a string, got 5"),
     ({"node": ""}, "node must not be empty"),
+    ({"node": "n" * 256}, "node must be at most 255 characters, got 256"),
     ({"socket": ""}, "socket must not be empty"),
     ({"allowed_uids": ["root"]}, "allowed_uids must be a list of numeric uids"),
     ({"allowed_uids": [-1]}, "allowed_uids must be a list of numeric uids"),

@@ -13,7 +13,7 @@ import structlog
 import p2pxfer
 from daemon_helpers import LOOPBACK, free_port, start_daemon
 from p2pxfer.errors import P2PXferError
-from p2pxfer.log import RateLimiter
+from p2pxfer.log import MAX_FIELD_CHARS, RateLimiter, cut_long_values
 from p2pxfer.scatter import ScatterList
 
 
@@ -47,6 +47,21 @@ def test_rate_limit_holds_repeats_back() -> None:
     assert line is not None and line["suppressed"] == 4
     line = passes(limiter, peer="b")
     assert line is not None and "suppressed" not in line
+
+
+def test_hostile_text_is_cut_and_a_flood_from_one_host_is_one_subject() -> None:
+    """A client's megabyte region name becomes a line of about a kilobyte
+    (and so does the rate limiter's key); lines about connections from one
+    host are held back together, whatever their source ports."""
+    event = cut_long_values(None, "info", {"event": "request.failed", "region": "r" * (1 << 20),
+                                           "raw": b"\0" * 5000, "peer": "b"})
+    assert len(event["region"]) < MAX_FIELD_CHARS + 40 and "1048576 characters" in event["region"]
+    assert len(event["raw"]) < MAX_FIELD_CHARS + 40 and event["peer"] == "b"
+    clock = Clock()
+    limiter = RateLimiter(burst=2, window=10.0, clock=clock)
+    lines = [passes(limiter, remote=f"10.0.0.9:{40000 + i}") for i in range(6)]
+    assert sum(line is not None for line in lines) == 2
+    assert passes(limiter, remote="10.0.0.8:40000") is not None
 
 
 def json_lines(path: Path) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from p2pxfer.address import parse_hostport
 from p2pxfer.errors import ConfigError, InvalidArgument
+from p2pxfer.protocol._messages import MAX_NAME
 
 __all__ = ["LOG_FORMATS", "LOG_LEVELS", "MEMBERSHIP_BACKENDS", "TLS_KEYS", "DaemonConfig",
            "PeerAddress", "parse_hostport", "parse_peer"]
@@ -258,6 +259,14 @@ def _nonempty(key: str, v: Any) -> str:
     return str(v)
 
 
+def _node_name(key: str, v: Any) -> str:
+    """A node's name: peers and clients refuse longer ones on the wire."""
+    s = _nonempty(key, v)
+    if len(s) > MAX_NAME:
+        raise ConfigError(f"{key} must be at most {MAX_NAME} characters, got {len(s)}")
+    return s
+
+
 def _int(key: str, v: Any, low: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigError(f"{key} must be an integer, got {v!r}")
@@ -374,7 +383,7 @@ def _url(key: str, v: Any) -> str:
 
 
 _CHECKS: dict[str, Any] = {
-    "node": _nonempty,
+    "node": _node_name,
     "socket": _nonempty,
     "control": _hostport,
     "provider": _nonempty,

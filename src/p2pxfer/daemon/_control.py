@@ -224,6 +224,11 @@ async def _converse(d: Daemon, pump: Pump, caller: Caller, proving: trio.CancelS
             continue
         if msg is None or msg.kind == "bye":
             return
+        if msg.kind == "error":  # the caller ends the connection, saying why
+            log.info("peer.error_received", remote=caller.remote,
+                     code=bounded(str(msg.get("code")), 100),
+                     error=bounded(str(msg.get("message"))))
+            return
         if msg.kind == "hello":
             if not await _welcome(d, pump, caller, msg, proving):
                 return

@@ -54,7 +54,7 @@ from p2pxfer.errors import (
 from p2pxfer.kv_plan import KVLayout
 from p2pxfer.log import get_logger
 
-from ._kv_push import Pushes, pack_i64, unpack_i64
+from ._kv_push import MAX_DEADLINE_MS, Pushes, pack_i64, unpack_i64
 
 if TYPE_CHECKING:
     from ._exports import Export, Exports
@@ -167,8 +167,9 @@ class KV:
         if len(lays) == 0 or int(lays.min()) < 0 or int(lays.max()) >= n \
                 or len(np.unique(lays)) != len(lays):
             raise InvalidArgument(f"kv_begin: layers must be distinct, within 0..{n - 1}")
-        if deadline_ms <= 0:
-            raise InvalidArgument(f"kv_begin: deadline_ms must be > 0, got {deadline_ms}")
+        if not 0 < deadline_ms <= MAX_DEADLINE_MS:
+            raise InvalidArgument(f"kv_begin: deadline_ms must be within 1..{MAX_DEADLINE_MS}, "
+                                  f"got {deadline_ms}")
         recv = self._request(pool, request, n)
         if recv.error is not None or recv.expired:
             raise InvalidArgument(f"request {request} into {pool!r} is over (forget it before "

@@ -54,12 +54,16 @@ if TYPE_CHECKING:
     from ._writes import Writes
 
 
-__all__ = ["DEFAULT_DEADLINE_MS", "Pushes", "pack_i64", "unpack_i64"]
+__all__ = ["DEFAULT_DEADLINE_MS", "MAX_DEADLINE_MS", "Pushes", "pack_i64", "unpack_i64"]
 
 log = get_logger("p2pxfer.daemon")
 
 I64 = npt.NDArray[np.int64]
 DEFAULT_DEADLINE_MS = 30_000
+#: the longest a receiving pool holds a request's immediate slot for layers
+#: that do not come (a sender that went away): the node's slots are few (4095)
+#: and shared, so a push may not ask to hold one for ever
+MAX_DEADLINE_MS = 600_000
 
 
 def pack_i64(values: Any) -> bytes:
@@ -129,6 +133,10 @@ class Pushes:
         peer, pool, request = msg["peer"], msg["pool"], msg["request"]
         if request < 0:
             raise InvalidArgument(f"request must be >= 0, got {request}")
+        deadline_ms = msg.get("deadline_ms", DEFAULT_DEADLINE_MS)
+        if not 0 < deadline_ms <= MAX_DEADLINE_MS:
+            raise InvalidArgument(f"deadline_ms must be within 1..{MAX_DEADLINE_MS}, "
+                                  f"got {deadline_ms}")
         self.follower.check_peer(peer)
         # One deadline for the whole push, as for a write: asking the peer
         # (resolve, kv_begin, kv_expect) spends the same time as the layers.
@@ -154,7 +162,7 @@ class Pushes:
             t0 = time.perf_counter()
             begun = await self._ask(peer, "kv_begin", until, pool=pool, request=request,
                                     layers=pack_i64(plan.layers),
-                                    deadline_ms=msg.get("deadline_ms", DEFAULT_DEADLINE_MS))
+                                    deadline_ms=deadline_ms)
             slot = begun.get("slot")
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")

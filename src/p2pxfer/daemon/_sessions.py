@@ -161,6 +161,11 @@ class ClientSession:
                 continue
             if msg is None or msg.kind == "bye":
                 return
+            if msg.kind == "error":  # the client ends the connection, saying why
+                log.info("client.error_received", client=self.label,
+                         code=bounded(str(msg.get("code")), 100),
+                         error=bounded(str(msg.get("message"))))
+                return
             if msg.kind == "hello":
                 d = self.daemon
                 await self._send(self.pump.send("welcome", v=SCHEMA_VERSION, node=d.node,

@@ -31,6 +31,13 @@ SCHEMA_VERSION = 3  # 2: control connections authenticate (nonce/proof/auth); wa
 # 3: frames MACed after auth, 4 KiB handshake frames, forbidden; cancel; wait_imm
 # scoped to a region or the session; resolve returns a slot
 
+#: the longest name a message carries (node, peer, region, pool, client):
+#: a name is a key in tables and log lines, not a payload
+MAX_NAME = 255
+#: the longest other text (an error's message, an address)
+MAX_TEXT_FIELD = 4096
+NAME_FIELDS = frozenset({"name", "peer", "region", "pool", "src", "node", "role"})
+
 _INT = (int,)
 _STR = (str,)
 _BIN = (bytes,)
@@ -198,6 +205,9 @@ def validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
                     break
                 if tv is dict and not all(type(k) is str for k in value):
                     break
+                if tv is str and len(value) > (MAX_NAME if name in NAME_FIELDS
+                                               else MAX_TEXT_FIELD):
+                    break
             else:
                 return Message(kind, fields)
     return _validate(obj, remote=remote)
@@ -234,6 +244,11 @@ def _validate(obj: Mapping[str, Any], *, remote: bool) -> Message:
         if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
             raise err("bad_request", f"{kind}: map field {name!r} must have string keys",
                       fatal=fatal, request_id=rid)
+        if isinstance(value, str):
+            most = MAX_NAME if name in NAME_FIELDS else MAX_TEXT_FIELD
+            if len(value) > most:
+                raise err("bad_request", f"{kind}: field {name!r} is {len(value)} characters "
+                          f"long, more than {most}", fatal=fatal, request_id=rid)
     return Message(kind, fields)
 
 

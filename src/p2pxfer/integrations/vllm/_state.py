@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2pxfer.client import KVPool, SharedMemory
+from p2pxfer.errors import InvalidArgument
 from p2pxfer.integrations._bridge import Bridge
 from p2pxfer.integrations._slots import SlotTable
 from p2pxfer.integrations._tensors import HeadSlices, LayerTensor
@@ -30,6 +31,9 @@ from ._plan import pull_slot_bytes, region_names, split
 __all__ = ["SUM_BYTES", "WorkerOptions", "WorkerState"]
 
 SUM_BYTES = 8  # one little-endian uint64 (a CRC-32) per layer
+#: a push's longest deadline, seconds (the daemon's ``MAX_DEADLINE_MS``):
+#: ``lease_s`` is the deadline of the prefill's push
+MAX_LEASE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class WorkerOptions:
     #: None: the same as ours
     peer_tp_size: int | None = None
     head_layout: str = "NHD"  # where the heads sit in a block: NHD or HND
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lease_s <= MAX_LEASE_S:
+            raise InvalidArgument(f"lease_s must be within 0..{MAX_LEASE_S:g} seconds (a "
+                                  f"push's longest deadline), got {self.lease_s}")
 
     @property
     def peer_tp(self) -> int:
