@@ -16,6 +16,8 @@ rules (``p2pxfer.protocol``) or what a request means (its handler).
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -33,10 +35,19 @@ from p2pxfer.protocol import (
     wire_error,
 )
 
-__all__ = ["ByteStream", "LogThrottle", "Pump", "TrioStream", "bounded"]
+__all__ = ["ByteStream", "LogThrottle", "Pump", "TrioStream", "bounded", "where_raised"]
 
 RECEIVE_BYTES = 1 << 16
 MAX_TEXT = 500  # longest exception text put into a log line or an error frame
+
+
+def where_raised(exc: BaseException, frames: int = 8) -> str:
+    """Where ``exc`` was raised, innermost first, as ``file:line function``
+    (file names and line numbers only: nothing of hostile input): what a log
+    line about a bug must say."""
+    tb = traceback.extract_tb(exc.__traceback__)[-frames:]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                       for f in reversed(tb))
 
 
 def bounded(text: str, limit: int = MAX_TEXT) -> str:

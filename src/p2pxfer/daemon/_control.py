@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from p2pxfer._pump import ByteStream, Pump, TrioStream, bounded
+from p2pxfer._pump import ByteStream, Pump, TrioStream, bounded, where_raised
 from p2pxfer.address import format_hostport, parse_hostport
 from p2pxfer.errors import AuthenticationFailed, ConnectionLost, InvalidArgument, P2PXferError
 from p2pxfer.log import get_logger
@@ -246,7 +246,7 @@ async def _converse(d: Daemon, pump: Pump, caller: Caller, proving: trio.CancelS
             outcome = exc
         except Exception as exc:  # a bug: answer "internal", keep serving
             log.error("request.crashed", remote=caller.remote, kind=msg.kind,
-                      error=bounded(f"{type(exc).__name__}: {exc}"))
+                      error=bounded(f"{type(exc).__name__}: {exc}"), where=where_raised(exc))
             outcome = exc
         await pump.answer(msg.id, outcome)
         if isinstance(outcome, BaseException) and is_fatal(wire_error(outcome)[0]):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from p2pxfer._pump import Pump, bounded
+from p2pxfer._pump import Pump, bounded, where_raised
 from p2pxfer.errors import (
     Forbidden,
     InvalidArgument,
@@ -240,7 +240,7 @@ class ClientSession:
         except Exception as exc:  # every failure becomes an answer, never a crash
             if not isinstance(exc, P2PXferError):
                 log.error("request.crashed", client=self.label, kind=msg.kind,
-                          error=bounded(f"{type(exc).__name__}: {exc}"))
+                          error=bounded(f"{type(exc).__name__}: {exc}"), where=where_raised(exc))
             where = {k: msg.get(k) for k in ("peer", "region", "name")
                      if msg.get(k) is not None}
             log.info("request.failed", client=self.label, kind=msg.kind, **where,

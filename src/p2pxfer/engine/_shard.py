@@ -201,9 +201,12 @@ class Shard:
                      and not self._inbox and not self._queues.waiting_for(tr.w.dest))
         if tr.direct and inline:
             self._poller.hold(True)
+        failed = False
         if tr.direct:
             # Under the lock (a few non-blocking posts): a peer address the
-            # poller thread removes (``abort``) must never be posted to.
+            # poller thread removes (``abort``) must never be posted to; and
+            # once posted, the poller thread may add the write's notification
+            # cursor (its pieces completed), so the batch is read here only.
             with self._lock:
                 tr.w.batch.refresh()
                 if tr.w.batch.window(self._queues.room(tr)):
@@ -214,11 +217,12 @@ class Shard:
                     left = not tr.w.batch.posted
                     if tr.w.notify_imm is not None and not left:
                         self._finish_if_done(tr)  # its notification may go right behind
+                    failed = bool(tr.w.batch.failures())
                 else:
                     left = True  # its peer's bound is full: the poller posts it
         if not tr.direct or left:
             self._send("write", tr)
-        elif tr.w.batch.failures():
+        elif failed:
             self._send("write", tr)  # the poller turns the failed post into an error
         elif not self._blocks_on_fds and not inline:
             # A poller napping without CQ fds (shm) would see the completion only
