@@ -159,3 +159,36 @@ async def test_layer_by_layer_notify_writes_race_cleanly(
             assert shard.thread_error is None, shard.thread_error
         assert np.array_equal(dst, want)
         assert a.statistics().in_flight == (0,) * len(a.shards)
+
+
+async def test_a_poller_thread_that_dies_fails_its_writes_and_refuses_more() -> None:
+    """A bug that ends a shard's poller loop must not leave its writers
+    waiting for ever (nothing would post or complete them again): what was
+    in flight or queued fails naming the poller's error, and every later
+    write is refused with ``EngineClosed``."""
+    from p2pxfer.errors import EngineClosed
+
+    rng = np.random.default_rng(31)
+    src = rng.integers(0, 256, REGION, dtype=np.uint8)
+    dst = np.zeros(REGION, np.uint8)
+    async with pair("tcp;ofi_rxm") as (a, b):
+        desc = b.export(dst, "r")
+        a.register(src)
+        shard = a.shards[0]
+        queues = shard._queues
+        heads = queues.heads
+
+        def broken() -> list:
+            if queues:  # a write waits: the bug strikes
+                raise RuntimeError("an injected bug in the poller loop")
+            return heads()
+
+        queues.heads = broken  # type: ignore[method-assign]
+        many = ScatterList(*scatter_at_random(rng, np.full(1000, 1024, np.int64), REGION))
+        with trio.fail_after(STEP):
+            with pytest.raises(TransferError, match=r"poller thread failed.*injected bug"):
+                await a.write(src, desc, many, imm=5)
+            await shard.thread_done.wait()
+        assert isinstance(shard.thread_error, RuntimeError)
+        with pytest.raises(EngineClosed, match="poller thread failed"):
+            await a.write(src, desc, many, imm=5)

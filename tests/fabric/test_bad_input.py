@@ -555,3 +555,27 @@ def test_a_gone_shm_peer_is_refused_before_any_provider_call() -> None:
             ours.peer(addr)
         with pytest.raises(PeerUnreachable, match="is gone"):
             ours.peer(b"fi_shm://../etc/passwd\0")
+
+
+def test_a_cursor_whose_shm_peer_went_fails_instead_of_raising() -> None:
+    """After a teardown (the AV's epoch moved), a batch looks its peers up
+    again before posting, in whichever thread posts; a shm peer gone by then
+    fails that cursor, as a failed post does, and never raises there (in the
+    poller thread an exception ended the loop: nothing posted again)."""
+    from p2pxfer.fabric import Rail, WriteBatch
+    from p2pxfer.fabric._binding import ffi
+
+    with Rail.open("shm") as ours:
+        peer = Rail.open("shm")
+        try:
+            addr = peer.address
+            one = np.zeros(1, np.int64)
+            batch = WriteBatch(one, one, one + 4096, 7, None, 1)
+            batch.add(0, ours, ours.peer(addr), 0, 1, 0, ffi.NULL, 0, 0, addr)
+        finally:
+            peer.close()
+        ours.av.remove(addr)  # a teardown: the epoch moves on
+        batch.refresh()
+        assert batch.posted  # nothing left to post: the cursor failed
+        (why,) = batch.failures()
+        assert why.startswith("posting piece 0 on rail 0 failed: No route to host"), why

@@ -420,6 +420,10 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed("engine is closed")
+        for shard in self.shards:
+            if shard.thread_error is not None:
+                raise EngineClosed(f"the engine cannot write: shard {shard.index}'s poller "
+                                   f"thread failed ({shard.thread_error!r})")
 
     async def aclose(self) -> None:
         """Stop the pollers, fail what is in flight with ``EngineClosed``, close rails."""

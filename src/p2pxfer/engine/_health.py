@@ -106,8 +106,10 @@ class RailHealth:
         if not p.up:
             # Failed again while probing: wait longer next time.
             p.retry_s = min(2 * p.retry_s, self.retry_max_s)
-        p.up, p.reason, p.downs, p.busy = False, reason, p.downs + 1, False
+        # retry_at first: the trio thread reads up, then retry_at, unlocked
+        # (``usable``); a down pair with last time's retry_at looks due a probe.
         p.retry_at = now + p.retry_s
+        p.up, p.reason, p.downs, p.busy = False, reason, p.downs + 1, False
 
     def forgive(self, seconds: float) -> None:
         """This process could not poll for ``seconds`` (starved of CPU): that

@@ -59,6 +59,12 @@ class PollerLoop:
         try:
             with main_thread_signals():  # Ctrl-C wakes the caller, not this thread
                 self._loop()
+        except BaseException as exc:
+            # A bug killed this loop: nothing on the shard would be posted or
+            # completed again, and its writers would wait for ever. They fail
+            # now, naming it (the engine refuses new writes: ``thread_error``).
+            self._fail_all(f"the shard's poller thread failed: {exc!r}")
+            raise
         finally:
             if s._pin and s.topo.cpus:
                 os.sched_setaffinity(0, before)
@@ -170,7 +176,9 @@ class PollerLoop:
         for its peer's completions. The C call runs outside the lock."""
         s = self._s
         poller, busy = s._poller, False
-        for head in s._queues.heads():
+        with s._lock:  # the trio thread queues notifications (new destinations)
+            heads = s._queues.heads()
+        for head in heads:
             tr: TransferState | None = head
             while tr is not None:
                 batch = tr.w.batch
@@ -202,22 +210,34 @@ class PollerLoop:
                 tr = nxt
         return busy
 
+    def _fail_all(self, error: str | None) -> None:
+        """End every write in flight or queued: closed with the engine
+        (``error`` None), or failed with ``error``."""
+        s = self._s
+
+        def end(tr: TransferState) -> None:
+            if error is None:
+                tr.closed = True
+            else:
+                tr.error = tr.error or error
+            s._finished.append(tr)
+
+        with s._lock:
+            for tr in list(s._inflight.values()):
+                tr.w.batch.cancel()
+                end(tr)
+            s._inflight.clear()
+            s._queues.clear()
+            while s._inbox:
+                what, queued = s._inbox.popleft()
+                if what == "write" and queued is not None:
+                    end(queued)
+
     def _shutdown(self) -> None:
         """Fail everything still queued or in flight: the engine is closing.
         Then progress a moment (what it reads is dropped): fi_close crashed on a
         tcp;ofi_rxm endpoint whose peer had just dropped a connection mid-write."""
+        self._fail_all(None)
         s = self._s
-        with s._lock:
-            for tr in list(s._inflight.values()):
-                tr.w.batch.cancel()
-                tr.closed = True
-                s._finished.append(tr)
-            s._inflight.clear()
-            s._queues.clear()
-        while s._inbox:
-            what, queued = s._inbox.popleft()
-            if what == "write" and queued is not None:
-                queued.closed = True
-                s._finished.append(queued)
         with contextlib.suppress(P2PXferError):  # closing anyway
             s._poller.progress(spin_ns=0, timeout_ns=CLOSE_DRAIN_NS, min_entries=1 << 30)

@@ -344,13 +344,14 @@ class Shard:
                 for r, pieces, _ in tr.w.batch.progress():
                     posting[r] += pieces
             pairs = self._failover.pair_stats(time.monotonic())
-        # Failed and abandoned pieces are out of flight too.
-        return [NicStats(self.index, rail.name, rail.provider, self._bytes_posted[r],
-                         self._pieces_posted[r], self.pieces_done[r],
-                         max(0, self._pieces_posted[r] + posting[r] - self.pieces_done[r]
-                             - self.errors[r] - self.pieces_abandoned[r]),
-                         self.errors[r], self.pieces_received[r], pairs.get(r, ()))
-                for r, rail in enumerate(self._group.rails)]
+            # Failed and abandoned pieces are out of flight too. (The counts
+            # too are the poller's to change: read in the same snapshot.)
+            return [NicStats(self.index, rail.name, rail.provider, self._bytes_posted[r],
+                             self._pieces_posted[r], self.pieces_done[r],
+                             max(0, self._pieces_posted[r] + posting[r] - self.pieces_done[r]
+                                 - self.errors[r] - self.pieces_abandoned[r]),
+                             self.errors[r], self.pieces_received[r], pairs.get(r, ()))
+                    for r, rail in enumerate(self._group.rails)]
 
     def failover_counts(self) -> tuple[int, int]:
         """Rail pairs taken down, and pieces posted again elsewhere for it."""
@@ -440,9 +441,12 @@ class Shard:
         # adding a cursor can move the array; the poller comes back here).
         if (tr.w.notify_imm is not None and tr.notify_cursor < 0 and not tr.dry_run
                 and not self._queues.holds(tr)):
-            if tr.cancel_requested and tr.remaining <= 0:
+            # Read once: the trio thread sets it without the lock, and read
+            # twice it could skip both branches (a write "ok", never notified).
+            cancelled = tr.cancel_requested
+            if cancelled and tr.remaining <= 0:
                 tr.error = tr.error or "it was cancelled before its notification was sent"
-            elif not tr.cancel_requested and all(x is None for x in (
+            elif not cancelled and all(x is None for x in (
                     tr.error, tr.gone, tr.aborted, tr.exhausted, tr.rail_lost)):
                 if not self._queues.notify_turn(tr):
                     return  # an earlier write to its peer notifies first; it calls back

@@ -13,10 +13,13 @@ engine's), or any Python loop over pieces.
 
 from __future__ import annotations
 
+import errno
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+from p2pxfer.errors import P2PXferError
 
 from ._binding import ffi, fi_strerror, lib
 
@@ -119,10 +122,17 @@ class WriteBatch:
         """Point cursors at their peers afresh where the rail's AV dropped
         addresses since (``AddressVector.remove`` tore a connection down): a
         removed ``fi_addr_t`` must never be posted to. Re-inserting the
-        address makes the provider connect anew."""
+        address makes the provider connect anew. A peer that cannot be
+        inserted again (a shm peer gone) fails its cursor, as a failed post
+        does (``failures``), instead of raising in whichever thread posts."""
         for i, (rail, address) in enumerate(self.peers):
             if self._epochs[i] != rail.av.epoch and address and i not in self.dead:
-                self._c[i].dest = rail.peer(address)
+                c = self._c[i]
+                try:
+                    c.dest = rail.peer(address)
+                except P2PXferError:
+                    c.err = -errno.EHOSTUNREACH
+                    c.end = c.next
                 self._epochs[i] = rail.av.epoch
 
     def window(self, room: list[int]) -> bool:
