@@ -579,3 +579,13 @@ def test_a_cursor_whose_shm_peer_went_fails_instead_of_raising() -> None:
         assert batch.posted  # nothing left to post: the cursor failed
         (why,) = batch.failures()
         assert why.startswith("posting piece 0 on rail 0 failed: No route to host"), why
+        # A cursor added to a write under way (its notification, a failover's
+        # share) fails the same way; planning a new write still raises.
+        from p2pxfer.engine._plan import Target
+        from p2pxfer.errors import PeerUnreachable
+
+        t = Target(0, ours, addr, 0, 0, 0, ffi.NULL)
+        assert t.add_to(batch, 0, 1, posting=True) == 1
+        assert len(batch.failures()) == 2 and batch.posted
+        with pytest.raises(PeerUnreachable, match="is gone"):
+            t.add_to(batch, 0, 1)

@@ -167,7 +167,7 @@ class Failover:
         arrays = (np.array(src[:1], np.int64), np.array(dst[:1], np.int64),
                   np.minimum(np.array(length[:1], np.int64), NOTIFY_BYTES))
         tr.notify_cursor = t.add_to(w.batch, 0, 1, landed=True, imm=w.notify_imm,
-                                    arrays=arrays)
+                                    arrays=arrays, posting=True)
         tr.seen.append(0)
         tr.cdone.append(0)
         tr.remaining += 1
@@ -336,7 +336,7 @@ class Failover:
         cuts = start + 1 + np.searchsorted(cum, cum[-1] * np.arange(1, k) / k)
         bounds = [start, *sorted(set(int(c) for c in cuts if start < c < end)), end]
         for t, (s, e) in zip(survivors, itertools.pairwise(bounds), strict=False):
-            t.add_to(tr.w.batch, s, e, landed=tr.w.notify_imm is not None)
+            t.add_to(tr.w.batch, s, e, landed=tr.w.notify_imm is not None, posting=True)
             tr.seen.append(0)
             tr.cdone.append(0)
             tr.remaining += e - s

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
-from p2pxfer.errors import DescriptorError, InvalidArgument, ReadOnlyBuffer, UnregisteredMemory
+from p2pxfer.errors import (
+    DescriptorError,
+    InvalidArgument,
+    PeerUnreachable,
+    ReadOnlyBuffer,
+    UnregisteredMemory,
+)
 from p2pxfer.fabric import Rail, WriteBatch
 from p2pxfer.memory import (
     ExportedRegion,
@@ -71,7 +77,7 @@ class Target(NamedTuple):
         return (self.ours, self.address)
 
     def add_to(self, batch: WriteBatch, start: int, end: int, *, landed: bool = False,
-               imm: int | None = None, arrays: Any = None) -> int:
+               imm: int | None = None, arrays: Any = None, posting: bool = False) -> int:
         """A cursor over pieces ``[start, end)`` on this pair; its index.
         ``landed``: its last completion must mean every piece of it is in the
         target's memory: the last piece goes delivery-complete where the
@@ -79,16 +85,27 @@ class Target(NamedTuple):
         the pieces before it) or where a completion means landed or queued in
         order (shm: ``FabricInfo.completions_order_writes``; the notification
         is posted only after every completion was read), every piece where
-        neither holds."""
+        neither holds. ``posting``: the write is under way (a notification,
+        a failover), so a peer that cannot be reached fails the new cursor
+        (``WriteBatch.fail``) rather than raising in the thread adding it."""
         dc = None if not landed else end - 1 if self.rail.completions_ordered else start
         # The AV's epoch before the lookup: if the poller thread removes the
         # address after it, the cursor sees a newer epoch and looks it up
         # again before posting (``WriteBatch.refresh``), never posting to a
         # removed ``fi_addr_t``.
         epoch = self.rail.av.epoch
-        return batch.add(self.ours, self.rail, self.rail.peer(self.address), start, end,
-                         self.src_base, self.src_desc, self.dst_base, self.dst_key,
-                         self.address, dc_from=dc, imm=imm, arrays=arrays, epoch=epoch)
+        try:
+            dest, gone = self.rail.peer(self.address), False
+        except PeerUnreachable:
+            if not posting:
+                raise
+            dest, gone = 0, True
+        i = batch.add(self.ours, self.rail, dest, start, end,
+                      self.src_base, self.src_desc, self.dst_base, self.dst_key,
+                      self.address, dc_from=dc, imm=imm, arrays=arrays, epoch=epoch)
+        if gone:
+            batch.fail(i)
+        return i
 
 
 class Route(NamedTuple):

@@ -127,13 +127,18 @@ class WriteBatch:
         does (``failures``), instead of raising in whichever thread posts."""
         for i, (rail, address) in enumerate(self.peers):
             if self._epochs[i] != rail.av.epoch and address and i not in self.dead:
-                c = self._c[i]
                 try:
-                    c.dest = rail.peer(address)
+                    self._c[i].dest = rail.peer(address)
                 except P2PXferError:
-                    c.err = -errno.EHOSTUNREACH
-                    c.end = c.next
+                    self.fail(i)
                 self._epochs[i] = rail.av.epoch
+
+    def fail(self, i: int, code: int = errno.EHOSTUNREACH) -> None:
+        """Cursor ``i`` cannot post (its peer cannot be reached): it fails as
+        a post that returned ``-code`` does (``failures``)."""
+        c = self._c[i]
+        c.err = -code
+        c.end = c.next
 
     def window(self, room: list[int]) -> bool:
         """Let each cursor post at most ``room[i]`` more pieces (held back in C
