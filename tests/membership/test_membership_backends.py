@@ -49,14 +49,39 @@ FAST = SwimConfig(period=0.25, ack_timeout=0.1, suspicion_mult=4.0, reconnect_in
                   join_retry=0.3, sync_interval=1.0, sync_quiet=0.25)
 
 
-async def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> float:
+#: the lag meter's tick, and the lateness per tick it takes for jitter
+LAG_TICK_S, LAG_JITTER_S = 0.02, 0.002
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float, what: str, *,
+                     own_time: bool = False) -> float:
     """conftest's ``wait_until`` polling every 20 ms, then every other task
     runs until it blocks: the event published with the state change the test
     saw is in its collector's list before the test checks it (the collector
-    may be scheduled after the test task in the same batch)."""
-    took = await conftest.wait_until(cond, timeout, what, interval=0.02)
+    may be scheduled after the test task in the same batch).
+
+    ``own_time``: what it returns is this process's own time, less how late
+    its event loop ran its timers meanwhile (a tick's lateness past jitter).
+    Every SWIM member of these tests runs in this loop: on a starved CPU
+    their probes and suspicion timers were that late too, and a bound on
+    how long the protocol takes holds in that time (beside two CPU hogs a
+    death took 4.07 s of wall time against a 4 s bound)."""
+    lag = 0.0
+
+    async def meter() -> None:
+        nonlocal lag
+        while True:
+            t0 = trio.current_time()
+            await trio.sleep(LAG_TICK_S)
+            lag += max(0.0, trio.current_time() - t0 - LAG_TICK_S - LAG_JITTER_S)
+
+    async with trio.open_nursery() as nursery:
+        if own_time:
+            nursery.start_soon(meter)
+        took = await conftest.wait_until(cond, timeout, what, interval=0.02)
+        nursery.cancel_scope.cancel()
     await trio.testing.wait_all_tasks_blocked()
-    return took
+    return took - lag
 
 
 def sees(backend: MembershipBackend, name: str, state: MemberState,
@@ -109,7 +134,7 @@ async def test_embedded_join_kill_leave_restart() -> None:
             c_inc = c.incarnation
             await c.stop(graceful=False)
             took = await wait_until(lambda: all(sees(x, "c", DEAD) for x in (a, b, d)), 6,
-                                    "c dead")
+                                    "c dead", own_time=True)
             assert took < 4.0, took
             assert any(isinstance(e, MemberDead) and e.member.name == "c" for e in events)
             assert not b.is_current("c", c_inc)
@@ -119,7 +144,7 @@ async def test_embedded_join_kill_leave_restart() -> None:
             # Graceful leave: seen as left (not dead), quickly.
             await d.stop()
             took = await wait_until(lambda: sees(a, "d", LEFT) and sees(b, "d", LEFT), 3,
-                                    "d left")
+                                    "d left", own_time=True)
             assert took < 1.0, took
             assert any(isinstance(e, MemberLeft) and e.member.name == "d" for e in events)
 
