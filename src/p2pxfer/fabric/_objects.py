@@ -232,12 +232,12 @@ def check_shm_peer(address: bytes) -> None:
         if len(_SHM_PATHS) >= _SHM_PATHS_MAX:
             _SHM_PATHS.clear()  # many peers came and went: start over
         _SHM_PATHS[address] = path
-    try:
-        if path:
+    if path:
+        try:
             os.stat(path)
             return
-    except OSError:
-        pass
+        except OSError:
+            pass
     text = address.rstrip(b"\0").decode(errors="replace")
     raise PeerUnreachable(f"shm peer {text!r} is gone: no /dev/shm/"
                           f"{text.removeprefix('fi_shm://')}")
