@@ -1,5 +1,6 @@
-/* Loops over page lists that need no fabric: validating a scatter list and
- * copying one between two buffers of this process. Built as p2pxfer._pages,
+/* Loops over page lists that need no fabric: validating a scatter list,
+ * copying one between two buffers of this process, and issuing one as CUDA
+ * copies. Built as p2pxfer._pages,
  * which links no libfabric, so a client library can check what it sends
  * without loading the fabric; see pages.h. */
 #define _GNU_SOURCE
@@ -68,4 +69,35 @@ int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t s
         memmove(dst + d, src + s, (size_t)l);
     }
     return i - start;
+}
+
+/* Issue pieces [0, n) as asynchronous CUDA copies on `stream`, piece i from
+ * src_base + src_off[i] to dst_base + dst_off[i]: runs adjacent on both
+ * sides become one copy. `memcpy_async` is the driver's cuMemcpyAsync (with
+ * unified addressing it infers the direction from the addresses), found by
+ * the caller, so this library links no CUDA and loads where there is none.
+ * Returns the copies issued; on a failed call, -(its CUresult) with
+ * *failed_at the piece it started at. */
+typedef int (*p2p_memcpy_async_fn)(uint64_t dst, uint64_t src, size_t bytes, void *stream);
+
+int64_t p2p_device_copy(void *memcpy_async, void *stream, uint64_t dst_base, uint64_t src_base,
+                        const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
+                        int64_t n, int64_t *failed_at)
+{
+    p2p_memcpy_async_fn copy = (p2p_memcpy_async_fn)memcpy_async;
+    int64_t i = 0, issued = 0;
+    *failed_at = -1;
+    while (i < n) {
+        int64_t first = i, s = src_off[i], d = dst_off[i], l = len[i];
+        while (i + 1 < n && src_off[i + 1] == s + l && dst_off[i + 1] == d + l)
+            l += len[++i];
+        int rc = copy(dst_base + (uint64_t)d, src_base + (uint64_t)s, (size_t)l, stream);
+        if (rc != 0) {
+            *failed_at = first;
+            return -(int64_t)rc;
+        }
+        issued++;
+        i++;
+    }
+    return issued;
 }

@@ -130,6 +130,12 @@ class RegistrationError(P2PXferError):
     """Memory cannot be registered or is not registered where it must be."""
 
 
+class DeviceError(RegistrationError):
+    """Device (GPU) memory could not be used: no CUDA driver, memory of
+    another kind than claimed, or a CUDA driver call failed (its
+    ``cuGetErrorString`` text is in the message)."""
+
+
 class UnregisteredMemory(RegistrationError, InvalidArgument):
     """The buffer (or region) used was never registered with this rail (or a
     client names shared memory its connection does not hold)."""

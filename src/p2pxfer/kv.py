@@ -20,6 +20,7 @@ count), and a layer whose rail breaks fails over intact.
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import numpy.typing as npt
 import trio
 
 from p2pxfer._kv_core import LayerArrivals, LayerSend, push_layers
+from p2pxfer.devmem import DeviceStage, device_memory
 from p2pxfer.engine import Engine
 from p2pxfer.engine._owner import ThreadOwner
 from p2pxfer.errors import (
@@ -84,9 +86,8 @@ def _host_buffer(buffer: Any) -> Any:
     mod = type(buffer).__module__
     if mod.startswith("torch"):
         if buffer.device.type != "cpu":
-            raise RegistrationError(
-                f"a {buffer.device.type} tensor needs FI_HMEM device registration, which "
-                "this build does not do yet: pass host memory")
+            raise RegistrationError(f"a {buffer.device.type} tensor is neither host nor CUDA "
+                                    "memory: pass either")
         if not buffer.is_contiguous():
             raise InvalidArgument("the torch tensor must be contiguous")
         torch = importlib.import_module("torch")  # only here: torch is optional
@@ -132,6 +133,15 @@ class KVPool:
     Wraps existing host memory (numpy, CPU torch tensors, client shared
     memory) or allocates it. As a destination, :meth:`wait_layers` tells
     decode when a request's layers have landed.
+
+    Device memory (a CUDA tensor, ``__cuda_array_interface__`` or DLPack
+    object laid out as ``layout``) takes the staged path
+    (``p2pxfer.devmem``): the pool gets a pinned host mirror of the same
+    layout, which is what is registered and exported; a push copies its
+    blocks device -> mirror layer by layer while earlier layers are on the
+    wire, and ``wait_layers(..., blocks=)`` copies each landed layer mirror
+    -> device. ``kind`` says which (``"host"`` or ``"cuda"``); ``array`` and
+    :meth:`block` are the mirror then.
     """
 
     def __init__(self, engine: Engine, name: str, layout: KVLayout,
@@ -139,14 +149,31 @@ class KVPool:
         self.engine = engine
         self.name = name
         self.layout = layout
-        mem: Any = np.zeros(layout.nbytes, np.uint8) if buffer is None else _host_buffer(buffer)
+        dev = None if buffer is None else device_memory(buffer)
+        mem: Any = (np.zeros(layout.nbytes, np.uint8) if buffer is None or dev is not None
+                    else _host_buffer(buffer))
+        #: the staged copies of a device pool; None for host memory
+        self.stage = None if dev is None else DeviceStage(dev, mem, layout)
+        self.kind = "host" if dev is None else dev.kind
         self.buffer = mem
         self.array: npt.NDArray[np.uint8] = np.frombuffer(memoryview(mem).cast("B"), np.uint8)
         if self.array.nbytes < layout.nbytes:
             raise InvalidArgument(f"pool memory holds {self.array.nbytes} bytes, the layout "
                                   f"needs {layout.nbytes}")
-        self.region = engine.export(mem, name)
+        try:
+            self.region = engine.export(mem, name)
+        except BaseException:
+            self.close()
+            raise
         self._rx = _receiver(engine)
+        log.info("kv.pool", pool=name, kind=self.kind, nbytes=layout.nbytes)
+
+    def close(self) -> None:
+        """Stop exporting the pool; a device pool's mirror is unpinned."""
+        if getattr(self, "region", None) is not None and self.name in self.engine.exported():
+            self.engine.unexport(self.name)
+        if self.stage is not None:
+            self.stage.close()
 
     def describe(self) -> KVPoolDescriptor:
         return KVPoolDescriptor(self.region, self.layout)
@@ -159,12 +186,17 @@ class KVPool:
 
     async def wait_layers(self, request_id: int, upto_layer: int, *,
                           layers: Iterable[int] | None = None,
-                          timeout: float | None = None) -> None:
+                          timeout: float | None = None, blocks: Any = None) -> None:
         """Return once every block of layers ``0..upto_layer`` (or of
         ``layers``) of ``request_id`` has landed here. Raises ``TransferError``
         if the request was failed (:meth:`fail_request`), ``WaitTimeout`` if
         ``timeout`` passes first (a sender that died sends nothing more).
-        Cancellation leaves the bookkeeping as it was."""
+        Cancellation leaves the bookkeeping as it was.
+
+        A device pool needs ``blocks`` (the request's block ids here): each
+        layer is copied to the device as soon as it has landed, while later
+        layers are still arriving, and the call returns once the last copy
+        is done."""
         n_layers = self.layout.num_layers
         if not is_int(upto_layer) or not 0 <= upto_layer < n_layers:
             raise InvalidArgument(f"upto_layer {upto_layer!r} is outside 0..{n_layers - 1}")
@@ -173,12 +205,27 @@ class KVPool:
             raise InvalidArgument(f"layers must be within 0..{n_layers - 1}, got {want}")
         if timeout is not None and timeout < 0:
             raise InvalidArgument(f"timeout must be >= 0, got {timeout}")
+        if self.stage is not None and blocks is None:
+            raise InvalidArgument(f"pool {self.name!r} is device memory: wait_layers needs "
+                                  "blocks= (the block ids to copy to the device)")
         req = self._rx.get(request_id, n_layers)
-        if not await req.wait(np.asarray(want, np.int64),
-                              float("inf") if timeout is None else timeout):
-            gap = [n for n in want if not req.complete()[n]]
-            raise WaitTimeout(f"request {request_id}: layers {gap} had not landed after "
-                              f"{timeout} s")
+        deadline = trio.current_time() + (math.inf if timeout is None else timeout)
+        steps = [want] if self.stage is None else [[n] for n in want]
+        events: list[int] = []
+        try:
+            for step in steps:
+                left = max(0.0, deadline - trio.current_time())
+                if not await req.wait(np.asarray(step, np.int64), left):
+                    gap = [n for n in want if not req.complete()[n]]
+                    raise WaitTimeout(f"request {request_id}: layers {gap} had not landed "
+                                      f"after {timeout} s")
+                if self.stage is not None:
+                    events += self.stage.to_device(blocks, step)
+            if self.stage is not None and events:
+                await self.stage.wait(events[-1])  # one stream: the last covers all
+        finally:
+            if self.stage is not None:
+                self.stage.release(events)
         await trio.lowlevel.checkpoint()
 
     def layers_done(self, request_id: int) -> list[int]:
@@ -225,12 +272,26 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
         src_pool.layout, dst_pool.layout, src_blocks, dst_blocks, layers,
         src_size=src_pool.array.nbytes, dst_size=dst_pool.region.length, coalesce=coalesce)
     t0 = time.perf_counter()
+    stage = src_pool.stage
+    # A device pool: every layer's copy to the mirror is queued now, in
+    # order, and each layer goes out once its own copy is done.
+    staged = [] if stage is None else stage.to_host(src_blocks, plan.layers)
+    index = {layer: k for k, layer in enumerate(plan.layers)}
 
     async def submit(layer: int, sl: ScatterList) -> LayerSend:
+        if stage is not None:
+            await stage.wait(staged[index[layer]])
         return await engine.submit(src_pool.buffer, dst_pool.region, sl,
                                    imm=layer_imm(base, layer), notify=True)
 
-    pieces, first = await push_layers(plan, submit)
+    try:
+        pieces, first = await push_layers(plan, submit)
+    finally:
+        if stage is not None:
+            with trio.CancelScope(shield=True):
+                if staged:  # none may be in flight when the events go
+                    await stage.wait(staged[-1])
+            stage.release(staged)
     seconds = time.perf_counter() - t0
     log.debug("kv.push_complete", request_id=request_id, layers=len(plan.layers),
               nbytes=plan.nbytes, seconds=seconds)

@@ -79,6 +79,9 @@ class SharedMemory:
     def __init__(self, buf: SharedBuffer, mem_id: int) -> None:
         self.buffer = buf
         self.mem_id = mem_id
+        #: the device copies of a device KV pool over this memory (its host
+        #: mirror): closed (unpinned) before the memory is unmapped
+        self.stage: Any = None
 
     @property
     def array(self) -> npt.NDArray[np.uint8]:
@@ -89,6 +92,9 @@ class SharedMemory:
         return self.buffer.nbytes
 
     def close(self) -> None:
+        if self.stage is not None:
+            stage, self.stage = self.stage, None
+            stage.close()
         self.buffer.close()
 
 
@@ -207,12 +213,16 @@ class Client:
                                    timeout=None)
 
     async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
-                      writers: Iterable[int] | None = None) -> KVPool:
+                      writers: Iterable[int] | None = None, device: Any = None) -> KVPool:
         """A paged KV pool of ``layout`` in memory shared with the daemon.
         ``receive``: exported as ``name`` so peers can push into it (the
         decode side); otherwise only a source to push from (prefill).
-        ``writers``: other uids of this node that may push into it."""
-        return await open_pool(self, name, layout, receive, writers)
+        ``writers``: other uids of this node that may push into it.
+        ``device``: the pool is this device memory (a CUDA tensor,
+        ``__cuda_array_interface__`` or DLPack object laid out as
+        ``layout``), staged through the shared memory (``p2pxfer.devmem``);
+        its waits then take ``blocks=``."""
+        return await open_pool(self, name, layout, receive, writers, device)
 
     async def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any,
                       dst_blocks: Any, *, request: int, layers: Iterable[int] | None = None,

@@ -8,20 +8,33 @@ layer, and returns a ``KVPush`` handle; the decode side awaits layers with
 travel as int64 ``bin``; the daemons expand and coalesce them (numpy) and
 count each layer's pieces (``proto/PROTOCOL.md``, "KV pages"). What must not
 live here: any per-block work.
+
+Device memory (``device=`` a CUDA tensor, ``__cuda_array_interface__`` or
+DLPack object laid out as the pool's ``KVLayout``) takes the staged path of
+``p2pxfer.devmem``: the shared memory is the pool's pinned host mirror, and
+this process (not the daemon) does the device copies. A push queues every
+layer's device -> mirror copy at once and sends each layer to the daemon as
+a push of its own as soon as its copy is done, so copying and the wire
+overlap; a wait with ``blocks=`` copies each landed layer to the device
+while later ones are still arriving.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
 from p2pxfer.buffers import RegionDescriptor
+from p2pxfer.devmem import DeviceStage, device_memory
 from p2pxfer.errors import InvalidArgument, TransferError, UsageError, WaitTimeout
-from p2pxfer.kv_plan import KVLayout
+from p2pxfer.kv_plan import KVLayout, is_int
 
 if TYPE_CHECKING:
     from ._client import Client, SharedMemory
@@ -80,6 +93,36 @@ class KVPush:
         return self._result
 
 
+class StagedKVPush(KVPush):
+    """A device pool's push: one daemon push per layer (see the module's
+    docstring); ``wait`` combines their results."""
+
+    def __init__(self, client: Client, parts: list[KVPush], request: int, t0: float) -> None:
+        self._client = client
+        self._parts = parts
+        self.request = request
+        self._t0 = t0
+        self._result = None
+
+    async def wait(self, *, timeout: float | None = None) -> KVPushResult:
+        if self._result is None:
+            deadline = anyio.current_time() + (float("inf") if timeout is None else timeout)
+            results = []
+            for part in self._parts:
+                left = None if timeout is None else max(0.0, deadline - anyio.current_time())
+                results.append(await part.wait(timeout=left))
+            self._result = combine(self.request, results, time.perf_counter() - self._t0)
+        return self._result
+
+
+def combine(request: int, parts: list[KVPushResult], seconds: float) -> KVPushResult:
+    """The per-layer pushes of one staged push as one result."""
+    return KVPushResult(request, tuple(n for r in parts for n in r.layers),
+                        tuple(n for r in parts for n in r.pieces),
+                        sum(r.nbytes for r in parts), seconds,
+                        parts[0].first_layer_seconds if parts else 0.0)
+
+
 def push_result(request: int, r: dict[str, Any]) -> KVPushResult:
     """A ``kv_push`` reply's result as a ``KVPushResult``."""
     return KVPushResult(request, _i64(r["layers"]), _i64(r["pieces"]), int(r["nbytes"]),
@@ -88,10 +131,13 @@ def push_result(request: int, r: dict[str, Any]) -> KVPushResult:
 
 class KVPool:
     """A paged KV pool in memory shared with the daemon (``Client.kv_pool``).
-    ``array`` is the whole pool; :meth:`block` a view of one block."""
+    ``array`` is the whole pool; :meth:`block` a view of one block. For a
+    device pool (``kind`` ``"cuda"``) they are its host mirror, and
+    ``stage`` does the device copies."""
 
     def __init__(self, client: Client | None, name: str, layout: KVLayout, mem: SharedMemory,
-                 descriptor: RegionDescriptor | None) -> None:
+                 descriptor: RegionDescriptor | None, stage: DeviceStage | None = None
+                 ) -> None:
         #: None for a ``SyncClient``'s pool: wait through ``SyncClient.wait_layers``
         self._client = client
         self.name = name
@@ -99,6 +145,8 @@ class KVPool:
         self.mem = mem
         #: set for a receiving pool (peers push into it under ``name``)
         self.descriptor = descriptor
+        self.stage = stage
+        self.kind = "host" if stage is None else stage.kind
 
     @property
     def array(self) -> npt.NDArray[np.uint8]:
@@ -110,13 +158,20 @@ class KVPool:
         return self.mem.array[off:off + lay.block_bytes]
 
     async def wait_layers(self, request: int, upto_layer: int, *, first: int = 0,
-                          timeout: float | None = None) -> None:
+                          timeout: float | None = None, blocks: Any = None) -> None:
         """Return once layers ``first..upto_layer`` of ``request`` have all
         landed in this pool. ``PeerLost`` when membership says a node pushing
         them died or left; ``WaitTimeout`` when the push's deadline or
         ``timeout`` passes first. A wait that ends early leaves nothing
-        behind in the daemon."""
-        await self._wait(request, first, upto_layer, timeout)
+        behind in the daemon. A device pool needs ``blocks`` (the request's
+        block ids here): each layer is copied to the device as it lands,
+        and this returns once the copies are done."""
+        if self.stage is None:
+            await self._wait(request, first, upto_layer, timeout)
+            return
+        async for _ in self.layers(request, first=first, upto=upto_layer, timeout=timeout,
+                                   blocks=blocks):
+            pass
 
     async def _wait(self, request: int, first: int, upto: int, timeout: float | None) -> int:
         fields: dict[str, Any] = {}
@@ -141,18 +196,28 @@ class KVPool:
         return self._client
 
     async def layers(self, request: int, *, first: int = 0, upto: int | None = None,
-                     timeout: float | None = None) -> AsyncIterator[int]:
+                     timeout: float | None = None, blocks: Any = None) -> AsyncIterator[int]:
         """Layers ``first..upto`` (default: the last) of ``request``, in
         order, each as soon as it (and every layer before it) has landed;
         several at once when they landed together. ``timeout`` bounds each
-        wait."""
+        wait. A device pool needs ``blocks``: a layer is yielded once it is
+        on the device."""
         last = self.layout.num_layers - 1 if upto is None else upto
+        self.need_blocks(blocks)
         nxt = first
         while nxt <= last:
             done = await self._wait(request, nxt, nxt, timeout)
-            for layer in range(nxt, min(done, last + 1)):
+            landed = list(range(nxt, min(done, last + 1)))
+            if self.stage is not None:
+                await self.stage.copy_in(blocks, landed)
+            for layer in landed:
                 yield layer
             nxt = done
+
+    def need_blocks(self, blocks: Any) -> None:
+        if self.stage is not None and blocks is None:
+            raise InvalidArgument(f"pool {self.name!r} is device memory: its waits need "
+                                  "blocks= (the block ids to copy to the device)")
 
     async def forget(self, request: int) -> None:
         """Drop the daemon's bookkeeping of ``request`` (its id may then be
@@ -160,20 +225,46 @@ class KVPool:
         await self._async_client()._conv.request("kv_forget", pool=self.name, request=request)
 
 
+def pool_stage(layout: KVLayout, device: Any, mem: SharedMemory) -> DeviceStage | None:
+    """The device copies of a pool made with ``device=`` (None: a host pool)."""
+    if device is None:
+        return None
+    dev = device_memory(device)
+    if dev is None:
+        raise InvalidArgument(f"device= must be device memory, got host memory "
+                              f"({type(device).__name__}): leave it out for a host pool")
+    return DeviceStage(dev, mem.array, layout)
+
+
 async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
-                    writers: Iterable[int] | None = None) -> KVPool:
+                    writers: Iterable[int] | None = None, device: Any = None) -> KVPool:
     if not isinstance(layout, KVLayout):
         raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
     mem = await client.alloc(layout.nbytes, name)
+    stage = None
     try:
+        stage = pool_stage(layout, device, mem)
         fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
         r = await client._conv.request("kv_pool", name=name, mem=mem.mem_id,
-                                  layout=layout.to_wire(), receive=receive, **fields)
+                                  layout=layout.to_wire(), receive=receive,
+                                  memory="host" if stage is None else stage.kind, **fields)
     except BaseException:
+        if stage is not None:
+            stage.close()
         await client.free(mem)
         raise
+    mem.stage = stage
     desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None
-    return KVPool(client, name, layout, mem, desc)
+    return KVPool(client, name, layout, mem, desc, stage)
+
+
+def push_layer_list(src: KVPool, layers: Iterable[int] | None) -> list[int]:
+    """A staged push's layers, checked here (each goes as its own push)."""
+    n = src.layout.num_layers
+    want = list(range(n)) if layers is None else list(layers)
+    if not want or any(not is_int(k) or not 0 <= k < n for k in want):
+        raise InvalidArgument(f"layers must be integers within 0..{n - 1}, got {want}")
+    return sorted(set(want))
 
 
 def push_fields(peer: str, pool: str, src: KVPool, src_blocks: Any, dst_blocks: Any,
@@ -196,6 +287,35 @@ def push_fields(peer: str, pool: str, src: KVPool, src_blocks: Any, dst_blocks: 
 async def start_push(client: Client, peer: str, pool: str, src: KVPool, src_blocks: Any,
                      dst_blocks: Any, request: int, layers: Iterable[int] | None,
                      deadline: float) -> KVPush:
-    pending = await client._conv.start("kv_push", **push_fields(
-        peer, pool, src, src_blocks, dst_blocks, request, layers, deadline))
-    return KVPush(client, pending, request)
+    if src.stage is None:
+        pending = await client._conv.start("kv_push", **push_fields(
+            peer, pool, src, src_blocks, dst_blocks, request, layers, deadline))
+        return KVPush(client, pending, request)
+    return await _start_staged(client, peer, pool, src, src_blocks, dst_blocks, request,
+                               push_layer_list(src, layers), deadline)
+
+
+async def _start_staged(client: Client, peer: str, pool: str, src: KVPool, src_blocks: Any,
+                        dst_blocks: Any, request: int, layers: list[int],
+                        deadline: float) -> KVPush:
+    stage = src.stage
+    assert stage is not None
+    t0 = time.perf_counter()
+    push_fields(peer, pool, src, src_blocks, dst_blocks, request, layers, deadline)  # checks
+    events = stage.to_host(src_blocks, layers)
+    parts: list[KVPush] = []
+    try:
+        for layer, event in zip(layers, events, strict=True):
+            await stage.wait(event)
+            pending = await client._conv.start("kv_push", **push_fields(
+                peer, pool, src, src_blocks, dst_blocks, request, [layer], deadline))
+            parts.append(KVPush(client, pending, request))
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            for part in parts:  # stop what was started, and wait until it has
+                with contextlib.suppress(Exception):  # already failing: the first error stands
+                    await part.wait(timeout=0)
+        raise
+    finally:
+        stage.release(events)
+    return StagedKVPush(client, parts, request, t0)

@@ -24,7 +24,15 @@ from p2pxfer.scatter import ScatterList
 
 from ._blocking import BlockingConversation
 from ._client import WAIT_MARGIN_S, SharedMemory, new_buffer, wait_timed_out
-from ._kv import KVPool, KVPushResult, push_fields, push_result
+from ._kv import (
+    KVPool,
+    KVPushResult,
+    combine,
+    pool_stage,
+    push_fields,
+    push_layer_list,
+    push_result,
+)
 
 RETRY_S = 0.1  # call_daemon: between tries on a daemon still starting
 
@@ -119,40 +127,80 @@ class SyncClient:
         return self._c.request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)))
 
     def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
-                writers: Iterable[int] | None = None) -> KVPool:
+                writers: Iterable[int] | None = None, device: Any = None) -> KVPool:
         """See :meth:`Client.kv_pool`; wait on it with :meth:`wait_layers`."""
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
         mem = self.alloc(layout.nbytes, name)
+        stage = None
         try:
+            stage = pool_stage(layout, device, mem)
             fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
             r = self._c.request("kv_pool", name=name, mem=mem.mem_id, layout=layout.to_wire(),
-                                receive=receive, **fields)
+                                receive=receive, memory="host" if stage is None else stage.kind,
+                                **fields)
         except BaseException:
+            if stage is not None:
+                stage.close()
             self.free(mem)
             raise
+        mem.stage = stage
         desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None
-        return KVPool(None, name, layout, mem, desc)
+        return KVPool(None, name, layout, mem, desc, stage)
 
     def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any, dst_blocks: Any, *,
                 request: int, layers: Iterable[int] | None = None,
                 deadline: float = 30.0) -> KVPushResult:
-        """Push and wait for it (the async ``kv_push`` + ``wait``)."""
-        r = self._c.request("kv_push", **push_fields(peer, pool, src, src_blocks, dst_blocks,
-                                                     request, layers, deadline))
+        """Push and wait for it (the async ``kv_push`` + ``wait``). From a
+        device pool, every layer's copy to the mirror is queued at once and
+        each layer is pushed as soon as its copy is done (the copies of
+        later layers run on the GPU meanwhile)."""
+        if src.stage is None:
+            return self._push(push_fields(peer, pool, src, src_blocks, dst_blocks, request,
+                                          layers, deadline), request)
+        t0 = time.perf_counter()
+        lays = push_layer_list(src, layers)
+        push_fields(peer, pool, src, src_blocks, dst_blocks, request, lays, deadline)  # checks
+        stage = src.stage
+        events = stage.to_host(src_blocks, lays)
+        try:
+            parts = []
+            for layer, event in zip(lays, events, strict=True):
+                stage.sync(event)
+                parts.append(self._push(push_fields(peer, pool, src, src_blocks, dst_blocks,
+                                                    request, [layer], deadline), request))
+        finally:
+            stage.release(events)
+        return combine(request, parts, time.perf_counter() - t0)
+
+    def _push(self, fields: dict[str, Any], request: int) -> KVPushResult:
+        r = self._c.request("kv_push", **fields)
         if r.get("cancelled"):
             raise TransferError(f"push of request {request} was cancelled")
         return push_result(request, r)
 
     def wait_layers(self, pool: KVPool, request: int, upto_layer: int, *, first: int = 0,
-                    timeout: float | None = None) -> None:
-        """See :meth:`KVPool.wait_layers`."""
-        fields: dict[str, Any] = {}
-        if timeout is not None:
-            fields["timeout_ms"] = max(0, int(timeout * 1000))
-        r = self._c.request("kv_wait", pool=pool.name, request=request, first=first,
-                            upto=upto_layer, **fields)
-        pool.check_done(request, int(r["done"]), upto_layer, timeout)
+                    timeout: float | None = None, blocks: Any = None) -> None:
+        """See :meth:`KVPool.wait_layers` (a device pool needs ``blocks``)."""
+        pool.need_blocks(blocks)
+        nxt = first
+        while nxt <= upto_layer:
+            # Host pools wait for the whole range at once; device pools layer
+            # by layer, each copied to the device while later ones land.
+            upto = upto_layer if pool.stage is None else nxt
+            fields: dict[str, Any] = {}
+            if timeout is not None:
+                fields["timeout_ms"] = max(0, int(timeout * 1000))
+            r = self._c.request("kv_wait", pool=pool.name, request=request, first=nxt,
+                                upto=upto, **fields)
+            done = pool.check_done(request, int(r["done"]), upto, timeout)
+            if pool.stage is not None:
+                events = pool.stage.to_device(blocks, list(range(nxt, min(done, upto_layer + 1))))
+                try:
+                    pool.stage.sync(events[-1])
+                finally:
+                    pool.stage.release(events)
+            nxt = done
 
     def status(self) -> dict[str, Any]:
         return self._c.request("status")

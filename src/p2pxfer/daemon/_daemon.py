@@ -239,6 +239,7 @@ class Daemon:
             "provider": self.engine.config.provider,
             "clients": len(self.sessions),
             "regions": regions,
+            "kv_pools": [] if remote else self.kv.listing(self.sessions),
             "security": f"open: {OPEN_WARNING}" if self.open else SECURITY[self.credentials],
             "credentials": self.credentials,
             "peers": self.peer_list(),

@@ -104,7 +104,8 @@ async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
 async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
     await s.name_freed(msg["name"])
     return s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
-                                msg.get("receive", True), msg.get("writers"))
+                                msg.get("receive", True), msg.get("writers"),
+                                msg.get("memory", "host"))
 
 
 async def _kv_push(s: ClientSession, msg: Message) -> dict[str, Any]:

@@ -66,6 +66,8 @@ __all__ = ["KV", "MAX_REQUESTS", "Pool", "pack_i64", "unpack_i64"]
 log = get_logger("p2pxfer.daemon")
 
 I64 = npt.NDArray[np.int64]
+#: what a client keeps a KV pool in (``kv_pool``'s ``kind``)
+MEMORY_KINDS = ("host", "cuda")
 MAX_REQUESTS = 16384  # requests remembered per daemon; the oldest finished go first
 REAP_EVERY_S = 0.25  # how often deadlines are checked
 
@@ -80,6 +82,9 @@ class Pool:
     layout: KVLayout
     view: memoryview
     receive: bool
+    #: the memory the client keeps the pool in: "host", or "cuda" (a device
+    #: pool staged through this shared memory by the client)
+    kind: str = "host"
 
 
 @dataclass(eq=False, kw_only=True)
@@ -117,13 +122,16 @@ class KV:
     # -- pools (client side) ---------------------------------------------------------
 
     def add_pool(self, s: ClientSession, name: str, mem_id: int, layout_wire: Any,
-                 receive: bool, writers: Any = None) -> dict[str, Any]:
+                 receive: bool, writers: Any = None, kind: str = "host") -> dict[str, Any]:
         try:
             layout = KVLayout.from_wire(layout_wire)
         except DescriptorError as exc:
             raise InvalidArgument(f"kv_pool {name!r}: {exc}") from exc
         if not name:
             raise InvalidArgument("a KV pool needs a name")
+        if kind not in MEMORY_KINDS:
+            raise InvalidArgument(f"kv_pool {name!r}: memory must be one of {MEMORY_KINDS}, got "
+                                  f"{kind!r}")
         if name in s.kv_pools:
             raise InvalidArgument(f"this client has a KV pool named {name!r} already")
         mem = s.mem(mem_id)
@@ -131,12 +139,19 @@ class KV:
         result: dict[str, Any] = {}
         if receive:
             result["descriptor"] = s.export(name, mem_id, 0, layout.nbytes, writers)
-        pool = Pool(name, s, mem_id, layout, view, receive)
+        pool = Pool(name, s, mem_id, layout, view, receive, kind)
         s.kv_pools[name] = pool
         if receive:
             self.pools[name] = pool
-        log.info("kv.pool", client=s.label, pool=name, receive=receive, nbytes=layout.nbytes)
+        log.info("kv.pool", client=s.label, pool=name, receive=receive, kind=kind,
+                 nbytes=layout.nbytes)
         return result
+
+    def listing(self, sessions: Any) -> list[dict[str, Any]]:
+        """Every client's KV pools, for ``status``."""
+        return [{"name": p.name, "client": p.session.label, "kind": p.kind,
+                 "receive": p.receive, "nbytes": p.layout.nbytes}
+                for s in sessions for p in s.kv_pools.values()]
 
     def layout_of(self, region: str) -> dict[str, Any] | None:
         """The layout ``resolve`` hands out with a receiving pool's descriptor."""

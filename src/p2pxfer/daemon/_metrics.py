@@ -96,6 +96,15 @@ class DaemonMetrics(Collector):
             for key, family in fam.items():
                 family.add_metric(labels, getattr(nic, key))
         yield from fam.values()
+        pools = GaugeMetricFamily("p2pxfer_kv_pool_bytes", "Bytes of clients' KV pools, by the "
+                                  "memory they keep them in (host, or cuda: staged)",
+                                  labels=["kind"])
+        by_kind = Counter[str]()
+        for p in d.kv.listing(d.sessions):
+            by_kind[p["kind"]] += p["nbytes"]
+        for kind in ("host", "cuda"):
+            pools.add_metric([kind], by_kind[kind])
+        yield pools
         yield from self._pairs(stats)
         transfers = CounterMetricFamily("p2pxfer_transfers", "Engine transfers that ended",
                                         labels=["outcome"])

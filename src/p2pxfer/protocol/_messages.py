@@ -82,7 +82,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "cancel": {"id": (_INT, True), "target": (_INT, True)},
     "kv_pool": {"id": (_INT, True), "name": (_STR, True), "mem": (_INT, True),
                 "layout": (_MAP, True), "receive": (_BOOL, False),
-                "writers": (_LIST, False)},
+                "writers": (_LIST, False), "memory": (_STR, False)},
     "kv_push": {"id": (_INT, True), "peer": (_STR, True), "pool": (_STR, True),
                 "src": (_STR, True), "src_blocks": (_BIN, True), "dst_blocks": (_BIN, True),
                 "request": (_INT, True), "layers": (_BIN, False), "deadline_ms": (_INT, False)},
