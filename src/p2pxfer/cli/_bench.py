@@ -99,6 +99,9 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--nixl", is_flag=True,
               help="loopback: NIXL (UCX backend) writes the same pages too, where installed")
+@click.option("--device", "device_kind", type=click.Choice(["cuda"]),
+              help="KV pushes of device memory (staged) against the host path and plain "
+                   "CUDA copies (--provider [shm], --page-size [64KiB], --iterations)")
 @click.option("--calibrate", is_flag=True,
               help="measure the shapes `p2pxfer plan` needs (loopback) and save each "
                    "provider's profile")
@@ -115,7 +118,7 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
           pages_per_transfer: int | None, region_size: int | None, concurrency: int,
           warmup: int, iterations: int | None, memcpy_size: int, timeout: float,
           connect_timeout: float, seed: int, json_path: str | None, plot_path: str | None,
-          quiet: bool, nixl: bool, calibrate: bool, quick: bool,
+          quiet: bool, nixl: bool, device_kind: str | None, calibrate: bool, quick: bool,
           profile_dir: str | None) -> None:
     """Bandwidth test: our path against the raw C loop over the same provider,
     pattern and target, in the same run, next to this machine's memcpy.
@@ -127,6 +130,7 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
       p2pxfer bench --client B:7790 --sweep       (on machine A)
       p2pxfer bench --via-daemon --peer node-b --region kv
       p2pxfer bench --calibrate --provider 'tcp;ofi_rxm,shm'   (for `p2pxfer plan`)
+      p2pxfer bench --device cuda --provider shm --json gpu.json
     """
     import dataclasses
 
@@ -140,6 +144,11 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
     mode = {"--server": "server", "--client": "client",
             "--via-daemon": "via-daemon"}.get(modes[0] if modes else "", "loopback")
     provider_list = tuple(p.strip() for v in providers for p in v.split(","))
+    if device_kind is not None:
+        if modes and modes != ["--loopback"]:
+            raise click.UsageError("--device measures in loopback mode")
+        _device(provider_list or ("shm",), page_size or 64 << 10, iterations or 5, json_path)
+        return
     if calibrate:
         if modes and modes != ["--loopback"]:
             raise click.UsageError("--calibrate measures in loopback mode")
@@ -311,3 +320,41 @@ def _bench_run(opts: BenchOptions, json_path: str | None, plot_path: str | None,
         plot(report.results, plot_path)
         console.print(f"plot: {plot_path}")
 
+
+
+def _device(providers: tuple[str, ...], block_bytes: int, rounds: int,
+            json_path: str | None) -> None:
+    """``--device cuda``: one table per provider, and the records as JSON."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from p2pxfer.bench._device import run
+    from p2pxfer.errors import DeviceError
+
+    records = []
+    for provider in providers:
+        try:
+            rows = run(provider, block_bytes, rounds)
+        except DeviceError as exc:
+            raise click.ClickException(str(exc)) from exc
+        records.extend(rows)
+        table = Table(title=f"device KV push, {provider}")
+        for col in ("row", "GB/s", "first layer ms", "per layer ms", "vs min(host, copy)"):
+            table.add_column(col)
+        for r in rows:
+            if r["row"] == "registration":
+                continue
+            table.add_row(r["row"], f"{r['gbps']:.2f}", f"{r.get('first_layer_ms', 0):.2f}",
+                          f"{r.get('per_layer_ms', 0):.2f}",
+                          f"{r['ratio_vs_min_host_copy']:.2f}" if "ratio_vs_min_host_copy" in r
+                          else "")
+        Console().print(table)
+        reg = rows[0]
+        Console().print(f"registration per GiB: staging miss {reg['staging_miss_s_per_gib']:.3f}"
+                        f" s, hit {reg['staging_hit_s_per_gib']:.4f} s, fabric export "
+                        f"{reg['export_s_per_gib']:.3f} s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": records}, f, indent=1)
