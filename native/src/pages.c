@@ -101,3 +101,45 @@ int64_t p2p_device_copy(void *memcpy_async, void *stream, uint64_t dst_base, uin
     }
     return issued;
 }
+
+/* The same pieces as one cuMemcpyBatchAsync (CUDA 13's ABI, found by the
+ * caller with cuGetProcAddress): runs merged into `scratch` (3 x n uint64:
+ * destinations, sources, sizes), then handed over in one call, so the
+ * driver's fixed cost is paid once, not per run. The batch runs in stream
+ * order as a whole. Returns the copies in the batch, or -(CUresult). */
+struct p2p_mem_location { int32_t type; int32_t id; };
+struct p2p_memcpy_attributes {
+    int32_t src_access_order;
+    struct p2p_mem_location src_hint, dst_hint;
+    uint32_t flags;
+};
+typedef int (*p2p_memcpy_batch_fn)(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count,
+                                   struct p2p_memcpy_attributes *attrs, size_t *attr_idx,
+                                   size_t num_attrs, void *stream);
+
+int64_t p2p_device_copy_batch(void *memcpy_batch, void *stream, uint64_t dst_base,
+                              uint64_t src_base, const int64_t *src_off, const int64_t *dst_off,
+                              const int64_t *len, int64_t n, uint64_t *scratch)
+{
+    uint64_t *dsts = scratch, *srcs = scratch + n;
+    size_t *sizes = (size_t *)(scratch + 2 * n);
+    int64_t i = 0, runs = 0;
+    while (i < n) {
+        int64_t s = src_off[i], d = dst_off[i], l = len[i];
+        while (i + 1 < n && src_off[i + 1] == s + l && dst_off[i + 1] == d + l)
+            l += len[++i];
+        dsts[runs] = dst_base + (uint64_t)d;
+        srcs[runs] = src_base + (uint64_t)s;
+        sizes[runs] = (size_t)l;
+        runs++;
+        i++;
+    }
+    if (runs == 0)
+        return 0;
+    /* Sources are read in stream order (after the work before the batch). */
+    struct p2p_memcpy_attributes attr = {1, {0, 0}, {0, 0}, 0};
+    size_t attr_idx = 0;
+    int rc = ((p2p_memcpy_batch_fn)memcpy_batch)(dsts, srcs, sizes, (size_t)runs, &attr,
+                                                  &attr_idx, 1, stream);
+    return rc ? -(int64_t)rc : runs;
+}

@@ -13,5 +13,8 @@ int64_t p2p_copy_scatter(char *dst, int64_t dst_size, const char *src, int64_t s
 int64_t p2p_device_copy(void *memcpy_async, void *stream, uint64_t dst_base, uint64_t src_base,
                         const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                         int64_t n, int64_t *failed_at);
+int64_t p2p_device_copy_batch(void *memcpy_batch, void *stream, uint64_t dst_base,
+                              uint64_t src_base, const int64_t *src_off, const int64_t *dst_off,
+                              const int64_t *len, int64_t n, uint64_t *scratch);
 
 #endif

@@ -125,9 +125,29 @@ class CudaDriver:
         #: cuMemcpyAsync's address, for the C loop (p2p_device_copy)
         self.memcpy_async = ffi.cast("void *", ctypes.cast(c.cuMemcpyAsync, vp).value)
         self.check(c.cuInit(0), "cuInit")
+        #: CUDA 13's cuMemcpyBatchAsync (one call for a whole layer's copies)
+        #: where the driver has it, else None (one cuMemcpyAsync per run)
+        self.memcpy_batch = self._batch_entry()
         self._contexts: dict[int, int] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
+
+    def _batch_entry(self) -> Any:
+        if os.environ.get("P2PXFER_CUDA_BATCH", "1") == "0":
+            return None
+        get = getattr(self._lib, "cuGetProcAddress_v2", None)
+        if get is None:
+            return None
+        get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                        ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+        get.restype = ctypes.c_int
+        fn, found = ctypes.c_void_p(), ctypes.c_int()
+        # Asked for by version: CUDA 12.8's cuMemcpyBatchAsync takes one
+        # argument more (failIdx) than 13.0's, which is the one called.
+        if get(b"cuMemcpyBatchAsync", ctypes.byref(fn), 13000, 0, ctypes.byref(found)) != 0 \
+                or found.value != 0 or not fn.value:
+            return None
+        return ffi.cast("void *", fn.value)
 
     def check(self, rc: int, call: str, what: str = "") -> None:
         """Raise ``DeviceError`` for a failed driver call (the one place)."""
@@ -248,10 +268,21 @@ class CudaDriver:
         if n == 0:
             return 0
         so, do, ln = (np.ascontiguousarray(a, np.int64) for a in (src_off, dst_off, length))
+        ptrs = [ffi.cast("const int64_t *", a.ctypes.data) for a in (so, do, ln)]
+        if self.memcpy_batch is not None:
+            scratch = np.empty(3 * n, np.uint64)
+            rc = lib.p2p_device_copy_batch(self.memcpy_batch, ffi.cast("void *", stream), dst,
+                                           src, *ptrs, n,
+                                           ffi.cast("uint64_t *", scratch.ctypes.data))
+            if rc >= 0:
+                return int(rc)
+            # A driver that has the entry point but refuses the batch: the
+            # copies go one by one from now on.
+            log.warning("devmem.batch_refused", error=-int(rc))
+            self.memcpy_batch = None
         failed = ffi.new("int64_t *")
-        rc = lib.p2p_device_copy(
-            self.memcpy_async, ffi.cast("void *", stream), dst, src,
-            *(ffi.cast("const int64_t *", a.ctypes.data) for a in (so, do, ln)), n, failed)
+        rc = lib.p2p_device_copy(self.memcpy_async, ffi.cast("void *", stream), dst, src,
+                                 *ptrs, n, failed)
         if rc < 0:
             i = int(failed[0])
             self.check(int(-rc), "cuMemcpyAsync",
@@ -449,9 +480,16 @@ class DeviceStage:
             self._drv.event_done(ev, self.device.device)
         events.clear()
 
+    def staged(self, blocks: Any, layers: list[int]) -> Staged:
+        """Start copying ``blocks`` of ``layers`` device -> mirror, layer
+        after layer, in a thread of its own (see :class:`Staged`)."""
+        return Staged(self, blocks, layers)
+
     async def copy_in(self, blocks: Any, layers: list[int]) -> None:
-        """Copy ``blocks`` of ``layers`` mirror -> device and wait for it."""
-        events = self.to_device(blocks, layers)
+        """Copy ``blocks`` of ``layers`` mirror -> device and wait for it.
+        The copies are issued from a worker thread: the driver's cost per
+        copy (microseconds, one per run of blocks) stays off the loop."""
+        events = await anyio.to_thread.run_sync(self.to_device, blocks, layers)
         try:
             if events:
                 await self.wait(events[-1])  # one stream: the last covers all
@@ -468,3 +506,60 @@ class DeviceStage:
             self._drv.stream_destroy(self._stream, self.device.device)
         finally:
             self._unpin()
+
+
+class Staged:
+    """A sender's copies device -> mirror, issued layer after layer by a
+    thread of its own, so the caller posts layer ``k`` (:meth:`ready`) while
+    the copies of later layers are still being issued and run: issuing costs
+    the driver microseconds per run of blocks, which would otherwise hold
+    back the first post. Blocks are checked before the thread starts.
+    :meth:`close` (always) stops issuing and frees the events once every
+    copy issued is done."""
+
+    def __init__(self, stage: DeviceStage, blocks: Any, layers: list[int]) -> None:
+        stage._pieces(blocks, layers)  # InvalidArgument here, not in the thread
+        self._stage = stage
+        self._events: list[int] = []
+        self._issued = [threading.Event() for _ in layers]
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, args=(blocks, layers), daemon=True,
+                                        name="p2pxfer-cuda-issue")
+        self._thread.start()
+
+    def _run(self, blocks: Any, layers: list[int]) -> None:
+        try:
+            for k, layer in enumerate(layers):
+                if self._stop:
+                    break
+                self._events += self._stage.to_host(blocks, [layer])
+                self._issued[k].set()
+        except BaseException as exc:  # handed to whoever waits
+            self._error = exc
+        finally:
+            for flag in self._issued:
+                flag.set()
+
+    def ready_sync(self, k: int) -> None:
+        """Block until layer ``k`` (its index in ``layers``) is in the mirror."""
+        self._issued[k].wait()
+        if k >= len(self._events):
+            raise self._error or DeviceError("the copies were stopped")
+        self._stage.sync(self._events[k])
+
+    async def ready(self, k: int) -> None:
+        """Until layer ``k`` is in the mirror, without blocking the loop."""
+        if self._issued[k].is_set() and k < len(self._events) and \
+                self._stage._drv.event_ready(self._events[k], self._stage.device.device):
+            return
+        await anyio.to_thread.run_sync(self.ready_sync, k)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        try:
+            if self._events:
+                self._stage.sync(self._events[-1])  # one stream: the last covers all
+        finally:
+            self._stage.release(self._events)

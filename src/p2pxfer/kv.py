@@ -219,8 +219,8 @@ class KVPool:
                     gap = [n for n in want if not req.complete()[n]]
                     raise WaitTimeout(f"request {request_id}: layers {gap} had not landed "
                                       f"after {timeout} s")
-                if self.stage is not None:
-                    events += self.stage.to_device(blocks, step)
+                if self.stage is not None:  # issued off the loop (see DeviceStage.copy_in)
+                    events += await trio.to_thread.run_sync(self.stage.to_device, blocks, step)
             if self.stage is not None and events:
                 await self.stage.wait(events[-1])  # one stream: the last covers all
         finally:
@@ -272,26 +272,22 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
         src_pool.layout, dst_pool.layout, src_blocks, dst_blocks, layers,
         src_size=src_pool.array.nbytes, dst_size=dst_pool.region.length, coalesce=coalesce)
     t0 = time.perf_counter()
-    stage = src_pool.stage
-    # A device pool: every layer's copy to the mirror is queued now, in
-    # order, and each layer goes out once its own copy is done.
-    staged = [] if stage is None else stage.to_host(src_blocks, plan.layers)
+    # A device pool: its layers are copied to the mirror one after another
+    # (issued by a thread), and each goes out once its own copy is done.
+    staged = None if src_pool.stage is None else src_pool.stage.staged(src_blocks, plan.layers)
     index = {layer: k for k, layer in enumerate(plan.layers)}
 
     async def submit(layer: int, sl: ScatterList) -> LayerSend:
-        if stage is not None:
-            await stage.wait(staged[index[layer]])
+        if staged is not None:
+            await staged.ready(index[layer])
         return await engine.submit(src_pool.buffer, dst_pool.region, sl,
                                    imm=layer_imm(base, layer), notify=True)
 
     try:
         pieces, first = await push_layers(plan, submit)
     finally:
-        if stage is not None:
-            with trio.CancelScope(shield=True):
-                if staged:  # none may be in flight when the events go
-                    await stage.wait(staged[-1])
-            stage.release(staged)
+        if staged is not None:
+            staged.close()
     seconds = time.perf_counter() - t0
     log.debug("kv.push_complete", request_id=request_id, layers=len(plan.layers),
               nbytes=plan.nbytes, seconds=seconds)

@@ -302,11 +302,11 @@ async def _start_staged(client: Client, peer: str, pool: str, src: KVPool, src_b
     assert stage is not None
     t0 = time.perf_counter()
     push_fields(peer, pool, src, src_blocks, dst_blocks, request, layers, deadline)  # checks
-    events = stage.to_host(src_blocks, layers)
+    staged = stage.staged(src_blocks, layers)
     parts: list[KVPush] = []
     try:
-        for layer, event in zip(layers, events, strict=True):
-            await stage.wait(event)
+        for k, layer in enumerate(layers):
+            await staged.ready(k)
             pending = await client._conv.start("kv_push", **push_fields(
                 peer, pool, src, src_blocks, dst_blocks, request, [layer], deadline))
             parts.append(KVPush(client, pending, request))
@@ -317,5 +317,5 @@ async def _start_staged(client: Client, peer: str, pool: str, src: KVPool, src_b
                     await part.wait(timeout=0)
         raise
     finally:
-        stage.release(events)
+        staged.close()
     return StagedKVPush(client, parts, request, t0)

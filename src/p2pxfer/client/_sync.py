@@ -161,16 +161,15 @@ class SyncClient:
         t0 = time.perf_counter()
         lays = push_layer_list(src, layers)
         push_fields(peer, pool, src, src_blocks, dst_blocks, request, lays, deadline)  # checks
-        stage = src.stage
-        events = stage.to_host(src_blocks, lays)
+        staged = src.stage.staged(src_blocks, lays)
         try:
             parts = []
-            for layer, event in zip(lays, events, strict=True):
-                stage.sync(event)
+            for k, layer in enumerate(lays):
+                staged.ready_sync(k)
                 parts.append(self._push(push_fields(peer, pool, src, src_blocks, dst_blocks,
                                                     request, [layer], deadline), request))
         finally:
-            stage.release(events)
+            staged.close()
         return combine(request, parts, time.perf_counter() - t0)
 
     def _push(self, fields: dict[str, Any], request: int) -> KVPushResult:
