@@ -55,3 +55,9 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
                     uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
                     uint64_t context, int64_t dc_from);
 int p2p_tcp_reset(int fd);
+int p2p_mr_reg_hmem(struct fid_domain *domain, uint64_t address, size_t len, uint64_t access,
+                    uint64_t requested_key, int iface, int device, struct fid_mr **mr);
+int p2p_has_dmabuf(void);
+int p2p_mr_reg_dmabuf(struct fid_domain *domain, int fd, uint64_t offset, size_t len,
+                      uint64_t base, uint64_t access, uint64_t requested_key, int device,
+                      struct fid_mr **mr);

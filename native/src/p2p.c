@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -450,4 +451,63 @@ int p2p_tcp_reset(int fd)
     if (connect(fd, &sa, sizeof(sa)) != 0)
         return -errno;
     return 0;
+}
+
+/* Register device memory (iface FI_HMEM_CUDA & co.) with fi_mr_regattr,
+ * whose attribute struct grew across libfabric versions: filled here, where
+ * the compiler knows the installed one. Returns fi_mr_regattr's code (the
+ * providers of a libfabric built without CUDA answer -FI_ENOSYS). */
+int p2p_mr_reg_hmem(struct fid_domain *domain, uint64_t address, size_t len, uint64_t access,
+                    uint64_t requested_key, int iface, int device, struct fid_mr **mr)
+{
+    struct iovec iov = {(void *)(uintptr_t)address, len};
+    struct fi_mr_attr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = requested_key;
+    attr.iface = (enum fi_hmem_iface)iface;
+    attr.device.cuda = device;
+    return fi_mr_regattr(domain, &attr, 0, mr);
+}
+
+/* 1 where this libfabric registers dma-buf file descriptors (FI_MR_DMABUF,
+ * from 1.20 on), else 0: the library p2pxfer was built against decides. */
+int p2p_has_dmabuf(void)
+{
+#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 20))
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Register `len` bytes at `offset` into the dma-buf `fd` (device memory a
+ * GPU driver exported), seen by peers at virtual address `base`. */
+int p2p_mr_reg_dmabuf(struct fid_domain *domain, int fd, uint64_t offset, size_t len,
+                      uint64_t base, uint64_t access, uint64_t requested_key, int device,
+                      struct fid_mr **mr)
+{
+#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 20))
+    struct fi_mr_dmabuf dmabuf;
+    struct fi_mr_attr attr;
+    memset(&dmabuf, 0, sizeof dmabuf);
+    memset(&attr, 0, sizeof attr);
+    dmabuf.fd = fd;
+    dmabuf.offset = offset;
+    dmabuf.len = len;
+    dmabuf.base_addr = (void *)(uintptr_t)base;
+    attr.dmabuf = &dmabuf;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = requested_key;
+    attr.iface = FI_HMEM_CUDA;
+    attr.device.cuda = device;
+    return fi_mr_regattr(domain, &attr, FI_MR_DMABUF, mr);
+#else
+    (void)domain; (void)fd; (void)offset; (void)len; (void)base; (void)access;
+    (void)requested_key; (void)device; (void)mr;
+    return -FI_ENOSYS;
+#endif
 }

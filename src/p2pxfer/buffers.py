@@ -49,13 +49,21 @@ class BufferSpan(NamedTuple):
     nbytes: int
     readonly: bool
     owner: Any
+    #: the CUDA device the bytes are on; -1 for host memory
+    device: int = -1
 
 
 def buffer_span(obj: Any) -> BufferSpan:
-    """Address range of any C-contiguous buffer-protocol object."""
+    """Address range of any C-contiguous buffer-protocol object, or of device
+    memory (``p2pxfer.devmem.device_memory``)."""
     try:
         view = memoryview(obj)
     except TypeError as exc:
+        from p2pxfer.devmem import device_memory  # only here: loads the CUDA driver
+
+        dev = device_memory(obj)
+        if dev is not None:
+            return BufferSpan(dev.address, dev.nbytes, False, dev, dev.device)
         raise InvalidArgument(
             f"cannot register {type(obj).__name__}: it does not support the buffer protocol"
         ) from exc

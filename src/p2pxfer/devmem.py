@@ -68,6 +68,7 @@ _CU_STREAM_NON_BLOCKING = 1
 _CU_EVENT_DISABLE_TIMING = 2
 _CUDA_ERROR_NOT_READY = 600
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+_CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
 _KDL_CUDA = 2
 _KDL_CUDA_HOST = 3
 _KDL_CUDA_MANAGED = 13
@@ -203,6 +204,25 @@ class CudaDriver:
         self.use(device)
         self.check(self._lib.cuMemHostUnregister(ctypes.c_void_p(_address(array))),
                    "cuMemHostUnregister")
+
+    def dmabuf(self, address: int, nbytes: int, device: int) -> tuple[int, int]:
+        """A dma-buf fd for the whole allocation holding ``address`` (so a
+        caching allocator's blocks share one), and ``address``'s offset in
+        it: (fd, offset). The caller closes the fd."""
+        self.use(device)
+        get_range = getattr(self._lib, "cuMemGetAddressRange_v2", None)
+        get_handle = getattr(self._lib, "cuMemGetHandleForAddressRange", None)
+        if get_range is None or get_handle is None:
+            raise DeviceError("this CUDA driver exports no dma-bufs")
+        base, size, fd = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int(-1)
+        self.check(get_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)),
+                   "cuMemGetAddressRange")
+        if address + nbytes > base.value + size.value:
+            raise DeviceError(f"{nbytes} bytes at {address:#x} run past their allocation")
+        self.check(get_handle(ctypes.byref(fd), ctypes.c_uint64(base.value), size,
+                              _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ctypes.c_ulonglong(0)),
+                   "cuMemGetHandleForAddressRange")
+        return int(fd.value), address - int(base.value)
 
     def stream(self, device: int) -> int:
         self.use(device)

@@ -36,6 +36,7 @@ from p2pxfer.engine import Engine
 from p2pxfer.engine._owner import ThreadOwner
 from p2pxfer.errors import (
     DescriptorError,
+    FabricError,
     InvalidArgument,
     RegistrationError,
     TransferError,
@@ -141,7 +142,11 @@ class KVPool:
     blocks device -> mirror layer by layer while earlier layers are on the
     wire, and ``wait_layers(..., blocks=)`` copies each landed layer mirror
     -> device. ``kind`` says which (``"host"`` or ``"cuda"``); ``array`` and
-    :meth:`block` are the mirror then.
+    :meth:`block` are the mirror then. An engine opened with
+    ``EngineConfig.hmem`` on a provider that registers CUDA memory
+    (``FI_HMEM``) takes the device memory as is instead (``direct``: peers
+    write straight into it, no mirror, no copies, no ``blocks=``); where the
+    provider refuses it, the pool is staged.
     """
 
     def __init__(self, engine: Engine, name: str, layout: KVLayout,
@@ -150,23 +155,42 @@ class KVPool:
         self.name = name
         self.layout = layout
         dev = None if buffer is None else device_memory(buffer)
-        mem: Any = (np.zeros(layout.nbytes, np.uint8) if buffer is None or dev is not None
-                    else _host_buffer(buffer))
-        #: the staged copies of a device pool; None for host memory
-        self.stage = None if dev is None else DeviceStage(dev, mem, layout)
+        self.stage: DeviceStage | None = None  #: a device pool's staged copies
+        self.direct = False  #: device memory registered as is (FI_HMEM)
+        if dev is not None and dev.nbytes < layout.nbytes:
+            raise InvalidArgument(f"device memory holds {dev.nbytes} bytes, the layout "
+                                  f"needs {layout.nbytes}")
+        if dev is not None and engine.config.hmem:
+            try:
+                self.region = engine.export(dev, name)
+            except (RegistrationError, FabricError) as exc:
+                log.info("kv.pool_staged", pool=name, reason=str(exc))
+            else:
+                self.direct = True
+        mem: Any = dev if self.direct else (
+            np.zeros(layout.nbytes, np.uint8) if buffer is None or dev is not None
+            else _host_buffer(buffer))
         self.kind = "host" if dev is None else dev.kind
         self.buffer = mem
-        self.array: npt.NDArray[np.uint8] = np.frombuffer(memoryview(mem).cast("B"), np.uint8)
-        if self.array.nbytes < layout.nbytes:
-            raise InvalidArgument(f"pool memory holds {self.array.nbytes} bytes, the layout "
+        self.nbytes = dev.nbytes if self.direct and dev is not None else \
+            memoryview(mem).nbytes
+        if self.nbytes < layout.nbytes:
+            raise InvalidArgument(f"pool memory holds {self.nbytes} bytes, the layout "
                                   f"needs {layout.nbytes}")
-        try:
-            self.region = engine.export(mem, name)
-        except BaseException:
-            self.close()
-            raise
+        self._array: npt.NDArray[np.uint8] | None = None
+        if not self.direct:
+            self._array = np.frombuffer(memoryview(mem).cast("B"), np.uint8)
+        if dev is not None and self._array is not None:
+            self.stage = DeviceStage(dev, self._array, layout)
+        if not self.direct:
+            try:
+                self.region = engine.export(mem, name)
+            except BaseException:
+                self.close()
+                raise
         self._rx = _receiver(engine)
-        log.info("kv.pool", pool=name, kind=self.kind, nbytes=layout.nbytes)
+        log.info("kv.pool", pool=name, kind=self.kind, direct=self.direct,
+                 nbytes=layout.nbytes)
 
     def close(self) -> None:
         """Stop exporting the pool; a device pool's mirror is unpinned."""
@@ -174,6 +198,14 @@ class KVPool:
             self.engine.unexport(self.name)
         if self.stage is not None:
             self.stage.close()
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The pool's host bytes (a staged device pool's mirror)."""
+        if self._array is None:
+            raise InvalidArgument(f"pool {self.name!r} is device memory registered as is: it "
+                                  "has no host view")
+        return self._array
 
     def describe(self) -> KVPoolDescriptor:
         return KVPoolDescriptor(self.region, self.layout)
@@ -270,7 +302,7 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
     base = request_base(request_id)
     plan = plan_push(
         src_pool.layout, dst_pool.layout, src_blocks, dst_blocks, layers,
-        src_size=src_pool.array.nbytes, dst_size=dst_pool.region.length, coalesce=coalesce)
+        src_size=src_pool.nbytes, dst_size=dst_pool.region.length, coalesce=coalesce)
     t0 = time.perf_counter()
     # A device pool: its layers are copied to the mirror one after another
     # (issued by a thread), and each goes out once its own copy is done.

@@ -128,7 +128,8 @@ class ExportedRegion:
         self.mrs: list[MemoryRegion] = []
         try:
             for rail in rails:
-                self.mrs.append(rail.register(span.address, span.nbytes, ACCESS_REMOTE_WRITE))
+                self.mrs.append(rail.register(span.address, span.nbytes, ACCESS_REMOTE_WRITE,
+                                              span.device))
         except BaseException:
             self.close()
             raise
@@ -230,7 +231,7 @@ class RegistrationCache:
         mrs: list[MemoryRegion] = []
         try:
             for rail in self.rails:
-                mrs.append(rail.register(span.address, span.nbytes, access))
+                mrs.append(rail.register(span.address, span.nbytes, access, span.device))
         except BaseException:
             for rail, mr in zip(self.rails, mrs, strict=False):
                 rail.deregister(mr)

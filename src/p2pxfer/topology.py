@@ -229,6 +229,7 @@ def discover(
     sysfs_root: str | os.PathLike[str] = "/sys",
     interfaces: Sequence[str] | None = None,
     numa_override: Mapping[str, int] | None = None,
+    hmem: bool = False,
 ) -> Topology:
     """Ask libfabric for ``provider``'s interfaces and describe them as a :class:`Topology`.
 
@@ -242,7 +243,7 @@ def discover(
     log.debug("topology.discover.started", provider=provider, node=node,
               interfaces=interfaces, sysfs_root=str(sysfs_root))
     try:
-        infos = getinfo(provider, node=node)
+        infos = getinfo(provider, node=node, hmem=hmem)
         found = [
             Nic(provider=i.provider, domain_name=i.domain_name, fabric_name=i.fabric_name, info=i)
             for i in infos

@@ -286,3 +286,42 @@ async def _host_and_device(daemons: Any, dev: Any) -> None:
             assert np.array_equal(hdst.array, expected(dev.read(), zeros, lay, db, sb))
     finally:
         dev.close()
+
+
+@pytest.mark.parametrize("provider", [p for p, _ in PROVIDERS])
+def test_hmem_engine_registers_device_memory_or_stages_it(provider: str) -> None:
+    """An engine asked for FI_HMEM: where the provider registers CUDA memory,
+    the pool is the device memory itself (``direct``); where it refuses
+    (Debian's libfabric: no CUDA), the pool is staged. Either way the bytes
+    arrive, and the pool says which it is."""
+    rng = np.random.default_rng(51)
+    lay = LAYOUT
+    src, dst = make("driver", lay.nbytes), make("driver", lay.nbytes)
+    data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
+    src.write(data)
+    sb, db = scattered(rng, 12, lay)
+
+    async def main() -> tuple[bool, bool]:
+        async with engine_pair(provider, hmem=True) as (a, b):
+            sp = KVPool(a, "src", lay, buffer=src.obj)
+            dp = KVPool(b, "dst", lay, buffer=dst.obj)
+            for p in (sp, dp):
+                assert p.kind == "cuda" and p.direct == (p.stage is None)
+            assert b.export_kinds()["dst"] == ("cuda" if dp.direct else "host")
+            with trio.fail_after(STEP):
+                await push_pages(a, sp, dp.describe(), sb, db, request_id=51)
+                await dp.wait_layers(51, lay.num_layers - 1, blocks=db)
+            sp.close()
+            dp.close()
+            return sp.direct, dp.direct
+
+    try:
+        directs = trio.run(main)
+        got = dst.read()
+        want = expected(data, np.zeros(lay.nbytes, np.uint8), lay, sb, db)
+        assert np.array_equal(got, want), f"{int((got != want).sum())} bytes differ"
+        if provider == "tcp;ofi_rxm":
+            assert directs == (False, False)  # tcp never registers device memory
+    finally:
+        src.close()
+        dst.close()

@@ -74,6 +74,11 @@ class EngineConfig:
     #: tcp and shm, which carry 8, so 32-bit code paths run everywhere); 0:
     #: as wide as every rail carries
     imm_bytes: int = 0
+    #: ask the provider for device memory (FI_HMEM), so CUDA memory is
+    #: registered directly where it can be (``Engine.export`` of device
+    #: memory); off by default: it can change how a provider moves host
+    #: memory. Where the provider has none, the engine opens without it.
+    hmem: bool = False
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,12 @@ class Engine:
         """Exported region names and their sizes."""
         return {name: buffer_span(obj).nbytes for name, obj in self._exports.items()}
 
+    def export_kinds(self) -> dict[str, str]:
+        """Exported region names and the memory each is: "host", or "cuda"
+        (device memory registered as is, FI_HMEM)."""
+        return {name: "host" if buffer_span(obj).device < 0 else "cuda"
+                for name, obj in self._exports.items()}
+
     # -- transfers ------------------------------------------------------------
 
     @property

@@ -30,7 +30,7 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
     config = config or EngineConfig()
     topo = discover(config.provider, node=config.node, sysfs_root=config.sysfs_root,
                     interfaces=list(config.interfaces) if config.interfaces else None,
-                    numa_override=config.numa_override)
+                    numa_override=config.numa_override, hmem=config.hmem)
     async with open_engine_on(topo, config) as engine:
         yield engine
 

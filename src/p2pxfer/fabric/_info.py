@@ -122,6 +122,11 @@ class FabricInfo:
         return MrMode(int(self._raw.domain_attr.mr_mode))
 
     @property
+    def hmem(self) -> bool:
+        """The provider was asked for, and offers, device memory (FI_HMEM)."""
+        return bool(int(self._raw.caps) & lib.FI_HMEM)
+
+    @property
     def cq_data_size(self) -> int:
         return int(self._raw.domain_attr.cq_data_size)
 
@@ -192,18 +197,32 @@ def getinfo(
     node: str | None = None,
     service: str | None = None,
     domain: str | None = None,
+    hmem: bool = False,
 ) -> list[FabricInfo]:
     """Every interface of ``provider`` that can do RDM RMA writes with remote CQ data.
 
     ``node``/``service`` name the local address to bind (``FI_SOURCE``), e.g.
     ``node="127.0.0.1"`` keeps tcp traffic on loopback. ``domain`` keeps only
     interfaces of that domain name (a NIC, e.g. ``"lo"`` or ``"veth0"``).
-    Raises :class:`ProviderNotFound` when nothing matches.
+    Raises :class:`ProviderNotFound` when nothing matches. ``hmem``: ask for
+    device-memory registration (``FI_HMEM``) too, and where the provider has
+    none, take it without (``FabricInfo.hmem`` says which).
     """
+    if hmem:
+        try:
+            return _getinfo(provider, node, service, domain, lib.FI_HMEM)
+        except ProviderNotFound:
+            pass
+    return _getinfo(provider, node, service, domain, 0)
+
+
+def _getinfo(provider: str, node: str | None, service: str | None, domain: str | None,
+             caps: int) -> list[FabricInfo]:
     if not provider or not isinstance(provider, str):
         raise ProviderNotFound("fi_getinfo", -lib.FI_ENODATA,
                                f"{fi_strerror(lib.FI_ENODATA)}: no provider named", repr(provider))
     hints = _hints()
+    hints.caps |= caps
     # fi_freeinfo frees prov_name/name, so they must come from malloc.
     hints.fabric_attr.prov_name = lib.strdup(provider.encode())
     if domain:

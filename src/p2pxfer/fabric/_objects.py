@@ -15,7 +15,7 @@ import threading
 from types import TracebackType
 from typing import Any, Self
 
-from p2pxfer.errors import FabricError, PeerUnreachable, RegistrationError
+from p2pxfer.errors import FabricError, P2PXferError, PeerUnreachable, RegistrationError
 from p2pxfer.log import get_logger
 
 from ._binding import check, ffi, lib, raise_fabric_error
@@ -295,20 +295,34 @@ class MemoryRegion(_Fid):
         length: int,
         access: int,
         endpoint: Endpoint | None = None,
+        device: int = -1,
     ) -> None:
         mode = domain.info.mr_mode
         if length <= 0:
             raise RegistrationError(f"cannot register {length} bytes: length must be > 0")
+        if device >= 0 and not domain.info.hmem:
+            raise RegistrationError(
+                f"{domain.info.provider} on {domain.info.domain_name} was not opened with "
+                "device memory (FI_HMEM): CUDA memory cannot be registered directly "
+                "(EngineConfig.hmem, where the provider has it; KV pools stage through host "
+                "memory instead)")
         out = ffi.new("struct fid_mr **")
         for _attempt in range(8):
             requested = 0 if mode.prov_key else domain._new_key()
-            rc = lib.fi_mr_reg(
-                domain.handle, ffi.cast("void *", address), length, access, 0, requested, 0,
-                out, ffi.NULL,
-            )
+            if device < 0:
+                rc = lib.fi_mr_reg(
+                    domain.handle, ffi.cast("void *", address), length, access, 0, requested,
+                    0, out, ffi.NULL,
+                )
+            else:
+                rc = _register_device(domain, address, length, access, requested, device, out)
             if rc != -lib.FI_ENOKEY:
                 break
-        check(rc, "fi_mr_reg", f"{length} bytes at {address:#x}")
+        if device < 0:
+            check(rc, "fi_mr_reg", f"{length} bytes at {address:#x}")
+        else:
+            check(rc, "fi_mr_regattr", f"{length} bytes of CUDA memory at {address:#x} on "
+                                       f"device {device} ({domain.info.provider})")
         super().__init__(out[0])
         self._domain = domain
         try:
@@ -332,3 +346,28 @@ class MemoryRegion(_Fid):
         if self._handle is not None:
             self._domain._release_key(self.key)
         super().close()
+
+
+def _register_device(domain: Domain, address: int, length: int, access: int, requested: int,
+                     device: int, out: Any) -> int:
+    """Register CUDA memory: as a dma-buf where this libfabric takes one (1.20
+    on; the GPU driver exports the allocation), else by address with iface
+    FI_HMEM_CUDA. The return code of the last attempt."""
+    if lib.p2p_has_dmabuf():
+        from p2pxfer.devmem import driver  # only here: device memory is optional
+
+        try:
+            fd, offset = driver().dmabuf(address, length, device)
+        except P2PXferError as exc:
+            log.debug("fabric.dmabuf_unavailable", error=str(exc))
+        else:
+            try:
+                rc = int(lib.p2p_mr_reg_dmabuf(domain.handle, fd, offset, length, address,
+                                               access, requested, device, out))
+            finally:
+                os.close(fd)
+            if rc in (0, -lib.FI_ENOKEY):
+                return rc
+            log.debug("fabric.dmabuf_refused", code=rc)
+    return int(lib.p2p_mr_reg_hmem(domain.handle, address, length, access, requested,
+                                   lib.FI_HMEM_CUDA, device, out))

@@ -117,8 +117,15 @@ class Rail:
     def name(self) -> str:
         return self.info.domain_name
 
-    def register(self, address: int, length: int, access: int) -> MemoryRegion:
-        mr = MemoryRegion(self.domain, address, length, access, endpoint=self.endpoint)
+    @property
+    def hmem(self) -> bool:
+        """Device memory can be registered here (the provider offered FI_HMEM)."""
+        return self.info.hmem
+
+    def register(self, address: int, length: int, access: int, device: int = -1
+                 ) -> MemoryRegion:
+        mr = MemoryRegion(self.domain, address, length, access, endpoint=self.endpoint,
+                          device=device)
         self._mrs.add(mr)
         return mr
 
