@@ -41,6 +41,14 @@ def expected(src: U8, dst: U8, lay: KVLayout, sb: Any, db: Any) -> U8:
     return out
 
 
+def assert_landed(dst: Any, src: U8, lay: KVLayout, sb: Any, db: Any) -> None:
+    """The device memory of ``dst`` (zero before) holds blocks ``sb`` of
+    ``src`` at ``db``, and nothing else."""
+    got = dst.read()
+    want = expected(src, np.zeros(lay.nbytes, np.uint8), lay, sb, db)
+    assert np.array_equal(got, want), f"{int((got != want).sum())} bytes differ"
+
+
 def scattered(rng: np.random.Generator, n: int, lay: KVLayout) -> tuple[Any, Any]:
     """Block tables as a serving engine has them: a run of neighbours, then
     scattered blocks."""
@@ -128,9 +136,7 @@ def test_push_device_to_device_in_process(provider: str, kind: str) -> None:
 
     try:
         trio.run(main)
-        got = dst.read()
-        want = expected(data, np.zeros(lay.nbytes, np.uint8), lay, sb, db)
-        assert np.array_equal(got, want), f"{int((got != want).sum())} bytes differ"
+        assert_landed(dst, data, lay, sb, db)
     finally:
         src.close()
         dst.close()
@@ -209,9 +215,7 @@ async def _daemon_round(daemons: Any, kind: str, request: int, src: Any, dst: An
             result = await push.wait(timeout=STEP)
             assert result.layers == tuple(range(lay.num_layers))
             assert result.nbytes == 24 * lay.planes * lay.block_bytes * lay.num_layers
-        got = dst.read()
-        want = expected(data, np.zeros(lay.nbytes, np.uint8), lay, sb, db)
-        assert np.array_equal(got, want), f"{int((got != want).sum())} bytes differ"
+        assert_landed(dst, data, lay, sb, db)
     finally:
         src.close()
         dst.close()
@@ -317,9 +321,7 @@ def test_hmem_engine_registers_device_memory_or_stages_it(provider: str) -> None
 
     try:
         directs = trio.run(main)
-        got = dst.read()
-        want = expected(data, np.zeros(lay.nbytes, np.uint8), lay, sb, db)
-        assert np.array_equal(got, want), f"{int((got != want).sum())} bytes differ"
+        assert_landed(dst, data, lay, sb, db)
         if provider == "tcp;ofi_rxm":
             assert directs == (False, False)  # tcp never registers device memory
     finally:
