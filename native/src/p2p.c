@@ -484,7 +484,8 @@ int p2p_has_dmabuf(void)
 }
 
 /* Register `len` bytes at `offset` into the dma-buf `fd` (device memory a
- * GPU driver exported), seen by peers at virtual address `base`. */
+ * GPU driver exported) whose byte 0 is at virtual address `base`: the
+ * region is base + offset onwards. */
 int p2p_mr_reg_dmabuf(struct fid_domain *domain, int fd, uint64_t offset, size_t len,
                       uint64_t base, uint64_t access, uint64_t requested_key, int device,
                       struct fid_mr **mr)

@@ -33,10 +33,12 @@ current in the thread it runs on (:meth:`CudaDriver.use`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +71,8 @@ _CU_EVENT_DISABLE_TIMING = 2
 _CUDA_ERROR_NOT_READY = 600
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
+_CU_FLUSH_RDMA_TARGET_CURRENT_CTX = 0
+_CU_FLUSH_RDMA_TO_OWNER = 100
 _KDL_CUDA = 2
 _KDL_CUDA_HOST = 3
 _KDL_CUDA_MANAGED = 13
@@ -104,7 +108,9 @@ class CudaDriver:
             "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
             "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
             "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), ctypes.c_int],
-            "cuCtxSetCurrent": [vp],
+            "cuCtxPushCurrent_v2": [vp],
+            "cuCtxPopCurrent_v2": [ctypes.POINTER(vp)],
+            "cuDriverGetVersion": [ctypes.POINTER(ctypes.c_int)],
             "cuPointerGetAttribute": [vp, ctypes.c_int, u64],
             "cuMemHostRegister_v2": [vp, sz, ctypes.c_uint],
             "cuMemHostUnregister": [vp],
@@ -131,13 +137,14 @@ class CudaDriver:
         self.memcpy_batch = self._batch_entry()
         self._contexts: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._local = threading.local()
 
     def _batch_entry(self) -> Any:
         if os.environ.get("P2PXFER_CUDA_BATCH", "1") == "0":
             return None
         get = getattr(self._lib, "cuGetProcAddress_v2", None)
-        if get is None:
+        version = ctypes.c_int()
+        if get is None or self._lib.cuDriverGetVersion(ctypes.byref(version)) != 0 \
+                or version.value < 13000:
             return None
         get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
                         ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
@@ -159,11 +166,7 @@ class CudaDriver:
         detail = (text.value or b"unknown error").decode(errors="replace")
         raise DeviceError(f"{call} failed{' (' + what + ')' if what else ''}: {detail} [{rc}]")
 
-    def use(self, device: int) -> None:
-        """Make ``device``'s primary context (the one torch and CuPy use)
-        current in this thread."""
-        if getattr(self._local, "device", None) == device:
-            return
+    def _context(self, device: int) -> int:
         with self._lock:
             ctx = self._contexts.get(device)
             if ctx is None:
@@ -173,8 +176,25 @@ class CudaDriver:
                 self.check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(out), dev),
                            "cuDevicePrimaryCtxRetain")
                 ctx = self._contexts[device] = int(out.value or 0)
-        self.check(self._lib.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
-        self._local.device = device
+            return ctx
+
+    @contextlib.contextmanager
+    def on(self, device: int) -> Iterator[None]:
+        """``device``'s primary context (the one torch and CuPy use) current
+        in this thread for the block, and whatever was current before
+        current again after it: the caller's thread (an event loop, a
+        serving engine's) keeps its own device."""
+        self.check(self._lib.cuCtxPushCurrent_v2(ctypes.c_void_p(self._context(device))),
+                   "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def use(self, device: int) -> None:
+        """Check that ``device`` can be used (its primary context exists)."""
+        with self.on(device):
+            pass
 
     def pointer_kind(self, address: int) -> tuple[int, int] | None:
         """(memory type, device ordinal) of ``address``; None when CUDA does
@@ -192,123 +212,134 @@ class CudaDriver:
     def host_register(self, array: U8, device: int) -> bool:
         """Pin ``array`` (page-locked, mapped for the device). False when it
         already was (then it is not ours to unpin)."""
-        self.use(device)
-        rc = self._lib.cuMemHostRegister_v2(ctypes.c_void_p(_address(array)), array.nbytes,
-                                            _CU_MEMHOSTREGISTER_PORTABLE)
-        if rc == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-            return False
-        self.check(rc, "cuMemHostRegister", f"{array.nbytes} bytes")
-        return True
+        with self.on(device):
+            rc = self._lib.cuMemHostRegister_v2(ctypes.c_void_p(_address(array)), array.nbytes,
+                                                _CU_MEMHOSTREGISTER_PORTABLE)
+            if rc == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+                return False
+            self.check(rc, "cuMemHostRegister", f"{array.nbytes} bytes")
+            return True
 
     def host_unregister(self, array: U8, device: int) -> None:
-        self.use(device)
-        self.check(self._lib.cuMemHostUnregister(ctypes.c_void_p(_address(array))),
-                   "cuMemHostUnregister")
+        with self.on(device):
+            self.check(self._lib.cuMemHostUnregister(ctypes.c_void_p(_address(array))),
+                       "cuMemHostUnregister")
 
     def dmabuf(self, address: int, nbytes: int, device: int) -> tuple[int, int]:
         """A dma-buf fd for the whole allocation holding ``address`` (so a
         caching allocator's blocks share one), and ``address``'s offset in
         it: (fd, offset). The caller closes the fd."""
-        self.use(device)
-        get_range = getattr(self._lib, "cuMemGetAddressRange_v2", None)
-        get_handle = getattr(self._lib, "cuMemGetHandleForAddressRange", None)
-        if get_range is None or get_handle is None:
-            raise DeviceError("this CUDA driver exports no dma-bufs")
-        base, size, fd = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int(-1)
-        self.check(get_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)),
-                   "cuMemGetAddressRange")
-        if address + nbytes > base.value + size.value:
-            raise DeviceError(f"{nbytes} bytes at {address:#x} run past their allocation")
-        self.check(get_handle(ctypes.byref(fd), ctypes.c_uint64(base.value), size,
-                              _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ctypes.c_ulonglong(0)),
-                   "cuMemGetHandleForAddressRange")
-        return int(fd.value), address - int(base.value)
+        with self.on(device):
+            get_range = getattr(self._lib, "cuMemGetAddressRange_v2", None)
+            get_handle = getattr(self._lib, "cuMemGetHandleForAddressRange", None)
+            if get_range is None or get_handle is None:
+                raise DeviceError("this CUDA driver exports no dma-bufs")
+            base, size, fd = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int(-1)
+            self.check(get_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)),
+                       "cuMemGetAddressRange")
+            if address + nbytes > base.value + size.value:
+                raise DeviceError(f"{nbytes} bytes at {address:#x} run past their allocation")
+            self.check(get_handle(ctypes.byref(fd), ctypes.c_uint64(base.value), size,
+                                  _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ctypes.c_ulonglong(0)),
+                       "cuMemGetHandleForAddressRange")
+            return int(fd.value), address - int(base.value)
 
     def stream(self, device: int) -> int:
-        self.use(device)
-        out = ctypes.c_void_p()
-        self.check(self._lib.cuStreamCreate(ctypes.byref(out), _CU_STREAM_NON_BLOCKING),
-                   "cuStreamCreate")
-        return int(out.value or 0)
+        with self.on(device):
+            out = ctypes.c_void_p()
+            self.check(self._lib.cuStreamCreate(ctypes.byref(out), _CU_STREAM_NON_BLOCKING),
+                       "cuStreamCreate")
+            return int(out.value or 0)
 
     def stream_destroy(self, stream: int, device: int) -> None:
-        self.use(device)
-        self.check(self._lib.cuStreamDestroy_v2(ctypes.c_void_p(stream)), "cuStreamDestroy")
+        with self.on(device):
+            self.check(self._lib.cuStreamDestroy_v2(ctypes.c_void_p(stream)), "cuStreamDestroy")
 
     def stream_sync(self, stream: int, device: int) -> None:
-        self.use(device)
-        self.check(self._lib.cuStreamSynchronize(ctypes.c_void_p(stream)),
-                   "cuStreamSynchronize")
+        with self.on(device):
+            self.check(self._lib.cuStreamSynchronize(ctypes.c_void_p(stream)),
+                       "cuStreamSynchronize")
 
     def record(self, stream: int, device: int) -> int:
         """A new event recorded on ``stream`` (destroy it with :meth:`event_done`)."""
-        self.use(device)
-        out = ctypes.c_void_p()
-        self.check(self._lib.cuEventCreate(ctypes.byref(out), _CU_EVENT_DISABLE_TIMING),
-                   "cuEventCreate")
-        rc = self._lib.cuEventRecord(out, ctypes.c_void_p(stream))
-        if rc:
-            self._lib.cuEventDestroy_v2(out)
-            self.check(rc, "cuEventRecord")
-        return int(out.value or 0)
+        with self.on(device):
+            out = ctypes.c_void_p()
+            self.check(self._lib.cuEventCreate(ctypes.byref(out), _CU_EVENT_DISABLE_TIMING),
+                       "cuEventCreate")
+            rc = self._lib.cuEventRecord(out, ctypes.c_void_p(stream))
+            if rc:
+                self._lib.cuEventDestroy_v2(out)
+                self.check(rc, "cuEventRecord")
+            return int(out.value or 0)
 
     def event_ready(self, event: int, device: int) -> bool:
-        self.use(device)
-        rc = self._lib.cuEventQuery(ctypes.c_void_p(event))
-        if rc == _CUDA_ERROR_NOT_READY:
-            return False
-        self.check(rc, "cuEventQuery")
-        return True
+        with self.on(device):
+            rc = self._lib.cuEventQuery(ctypes.c_void_p(event))
+            if rc == _CUDA_ERROR_NOT_READY:
+                return False
+            self.check(rc, "cuEventQuery")
+            return True
 
     def event_sync(self, event: int, device: int) -> None:
-        self.use(device)
-        self.check(self._lib.cuEventSynchronize(ctypes.c_void_p(event)), "cuEventSynchronize")
+        with self.on(device):
+            self.check(self._lib.cuEventSynchronize(ctypes.c_void_p(event)), "cuEventSynchronize")
 
     def event_done(self, event: int, device: int) -> None:
-        self.use(device)
-        self.check(self._lib.cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy")
+        with self.on(device):
+            self.check(self._lib.cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy")
+
+    def flush_rdma_writes(self, device: int) -> None:
+        """Make writes a NIC placed in ``device``'s memory (GPUDirect RDMA)
+        visible to work on it that starts after this returns; where the
+        driver has no such call, nothing."""
+        flush = getattr(self._lib, "cuFlushGPUDirectRDMAWrites", None)
+        if flush is None:
+            return
+        with self.on(device):
+            self.check(flush(_CU_FLUSH_RDMA_TARGET_CURRENT_CTX, _CU_FLUSH_RDMA_TO_OWNER),
+                       "cuFlushGPUDirectRDMAWrites")
 
     def alloc(self, nbytes: int, device: int) -> int:
-        self.use(device)
-        out = ctypes.c_uint64()
-        self.check(self._lib.cuMemAlloc_v2(ctypes.byref(out), nbytes), "cuMemAlloc",
-                   f"{nbytes} bytes")
-        return int(out.value)
+        with self.on(device):
+            out = ctypes.c_uint64()
+            self.check(self._lib.cuMemAlloc_v2(ctypes.byref(out), nbytes), "cuMemAlloc",
+                       f"{nbytes} bytes")
+            return int(out.value)
 
     def free(self, address: int, device: int) -> None:
-        self.use(device)
-        self.check(self._lib.cuMemFree_v2(address), "cuMemFree")
+        with self.on(device):
+            self.check(self._lib.cuMemFree_v2(address), "cuMemFree")
 
     def copy(self, stream: int, device: int, dst: int, src: int, src_off: I64, dst_off: I64,
              length: I64) -> int:
         """Issue pieces as async copies on ``stream`` (one C call; adjacent
         pieces merged); the copies issued."""
-        self.use(device)
-        n = len(length)
-        if n == 0:
-            return 0
-        so, do, ln = (np.ascontiguousarray(a, np.int64) for a in (src_off, dst_off, length))
-        ptrs = [ffi.cast("const int64_t *", a.ctypes.data) for a in (so, do, ln)]
-        if self.memcpy_batch is not None:
-            scratch = np.empty(3 * n, np.uint64)
-            rc = lib.p2p_device_copy_batch(self.memcpy_batch, ffi.cast("void *", stream), dst,
-                                           src, *ptrs, n,
-                                           ffi.cast("uint64_t *", scratch.ctypes.data))
-            if rc >= 0:
-                return int(rc)
-            # A driver that has the entry point but refuses the batch: the
-            # copies go one by one from now on.
-            log.warning("devmem.batch_refused", error=-int(rc))
-            self.memcpy_batch = None
-        failed = ffi.new("int64_t *")
-        rc = lib.p2p_device_copy(self.memcpy_async, ffi.cast("void *", stream), dst, src,
-                                 *ptrs, n, failed)
-        if rc < 0:
-            i = int(failed[0])
-            self.check(int(-rc), "cuMemcpyAsync",
-                       f"piece {i}: {int(ln[i])} bytes, {src + int(so[i]):#x} -> "
-                       f"{dst + int(do[i]):#x}")
-        return int(rc)
+        with self.on(device):
+            n = len(length)
+            if n == 0:
+                return 0
+            so, do, ln = (np.ascontiguousarray(a, np.int64) for a in (src_off, dst_off, length))
+            ptrs = [ffi.cast("const int64_t *", a.ctypes.data) for a in (so, do, ln)]
+            if self.memcpy_batch is not None:
+                scratch = np.empty(3 * n, np.uint64)
+                rc = lib.p2p_device_copy_batch(self.memcpy_batch, ffi.cast("void *", stream), dst,
+                                               src, *ptrs, n,
+                                               ffi.cast("uint64_t *", scratch.ctypes.data))
+                if rc >= 0:
+                    return int(rc)
+                # A driver that has the entry point but refuses the batch: the
+                # copies go one by one from now on.
+                log.warning("devmem.batch_refused", error=-int(rc))
+                self.memcpy_batch = None
+            failed = ffi.new("int64_t *")
+            rc = lib.p2p_device_copy(self.memcpy_async, ffi.cast("void *", stream), dst, src,
+                                     *ptrs, n, failed)
+            if rc < 0:
+                i = int(failed[0])
+                self.check(int(-rc), "cuMemcpyAsync",
+                           f"piece {i}: {int(ln[i])} bytes, {src + int(so[i]):#x} -> "
+                           f"{dst + int(do[i]):#x}")
+            return int(rc)
 
 
 _driver: list[CudaDriver] = []  # the process's one, once loaded
@@ -430,6 +461,10 @@ class DeviceStage:
         self.mirror = mirror
         self.layout = layout
         self._drv = driver()
+        # Issuing copies and closing exclude each other: a pool closed from
+        # another task mid-push must not destroy the stream or unpin the
+        # mirror under copies being issued.
+        self._lock = threading.Lock()
         self._pinned = self._drv.host_register(mirror, device.device)
         try:
             self._stream = self._drv.stream(device.device)
@@ -455,9 +490,13 @@ class DeviceStage:
 
     def _issue(self, blocks: Any, layers: list[int], to_host: bool) -> list[int]:
         """One event per layer, recorded after that layer's copies."""
-        if self._closed:
-            raise DeviceError("the device pool is closed")
         off, _, length, counts = self._pieces(blocks, layers)
+        with self._lock:
+            if self._closed:
+                raise DeviceError("the device pool is closed")
+            return self._issue_locked(off, length, counts, to_host)
+
+    def _issue_locked(self, off: I64, length: I64, counts: I64, to_host: bool) -> list[int]:
         dev, host = self.device.address, _address(self.mirror)
         dst, src = (host, dev) if to_host else (dev, host)
         events: list[int] = []
@@ -518,14 +557,15 @@ class DeviceStage:
 
     def close(self) -> None:
         """Wait for copies under way, then drop the stream and unpin."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._drv.stream_sync(self._stream, self.device.device)
-            self._drv.stream_destroy(self._stream, self.device.device)
-        finally:
-            self._unpin()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._drv.stream_sync(self._stream, self.device.device)
+                self._drv.stream_destroy(self._stream, self.device.device)
+            finally:
+                self._unpin()
 
 
 class Staged:
@@ -568,12 +608,30 @@ class Staged:
             raise self._error or DeviceError("the copies were stopped")
         self._stage.sync(self._events[k])
 
+    def is_ready(self, k: int) -> bool:
+        """Layer ``k`` is in the mirror now (never blocks)."""
+        return (self._issued[k].is_set() and k < len(self._events)
+                and self._stage._drv.event_ready(self._events[k], self._stage.device.device))
+
     async def ready(self, k: int) -> None:
         """Until layer ``k`` is in the mirror, without blocking the loop."""
-        if self._issued[k].is_set() and k < len(self._events) and \
-                self._stage._drv.event_ready(self._events[k], self._stage.device.device):
-            return
-        await anyio.to_thread.run_sync(self.ready_sync, k)
+        if not self.is_ready(k):
+            await anyio.to_thread.run_sync(self.ready_sync, k)
+
+    def ready_after(self, k: int) -> int:
+        """How many layers from ``k`` on are in the mirror now, in a row
+        (at least layer ``k``, which the caller waited for): they can go
+        out together."""
+        n = 1
+        while k + n < len(self._issued) and self.is_ready(k + n):
+            n += 1
+        return n
+
+    async def aclose(self) -> None:
+        """:meth:`close` in a worker thread, shielded: it joins the issuing
+        thread and waits for the copies it issued, which the loop must not."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.close)
 
     def close(self) -> None:
         self._stop = True

@@ -31,7 +31,7 @@ import numpy.typing as npt
 import trio
 
 from p2pxfer._kv_core import LayerArrivals, LayerSend, push_layers
-from p2pxfer.devmem import DeviceStage, device_memory
+from p2pxfer.devmem import DeviceStage, device_memory, driver
 from p2pxfer.engine import Engine
 from p2pxfer.engine._owner import ThreadOwner
 from p2pxfer.errors import (
@@ -157,6 +157,7 @@ class KVPool:
         dev = None if buffer is None else device_memory(buffer)
         self.stage: DeviceStage | None = None  #: a device pool's staged copies
         self.direct = False  #: device memory registered as is (FI_HMEM)
+        self._device = dev
         if dev is not None and dev.nbytes < layout.nbytes:
             raise InvalidArgument(f"device memory holds {dev.nbytes} bytes, the layout "
                                   f"needs {layout.nbytes}")
@@ -255,6 +256,10 @@ class KVPool:
                     events += await trio.to_thread.run_sync(self.stage.to_device, blocks, step)
             if self.stage is not None and events:
                 await self.stage.wait(events[-1])  # one stream: the last covers all
+            if self.direct and self._device is not None:
+                # What the NIC placed must be visible to the kernels that
+                # read it next (GPUDirect RDMA writes are not ordered with them).
+                driver().flush_rdma_writes(self._device.device)
         finally:
             if self.stage is not None:
                 self.stage.release(events)
@@ -319,7 +324,7 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
         pieces, first = await push_layers(plan, submit)
     finally:
         if staged is not None:
-            staged.close()
+            await staged.aclose()
     seconds = time.perf_counter() - t0
     log.debug("kv.push_complete", request_id=request_id, layers=len(plan.layers),
               nbytes=plan.nbytes, seconds=seconds)

@@ -8,6 +8,8 @@ Skipped, with the reason, where no CUDA device is at hand (``gpu`` marker);
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import threading
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,7 @@ from device_arrays import KINDS, DriverArray, cuda_or_skip, make
 import p2pxfer
 from conftest import PROVIDERS, engine_pair
 from daemon_helpers import daemon_pair
-from p2pxfer.devmem import DeviceStage, device_memory, memory_kind
+from p2pxfer.devmem import DeviceStage, device_memory, driver, memory_kind
 from p2pxfer.errors import InvalidArgument
 from p2pxfer.kv import KVPool, push_pages
 from p2pxfer.kv_plan import KVLayout, expand_pages
@@ -327,3 +329,34 @@ def test_hmem_engine_registers_device_memory_or_stages_it(provider: str) -> None
     finally:
         src.close()
         dst.close()
+
+
+def test_the_callers_current_context_is_left_as_it_was() -> None:
+    """Every driver call pushes the device's context and pops it: a thread
+    with no context current (or another one) keeps it after staged copies."""
+    cuda_or_skip()
+    lib = driver()._lib  # the test reads the thread's context straight from the driver
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+
+    def current() -> int:
+        out = ctypes.c_void_p()
+        assert lib.cuCtxGetCurrent(ctypes.byref(out)) == 0
+        return int(out.value or 0)
+
+    def in_thread() -> tuple[int, int]:
+        before = current()
+        lay = KVLayout(2, 8, 4096)
+        arr = DriverArray(lay.nbytes)
+        stage = DeviceStage(device_memory(arr.obj), np.zeros(lay.nbytes, np.uint8), lay)  # type: ignore[arg-type]
+        events = stage.to_host([1, 2], [0, 1])
+        stage.sync(events[-1])
+        stage.release(events)
+        stage.close()
+        arr.close()
+        return before, current()
+
+    result: list[tuple[int, int]] = []
+    t = threading.Thread(target=lambda: result.append(in_thread()))
+    t.start()
+    t.join()
+    assert result and result[0][0] == result[0][1] == 0

@@ -92,10 +92,12 @@ class SharedMemory:
         return self.buffer.nbytes
 
     def close(self) -> None:
-        if self.stage is not None:
-            stage, self.stage = self.stage, None
-            stage.close()
-        self.buffer.close()
+        try:
+            if self.stage is not None:
+                stage, self.stage = self.stage, None
+                stage.close()
+        finally:
+            self.buffer.close()
 
 
 class Client:

@@ -108,11 +108,24 @@ class StagedKVPush(KVPush):
         if self._result is None:
             deadline = anyio.current_time() + (float("inf") if timeout is None else timeout)
             results = []
-            for part in self._parts:
-                left = None if timeout is None else max(0.0, deadline - anyio.current_time())
-                results.append(await part.wait(timeout=left))
+            try:
+                for part in self._parts:
+                    left = None if timeout is None else max(0.0, deadline - anyio.current_time())
+                    results.append(await part.wait(timeout=left))
+            except BaseException:
+                await stop_parts(self._parts[len(results):])
+                raise
             self._result = combine(self.request, results, time.perf_counter() - self._t0)
         return self._result
+
+
+async def stop_parts(parts: list[KVPush]) -> None:
+    """Cancel pushes and wait until the daemon has stopped each (shielded):
+    the source blocks are the caller's again."""
+    with anyio.CancelScope(shield=True):
+        for part in parts:
+            with contextlib.suppress(Exception):  # already failing: the first error stands
+                await part.wait(timeout=0)
 
 
 def combine(request: int, parts: list[KVPushResult], seconds: float) -> KVPushResult:
@@ -169,9 +182,14 @@ class KVPool:
         if self.stage is None:
             await self._wait(request, first, upto_layer, timeout)
             return
-        async for _ in self.layers(request, first=first, upto=upto_layer, timeout=timeout,
-                                   blocks=blocks):
-            pass
+        self.need_blocks(blocks)
+        deadline = anyio.current_time() + (float("inf") if timeout is None else timeout)
+        nxt = first
+        while nxt <= upto_layer:  # layer by layer, each copied as it lands
+            left = None if timeout is None else max(0.0, deadline - anyio.current_time())
+            done = await self._wait(request, nxt, nxt, left)
+            await self.stage.copy_in(blocks, list(range(nxt, min(done, upto_layer + 1))))
+            nxt = done
 
     async def _wait(self, request: int, first: int, upto: int, timeout: float | None) -> int:
         fields: dict[str, Any] = {}
@@ -245,13 +263,16 @@ async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
     try:
         stage = pool_stage(layout, device, mem)
         fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
+        if stage is not None:  # a daemon that predates the field still takes host pools
+            fields["memory"] = stage.kind
         r = await client._conv.request("kv_pool", name=name, mem=mem.mem_id,
-                                  layout=layout.to_wire(), receive=receive,
-                                  memory="host" if stage is None else stage.kind, **fields)
+                                  layout=layout.to_wire(), receive=receive, **fields)
     except BaseException:
-        if stage is not None:
-            stage.close()
-        await client.free(mem)
+        try:
+            if stage is not None:
+                stage.close()
+        finally:
+            await client.free(mem)
         raise
     mem.stage = stage
     desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None
@@ -305,17 +326,19 @@ async def _start_staged(client: Client, peer: str, pool: str, src: KVPool, src_b
     staged = stage.staged(src_blocks, layers)
     parts: list[KVPush] = []
     try:
-        for k, layer in enumerate(layers):
+        k = 0
+        while k < len(layers):
             await staged.ready(k)
+            # Every layer already in the mirror goes in this push: one
+            # request slot on the receiver per push, not per layer.
+            group = layers[k:k + staged.ready_after(k)]
             pending = await client._conv.start("kv_push", **push_fields(
-                peer, pool, src, src_blocks, dst_blocks, request, [layer], deadline))
+                peer, pool, src, src_blocks, dst_blocks, request, group, deadline))
             parts.append(KVPush(client, pending, request))
+            k += len(group)
     except BaseException:
-        with anyio.CancelScope(shield=True):
-            for part in parts:  # stop what was started, and wait until it has
-                with contextlib.suppress(Exception):  # already failing: the first error stands
-                    await part.wait(timeout=0)
+        await stop_parts(parts)
         raise
     finally:
-        staged.close()
+        await staged.aclose()
     return StagedKVPush(client, parts, request, t0)

@@ -136,13 +136,16 @@ class SyncClient:
         try:
             stage = pool_stage(layout, device, mem)
             fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
+            if stage is not None:  # a daemon that predates the field still takes host pools
+                fields["memory"] = stage.kind
             r = self._c.request("kv_pool", name=name, mem=mem.mem_id, layout=layout.to_wire(),
-                                receive=receive, memory="host" if stage is None else stage.kind,
-                                **fields)
+                                receive=receive, **fields)
         except BaseException:
-            if stage is not None:
-                stage.close()
-            self.free(mem)
+            try:
+                if stage is not None:
+                    stage.close()
+            finally:
+                self.free(mem)
             raise
         mem.stage = stage
         desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None
@@ -164,10 +167,13 @@ class SyncClient:
         staged = src.stage.staged(src_blocks, lays)
         try:
             parts = []
-            for k, layer in enumerate(lays):
+            k = 0
+            while k < len(lays):
                 staged.ready_sync(k)
+                group = lays[k:k + staged.ready_after(k)]  # every layer in the mirror now
                 parts.append(self._push(push_fields(peer, pool, src, src_blocks, dst_blocks,
-                                                    request, [layer], deadline), request))
+                                                    request, group, deadline), request))
+                k += len(group)
         finally:
             staged.close()
         return combine(request, parts, time.perf_counter() - t0)
@@ -182,6 +188,7 @@ class SyncClient:
                     timeout: float | None = None, blocks: Any = None) -> None:
         """See :meth:`KVPool.wait_layers` (a device pool needs ``blocks``)."""
         pool.need_blocks(blocks)
+        deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
         nxt = first
         while nxt <= upto_layer:
             # Host pools wait for the whole range at once; device pools layer
@@ -189,7 +196,7 @@ class SyncClient:
             upto = upto_layer if pool.stage is None else nxt
             fields: dict[str, Any] = {}
             if timeout is not None:
-                fields["timeout_ms"] = max(0, int(timeout * 1000))
+                fields["timeout_ms"] = max(0, int((deadline - time.monotonic()) * 1000))
             r = self._c.request("kv_wait", pool=pool.name, request=request, first=nxt,
                                 upto=upto, **fields)
             done = pool.check_done(request, int(r["done"]), upto, timeout)

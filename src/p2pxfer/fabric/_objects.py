@@ -362,8 +362,11 @@ def _register_device(domain: Domain, address: int, length: int, access: int, req
             log.debug("fabric.dmabuf_unavailable", error=str(exc))
         else:
             try:
-                rc = int(lib.p2p_mr_reg_dmabuf(domain.handle, fd, offset, length, address,
-                                               access, requested, device, out))
+                # The region starts at base_addr + offset: base_addr is the
+                # allocation's start, which the dma-buf's offset 0 maps.
+                rc = int(lib.p2p_mr_reg_dmabuf(domain.handle, fd, offset, length,
+                                               address - offset, access, requested, device,
+                                               out))
             finally:
                 os.close(fd)
             if rc in (0, -lib.FI_ENOKEY):
