@@ -8,6 +8,9 @@
   (``memmove`` each, every piece checked against both sizes again first) and
   releases the GIL while it runs, so several threads can share one list; a
   :class:`CopyStop` stops it between pieces, never inside one.
+- :func:`device_copy` / :func:`device_copy_batch`: a page list issued as
+  CUDA copies (the driver's entry points are handed in: this library links
+  no CUDA), one call per run of adjacent pieces, or one batch.
 
 Its extension links no libfabric, so the client library validates what it
 sends without loading the fabric. What must not live here: anything that
@@ -26,7 +29,7 @@ from p2pxfer._pages import ffi, lib
 from p2pxfer.errors import ScatterError
 
 __all__ = ["INT64_MAX", "CopyStop", "ScatterCheck", "address_of", "check_scatter",
-           "copy_scatter"]
+           "copy_scatter", "device_copy", "device_copy_batch"]
 
 
 INT64_MAX = (1 << 63) - 1
@@ -105,3 +108,32 @@ def copy_scatter(dst: Any, src: Any, src_off: npt.NDArray[np.int64],
                            f"{int(dst_off[i])}, length {int(length[i])}) does not fit a "
                            f"{len(s)}-byte source and a {len(d)}-byte destination")
     return int(done)
+
+
+def _i64(a: npt.NDArray[np.int64]) -> Any:
+    return ffi.cast("const int64_t *", a.ctypes.data)
+
+
+def device_copy(memcpy_async: int, stream: int, dst: int, src: int,
+                src_off: npt.NDArray[np.int64], dst_off: npt.NDArray[np.int64],
+                length: npt.NDArray[np.int64]) -> tuple[int, int]:
+    """Issue pieces (contiguous int64 arrays) as CUDA copies on ``stream``,
+    one call of ``memcpy_async`` (the driver's ``cuMemcpyAsync``) per run of
+    pieces adjacent on both sides: (copies issued, -1), or (-CUresult, the
+    piece whose copy failed)."""
+    failed = ffi.new("int64_t *")
+    rc = lib.p2p_device_copy(ffi.cast("void *", memcpy_async), ffi.cast("void *", stream),
+                             dst, src, _i64(src_off), _i64(dst_off), _i64(length), len(length),
+                             failed)
+    return int(rc), int(failed[0])
+
+
+def device_copy_batch(memcpy_batch: int, stream: int, dst: int, src: int,
+                      src_off: npt.NDArray[np.int64], dst_off: npt.NDArray[np.int64],
+                      length: npt.NDArray[np.int64]) -> int:
+    """The same as one ``cuMemcpyBatchAsync`` (CUDA 13's, at ``memcpy_batch``):
+    the runs issued, or -CUresult."""
+    scratch = np.empty(3 * len(length), np.uint64)
+    return int(lib.p2p_device_copy_batch(
+        ffi.cast("void *", memcpy_batch), ffi.cast("void *", stream), dst, src, _i64(src_off),
+        _i64(dst_off), _i64(length), len(length), ffi.cast("uint64_t *", scratch.ctypes.data)))

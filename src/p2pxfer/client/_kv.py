@@ -182,14 +182,8 @@ class KVPool:
         if self.stage is None:
             await self._wait(request, first, upto_layer, timeout)
             return
-        self.need_blocks(blocks)
-        deadline = anyio.current_time() + (float("inf") if timeout is None else timeout)
-        nxt = first
-        while nxt <= upto_layer:  # layer by layer, each copied as it lands
-            left = None if timeout is None else max(0.0, deadline - anyio.current_time())
-            done = await self._wait(request, nxt, nxt, left)
-            await self.stage.copy_in(blocks, list(range(nxt, min(done, upto_layer + 1))))
-            nxt = done
+        async for _ in self._landed(request, first, upto_layer, blocks, timeout, overall=True):
+            pass
 
     async def _wait(self, request: int, first: int, upto: int, timeout: float | None) -> int:
         fields: dict[str, Any] = {}
@@ -221,15 +215,26 @@ class KVPool:
         wait. A device pool needs ``blocks``: a layer is yielded once it is
         on the device."""
         last = self.layout.num_layers - 1 if upto is None else upto
+        async for landed in self._landed(request, first, last, blocks, timeout, overall=False):
+            for layer in landed:
+                yield layer
+
+    async def _landed(self, request: int, first: int, last: int, blocks: Any,
+                      timeout: float | None, *, overall: bool) -> AsyncIterator[list[int]]:
+        """Runs of layers ``first..last`` as they land, a device pool's
+        copied to the device first. ``timeout`` bounds each wait, or with
+        ``overall`` all of them together."""
         self.need_blocks(blocks)
+        deadline = anyio.current_time() + (float("inf") if timeout is None else timeout)
         nxt = first
         while nxt <= last:
-            done = await self._wait(request, nxt, nxt, timeout)
+            left = (max(0.0, deadline - anyio.current_time())
+                    if overall and timeout is not None else timeout)
+            done = await self._wait(request, nxt, nxt, left)
             landed = list(range(nxt, min(done, last + 1)))
             if self.stage is not None:
                 await self.stage.copy_in(blocks, landed)
-            for layer in landed:
-                yield layer
+            yield landed
             nxt = done
 
     def need_blocks(self, blocks: Any) -> None:
