@@ -102,6 +102,29 @@ def test_descriptors_sent_without_share_are_capped(tmp_path: Path,
             assert c.request({"t": "share", "id": 2 + i, "size": 4096})["t"] == "ok"
 
 
+def test_a_share_refused_for_its_fields_takes_its_descriptor_with_it(
+        tmp_path: Path, daemons: list[DaemonProc]) -> None:
+    """The next share maps its own memfd, not the one a refused share sent."""
+    d = start_daemon(tmp_path, "refusedshare")
+    daemons.append(d)
+    refused = os.memfd_create("refused")  # cannot be sealed: the daemon would refuse it
+    good = _sealable(1 << 16)
+    try:
+        with RawConn(d.socket) as c:
+            c.hello()
+            reply = c.request({"t": "share", "id": 1, "size": "64KiB"}, fds=[refused])
+            assert reply["t"] == "error" and reply["code"] == "bad_request", reply
+            assert "size" in reply["message"], reply
+            reply = _share(c, 2, good, 1 << 16)
+            assert reply["t"] == "ok", reply  # it took `good`, not `refused`
+            held = [os.readlink(f"/proc/{d.proc.pid}/fd/{n}")
+                    for n in os.listdir(f"/proc/{d.proc.pid}/fd")]
+            assert not [h for h in held if "memfd:refused" in h], held
+    finally:
+        os.close(refused)
+        os.close(good)
+
+
 def test_a_frame_of_empty_maps_is_refused_cheaply(tmp_path: Path,
                                                   daemons: list[DaemonProc]) -> None:
     d = start_daemon(tmp_path, "maps")

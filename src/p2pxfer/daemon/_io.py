@@ -114,6 +114,17 @@ class UnixFdStream:
         self.fds.extend(fds)
         return data
 
+    def take_fd(self) -> int | None:
+        """The oldest queued descriptor, now the caller's to close; None
+        when none is queued."""
+        return self.fds.popleft() if self.fds else None
+
+    def drop_fd(self) -> None:
+        """Close the oldest queued descriptor, if any: its ``share`` was
+        refused before it could take it."""
+        if (fd := self.take_fd()) is not None:
+            close_fds([fd])
+
     async def send_all(self, data: bytes, fds: Sequence[int] = ()) -> None:
         if fds:
             raise ConnectionLost("the daemon passes no file descriptors to clients")

@@ -155,6 +155,10 @@ class ClientSession:
             except RemoteProtocolError as exc:
                 log.warning("client.protocol_error", client=self.label, code=exc.code,
                             error=bounded(exc.message))
+                if exc.kind == "share":
+                    # Its descriptor came with it: refused with the frame, or
+                    # the client's next share would map this one's memory.
+                    self.stream.drop_fd()
                 await self._send(self.pump.send_error(exc))
                 if exc.fatal:
                     return
@@ -304,9 +308,8 @@ class ClientSession:
         return mem
 
     def share(self, size: int) -> int:
-        if not self.stream.fds:
+        if (fd := self.stream.take_fd()) is None:
             raise InvalidArgument("share came without a file descriptor")
-        fd = self.stream.fds.popleft()
         try:
             if size <= 0:
                 raise InvalidArgument(f"share size must be > 0, got {size}")

@@ -198,6 +198,7 @@ class Connection:
         if answerable:
             assert rid is not None
             exc.fatal = False
+            exc.kind = kind
             self._outstanding.add(rid)  # we owe it a reply
         else:
             exc.fatal = True

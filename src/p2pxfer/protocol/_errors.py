@@ -49,6 +49,8 @@ class ProtocolError(P2PXferError):
         self.message = message
         self.fatal = fatal
         self.request_id = request_id
+        #: the request kind a non-fatal error answers (its frame named one)
+        self.kind: str | None = None
 
 
 class LocalProtocolError(ProtocolError):
