@@ -160,6 +160,37 @@ def test_a_prefill_nobody_pulls_is_released_after_its_lease(pair: tuple[str, str
         prefill.close()
 
 
+@pytest.mark.parametrize("gone", ["daemon_killed", "bridge_closed"])
+def test_with_its_daemon_gone_a_worker_fails_loads_and_releases_holds(
+        tmp_path: Path, gone: str) -> None:
+    """The node's daemon dies under running workers (their clients' calls
+    fail), or a worker's bridge has ended (its tasks cannot start): the
+    next step's holds are released (vLLM frees their blocks) and its loads
+    end as load errors with their slots back, never an exception out of
+    vLLM's step."""
+    with daemon_pair(tmp_path) as (a, b):
+        prefill = Worker(options(a.socket, "P", send=True, receive=False))
+        decode = Worker(options(b.socket, "D", send=False, receive=True))
+        try:
+            prefill.register(caches(3))
+            decode.register(caches(None))
+            for d, w in ((a, prefill), (b, decode)):
+                if gone == "daemon_killed":
+                    d.proc.kill()
+                    d.proc.wait(10)
+                else:
+                    w.bridge.close()
+            prefill.hold([Send("orphan", 4, (1, 2))])
+            decode.load([Load("stranded", "node-a", "P", 5, "r", 0, (3, 4))])
+            wait_finished(prefill, sent={"orphan"})
+            wait_finished(decode, received={"stranded"})
+            assert decode.load_errors() == {3, 4}
+            assert "stranded#0" not in decode._slots
+        finally:
+            decode.close()
+            prefill.close()
+
+
 def test_a_pull_that_does_not_match_its_key_is_refused(pair: tuple[str, str]) -> None:
     """A pull naming another request than the key holds (a late pull for a
     key since reused) pushes nothing; the held request is released, and

@@ -19,7 +19,14 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from p2pxfer.errors import LimitExceeded, P2PXferError, PeerLost, TransferError, WaitTimeout
+from p2pxfer.errors import (
+    ConnectionLost,
+    LimitExceeded,
+    P2PXferError,
+    PeerLost,
+    TransferError,
+    WaitTimeout,
+)
 from p2pxfer.integrations._tensors import checksum_blocks, copy_blocks
 from p2pxfer.log import get_logger
 from p2pxfer.scatter import ScatterList
@@ -69,15 +76,26 @@ class DecodeSide(WorkerState):
                                            self._msg_slots.take(key), staging))
                 except LimitExceeded as exc:
                     # Too many loads at once: this one fails (vLLM recomputes).
-                    for i in range(len(parts)):
-                        self._slots.release(f"{job.request}#{i}")
-                        self._msg_slots.release(f"{job.request}#{i}")
-                    log.warning("vllm.load_failed", request=job.request, error=str(exc))
-                    if job.blocks:
-                        self._errors.update(job.blocks)
-                        self._received.add(job.request)
+                    self._fail_unstarted(job, len(parts), exc)
                     continue
-            self.bridge.spawn(self._load, job, parts)
+            try:
+                self.bridge.spawn(self._load, job, parts)
+            except ConnectionLost as exc:
+                # The daemon is gone: a load error, not an exception out of
+                # vLLM's step (it recomputes the blocks and goes on).
+                with self._lock:
+                    self._fail_unstarted(job, len(parts), exc)
+
+    def _fail_unstarted(self, job: Load, taken: int, exc: P2PXferError) -> None:
+        """End a load that never started: its slots back, its blocks load
+        errors. Under ``_lock``."""
+        for i in range(taken):
+            self._slots.release(f"{job.request}#{i}")
+            self._msg_slots.release(f"{job.request}#{i}")
+        log.warning("vllm.load_failed", request=job.request, error=str(exc))
+        if job.blocks:
+            self._errors.update(job.blocks)
+            self._received.add(job.request)
 
     async def _load(self, job: Load, parts: list[_Part]) -> None:
         c, o = self.bridge.client, self.opts

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from p2pxfer.errors import InvalidArgument, P2PXferError, WaitTimeout
+from p2pxfer.errors import ConnectionLost, InvalidArgument, P2PXferError, WaitTimeout
 from p2pxfer.integrations._tensors import checksum_blocks
 from p2pxfer.log import get_logger
 from p2pxfer.scatter import ScatterList
@@ -38,7 +38,14 @@ class PrefillSide(WorkerState):
         for s in sends:
             if not 1 <= s.key <= self.opts.max_held:
                 raise InvalidArgument(f"key {s.key} is outside 1..{self.opts.max_held}")
-            self.bridge.spawn(self._serve, s)
+            try:
+                self.bridge.spawn(self._serve, s)
+            except ConnectionLost as exc:
+                # The daemon is gone: nobody can pull it, so vLLM frees its
+                # blocks now instead of an exception out of its step.
+                log.warning("vllm.hold_failed", request=s.request, key=s.key, error=str(exc))
+                with self._lock:
+                    self._sent.add(s.request)
 
     async def _serve(self, s: Send) -> None:
         try:
