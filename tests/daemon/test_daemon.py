@@ -1194,3 +1194,35 @@ def test_frame_helpers_roundtrip() -> None:
     assert dec.next_frame() == {"t": "status", "id": 1}
     assert dec.next_frame() is None
     assert msgpack.unpackb(encode_frame({"a": 1})[4:]) == {"a": 1}
+
+
+def test_a_daemon_whose_poller_thread_died_stops_with_an_error(tmp_path: Path) -> None:
+    """A bug that ends a shard's poller leaves an engine that can write
+    nothing: the daemon stops (its socket gone) and ``serve`` raises, so the
+    CLI exits non-zero and the service manager starts one that can."""
+    import trio
+
+    from p2pxfer.daemon import DaemonConfig, serve
+    from p2pxfer.errors import EngineClosed
+
+    sock = tmp_path / "dead-poller.sock"
+    cfg = DaemonConfig(node="dead-poller", socket=str(sock), control="127.0.0.1:0",
+                       provider="tcp;ofi_rxm", fabric_node="127.0.0.1")
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                daemon = await nursery.start(serve, cfg)
+                assert sock.exists()
+                shard = daemon.engine.shards[0]
+
+                def broken(*args: object, **kwargs: object) -> object:
+                    raise RuntimeError("an injected bug in the poller loop")
+
+                shard._poller.progress = broken
+                os.eventfd_write(shard.wake_fd, 1)  # the poller's next turn meets it
+
+    with pytest.raises(ExceptionGroup) as caught:
+        trio.run(main)
+    assert caught.group_contains(EngineClosed, match=r"poller thread.*injected bug"), caught.value
+    assert not sock.exists()

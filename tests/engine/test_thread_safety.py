@@ -190,5 +190,7 @@ async def test_a_poller_thread_that_dies_fails_its_writes_and_refuses_more() -> 
                 await a.write(src, desc, many, imm=5)
             await shard.thread_done.wait()
         assert isinstance(shard.thread_error, RuntimeError)
+        with trio.fail_after(STEP):  # what the daemon waits on to stop
+            assert await a.poller_failure() is shard.thread_error
         with pytest.raises(EngineClosed, match="poller thread failed"):
             await a.write(src, desc, many, imm=5)

@@ -26,7 +26,7 @@ import trio
 from p2pxfer._pump import LogThrottle
 from p2pxfer.address import parse_hostport
 from p2pxfer.engine import Engine, EngineConfig, open_engine
-from p2pxfer.errors import ConfigError
+from p2pxfer.errors import ConfigError, EngineClosed
 from p2pxfer.log import get_logger
 from p2pxfer.membership import ClusterAuth
 
@@ -284,7 +284,9 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
                 process_exits: bool = False,
                 task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a daemon until cancelled (or, with ``handle_signals``, until SIGINT
-    or SIGTERM, then return normally). ``nursery.start(serve, config)``
+    or SIGTERM, then return normally). If a poller thread of its engine dies
+    (a bug: nothing could be written any more) it stops the same way, then
+    raises ``EngineClosed``: the CLI exits non-zero, to be restarted. ``nursery.start(serve, config)``
     returns the :class:`Daemon` once both listeners are up.
 
     Stopping is bounded: it says goodbye to the cluster (at most
@@ -313,6 +315,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     # Cancelled (done with) once every task of the daemon has ended.
     deadline = trio.CancelScope(shield=True)
     daemon: Daemon | None = None
+    failure: BaseException | None = None
     try:
         async with open_engine(engine_cfg) as engine, trio.open_nursery() as guard:
             engine.process_exits = process_exits
@@ -326,7 +329,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
                         log.warning("daemon.open", node=config.node, warning=OPEN_WARNING)
                     try:
                         task_status.started(daemon)
-                        await _wait_for_stop(handle_signals)
+                        failure = await _wait_for_stop(handle_signals, engine)
                     finally:
                         guard.start_soon(_close_engine_after, engine, deadline,
                                          SHUTDOWN_GRACE_S)
@@ -337,6 +340,10 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
                         nursery.cancel_scope.cancel()
             finally:
                 deadline.cancel()
+        if failure is not None:
+            # Exit non-zero: the service manager starts a daemon that can write.
+            raise EngineClosed(f"the daemon stopped: a poller thread of its engine failed "
+                               f"({failure!r}); nothing could be written any more")
     finally:
         # Only now, with the accept loop gone, close and remove the socket.
         if sock is not None:
@@ -371,13 +378,31 @@ async def _start(daemon: Daemon, nursery: trio.Nursery,
     return sock
 
 
-async def _wait_for_stop(handle_signals: bool) -> None:
-    if not handle_signals:
-        await trio.sleep_forever()
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.info("daemon.stopping", signal=signal.Signals(signum).name)
-            return
+async def _wait_for_stop(handle_signals: bool, engine: Engine) -> BaseException | None:
+    """Until SIGINT or SIGTERM (with ``handle_signals``; else until
+    cancelled), or a poller thread of ``engine`` died: then its error. A
+    daemon whose engine cannot write any more stops instead of answering
+    every write with an error for ever."""
+    failure: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        async def signals() -> None:
+            if not handle_signals:
+                await trio.sleep_forever()
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                async for signum in received:
+                    log.info("daemon.stopping", signal=signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        async def poller() -> None:
+            nonlocal failure
+            failure = await engine.poller_failure()
+            log.error("daemon.stopping", reason="engine_failed", error=repr(failure))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(signals)
+        nursery.start_soon(poller)
+    return failure
 
 
 async def _close_engine_after(engine: Engine, deadline: trio.CancelScope,

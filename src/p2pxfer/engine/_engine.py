@@ -431,6 +431,25 @@ class Engine:
                 raise EngineClosed(f"the engine cannot write: shard {shard.index}'s poller "
                                    f"thread failed ({shard.thread_error!r})")
 
+    async def poller_failure(self) -> BaseException:
+        """Returns once a shard's poller thread has died of an error (a bug):
+        that error. Never returns while every poller is well, nor after they
+        stopped with the engine's close. The engine writes nothing more once
+        it returned (``_check_open``): its owner should stop."""
+        failed: list[BaseException] = []
+        async with trio.open_nursery() as nursery:
+            async def watch(shard: Shard) -> None:
+                await shard.thread_done.wait()
+                if shard.thread_error is not None:
+                    failed.append(shard.thread_error)
+                    nursery.cancel_scope.cancel()
+
+            for shard in self.shards:
+                nursery.start_soon(watch, shard)
+        if not failed:
+            await trio.sleep_forever()
+        return failed[0]
+
     async def aclose(self) -> None:
         """Stop the pollers, fail what is in flight with ``EngineClosed``, close rails."""
         if self._closed:
