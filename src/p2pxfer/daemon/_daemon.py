@@ -286,8 +286,9 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
     """Run a daemon until cancelled (or, with ``handle_signals``, until SIGINT
     or SIGTERM, then return normally). If a poller thread of its engine dies
     (a bug: nothing could be written any more) it stops the same way, then
-    raises ``EngineClosed``: the CLI exits non-zero, to be restarted. ``nursery.start(serve, config)``
-    returns the :class:`Daemon` once both listeners are up.
+    raises ``EngineClosed``: the CLI exits non-zero, to be restarted.
+    ``nursery.start(serve, config)`` returns the :class:`Daemon` once both
+    listeners are up.
 
     Stopping is bounded: it says goodbye to the cluster (at most
     ``STOP_MEMBERSHIP_S``), cancels every task, and whatever still runs
