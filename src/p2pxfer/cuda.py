@@ -310,7 +310,3 @@ def driver() -> CudaDriver:
         if not _driver:
             _driver.append(CudaDriver())
         return _driver[0]
-
-
-def _address(array: Any) -> int:
-    return int(array.__array_interface__["data"][0])

@@ -4,8 +4,8 @@ tensor sits, described as a one-layer ``KVLayout``, and the copies between
 such a tensor and a daemon-shared staging pool (``KVLayout`` ``layer_major``,
 the same block ids), for exactly the blocks being moved.
 
-Accepted tensors: CPU torch tensors of any dtype and numpy arrays, arranged
-as vLLM allocates them per layer:
+Accepted tensors: torch tensors of any dtype on the CPU or a CUDA device,
+and numpy arrays, arranged as vLLM allocates them per layer:
 
 - ``planes_first``: ``(2, num_blocks, ...)`` (K plane, then V plane);
 - ``blocks_first``: ``(num_blocks, 2, ...)`` (K and V of a block together);
@@ -16,12 +16,18 @@ Within a block the rest (``block_size x heads x head_size`` in NHD, or
 bytes: whole blocks move, so NHD and HND are the same to a copy of whole
 blocks (they differ only for head slices, which this module does not cut).
 
+A CUDA tensor's blocks are copied between the device and the staging pool
+(host memory, pinned by its owner) as asynchronous copies on a stream the
+caller names (:class:`DeviceCopies`): issued here, waited for by the
+caller, never by this module.
+
 What must not live here: posting or waiting (the client), vLLM's objects
 (``p2pxfer.integrations.vllm``), or a Python loop over blocks: offsets come
 from ``kv_plan.expand_pages`` (numpy) and the copy is one C call
-(``p2pxfer.pages.copy_scatter``, GIL released). Stateless apart from the
-views each ``LayerTensor`` holds: safe from any thread, as long as no two
-threads copy into the same blocks.
+(``p2pxfer.pages.copy_scatter``, GIL released; for a device, the CUDA
+driver's batched copy, ``p2pxfer.cuda``). Stateless apart from the views
+each ``LayerTensor`` holds: safe from any thread, as long as no two threads
+copy into the same blocks.
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from p2pxfer.cuda import address_of_array, driver
 from p2pxfer.errors import InvalidArgument
 from p2pxfer.kv_plan import KVLayout, expand_pages
 from p2pxfer.pages import CopyStop, copy_scatter
 
-__all__ = ["ARRANGEMENTS", "HeadSlices", "LayerTensor", "checksum_blocks", "copy_blocks",
-           "layer_tensor", "move_into", "shared_layout", "staging_layout"]
+__all__ = ["ARRANGEMENTS", "DeviceCopies", "HeadSlices", "LayerTensor", "checksum_blocks",
+           "copy_blocks", "layer_tensor", "move_into", "shared_layout", "staging_layout"]
 
 ARRANGEMENTS = ("planes_first", "blocks_first", "single")
 
@@ -51,27 +58,43 @@ U8 = npt.NDArray[np.uint8]
 
 @dataclass(frozen=True)
 class LayerTensor:
-    """One layer's KV tensor: ``memory`` (uint8, every byte the tensor
-    spans, writable) and where its blocks sit in it (``layout``: one layer;
-    offsets from byte 0 of ``memory``)."""
+    """One layer's KV tensor: the ``span`` bytes from ``address`` it
+    covers, and where its blocks sit there (``layout``: one layer; offsets
+    from ``address``). In host memory, ``memory`` is those bytes (uint8,
+    writable); on a CUDA device (``device``: its ordinal) it is None."""
 
-    memory: U8
+    memory: U8 | None
     layout: KVLayout
     arrangement: str
     dtype: str
-    owner: Any  # the tensor itself: keeps ``memory`` alive
+    owner: Any  # the tensor itself: keeps its memory alive
+    address: int = 0
+    span: int = 0
+    device: int | None = None
 
 
-def _shape_strides(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, str, int, bool]:
+@dataclass(frozen=True)
+class DeviceCopies:
+    """Where a device tensor's copies go: a CUDA ``stream`` (a ``CUstream``
+    handle; 0 is the legacy default stream) of ``device``."""
+
+    stream: int
+    device: int
+
+
+def _shape_strides(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, str, int,
+                                    int | None]:
     """(shape, strides in elements, element size, dtype name, address,
-    is a torch tensor)."""
+    CUDA device ordinal or None for host memory)."""
     if type(t).__module__.startswith("torch"):
-        if t.device.type != "cpu":
-            raise InvalidArgument(
-                f"a {t.device.type} KV tensor: this build moves host memory only (use "
-                "vLLM's kv_buffer_device='cpu', or a CPU KV cache)")
+        device = None
+        if t.device.type == "cuda":
+            device = t.device.index if t.device.index is not None else 0
+        elif t.device.type != "cpu":
+            raise InvalidArgument(f"a {t.device.type} KV tensor: p2pxfer moves KV tensors in "
+                                  "host memory or on a CUDA device")
         return (tuple(t.shape), tuple(t.stride()), int(t.element_size()),
-                str(t.dtype).removeprefix("torch."), int(t.data_ptr()), True)
+                str(t.dtype).removeprefix("torch."), int(t.data_ptr()), device)
     if isinstance(t, np.ndarray):
         if not t.flags.writeable:
             raise InvalidArgument("the KV array is read-only")
@@ -79,16 +102,16 @@ def _shape_strides(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, str, 
         if any(s % es for s in t.strides) or any(s < 0 for s in t.strides):
             raise InvalidArgument("the KV array's strides are not whole, positive elements")
         return (t.shape, tuple(s // es for s in t.strides), es, str(t.dtype),
-                int(t.ctypes.data), False)
-    raise InvalidArgument(f"a KV tensor must be a CPU torch tensor or a numpy array, got "
-                          f"{type(t).__name__}")
+                int(t.ctypes.data), None)
+    raise InvalidArgument(f"a KV tensor must be a torch tensor (CPU or CUDA) or a numpy "
+                          f"array, got {type(t).__name__}")
 
 
 def layer_tensor(t: Any, arrangement: str | None = None) -> LayerTensor:
     """Describe one layer's KV tensor (``arrangement``: one of
     :data:`ARRANGEMENTS`; by default guessed from the shape: a leading 2
     is K/V planes, a 2 second is K/V inside each block, else one plane)."""
-    shape, strides, es, dtype, addr, _ = _shape_strides(t)
+    shape, strides, es, dtype, addr, device = _shape_strides(t)
     if len(shape) < 2:
         raise InvalidArgument(f"a KV tensor has at least 2 dimensions, got shape {shape}")
     if arrangement is None:
@@ -119,14 +142,15 @@ def layer_tensor(t: Any, arrangement: str | None = None) -> LayerTensor:
     block_bytes = run * es
     num_blocks = shape[block_dim]
     span = (sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1) * es
-    memory = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(addr))
+    memory = None if device is not None else \
+        np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(addr))
     layout = KVLayout(1, num_blocks, block_bytes, planes, "layer_major",
                       block_stride=strides[block_dim] * es,
                       plane_stride=0 if plane_dim is None else strides[plane_dim] * es)
     if layout.nbytes > span:
         raise InvalidArgument(f"the KV tensor spans {span} bytes, its blocks need "
                               f"{layout.nbytes}")
-    return LayerTensor(memory, layout, arrangement, dtype, t)
+    return LayerTensor(memory, layout, arrangement, dtype, t, addr, span, device)
 
 
 @dataclass(frozen=True)
@@ -177,7 +201,10 @@ def shared_layout(layers: list[LayerTensor]) -> KVLayout:
                                                                 lay.plane_stride):
             raise InvalidArgument("the KV tensors' strides differ from layer to layer: they "
                                   "cannot share one pool layout")
-    span = max(lt.memory.nbytes for lt in layers)
+    if any(lt.device is not None for lt in layers):
+        raise InvalidArgument("KV tensors on a CUDA device cannot live in memory the daemon "
+                              "shares: use staging")
+    span = max(lt.span for lt in layers)
     return KVLayout(len(layers), lay.num_blocks, lay.block_bytes, lay.planes, "layer_major",
                     layer_stride=-(-span // 4096) * 4096, block_stride=lay.block_stride,
                     plane_stride=lay.plane_stride)
@@ -195,8 +222,8 @@ def move_into(lt: LayerTensor, memory: U8, offset: int) -> LayerTensor:
                               "array cannot be rebound): use staging")
     torch = importlib.import_module("torch")  # only here: torch is optional
     es = int(t.element_size())
-    if offset % es or memory.nbytes % es or offset + lt.memory.nbytes > memory.nbytes:
-        raise InvalidArgument(f"a {lt.memory.nbytes}-byte tensor of {es}-byte elements does "
+    if offset % es or memory.nbytes % es or offset + lt.span > memory.nbytes:
+        raise InvalidArgument(f"a {lt.span}-byte tensor of {es}-byte elements does "
                               f"not fit at offset {offset} of {memory.nbytes} bytes")
     moved = torch.from_numpy(memory).view(t.dtype).as_strided(t.shape, t.stride(), offset // es)
     moved.copy_(t)
@@ -230,10 +257,13 @@ def _sliced(tensor: LayerTensor, staging: KVLayout, layer: int, blocks: I64,
 
 
 def copy_blocks(tensor: LayerTensor, staging: U8, layout: KVLayout, layer: int, blocks: Any,
-                *, to_staging: bool, slices: HeadSlices | None = None) -> int:
+                *, to_staging: bool, slices: HeadSlices | None = None,
+                on: DeviceCopies | None = None) -> int:
     """Copy ``blocks`` of one layer between the engine's tensor and the
     staging pool (``to_staging``: tensor -> staging), whole or as head
-    ``slices``; the bytes copied."""
+    ``slices``; the bytes copied. For a tensor on a device the copies are
+    only issued, on ``on``'s stream: the caller waits for that stream
+    before it reads (or lets the engine read) what they wrote."""
     ids = np.asarray(blocks, dtype=np.int64)
     if len(ids) == 0:
         return 0
@@ -243,7 +273,17 @@ def copy_blocks(tensor: LayerTensor, staging: U8, layout: KVLayout, layer: int, 
         t_off, s_off, length = _sliced(tensor, layout, layer, ids, slices)
     else:
         t_off, s_off, length = _pieces(tensor, layout, layer, ids)
-    if to_staging:
+    if tensor.memory is None:
+        if on is None or on.device != tensor.device:
+            raise InvalidArgument(f"a KV tensor on CUDA device {tensor.device} is copied on a "
+                                  f"stream of that device, got {on}")
+        cuda = driver()  # loaded on first use: only a device tensor gets here
+        host = address_of_array(staging)
+        if to_staging:
+            cuda.copy(on.stream, on.device, host, tensor.address, t_off, s_off, length)
+        else:
+            cuda.copy(on.stream, on.device, tensor.address, host, s_off, t_off, length)
+    elif to_staging:
         copy_scatter(staging, tensor.memory, t_off, s_off, length, 0, len(length), CopyStop())
     else:
         copy_scatter(tensor.memory, staging, s_off, t_off, length, 0, len(length), CopyStop())

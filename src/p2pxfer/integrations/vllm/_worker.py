@@ -21,11 +21,14 @@ shared (zero-copy) memory mode needs equal sizes. Threads: see ``_state``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
+from p2pxfer.cuda import driver
 from p2pxfer.errors import InvalidArgument
 from p2pxfer.integrations._tensors import (
+    DeviceCopies,
     HeadSlices,
     copy_blocks,
     layer_tensor,
@@ -39,7 +42,7 @@ from p2pxfer.log import get_logger
 from ._decode import DecodeSide, LoadCorrupted
 from ._plan import Save
 from ._prefill import PrefillSide
-from ._state import SUM_BYTES, WorkerOptions
+from ._state import SUM_BYTES, WorkerOptions, current_stream
 
 __all__ = ["LoadCorrupted", "Worker", "WorkerOptions"]
 
@@ -84,9 +87,16 @@ class Worker(PrefillSide, DecodeSide):
             raise InvalidArgument(f"kv_memory 'shared' needs equal tensor parallel sizes (here "
                                   f"{o.tp_size} and {o.peer_tp}): use staging")
         self.slices = HeadSlices.of(first.block_bytes, self.k, o.head_layout, o.block_size)
+        devices = {lt.device for lt in self.layers}
+        if len(devices) > 1:
+            raise InvalidArgument(f"the KV tensors are on different devices ({devices}): one "
+                                  "worker moves one device's (or host memory's)")
+        self.device = devices.pop()
         self.layout = shared_layout(self.layers) if self.shared else \
             staging_layout(self.layers[0], len(self.layers), self.k)
         self.bridge.call(self._open)
+        if self.device is not None:
+            self._on_device(self.device)
         if self.shared:
             assert self.pool is not None
             self.layers = [move_into(lt, self.pool.mem.array, i * self.layout.layer_stride)
@@ -94,7 +104,22 @@ class Worker(PrefillSide, DecodeSide):
         log.info("vllm.registered", engine=o.engine, rank=o.rank, layers=len(self.layers),
                  blocks=first.num_blocks, block_bytes=first.block_bytes, planes=first.planes,
                  arrangement=self.layers[0].arrangement, memory=o.memory, head_slices=self.k,
-                 pool_bytes=self.layout.nbytes, node=self.node)
+                 pool_bytes=self.layout.nbytes, node=self.node,
+                 device="host" if self.device is None else f"cuda:{self.device}")
+
+    def _on_device(self, device: int) -> None:
+        """The engine's tensors are on CUDA ``device``: page-lock the
+        staging pool (the copies between it and the device are then
+        asynchronous DMA, at the bus's speed), and a stream for the decode's
+        copies."""
+        assert self.pool is not None
+        cuda = driver()
+        t0 = time.perf_counter()
+        self._pinned = cuda.host_register(self.pool.array, device)
+        if self.opts.receive:
+            self._to_device = DeviceCopies(cuda.stream(device), device)
+        log.info("vllm.pool_pinned", device=device, nbytes=self.pool.array.nbytes,
+                 seconds=time.perf_counter() - t0, ours=self._pinned)
 
     async def _open(self) -> None:
         c, o, lay = self.bridge.client, self.opts, self.layout
@@ -126,10 +151,14 @@ class Worker(PrefillSide, DecodeSide):
         self._staged_layers.add(i)
         if self.shared:
             return 0  # the engine computed the blocks in the pool itself
+        on = None
+        if self.device is not None:
+            # After the kernels that wrote this layer's KV: vLLM's stream.
+            on = self._staged_on = DeviceCopies(current_stream(self.device), self.device)
         n = 0
         for s in saves:  # per request, not per block: one C copy each
             n += copy_blocks(self.layers[i], self.pool.array, self.layout, i, s.blocks,
-                             to_staging=True, slices=self.slices)
+                             to_staging=True, slices=self.slices, on=on)
         return n
 
     def end_step(self, saves: list[Save]) -> None:
@@ -137,13 +166,22 @@ class Worker(PrefillSide, DecodeSide):
         called for (a layer sharing another's cache, a runner that skips
         the hook) is staged now, from the tensor the forward wrote."""
         staged, self._staged_layers = self._staged_layers, set()
-        if not saves or self.shared or len(staged) == len(self.layers):
-            return
-        missing = [name for name, i in self.index.items() if i not in staged]
-        log.info("vllm.staged_late", layers=len(missing), first=missing[0])
-        for name in missing:
-            self.stage_layer(name, saves)
-        self._staged_layers = set()
+        if saves and not self.shared and len(staged) != len(self.layers):
+            missing = [name for name, i in self.index.items() if i not in staged]
+            log.info("vllm.staged_late", layers=len(missing), first=missing[0])
+            for name in missing:
+                self.stage_layer(name, saves)
+            self._staged_layers = set()
+        if (on := self._staged_on) is not None:
+            # The step's copies to the pool have landed before a pull can
+            # push them (vLLM's wait_for_save: the saves are done).
+            self._staged_on = None
+            cuda = driver()
+            event = cuda.record(on.stream, on.device)
+            try:
+                cuda.event_sync(event, on.device)
+            finally:
+                cuda.event_done(event, on.device)
 
     # -- both --------------------------------------------------------------------------
 
@@ -162,4 +200,16 @@ class Worker(PrefillSide, DecodeSide):
 
     def close(self) -> None:
         """Stop every transfer and close the client (its pools go with it)."""
-        self.bridge.close()
+        try:
+            if self.device is not None and self.pool is not None:
+                cuda = driver()
+                if self._to_device is not None:
+                    cuda.stream_sync(self._to_device.stream, self.device)
+                if self._pinned:  # while the pool is still mapped
+                    cuda.host_unregister(self.pool.array, self.device)
+                    self._pinned = False
+                if self._to_device is not None:
+                    cuda.stream_destroy(self._to_device.stream, self.device)
+                    self._to_device = None
+        finally:
+            self.bridge.close()

@@ -1,0 +1,173 @@
+"""The vLLM connector's worker side on the engine's CUDA KV tensors: a
+prefill whose per-layer tensors are on the GPU stages each layer's blocks
+into the daemon-shared pool (device -> pinned host, on the stream the
+forward runs on), the daemons push them, and the decode copies each layer
+that landed into its own GPU tensors (pinned host -> device); every byte
+of every layer checked, whole blocks (both arrangements) and head slices
+(heterogeneous TP 1 -> 2, NHD: one piece per token).
+
+Skipped, with the reason, where no CUDA device or no torch is at hand
+(``gpu`` marker); ``docs/gpu.md`` says how to run them on an accelerator
+machine."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from device_arrays import cuda_or_skip
+
+from daemon_helpers import daemon_pair
+from p2pxfer.errors import InvalidArgument
+from p2pxfer.integrations.vllm._plan import Load, Save, Send
+from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD = 4, 64, 16, 4, 64
+DEADLINE_S = 60.0
+
+
+@pytest.fixture
+def torch() -> Any:
+    cuda_or_skip()
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    return importlib.import_module("torch")
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    with daemon_pair(tmp_path) as (a, b):
+        yield a.socket, b.socket
+
+
+def options(socket: str, engine: str, **kw: Any) -> WorkerOptions:
+    base: dict[str, Any] = {"rank": 0, "block_size": BLOCK_SIZE, "max_blocks": BLOCKS,
+                            "max_held": 8, "max_loads": 8, "lease_s": 60.0,
+                            "load_timeout_s": 60.0}
+    base.update(kw)
+    return WorkerOptions(socket=socket, engine=engine, **base)
+
+
+def caches(torch: Any, shape: tuple[int, ...]) -> dict[str, Any]:
+    """Per-layer float16 tensors on the GPU, zeros."""
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.float16,
+                                                            device="cuda")
+            for i in range(LAYERS)}
+
+
+def fill(torch: Any, tensors: dict[str, Any], seed: int) -> None:
+    """Random bits into every tensor, as the forward's kernels would write
+    them: queued on the current stream, nobody waits for them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for t in tensors.values():
+        bits = torch.randint(-(1 << 15), 1 << 15, t.shape, generator=g, device="cuda",
+                             dtype=torch.int16)
+        t.view(torch.int16).copy_(bits)
+
+
+def wait_finished(w: Worker, *, sent: set[str] = frozenset(),  # type: ignore[assignment]
+                  received: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    want_s, want_r = set(sent), set(received)
+    deadline = time.monotonic() + DEADLINE_S
+    while want_s or want_r:
+        s, r = w.finished()
+        want_s -= s
+        want_r -= r
+        assert time.monotonic() < deadline, f"still waiting for {want_s} / {want_r}"
+        time.sleep(0.02)
+
+
+def prefill_step(w: Worker, src: dict[str, Any], request: str, blocks: list[int]) -> None:
+    """What vLLM's forward does: each layer computed, then saved; the
+    step's end waits for the saves."""
+    saves = [Save(request, tuple(blocks))]
+    for name in src:
+        w.stage_layer(name, saves)
+    w.end_step(saves)
+
+
+@pytest.mark.parametrize("planes_first", [True, False], ids=["planes_first", "blocks_first"])
+def test_gpu_kv_tensors_stage_push_and_load_every_byte(torch: Any, pair: tuple[str, str],
+                                                       planes_first: bool) -> None:
+    a, b = pair
+    shape = (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD) if planes_first else \
+        (BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD)
+    src, dst = caches(torch, shape), caches(torch, shape)
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True, checksum=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        assert prefill.device == 0 and decode.device == 0
+        fill(torch, src, 7)  # no synchronize: staging must queue behind these writes
+        sb, db = [5, 6, 7, 30, 2, 9, 63], [11, 40, 41, 42, 3, 0, 62]
+        prefill_step(prefill, src, "req-1", sb)
+        prefill.hold([Send("req-1", 3, tuple(sb))])
+        decode.load([Load("dec-1", prefill.node, "P", 3, "req-1", 0, tuple(db))])
+        wait_finished(decode, received={"dec-1"})
+        wait_finished(prefill, sent={"req-1"})
+        assert decode.load_errors() == set()
+        untouched = sorted(set(range(BLOCKS)) - set(db))
+        for name, s in src.items():
+            d = dst[name]
+            if planes_first:
+                assert torch.equal(d[:, db].view(torch.int16), s[:, sb].view(torch.int16)), name
+                assert not d[:, untouched].any(), name
+            else:
+                assert torch.equal(d[db].view(torch.int16), s[sb].view(torch.int16)), name
+                assert not d[untouched].any(), name
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_gpu_kv_tensors_by_head_slices_tp_1_to_2(torch: Any, pair: tuple[str, str]) -> None:
+    """TP 1 -> 2 in NHD: each block's heads split by token (one small piece
+    per token and slice: many device copies, issued as one batch)."""
+    a, b = pair
+    src = caches(torch, (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD))
+    dst = [caches(torch, (2, BLOCKS, BLOCK_SIZE, HEADS // 2, HEAD)) for _ in range(2)]
+    prefill = Worker(options(a, "P", send=True, receive=False, tp_size=1, peer_tp_size=2))
+    decode = [Worker(options(b, "D", rank=r, send=False, receive=True, tp_size=2,
+                             peer_tp_size=1)) for r in range(2)]
+    try:
+        prefill.register(src)
+        for w, mine in zip(decode, dst, strict=True):
+            w.register(mine)
+        fill(torch, src, 11)
+        sb, db = [3, 4, 5, 40], [7, 1, 2, 9]
+        prefill_step(prefill, src, "r", sb)
+        prefill.hold([Send("r", 2, tuple(sb))])
+        for r, w in enumerate(decode):
+            w.load([Load(f"d{r}", prefill.node, "P", 2, "r", 0, tuple(db))])
+        for r, w in enumerate(decode):
+            wait_finished(w, received={f"d{r}"})
+            assert w.load_errors() == set()
+        wait_finished(prefill, sent={"r"})
+        half = HEADS // 2
+        for r in range(2):
+            for name, s in src.items():
+                want = s[:, sb, :, r * half:(r + 1) * half].view(torch.int16)
+                assert torch.equal(dst[r][name][:, db].view(torch.int16), want), (r, name)
+    finally:
+        for w in decode:
+            w.close()
+        prefill.close()
+
+
+def test_gpu_kv_tensors_cannot_be_shared_memory(torch: Any, pair: tuple[str, str]) -> None:
+    """The zero-copy mode moves tensors into memory the daemon maps: not
+    device memory. Refused by name, at registration."""
+    w = Worker(options(pair[0], "P", send=True, receive=False, memory="shared"))
+    try:
+        with pytest.raises(InvalidArgument, match=r"CUDA device.*staging"):
+            w.register(caches(torch, (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD)))
+    finally:
+        w.close()
