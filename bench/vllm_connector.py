@@ -22,6 +22,12 @@ vLLM allocates them on CPU), moved three ways, round after round, in turn:
   live in the daemon-shared pools (no copy on either side);
 - ``...+checksum``: each with checksums on.
 
+``--device cuda``: the engine tensors are on the GPU (staging only): the
+prefill's staging is device -> pinned pool copies on the current stream,
+waited for as vLLM's ``wait_for_save`` does, the decode's copies into the
+engine tensors are pinned pool -> device (timed); the plain API's pools
+stay in host memory, so the ratio is what GPU caches cost over host ones.
+
 Reported (medians over rounds): seconds and GB/s of each, CPU seconds
 (this process and both daemons: on a busy host the fairer measure), each mode's
 throughput relative to plain (plain seconds / its seconds), the checksum's
@@ -30,6 +36,7 @@ thread: describe and post (``hold`` + ``load``), and staging
 (``stage_layer`` over every layer; 0 when shared).
 
     python bench/vllm_connector.py --json bench/results/vllm_connector.json
+    python bench/vllm_connector.py --device cuda --json vllm_connector-cuda.json
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ def cpu_of(pid: int) -> float:
 
 
 def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
-    """Per-layer CPU torch tensors (float16) as vLLM allocates them."""
+    """Per-layer torch tensors (float16) as vLLM allocates them, on
+    ``args.device``."""
     import torch
 
     shape = (2, blocks, args.block_size, args.kv_heads, args.head)
@@ -68,8 +76,14 @@ def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
         a = np.zeros(shape, np.float16)
         if seed is not None:
             a.view(np.uint8).reshape(-1)[:] = np.frombuffer(rng.bytes(a.nbytes), np.uint8)
-        out[f"model.layers.{i}.self_attn.attn"] = torch.from_numpy(a)
+        out[f"model.layers.{i}.self_attn.attn"] = torch.from_numpy(a).to(args.device)
     return out
+
+
+def modes_of(args: Any) -> tuple[str, ...]:
+    """The connector's modes that exist for ``args.device`` (GPU caches are
+    staged only)."""
+    return MODES if args.device == "cpu" else tuple(m for m in MODES if "shared" not in m)
 
 
 async def measure(tmp: Path, args: Any) -> dict[str, Any]:
@@ -90,7 +104,8 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
     perm = rng.permutation(n_blocks)
     dst_tables = [perm[r * per_req:(r + 1) * per_req] for r in range(args.requests)]
     src = engine_tensors(args, n_blocks, 7)
-    src_np = {k: v.numpy() for k, v in src.items()}
+    src_np = {k: v.cpu().numpy() for k, v in src.items()}
+    modes = modes_of(args)
 
     def workers(mode: str) -> tuple[Worker, Worker]:
         common: dict[str, Any] = {"rank": 0, "block_size": args.block_size,
@@ -108,11 +123,11 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
         return p, d
 
     # Blocking calls (vLLM's worker thread makes them), so not from this trio thread.
-    pairs = {mode: await trio.to_thread.run_sync(workers, mode) for mode in MODES}
-    times: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in MODES}}
-    cpu_s: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in MODES}}
-    post_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
-    stage_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
+    pairs = {mode: await trio.to_thread.run_sync(workers, mode) for mode in modes}
+    times: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in modes}}
+    cpu_s: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in modes}}
+    post_ms: dict[str, list[float]] = {mode: [] for mode in modes}
+    stage_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     nbytes = 0
     try:
         async with connect(a.socket) as prefill, connect(b.socket) as decode:
@@ -154,6 +169,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                 c0 = time.thread_time()
                 for name in src:
                     p.stage_layer(name, saves)
+                p.end_step(saves)  # vLLM's wait_for_save: a device's copies are done
                 stage_ms[mode].append((time.thread_time() - c0) * 1000 / args.requests)
                 base = (round_ % 3) * args.requests + 1  # keys: free again by then
                 c0 = time.thread_time()
@@ -184,7 +200,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                 c0 = cpu()
                 got = {"plain": await plain(r)}
                 used = {"plain": cpu() - c0}
-                for mode in MODES:
+                for mode in modes:
                     c0 = cpu()
                     got[mode] = await trio.to_thread.run_sync(connector, mode, r)
                     used[mode] = cpu() - c0
@@ -193,10 +209,10 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                         times[k].append(v)
                         cpu_s[k].append(used[k])
             # Every decode's engine tensors hold what the prefill's held.
-            for mode in MODES:
+            for mode in modes:
                 d = pairs[mode][1]
                 for name, t in src_np.items():
-                    got_t = d.layers[d.index[name]].owner.numpy()
+                    got_t = d.layers[d.index[name]].owner.cpu().numpy()
                     for s, dt in zip(src_tables, dst_tables, strict=True):
                         assert (got_t[:, dt].view(np.uint16) == t[:, s].view(np.uint16)).all()
     finally:
@@ -209,15 +225,16 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
     return {
         "pattern": f"{args.requests} requests x {args.layers} layers x {per_req} blocks "
                    f"(K+V, {lay.block_bytes >> 10} KiB per block per plane)",
+        "engine_tensors": args.device, "plain_api_pools": "cpu",
         "bytes_per_round": nbytes, "rounds": args.rounds,
         "seconds": med, "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
         "cpu_seconds_per_round": {k: statistics.median(v) for k, v in cpu_s.items()},
-        "ratio_vs_plain": {mode: med["plain"] / med[mode] for mode in MODES},
-        "checksum_cost_ratio": {"staging": med["staging+checksum"] / med["staging"],
-                                "shared": med["shared+checksum"] / med["shared"]},
+        "ratio_vs_plain": {mode: med["plain"] / med[mode] for mode in modes},
+        "checksum_cost_ratio": {m: med[f"{m}+checksum"] / med[m]
+                                for m in ("staging", "shared") if m in modes},
         "cpu_ms_per_request": {mode: {"describe_and_post": statistics.median(post_ms[mode]),
                                       "stage_all_layers": statistics.median(stage_ms[mode])}
-                               for mode in MODES},
+                               for mode in modes},
         "all_seconds": times,
     }
 
@@ -231,6 +248,9 @@ def main() -> int:
     ap.add_argument("--head", type=int, default=128)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the engine tensors are (cuda: staging modes only; the "
+                         "plain API's pools stay in host memory)")
     ap.add_argument("--json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="p2pxfer-vllm-bench-") as tmp:
