@@ -11,7 +11,8 @@ with them the veths) are deleted on exit. Where namespaces cannot be created
 
 Faults: ``set_link`` (a NIC down or up: a cut cable, no reset),
 ``block_port`` (drop a port's packets), ``lossy`` (drop a percentage of the
-packets at random, nftables ``numgen``); ``send_queue`` says how many bytes
+packets at random, nftables ``numgen``), ``slow_link`` (a rate limit,
+``tc tbf``); ``send_queue`` says how many bytes
 a host's TCP sockets still hold unacknowledged.
 
 All traffic stays inside these namespaces: nothing is routed to the host.
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import pytest
 
 __all__ = ["Host", "block_port", "ip", "lan", "lossy", "rails_lan", "send_queue", "set_link",
-           "two_hosts", "unblock", "unloss"]
+           "slow_link", "two_hosts", "unblock", "unloss"]
 
 _counter = itertools.count()
 IP_TIMEOUT = 10.0
@@ -290,6 +291,18 @@ def lossy(host: Host, devs: Sequence[str], percent: int) -> None:
         "}",
         "",
     ]))
+
+
+def slow_link(host: Host, dev: str, mbit: int) -> None:
+    """Inside ``host``: what leaves through ``dev`` at most ``mbit`` Mbit/s
+    (a token bucket, ``tc tbf``, a short queue: a narrow link, not a lossy
+    one). Gone with the namespace."""
+    proc = subprocess.run(host.exec_argv(["tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                                          "rate", f"{mbit}mbit", "burst", "256kb",
+                                          "latency", "20ms"]),
+                          capture_output=True, text=True, timeout=IP_TIMEOUT, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tc failed in {host.ns}: {proc.stderr.strip()}")
 
 
 def unloss(host: Host) -> None:

@@ -486,6 +486,86 @@ def test_a_prefill_out_of_keys_holds_nothing() -> None:
     assert held and params is not None and params["remote_key"] == 1
 
 
+@pytest.mark.netns
+def test_a_prefill_killed_mid_push_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
+    """Two hosts (namespaces), the prefill's link narrowed to 400 Mbit/s so
+    that its 32 MiB push takes most of a second; with membership. The
+    prefill's daemon is SIGKILLed the moment the push's first bytes are in
+    the decode's pool: the rest never comes. The load ends as load errors
+    for all its blocks within the detection bound (not its 600 s deadline),
+    its slots and the decode's request number go back, nothing stays in
+    flight, and the layer that never came is not in the decode's tensors."""
+    import os
+    import signal
+    import threading
+
+    from netns import slow_link, two_hosts
+    from p2pxfer.testing import spawn_daemon
+
+    layers, heads, head = 16, 4, 128  # 16 KiB per block and plane: 2 MiB a layer
+    shape = (2, BLOCKS, BLOCK_SIZE, heads, head)
+    rng = np.random.default_rng(17)
+    src = {f"l{i}": rng.integers(1, 1 << 16, shape, dtype=np.uint16) for i in range(layers)}
+    dst = {f"l{i}": np.zeros(shape, np.uint16) for i in range(layers)}
+    with two_hosts(rails=1) as (ha, hb):
+        def start(host: Any, name: str, seed_host: Any | None) -> Any:
+            addr = host.addresses[0]
+            keys = {"node": name, "socket": str(tmp_path / f"{name}.sock"),
+                    "control": f"{addr}:7720", "provider": "tcp;ofi_rxm",
+                    "fabric_node": addr, "log_level": "INFO", **MEMBERS}
+            if seed_host is not None:
+                keys["seeds"] = [f"{seed_host.addresses[0]}:7720"]
+            return spawn_daemon(tmp_path, keys, host.exec_argv)
+
+        b = start(hb, "node-b", None)
+        a = start(ha, "node-a", hb)
+        decode = prefill = None
+        killed = threading.Event()
+        try:
+            decode = Worker(options(b.socket, "D", send=False, receive=True,
+                                    load_timeout_s=600.0))
+            prefill = Worker(options(a.socket, "P", send=True, receive=False))
+            deadline = time.monotonic() + DEADLINE_S
+            while {p["name"]: p["state"] for p in b.status()["peers"]} != {
+                    "node-a": "alive", "node-b": "alive"}:
+                assert time.monotonic() < deadline, b.status()["peers"]
+                time.sleep(0.1)
+            prefill.register(src)
+            decode.register(dst)
+            assert decode.pool is not None
+            first_piece = decode.pool.array[:1024]  # layer 0, plane 0, block 0
+
+            def kill_once_bytes_land() -> None:
+                end = time.monotonic() + DEADLINE_S
+                while not first_piece.any() and time.monotonic() < end:
+                    time.sleep(0.0005)
+                os.kill(a.proc.pid, signal.SIGKILL)  # mid-push: most of it still to send
+                killed.set()
+
+            slow_link(ha, ha.interfaces[0], 400)
+            blocks = tuple(range(BLOCKS))
+            for name in src:
+                prefill.stage_layer(name, [Save("r", blocks)])
+            prefill.hold([Send("r", 1, blocks)])
+            killer = threading.Thread(target=kill_once_bytes_land, daemon=True)
+            killer.start()
+            t0 = time.monotonic()
+            decode.load([Load("d", "node-a", "P", 1, "r", 0, blocks)])
+            wait_finished(decode, received={"d"})
+            assert killed.wait(DEADLINE_S)
+            assert decode.load_errors() == set(blocks)
+            assert time.monotonic() - t0 < 60, "ended by its deadline, not by membership"
+            assert "d#0" not in decode._slots  # the request number went back
+            assert b.status()["transfers_in_flight"] == 0
+            assert not dst[f"l{layers - 1}"].any(), "the last layer never came, yet it is there"
+        finally:
+            for w in (decode, prefill):
+                if w is not None:
+                    w.close()
+            a.stop()
+            b.stop()
+
+
 def test_a_replaced_prefill_is_a_load_error(tmp_path: Path) -> None:
     """With membership: the prefill node is replaced (killed and started
     again under its name) while a decode waits on a request it held; the
