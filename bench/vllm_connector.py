@@ -33,7 +33,10 @@ Reported (medians over rounds): seconds and GB/s of each, CPU seconds
 throughput relative to plain (plain seconds / its seconds), the checksum's
 cost (seconds with / without), and CPU milliseconds per request in vLLM's
 thread: describe and post (``hold`` + ``load``), and staging
-(``stage_layer`` over every layer; 0 when shared).
+(``stage_layer`` over every layer and ``end_step``; 0 when shared), with
+staging's wall time beside it (a device's copies are queued there, and
+waited for by the pull server inside the timed window). The decode's
+tensors are zeroed before the last round, whose bytes are then checked.
 
     python bench/vllm_connector.py --json bench/results/vllm_connector.json
     python bench/vllm_connector.py --device cuda --json vllm_connector-cuda.json
@@ -128,6 +131,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
     cpu_s: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in modes}}
     post_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     stage_ms: dict[str, list[float]] = {mode: [] for mode in modes}
+    stage_wall_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     nbytes = 0
     try:
         async with connect(a.socket) as prefill, connect(b.socket) as decode:
@@ -166,11 +170,12 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                 ids = [f"r{round_}-{i}" for i in range(args.requests)]
                 saves = [Save(rid, tuple(int(x) for x in s))
                          for rid, s in zip(ids, src_tables, strict=True)]
-                c0 = time.thread_time()
+                c0, w0 = time.thread_time(), time.perf_counter()
                 for name in src:
                     p.stage_layer(name, saves)
-                p.end_step(saves)  # vLLM's wait_for_save: a device's copies are done
+                p.end_step(saves)  # vLLM's wait_for_save (a device's copies queued)
                 stage_ms[mode].append((time.thread_time() - c0) * 1000 / args.requests)
+                stage_wall_ms[mode].append((time.perf_counter() - w0) * 1000 / args.requests)
                 base = (round_ % 3) * args.requests + 1  # keys: free again by then
                 c0 = time.thread_time()
                 p.hold([Send(rid, base + i, s.blocks) for i, (rid, s) in
@@ -197,6 +202,14 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                 return cpu_of(os.getpid()) + cpu_of(a.proc.pid) + cpu_of(b.proc.pid)
 
             for r in range(args.rounds + 1):  # round 0 warms up
+                if r == args.rounds:  # what the check below finds is this round's
+                    for _, d in pairs.values():
+                        for lt in d.layers:
+                            lt.owner.zero_()
+                    if args.device == "cuda":
+                        import torch
+
+                        torch.cuda.synchronize()
                 c0 = cpu()
                 got = {"plain": await plain(r)}
                 used = {"plain": cpu() - c0}
@@ -235,6 +248,8 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
         "cpu_ms_per_request": {mode: {"describe_and_post": statistics.median(post_ms[mode]),
                                       "stage_all_layers": statistics.median(stage_ms[mode])}
                                for mode in modes},
+        "stage_wall_ms_per_request": {mode: statistics.median(stage_wall_ms[mode])
+                                      for mode in modes},
         "all_seconds": times,
     }
 

@@ -49,6 +49,7 @@ class Bridge:
         self._nursery: trio.Nursery | None = None
         self._stop: trio.Event | None = None
         self._client: Client | None = None
+        self._closing: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         if not self._ready.wait(START_TIMEOUT_S):
@@ -72,14 +73,31 @@ class Bridge:
             self._ready.set()
 
     async def _run(self) -> None:
-        async with connect(self.socket) as client, trio.open_nursery() as nursery:
-            self._client = client
-            self._nursery = nursery
-            self._stop = trio.Event()
-            self._token = trio.lowlevel.current_trio_token()
-            self._ready.set()
-            await self._stop.wait()
-            nursery.cancel_scope.cancel()
+        async with connect(self.socket) as client:
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._client = client
+                    self._nursery = nursery
+                    self._stop = trio.Event()
+                    self._token = trio.lowlevel.current_trio_token()
+                    self._ready.set()
+                    await self._stop.wait()
+                    nursery.cancel_scope.cancel()
+            finally:
+                # Every task is over, the client (and the memory it maps) not
+                # yet closed: however the bridge ends.
+                for fn in reversed(self._closing):
+                    try:
+                        fn()
+                    except Exception as exc:
+                        log.error("bridge.close_hook_failed", hook=getattr(fn, "__name__", ""),
+                                  error=repr(exc))
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` in the bridge when it ends (closed, or its client
+        lost), after its tasks and before the client closes; last added
+        first."""
+        self._closing.append(fn)
 
     def _live_token(self) -> trio.lowlevel.TrioToken:
         if self._token is None or not self._thread.is_alive():

@@ -19,7 +19,6 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from p2pxfer.cuda import driver
 from p2pxfer.errors import (
     ConnectionLost,
     LimitExceeded,
@@ -132,10 +131,16 @@ class DecodeSide(WorkerState):
                         blocks=len(job.blocks), error=str(exc))
         finally:
             with trio.CancelScope(shield=True):
-                if (on := self._to_device) is not None:
+                if self.gpu is not None:
                     # Every copy into the engine's blocks is over before vLLM
                     # reads them, or (a load error) computes them again.
-                    await trio.to_thread.run_sync(driver().stream_sync, on.stream, on.device)
+                    try:
+                        await trio.to_thread.run_sync(self.gpu.loads_done)
+                    except P2PXferError as exc:
+                        log.error("vllm.device_copy_failed", request=job.request,
+                                  error=str(exc))
+                        with self._lock:
+                            self._errors.update(job.blocks)
                 for p in parts:
                     try:
                         await self.pool.forget(p.slot)
@@ -225,7 +230,8 @@ class DecodeSide(WorkerState):
                 self._check(job, p, layer)
         if not self.shared:
             copy_blocks(self.layers[layer], self.pool.array, self.layout, layer, job.blocks,
-                        to_staging=False, slices=self.slices, on=self._to_device)
+                        to_staging=False, slices=self.slices,
+                        on=None if self.gpu is None else self.gpu.loads)
 
     def _check(self, job: Load, p: _Part, layer: int) -> None:
         assert self.pool is not None and self.layout is not None and self._sums is not None

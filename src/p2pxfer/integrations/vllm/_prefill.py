@@ -76,6 +76,8 @@ class PrefillSide(WorkerState):
                                       f"for a request of {len(s.blocks)}")
             src = blocks * self.k + (j if self.k > 1 else 0)
             if len(src):
+                if self.gpu is not None:  # the staging copies are in the pool
+                    await trio.to_thread.run_sync(self.gpu.staged)
                 if pull.sums:
                     await self._send_sums(slot, pull, src)
                 push = await c.kv_push(pull.node, pull.pool, self.pool, src, pull.blocks,

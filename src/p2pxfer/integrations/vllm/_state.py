@@ -5,7 +5,7 @@
 Threads: vLLM's thread calls the public methods (and issues the prefill's
 device copies, on vLLM's stream); the transfers run in the bridge's trio
 thread (``_bridge``), which issues the decode's device copies on a stream
-of its own. The fields under ``_lock`` (finished
+of its own (``_device``). The fields under ``_lock`` (finished
 sets, load errors, slot tables) are the only ones both touch; everything
 else is set in ``Worker.register`` before any transfer starts, and read
 after.
@@ -13,7 +13,6 @@ after.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,12 +25,13 @@ from p2pxfer.client import KVPool, SharedMemory
 from p2pxfer.errors import InvalidArgument
 from p2pxfer.integrations._bridge import Bridge
 from p2pxfer.integrations._slots import SlotTable
-from p2pxfer.integrations._tensors import DeviceCopies, HeadSlices, LayerTensor
+from p2pxfer.integrations._tensors import HeadSlices, LayerTensor
 from p2pxfer.kv_plan import MAX_REQUEST, KVLayout
 
+from ._device import DeviceSide
 from ._plan import pull_slot_bytes, region_names, split
 
-__all__ = ["SUM_BYTES", "WorkerOptions", "WorkerState", "current_stream"]
+__all__ = ["SUM_BYTES", "WorkerOptions", "WorkerState"]
 
 SUM_BYTES = 8  # one little-endian uint64 (a CRC-32) per layer
 #: a push's longest deadline, seconds (the daemon's ``MAX_DEADLINE_MS``):
@@ -75,13 +75,6 @@ class WorkerOptions:
         return self.tp_size if self.peer_tp_size is None else self.peer_tp_size
 
 
-def current_stream(device: int) -> int:
-    """The ``CUstream`` of torch's current stream on ``device``: the one
-    vLLM's forward runs on (torch is there: the tensors are torch's)."""
-    torch = importlib.import_module("torch")
-    return int(torch.cuda.current_stream(device).cuda_stream)
-
-
 class WorkerState:
     """Everything the worker's halves share (see the module docstring)."""
 
@@ -118,9 +111,4 @@ class WorkerState:
         self.shared = False
         #: the CUDA device the engine's tensors are on (None: host memory)
         self.device: int | None = None
-        #: the decode's stream for copies from the (pinned) pool to the device
-        self._to_device: DeviceCopies | None = None
-        self._pinned = False  # the pool is page-locked by us (unpinned at close)
-        #: prefill: the stream this step's copies to the pool went on (vLLM's
-        #: current stream), waited for at the end of the step
-        self._staged_on: DeviceCopies | None = None
+        self.gpu: DeviceSide | None = None  # its pinned pool, streams, events

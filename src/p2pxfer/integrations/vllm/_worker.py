@@ -21,14 +21,11 @@ shared (zero-copy) memory mode needs equal sizes. Threads: see ``_state``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any
 
-from p2pxfer.cuda import driver
 from p2pxfer.errors import InvalidArgument
 from p2pxfer.integrations._tensors import (
-    DeviceCopies,
     HeadSlices,
     copy_blocks,
     layer_tensor,
@@ -40,9 +37,10 @@ from p2pxfer.kv_plan import MAX_REQUEST
 from p2pxfer.log import get_logger
 
 from ._decode import DecodeSide, LoadCorrupted
+from ._device import DeviceSide
 from ._plan import Save
 from ._prefill import PrefillSide
-from ._state import SUM_BYTES, WorkerOptions, current_stream
+from ._state import SUM_BYTES, WorkerOptions
 
 __all__ = ["LoadCorrupted", "Worker", "WorkerOptions"]
 
@@ -96,7 +94,9 @@ class Worker(PrefillSide, DecodeSide):
             staging_layout(self.layers[0], len(self.layers), self.k)
         self.bridge.call(self._open)
         if self.device is not None:
-            self._on_device(self.device)
+            assert self.pool is not None
+            self.gpu = DeviceSide(self.device, self.pool.array, o.receive)
+            self.bridge.on_close(self.gpu.close)
         if self.shared:
             assert self.pool is not None
             self.layers = [move_into(lt, self.pool.mem.array, i * self.layout.layer_stride)
@@ -106,20 +106,6 @@ class Worker(PrefillSide, DecodeSide):
                  arrangement=self.layers[0].arrangement, memory=o.memory, head_slices=self.k,
                  pool_bytes=self.layout.nbytes, node=self.node,
                  device="host" if self.device is None else f"cuda:{self.device}")
-
-    def _on_device(self, device: int) -> None:
-        """The engine's tensors are on CUDA ``device``: page-lock the
-        staging pool (the copies between it and the device are then
-        asynchronous DMA, at the bus's speed), and a stream for the decode's
-        copies."""
-        assert self.pool is not None
-        cuda = driver()
-        t0 = time.perf_counter()
-        self._pinned = cuda.host_register(self.pool.array, device)
-        if self.opts.receive:
-            self._to_device = DeviceCopies(cuda.stream(device), device)
-        log.info("vllm.pool_pinned", device=device, nbytes=self.pool.array.nbytes,
-                 seconds=time.perf_counter() - t0, ours=self._pinned)
 
     async def _open(self) -> None:
         c, o, lay = self.bridge.client, self.opts, self.layout
@@ -151,10 +137,8 @@ class Worker(PrefillSide, DecodeSide):
         self._staged_layers.add(i)
         if self.shared:
             return 0  # the engine computed the blocks in the pool itself
-        on = None
-        if self.device is not None:
-            # After the kernels that wrote this layer's KV: vLLM's stream.
-            on = self._staged_on = DeviceCopies(current_stream(self.device), self.device)
+        # On a GPU: behind the kernels that wrote this layer, on vLLM's stream.
+        on = None if self.gpu is None else self.gpu.staging()
         n = 0
         for s in saves:  # per request, not per block: one C copy each
             n += copy_blocks(self.layers[i], self.pool.array, self.layout, i, s.blocks,
@@ -172,16 +156,9 @@ class Worker(PrefillSide, DecodeSide):
             for name in missing:
                 self.stage_layer(name, saves)
             self._staged_layers = set()
-        if (on := self._staged_on) is not None:
-            # The step's copies to the pool have landed before a pull can
-            # push them (vLLM's wait_for_save: the saves are done).
-            self._staged_on = None
-            cuda = driver()
-            event = cuda.record(on.stream, on.device)
-            try:
-                cuda.event_sync(event, on.device)
-            finally:
-                cuda.event_done(event, on.device)
+        if self.gpu is not None:
+            # Queued, not waited for: a pull server waits before it pushes.
+            self.gpu.end_step()
 
     # -- both --------------------------------------------------------------------------
 
@@ -199,17 +176,6 @@ class Worker(PrefillSide, DecodeSide):
         return errors
 
     def close(self) -> None:
-        """Stop every transfer and close the client (its pools go with it)."""
-        try:
-            if self.device is not None and self.pool is not None:
-                cuda = driver()
-                if self._to_device is not None:
-                    cuda.stream_sync(self._to_device.stream, self.device)
-                if self._pinned:  # while the pool is still mapped
-                    cuda.host_unregister(self.pool.array, self.device)
-                    self._pinned = False
-                if self._to_device is not None:
-                    cuda.stream_destroy(self._to_device.stream, self.device)
-                    self._to_device = None
-        finally:
-            self.bridge.close()
+        """Stop every transfer and close the client (its pools go with it;
+        on a GPU, the copies are waited for and the pool unpinned first)."""
+        self.bridge.close()

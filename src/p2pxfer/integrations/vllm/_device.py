@@ -1,0 +1,140 @@
+"""A worker's CUDA side, when vLLM's KV tensors are on a GPU: the staging
+pool page-locked, the streams its copies go on, and what waits for them.
+
+- Prefill: ``save_kv_layer`` queues device -> pool copies on the stream the
+  forward runs on (:meth:`DeviceSide.staging`: behind the kernels that
+  wrote the layer); ``wait_for_save`` records an event on each such stream
+  (:meth:`end_step`) and returns: the forward is not stopped. A pull server
+  waits for every event recorded so far (:meth:`staged`, in a thread)
+  before it reads the pool (checksums, push).
+- Decode: each landed layer's pool -> device copies go on a stream of the
+  worker's (:attr:`DeviceSide.loads`), synchronized (:meth:`loads_done`, in
+  a thread) before the load is reported, however it ended: vLLM never
+  reads those blocks, or computes them again, while a copy runs.
+- :meth:`close` (in the bridge, after its tasks, while the pool is still
+  mapped): every copy waited for, the pool unpinned, the stream destroyed.
+
+Threads: vLLM's thread calls ``staging`` and ``end_step``; the bridge's
+trio thread issues the decode's copies and closes; worker threads wait.
+The step's streams and the recorded events are under ``_lock`` (never held
+while waiting on the device); ``_waiting`` admits one waiter at a time. What must
+not live here: the copies' offsets (``_tensors``), vLLM's objects.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+
+import numpy as np
+import numpy.typing as npt
+
+from p2pxfer.cuda import driver
+from p2pxfer.integrations._tensors import DeviceCopies
+from p2pxfer.log import get_logger
+
+__all__ = ["DeviceSide"]
+
+log = get_logger("p2pxfer.vllm")
+
+
+def current_stream(device: int) -> int:
+    """The ``CUstream`` of torch's current stream on ``device``: the one
+    vLLM's forward runs on (torch is there: the tensors are torch's)."""
+    torch = importlib.import_module("torch")
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+class DeviceSide:
+    """See the module docstring."""
+
+    def __init__(self, device: int, pool: npt.NDArray[np.uint8], receive: bool) -> None:
+        self.device = device
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._waiting = threading.Lock()  # held by the one waiter of ``staged``
+        self._step: set[int] = set()  # streams this step's staging copies went on
+        self._events: list[int] = []  # recorded at steps' ends, not yet waited for
+        cuda = driver()
+        t0 = time.perf_counter()
+        self._pinned = cuda.host_register(pool, device)  # False: pinned by someone else
+        #: the decode's stream for pool -> device copies
+        self.loads: DeviceCopies | None = None
+        try:
+            if receive:
+                self.loads = DeviceCopies(cuda.stream(device), device)
+        except BaseException:
+            self._unpin()
+            raise
+        log.info("vllm.pool_pinned", device=device, nbytes=pool.nbytes,
+                 seconds=time.perf_counter() - t0, ours=self._pinned)
+
+    # -- prefill ------------------------------------------------------------------------
+
+    def staging(self) -> DeviceCopies:
+        """Where a layer's device -> pool copies go now: vLLM's current stream."""
+        stream = current_stream(self.device)
+        with self._lock:
+            self._step.add(stream)
+        return DeviceCopies(stream, self.device)
+
+    def end_step(self) -> None:
+        """The step's staging copies are all queued: an event behind them on
+        each stream they went on (waited for by :meth:`staged`)."""
+        with self._lock:
+            streams, self._step = self._step, set()
+        cuda = driver()
+        events = [cuda.record(stream, self.device) for stream in streams]
+        with self._lock:
+            self._events.extend(events)
+
+    def staged(self) -> None:
+        """Blocks until every staging copy queued before the last
+        :meth:`end_step` is in the pool (call it from a worker thread).
+        One waiter at a time: a second one must not find the list emptied
+        by the first before its events are over."""
+        with self._waiting:
+            with self._lock:
+                events, self._events = self._events, []
+            cuda = driver()
+            try:
+                for event in events:
+                    cuda.event_sync(event, self.device)
+            finally:
+                for event in events:
+                    cuda.event_done(event, self.device)
+
+    # -- decode -------------------------------------------------------------------------
+
+    def loads_done(self) -> None:
+        """Blocks until every pool -> device copy issued so far has run."""
+        if self.loads is not None:
+            driver().stream_sync(self.loads.stream, self.device)
+
+    # -- both ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for every copy (a step staged but never ended included),
+        then unpin the pool and destroy the stream. Once; from the bridge,
+        after its tasks, while the pool is mapped."""
+        cuda = driver()
+        try:
+            with self._lock:
+                streams, self._step = self._step, set()
+            for stream in streams:
+                cuda.stream_sync(stream, self.device)
+            self.staged()
+            self.loads_done()
+        finally:
+            try:
+                self._unpin()
+            finally:
+                if self.loads is not None:
+                    cuda.stream_destroy(self.loads.stream, self.device)
+                    self.loads = None
+
+    def _unpin(self) -> None:
+        if self._pinned:
+            self._pinned = False
+            driver().host_unregister(self._pool, self.device)
