@@ -13,7 +13,6 @@ machine."""
 from __future__ import annotations
 
 import importlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,11 @@ from daemon_helpers import daemon_pair
 from p2pxfer.errors import InvalidArgument
 from p2pxfer.integrations.vllm._plan import Load, Save, Send
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
+from vllm_worker_helpers import pulled_by_each, wait_finished, worker_options
 
 pytestmark = pytest.mark.gpu
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD = 4, 64, 16, 4, 64
-DEADLINE_S = 60.0
 
 
 @pytest.fixture
@@ -48,11 +47,7 @@ def pair(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 
 def options(socket: str, engine: str, **kw: Any) -> WorkerOptions:
-    base: dict[str, Any] = {"rank": 0, "block_size": BLOCK_SIZE, "max_blocks": BLOCKS,
-                            "max_held": 8, "max_loads": 8, "lease_s": 60.0,
-                            "load_timeout_s": 60.0}
-    base.update(kw)
-    return WorkerOptions(socket=socket, engine=engine, **base)
+    return worker_options(socket, engine, block_size=BLOCK_SIZE, max_blocks=BLOCKS, **kw)
 
 
 def caches(torch: Any, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -70,18 +65,6 @@ def fill(torch: Any, tensors: dict[str, Any], seed: int) -> None:
         bits = torch.randint(-(1 << 15), 1 << 15, t.shape, generator=g, device="cuda",
                              dtype=torch.int16)
         t.view(torch.int16).copy_(bits)
-
-
-def wait_finished(w: Worker, *, sent: set[str] = frozenset(),  # type: ignore[assignment]
-                  received: set[str] = frozenset()) -> None:  # type: ignore[assignment]
-    want_s, want_r = set(sent), set(received)
-    deadline = time.monotonic() + DEADLINE_S
-    while want_s or want_r:
-        s, r = w.finished()
-        want_s -= s
-        want_r -= r
-        assert time.monotonic() < deadline, f"still waiting for {want_s} / {want_r}"
-        time.sleep(0.02)
 
 
 def prefill_step(w: Worker, src: dict[str, Any], request: str, blocks: list[int]) -> None:
@@ -144,13 +127,7 @@ def test_gpu_kv_tensors_by_head_slices_tp_1_to_2(torch: Any, pair: tuple[str, st
         fill(torch, src, 11)
         sb, db = [3, 4, 5, 40], [7, 1, 2, 9]
         prefill_step(prefill, src, "r", sb)
-        prefill.hold([Send("r", 2, tuple(sb))])
-        for r, w in enumerate(decode):
-            w.load([Load(f"d{r}", prefill.node, "P", 2, "r", 0, tuple(db))])
-        for r, w in enumerate(decode):
-            wait_finished(w, received={f"d{r}"})
-            assert w.load_errors() == set()
-        wait_finished(prefill, sent={"r"})
+        pulled_by_each(prefill, decode, 2, sb, db)
         half = HEADS // 2
         for r in range(2):
             for name, s in src.items():

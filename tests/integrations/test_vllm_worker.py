@@ -21,9 +21,9 @@ import pytest
 from daemon_helpers import LOOPBACK, daemon_pair, free_port, start_daemon
 from p2pxfer.integrations.vllm._plan import Load, Save, Send
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
+from vllm_worker_helpers import DEADLINE_S, pulled_by_each, wait_finished, worker_options
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD = 4, 64, 16, 2, 32
-DEADLINE_S = 120.0
 
 
 def caches(seed: int | None, planes_first: bool = True) -> dict[str, npt.NDArray[np.float16]]:
@@ -42,23 +42,7 @@ def caches(seed: int | None, planes_first: bool = True) -> dict[str, npt.NDArray
 
 
 def options(socket: str, engine: str, **kw: Any) -> WorkerOptions:
-    base: dict[str, Any] = {"rank": 0, "block_size": BLOCK_SIZE, "max_blocks": BLOCKS,
-                            "max_held": 8, "max_loads": 8, "lease_s": 60.0,
-                            "load_timeout_s": 60.0}
-    base.update(kw)
-    return WorkerOptions(socket=socket, engine=engine, **base)
-
-
-def wait_finished(w: Worker, *, sent: set[str] = frozenset(),  # type: ignore[assignment]
-                  received: set[str] = frozenset()) -> None:  # type: ignore[assignment]
-    want_s, want_r = set(sent), set(received)
-    deadline = time.monotonic() + DEADLINE_S
-    while want_s or want_r:
-        s, r = w.finished()
-        want_s -= s
-        want_r -= r
-        assert time.monotonic() < deadline, f"still waiting for {want_s} / {want_r}"
-        time.sleep(0.02)
+    return worker_options(socket, engine, block_size=BLOCK_SIZE, max_blocks=BLOCKS, **kw)
 
 
 @pytest.fixture
@@ -335,13 +319,7 @@ def test_heterogeneous_tp_one_prefill_rank_to_two_decode_ranks(pair: tuple[str, 
         sb, db = [3, 4, 5, 40], [7, 1, 2, 9]
         for name in src:
             prefill.stage_layer(name, [Save("r", tuple(sb))])
-        prefill.hold([Send("r", 2, tuple(sb))])
-        for r, w in enumerate(decode):
-            w.load([Load(f"d{r}", prefill.node, "P", 2, "r", 0, tuple(db))])
-        for r, w in enumerate(decode):
-            wait_finished(w, received={f"d{r}"})
-            assert w.load_errors() == set()
-        wait_finished(prefill, sent={"r"})
+        pulled_by_each(prefill, decode, 2, sb, db)
         for r in range(2):
             for name, value in src.items():
                 assert (dst[r][name][:, db] ==
