@@ -184,7 +184,7 @@ class FakePeer:
                 self._talk(conn)
 
     def _talk(self, conn: socket.socket) -> None:
-        conn.settimeout(5)
+        conn.settimeout(1)
         decoder = FrameDecoder(1 << 24)
         script = list(self.script)
         try:
