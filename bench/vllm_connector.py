@@ -30,7 +30,9 @@ stay in host memory, so the ratio is what GPU caches cost over host ones.
 
 Reported (medians over rounds): seconds and GB/s of each, CPU seconds
 (this process and both daemons: on a busy host the fairer measure), each mode's
-throughput relative to plain (plain seconds / its seconds), the checksum's
+throughput relative to plain (plain seconds / its seconds: of the medians,
+and paired, the median of each round's ratio, which a host whose load
+changes between rounds skews less), the checksum's
 cost (seconds with / without), and CPU milliseconds per request in vLLM's
 thread: describe and post (``hold`` + ``load``), and staging
 (``stage_layer`` over every layer and ``end_step``; 0 when shared), with
@@ -243,6 +245,10 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
         "seconds": med, "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
         "cpu_seconds_per_round": {k: statistics.median(v) for k, v in cpu_s.items()},
         "ratio_vs_plain": {mode: med["plain"] / med[mode] for mode in modes},
+        # Each round's plain run beside the same round's run of the mode
+        # (same load on a shared host), the median over rounds.
+        "ratio_vs_plain_paired": {mode: statistics.median(
+            p / m for p, m in zip(times["plain"], times[mode], strict=True)) for mode in modes},
         "checksum_cost_ratio": {m: med[f"{m}+checksum"] / med[m]
                                 for m in ("staging", "shared") if m in modes},
         "cpu_ms_per_request": {mode: {"describe_and_post": statistics.median(post_ms[mode]),
