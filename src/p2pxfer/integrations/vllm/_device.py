@@ -90,15 +90,20 @@ class DeviceSide:
             self._events.extend(events)
 
     def staged(self) -> None:
-        """Blocks until every staging copy queued before the last
-        :meth:`end_step` is in the pool (call it from a worker thread).
+        """Blocks until every staging copy queued so far is in the pool
+        (call it from a worker thread).
         One waiter at a time: a second one must not find the list emptied
         by the first before its events are over."""
         with self._waiting:
+            cuda = driver()
             with self._lock:
                 events, self._events = self._events, []
-            cuda = driver()
+                # A step staged but not ended (wait_for_save not called yet,
+                # or never): behind what its streams hold now.
+                streams = set(self._step)
             try:
+                for stream in streams:
+                    events.append(cuda.record(stream, self.device))
                 for event in events:
                     cuda.event_sync(event, self.device)
             finally:
