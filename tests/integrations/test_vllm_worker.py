@@ -466,8 +466,9 @@ def test_a_prefill_out_of_keys_holds_nothing() -> None:
 
 @pytest.mark.netns
 def test_a_prefill_killed_mid_push_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
-    """Two hosts (namespaces), the prefill's link narrowed to 400 Mbit/s so
-    that its 32 MiB push takes most of a second; with membership. The
+    """Two hosts (namespaces), the prefill's link narrowed to 100 Mbit/s so
+    that its 32 MiB push takes about 3 s (the kill below has that long to
+    come on a starved machine); with membership. The
     prefill's daemon is SIGKILLed the moment the push's first bytes are in
     the decode's pool: the rest never comes. The load ends as load errors
     for all its blocks within the detection bound (not its 600 s deadline),
@@ -520,7 +521,7 @@ def test_a_prefill_killed_mid_push_is_a_load_error_not_a_hang(tmp_path: Path) ->
                 os.kill(a.proc.pid, signal.SIGKILL)  # mid-push: most of it still to send
                 killed.set()
 
-            slow_link(ha, ha.interfaces[0], 400)
+            slow_link(ha, ha.interfaces[0], 100)
             blocks = tuple(range(BLOCKS))
             for name in src:
                 prefill.stage_layer(name, [Save("r", blocks)])

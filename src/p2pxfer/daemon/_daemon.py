@@ -13,6 +13,7 @@ part's state.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import resource
 import signal
@@ -383,26 +384,29 @@ async def _wait_for_stop(handle_signals: bool, engine: Engine) -> BaseException 
     """Until SIGINT or SIGTERM (with ``handle_signals``; else until
     cancelled), or a poller thread of ``engine`` died: then its error. A
     daemon whose engine cannot write any more stops instead of answering
-    every write with an error for ever."""
+    every write with an error for ever. The signals are ours before this
+    first yields: a SIGTERM right after start is a clean stop, not a kill."""
     failure: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        async def signals() -> None:
-            if not handle_signals:
-                await trio.sleep_forever()
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+    with (trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if handle_signals
+          else contextlib.nullcontext()) as received:
+        async with trio.open_nursery() as nursery:
+            async def signals() -> None:
+                if received is None:
+                    await trio.sleep_forever()
+                    return
                 async for signum in received:
                     log.info("daemon.stopping", signal=signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
                     return
 
-        async def poller() -> None:
-            nonlocal failure
-            failure = await engine.poller_failure()
-            log.error("daemon.stopping", reason="engine_failed", error=repr(failure))
-            nursery.cancel_scope.cancel()
+            async def poller() -> None:
+                nonlocal failure
+                failure = await engine.poller_failure()
+                log.error("daemon.stopping", reason="engine_failed", error=repr(failure))
+                nursery.cancel_scope.cancel()
 
-        nursery.start_soon(signals)
-        nursery.start_soon(poller)
+            nursery.start_soon(signals)
+            nursery.start_soon(poller)
     return failure
 
 

@@ -50,6 +50,8 @@ class Bridge:
         self._stop: trio.Event | None = None
         self._client: Client | None = None
         self._closing: list[Callable[[], None]] = []
+        self._accepting = True  # False once the nursery has closed (``_start``)
+        self._hooks_lock = threading.Lock()  # ``_closing`` and ``_accepting``
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         if not self._ready.wait(START_TIMEOUT_S):
@@ -86,18 +88,26 @@ class Bridge:
             finally:
                 # Every task is over, the client (and the memory it maps) not
                 # yet closed: however the bridge ends.
-                for fn in reversed(self._closing):
+                with self._hooks_lock:
+                    self._accepting = False
+                    hooks = list(self._closing)
+                for fn in reversed(hooks):
                     try:
                         fn()
                     except Exception as exc:
                         log.error("bridge.close_hook_failed", hook=getattr(fn, "__name__", ""),
                                   error=repr(exc))
 
-    def on_close(self, fn: Callable[[], None]) -> None:
+    def on_close(self, fn: Callable[[], None]) -> bool:
         """Run ``fn()`` in the bridge when it ends (closed, or its client
         lost), after its tasks and before the client closes; last added
-        first."""
-        self._closing.append(fn)
+        first. False (and ``fn`` not kept) if the bridge is ending already:
+        the caller cleans up itself."""
+        with self._hooks_lock:
+            if not self._accepting:
+                return False
+            self._closing.append(fn)
+            return True
 
     def _live_token(self) -> trio.lowlevel.TrioToken:
         if self._token is None or not self._thread.is_alive():
@@ -117,11 +127,21 @@ class Bridge:
         """Start ``fn(*args)`` in the bridge and return."""
         assert self._nursery is not None
         try:
-            trio.from_thread.run_sync(self._nursery.start_soon, self._guard, fn, *args,
-                                      trio_token=self._live_token())
+            trio.from_thread.run_sync(self._start, fn, *args, trio_token=self._live_token())
         except trio.RunFinishedError as exc:
             raise ConnectionLost(f"the client to the p2pxfer daemon at {self.socket} "
                                  "closed") from exc
+
+    def _start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        # In the bridge's thread: once its nursery has closed (the close
+        # hooks and the client's close may still run), nothing starts.
+        with self._hooks_lock:
+            accepting = self._accepting
+        if not accepting:
+            raise ConnectionLost(f"the client to the p2pxfer daemon at {self.socket} is "
+                                 "closing")
+        assert self._nursery is not None
+        self._nursery.start_soon(self._guard, fn, *args)
 
     @staticmethod
     async def _guard(fn: Callable[..., Awaitable[Any]], *args: Any) -> None:

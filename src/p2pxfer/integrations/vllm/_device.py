@@ -16,6 +16,8 @@ pool page-locked, the streams its copies go on, and what waits for them.
 
 Threads: vLLM's thread calls ``staging`` and ``end_step``; the bridge's
 trio thread issues the decode's copies and closes; worker threads wait.
+``_issuing`` is held while a layer's copies are issued, so ``close`` sees
+them queued (and waits for them) or stops them from being issued.
 The step's streams and the recorded events are under ``_lock`` (never held
 while waiting on the device); ``_waiting`` admits one waiter at a time. What must
 not live here: the copies' offsets (``_tensors``), vLLM's objects.
@@ -23,9 +25,11 @@ not live here: the copies' offsets (``_tensors``), vLLM's objects.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -53,9 +57,14 @@ class DeviceSide:
         self.device = device
         self._pool = pool
         self._lock = threading.Lock()
+        self._issuing = threading.Lock()  # held while a layer's copies are issued
         self._waiting = threading.Lock()  # held by the one waiter of ``staged``
         self._step: set[int] = set()  # streams this step's staging copies went on
-        self._events: list[int] = []  # recorded at steps' ends, not yet waited for
+        #: per stream, an event behind the staging copies of the steps ended
+        #: so far, not yet waited for (a stream runs in order: the latest
+        #: event covers the earlier ones, which are dropped)
+        self._events: dict[int, int] = {}
+        self.closed = False
         cuda = driver()
         t0 = time.perf_counter()
         self._pinned = cuda.host_register(pool, device)  # False: pinned by someone else
@@ -72,22 +81,35 @@ class DeviceSide:
 
     # -- prefill ------------------------------------------------------------------------
 
-    def staging(self) -> DeviceCopies:
-        """Where a layer's device -> pool copies go now: vLLM's current stream."""
-        stream = current_stream(self.device)
-        with self._lock:
-            self._step.add(stream)
-        return DeviceCopies(stream, self.device)
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[DeviceCopies | None]:
+        """Where a layer's device -> pool copies go now (vLLM's current
+        stream), held while they are issued: :meth:`close` waits for them.
+        None once closed (nothing is pushed from the pool any more)."""
+        with self._issuing:
+            if self.closed:
+                yield None
+                return
+            stream = current_stream(self.device)
+            with self._lock:
+                self._step.add(stream)
+            yield DeviceCopies(stream, self.device)
 
     def end_step(self) -> None:
         """The step's staging copies are all queued: an event behind them on
-        each stream they went on (waited for by :meth:`staged`)."""
-        with self._lock:
-            streams, self._step = self._step, set()
+        each stream they went on (waited for by :meth:`staged`). Under the
+        lock (recording does not wait): a waiter sees either the step's
+        streams or its events, never neither."""
         cuda = driver()
-        events = [cuda.record(stream, self.device) for stream in streams]
         with self._lock:
-            self._events.extend(events)
+            if self.closed:
+                return
+            streams, self._step = self._step, set()
+            for stream in streams:
+                event = cuda.record(stream, self.device)
+                if (old := self._events.pop(stream, None)) is not None:
+                    cuda.event_done(old, self.device)  # covered by the new one
+                self._events[stream] = event
 
     def staged(self) -> None:
         """Blocks until every staging copy queued so far is in the pool
@@ -96,14 +118,15 @@ class DeviceSide:
         by the first before its events are over."""
         with self._waiting:
             cuda = driver()
-            with self._lock:
-                events, self._events = self._events, []
-                # A step staged but not ended (wait_for_save not called yet,
-                # or never): behind what its streams hold now.
-                streams = set(self._step)
+            events: list[int] = []
             try:
-                for stream in streams:
-                    events.append(cuda.record(stream, self.device))
+                with self._lock:
+                    events.extend(self._events.values())
+                    self._events.clear()
+                    # A step staged but not ended (wait_for_save not called
+                    # yet, or never): behind what its streams hold now.
+                    for stream in self._step:
+                        events.append(cuda.record(stream, self.device))
                 for event in events:
                     cuda.event_sync(event, self.device)
             finally:
@@ -125,11 +148,9 @@ class DeviceSide:
         after its tasks, while the pool is mapped."""
         cuda = driver()
         try:
-            with self._lock:
-                streams, self._step = self._step, set()
-            for stream in streams:
-                cuda.stream_sync(stream, self.device)
-            self.staged()
+            with self._issuing:  # copies being issued are queued by now
+                self.closed = True  # vLLM's thread issues nothing more
+            self.staged()  # the steps ended and the one under way
             self.loads_done()
         finally:
             try:

@@ -22,9 +22,10 @@ shared (zero-copy) memory mode needs equal sizes. Threads: see ``_state``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import Any
 
-from p2pxfer.errors import InvalidArgument
+from p2pxfer.errors import ConnectionLost, InvalidArgument
 from p2pxfer.integrations._tensors import (
     HeadSlices,
     copy_blocks,
@@ -95,8 +96,12 @@ class Worker(PrefillSide, DecodeSide):
         self.bridge.call(self._open)
         if self.device is not None:
             assert self.pool is not None
-            self.gpu = DeviceSide(self.device, self.pool.array, o.receive)
-            self.bridge.on_close(self.gpu.close)
+            gpu = DeviceSide(self.device, self.pool.array, o.receive)
+            if not self.bridge.on_close(gpu.close):
+                gpu.close()  # the bridge is ending: nobody else would unpin
+                raise ConnectionLost(f"the client to the p2pxfer daemon at {o.socket} "
+                                     "closed while the KV caches were registered")
+            self.gpu = gpu
         if self.shared:
             assert self.pool is not None
             self.layers = [move_into(lt, self.pool.mem.array, i * self.layout.layer_stride)
@@ -138,12 +143,14 @@ class Worker(PrefillSide, DecodeSide):
         if self.shared:
             return 0  # the engine computed the blocks in the pool itself
         # On a GPU: behind the kernels that wrote this layer, on vLLM's stream.
-        on = None if self.gpu is None else self.gpu.staging()
-        n = 0
-        for s in saves:  # per request, not per block: one C copy each
-            n += copy_blocks(self.layers[i], self.pool.array, self.layout, i, s.blocks,
-                             to_staging=True, slices=self.slices, on=on)
-        return n
+        with nullcontext(None) if self.gpu is None else self.gpu.staging() as on:
+            if self.gpu is not None and on is None:
+                return 0  # the bridge ended: nothing will be pushed from the pool
+            n = 0
+            for s in saves:  # per request, not per block: one C copy each
+                n += copy_blocks(self.layers[i], self.pool.array, self.layout, i, s.blocks,
+                                 to_staging=True, slices=self.slices, on=on)
+            return n
 
     def end_step(self, saves: list[Save]) -> None:
         """The step's forward is over: a layer ``save_kv_layer`` was not
