@@ -8,7 +8,9 @@ happen here, concurrently, not in the caller's loop.
   until it returns (for the short requests: open a pool, start a push);
 - :meth:`Bridge.spawn` starts one and returns at once (loads, pushes,
   lease timers); its failures are the task's to report (it must catch
-  them: an escaping exception is logged and ends only that task).
+  them: an escaping exception is logged and ends only that task);
+- :meth:`Bridge.on_close` hooks run in the bridge when it ends, after its
+  tasks and before its client (and the memory the client maps) closes.
 
 State: everything a spawned task touches belongs to this thread; callers
 read results through whatever thread-safe hand-off their owner keeps
