@@ -14,13 +14,14 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
 
-from daemon_helpers import free_port
+from daemon_helpers import daemon_pair, free_port
 from p2pxfer.engine import BlockingEngine, Engine, EngineConfig, open_engine
 from p2pxfer.fabric import Rail
 from p2pxfer.loopback import loopback_node
@@ -144,6 +145,14 @@ async def wait_until(cond: Callable[[], bool], timeout: float, what: str, *,
             await trio.sleep(interval)
         return trio.current_time() - t0
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def daemon_sockets(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """Daemons node-a and node-b (``daemon_pair``: each the other's static
+    peer), stopped at the test's end: their client sockets."""
+    with daemon_pair(tmp_path) as (a, b):
+        yield a.socket, b.socket
 
 
 @pytest.fixture

@@ -1,18 +1,20 @@
 """Helpers for tests of the vLLM connector's worker side (``_worker.Worker``,
 no vLLM needed): its options with small test defaults, a bounded wait for
-what it reports finished, and one request pulled by several decode ranks.
-Not a test file."""
+what it reports finished, a prefill step, a TP 1 -> 2 set of workers, and
+one request pulled by several decode ranks. Not a test file."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from p2pxfer.integrations.vllm._plan import Load, Send
+from p2pxfer.integrations.vllm._plan import Load, Save, Send
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
 
-__all__ = ["DEADLINE_S", "pulled_by_each", "wait_finished", "worker_options"]
+__all__ = ["DEADLINE_S", "one_to_two", "prefill_step", "pulled_by_each", "wait_finished",
+           "worker_options"]
 
 DEADLINE_S = 120.0
 
@@ -57,3 +59,35 @@ def pulled_by_each(prefill: Worker, decode: Sequence[Worker], key: int, src: Seq
         wait_finished(w, received={f"d{r}"})
         assert w.load_errors() == set()
     wait_finished(prefill, sent={"r"})
+
+
+def prefill_step(w: Worker, caches: dict[str, Any], request: str, blocks: Sequence[int]) -> None:
+    """What vLLM's forward does on a prefill: each layer computed, then
+    saved; the step's end (``wait_for_save``)."""
+    saves = [Save(request, tuple(blocks))]
+    for name in caches:
+        w.stage_layer(name, saves)
+    w.end_step(saves)
+
+
+@contextmanager
+def one_to_two(prefill_socket: str, decode_socket: str,
+               options: Callable[..., WorkerOptions], src: dict[str, Any],
+               dst: Sequence[dict[str, Any]]) -> Iterator[tuple[Worker, list[Worker]]]:
+    """A prefill at TP 1 (engine "P", caches ``src``) and decode ranks 0 and
+    1 at TP 2 (engine "D", caches ``dst[r]``), registered; closed on the
+    way out."""
+    prefill = Worker(options(prefill_socket, "P", send=True, receive=False, tp_size=1,
+                             peer_tp_size=2))
+    decode: list[Worker] = []
+    try:
+        decode.extend(Worker(options(decode_socket, "D", rank=r, send=False, receive=True,
+                                     tp_size=2, peer_tp_size=1)) for r in range(2))
+        prefill.register(src)
+        for w, mine in zip(decode, dst, strict=True):
+            w.register(mine)
+        yield prefill, decode
+    finally:
+        for w in decode:
+            w.close()
+        prefill.close()

@@ -13,18 +13,21 @@ machine."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from device_arrays import cuda_or_skip
 
-from daemon_helpers import daemon_pair
 from p2pxfer.errors import InvalidArgument
-from p2pxfer.integrations.vllm._plan import Load, Save, Send
+from p2pxfer.integrations.vllm._plan import Load, Send
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
-from vllm_worker_helpers import pulled_by_each, wait_finished, worker_options
+from vllm_worker_helpers import (
+    one_to_two,
+    prefill_step,
+    pulled_by_each,
+    wait_finished,
+    worker_options,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -38,12 +41,6 @@ def torch() -> Any:
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     return importlib.import_module("torch")
-
-
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    with daemon_pair(tmp_path) as (a, b):
-        yield a.socket, b.socket
 
 
 def options(socket: str, engine: str, **kw: Any) -> WorkerOptions:
@@ -67,19 +64,10 @@ def fill(torch: Any, tensors: dict[str, Any], seed: int) -> None:
         t.view(torch.int16).copy_(bits)
 
 
-def prefill_step(w: Worker, src: dict[str, Any], request: str, blocks: list[int]) -> None:
-    """What vLLM's forward does: each layer computed, then saved; the
-    step's end waits for the saves."""
-    saves = [Save(request, tuple(blocks))]
-    for name in src:
-        w.stage_layer(name, saves)
-    w.end_step(saves)
-
-
 @pytest.mark.parametrize("planes_first", [True, False], ids=["planes_first", "blocks_first"])
-def test_gpu_kv_tensors_stage_push_and_load_every_byte(torch: Any, pair: tuple[str, str],
+def test_gpu_kv_tensors_stage_push_and_load_every_byte(torch: Any, daemon_sockets: tuple[str, str],
                                                        planes_first: bool) -> None:
-    a, b = pair
+    a, b = daemon_sockets
     shape = (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD) if planes_first else \
         (BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD)
     src, dst = caches(torch, shape), caches(torch, shape)
@@ -111,19 +99,13 @@ def test_gpu_kv_tensors_stage_push_and_load_every_byte(torch: Any, pair: tuple[s
         prefill.close()
 
 
-def test_gpu_kv_tensors_by_head_slices_tp_1_to_2(torch: Any, pair: tuple[str, str]) -> None:
+def test_gpu_kv_tensors_by_head_slices_tp_1_to_2(torch: Any,
+                                                 daemon_sockets: tuple[str, str]) -> None:
     """TP 1 -> 2 in NHD: each block's heads split by token (one small piece
     per token and slice: many device copies, issued as one batch)."""
-    a, b = pair
     src = caches(torch, (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD))
     dst = [caches(torch, (2, BLOCKS, BLOCK_SIZE, HEADS // 2, HEAD)) for _ in range(2)]
-    prefill = Worker(options(a, "P", send=True, receive=False, tp_size=1, peer_tp_size=2))
-    decode = [Worker(options(b, "D", rank=r, send=False, receive=True, tp_size=2,
-                             peer_tp_size=1)) for r in range(2)]
-    try:
-        prefill.register(src)
-        for w, mine in zip(decode, dst, strict=True):
-            w.register(mine)
+    with one_to_two(*daemon_sockets, options, src, dst) as (prefill, decode):
         fill(torch, src, 11)
         sb, db = [3, 4, 5, 40], [7, 1, 2, 9]
         prefill_step(prefill, src, "r", sb)
@@ -133,16 +115,13 @@ def test_gpu_kv_tensors_by_head_slices_tp_1_to_2(torch: Any, pair: tuple[str, st
             for name, s in src.items():
                 want = s[:, sb, :, r * half:(r + 1) * half].view(torch.int16)
                 assert torch.equal(dst[r][name][:, db].view(torch.int16), want), (r, name)
-    finally:
-        for w in decode:
-            w.close()
-        prefill.close()
 
 
-def test_gpu_kv_tensors_cannot_be_shared_memory(torch: Any, pair: tuple[str, str]) -> None:
+def test_gpu_kv_tensors_cannot_be_shared_memory(torch: Any,
+                                                daemon_sockets: tuple[str, str]) -> None:
     """The zero-copy mode moves tensors into memory the daemon maps: not
     device memory. Refused by name, at registration."""
-    w = Worker(options(pair[0], "P", send=True, receive=False, memory="shared"))
+    w = Worker(options(daemon_sockets[0], "P", send=True, receive=False, memory="shared"))
     try:
         with pytest.raises(InvalidArgument, match=r"CUDA device.*staging"):
             w.register(caches(torch, (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD)))

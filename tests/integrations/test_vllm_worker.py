@@ -45,12 +45,6 @@ def options(socket: str, engine: str, **kw: Any) -> WorkerOptions:
     return worker_options(socket, engine, block_size=BLOCK_SIZE, max_blocks=BLOCKS, **kw)
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    with daemon_pair(tmp_path) as (a, b):
-        yield a.socket, b.socket
-
-
 def blocks_equal(src: dict[str, Any], dst: dict[str, Any], sb: list[int], db: list[int],
                  planes_first: bool = True) -> None:
     for name, value in src.items():
@@ -62,8 +56,8 @@ def blocks_equal(src: dict[str, Any], dst: dict[str, Any], sb: list[int], db: li
 
 
 @pytest.mark.parametrize("planes_first", [True, False], ids=["planes_first", "blocks_first"])
-def test_stage_pull_load_every_byte(pair: tuple[str, str], planes_first: bool) -> None:
-    a, b = pair
+def test_stage_pull_load_every_byte(daemon_sockets: tuple[str, str], planes_first: bool) -> None:
+    a, b = daemon_sockets
     src, dst = caches(1, planes_first), caches(None, planes_first)
     prefill = Worker(options(a, "P", send=True, receive=False))
     decode = Worker(options(b, "D", send=False, receive=True))
@@ -89,12 +83,13 @@ def test_stage_pull_load_every_byte(pair: tuple[str, str], planes_first: bool) -
         prefill.close()
 
 
-def test_checksum_passes_and_a_corrupted_byte_is_a_load_error(pair: tuple[str, str]) -> None:
+def test_checksum_passes_and_a_corrupted_byte_is_a_load_error(
+        daemon_sockets: tuple[str, str]) -> None:
     """With checksums: a clean load passes; a byte flipped on the receiving
     side after it landed (the test hook) makes that load's blocks load
     errors, naming the layer, and the engine's tensor is not written from
     that layer on."""
-    a, b = pair
+    a, b = daemon_sockets
     src, dst = caches(2), caches(None)
     prefill = Worker(options(a, "P", send=True, receive=False, checksum=True))
     decode = Worker(options(b, "D", send=False, receive=True, checksum=True))
@@ -133,8 +128,9 @@ def test_checksum_passes_and_a_corrupted_byte_is_a_load_error(pair: tuple[str, s
         prefill.close()
 
 
-def test_a_prefill_nobody_pulls_is_released_after_its_lease(pair: tuple[str, str]) -> None:
-    a, _ = pair
+def test_a_prefill_nobody_pulls_is_released_after_its_lease(
+        daemon_sockets: tuple[str, str]) -> None:
+    a, _ = daemon_sockets
     prefill = Worker(options(a, "P", send=True, receive=False, lease_s=1.0))
     try:
         prefill.register(caches(3))
@@ -175,11 +171,11 @@ def test_with_its_daemon_gone_a_worker_fails_loads_and_releases_holds(
             prefill.close()
 
 
-def test_a_pull_that_does_not_match_its_key_is_refused(pair: tuple[str, str]) -> None:
+def test_a_pull_that_does_not_match_its_key_is_refused(daemon_sockets: tuple[str, str]) -> None:
     """A pull naming another request than the key holds (a late pull for a
     key since reused) pushes nothing; the held request is released, and
     the decode's load fails by its deadline, not later."""
-    a, b = pair
+    a, b = daemon_sockets
     src, dst = caches(4), caches(None)
     prefill = Worker(options(a, "P", send=True, receive=False))
     decode = Worker(options(b, "D", send=False, receive=True, load_timeout_s=3.0))
@@ -245,10 +241,10 @@ def test_a_dead_prefill_is_a_load_error_not_a_hang(tmp_path: Path) -> None:
         assert "d#0" not in decode._slots  # the request number went back
 
 
-def test_mla_single_plane(pair: tuple[str, str]) -> None:
+def test_mla_single_plane(daemon_sockets: tuple[str, str]) -> None:
     """MLA's one latent plane per layer (``(blocks, block_size, width)``)
     moves as whole blocks too."""
-    a, b = pair
+    a, b = daemon_sockets
     rng = np.random.default_rng(9)
     src = {f"l{i}": rng.integers(0, 1 << 16, (BLOCKS, BLOCK_SIZE, 72), dtype=np.uint16)
            for i in range(LAYERS)}
@@ -273,10 +269,10 @@ def test_mla_single_plane(pair: tuple[str, str]) -> None:
         prefill.close()
 
 
-def test_shared_memory_needs_torch_tensors(pair: tuple[str, str]) -> None:
+def test_shared_memory_needs_torch_tensors(daemon_sockets: tuple[str, str]) -> None:
     from p2pxfer.errors import InvalidArgument
 
-    prefill = Worker(options(pair[0], "P", send=True, receive=False, memory="shared"))
+    prefill = Worker(options(daemon_sockets[0], "P", send=True, receive=False, memory="shared"))
     try:
         with pytest.raises(InvalidArgument, match="torch"):
             prefill.register(caches(1))
@@ -300,12 +296,12 @@ def heads_of(t: Any, blocks: list[int], lo: int, hi: int, layout: str) -> Any:
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_heterogeneous_tp_one_prefill_rank_to_two_decode_ranks(pair: tuple[str, str],
+def test_heterogeneous_tp_one_prefill_rank_to_two_decode_ranks(daemon_sockets: tuple[str, str],
                                                                 layout: str) -> None:
     """TP 1 -> 2: the prefill stages each block as two head slices; decode
     rank r pulls slice r into its (half as wide) blocks. The prefill
     releases the request once both ranks pulled."""
-    a, b = pair
+    a, b = daemon_sockets
     src = head_caches(11, 4, layout)
     dst = [head_caches(None, 2, layout) for _ in range(2)]
     prefill = Worker(options(a, "P", send=True, receive=False, tp_size=1, peer_tp_size=2,
@@ -331,12 +327,12 @@ def test_heterogeneous_tp_one_prefill_rank_to_two_decode_ranks(pair: tuple[str, 
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_heterogeneous_tp_two_prefill_ranks_to_one_decode_rank(pair: tuple[str, str],
+def test_heterogeneous_tp_two_prefill_ranks_to_one_decode_rank(daemon_sockets: tuple[str, str],
                                                                 layout: str) -> None:
     """TP 2 -> 1: the decode pulls from both prefill ranks, each pushing its
     whole (half as wide) blocks into one head slice of the decode's staging
     blocks; the decode puts the halves side by side, with checksums."""
-    a, b = pair
+    a, b = daemon_sockets
     src = [head_caches(20 + q, 2, layout) for q in range(2)]
     dst = head_caches(None, 4, layout)
     prefill = [Worker(options(a, "P", rank=q, send=True, receive=False, tp_size=2,
@@ -369,12 +365,12 @@ def test_heterogeneous_tp_two_prefill_ranks_to_one_decode_rank(pair: tuple[str, 
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)], ids=["1to2", "2to1"])
-def test_heterogeneous_tp_mla_is_replicated(pair: tuple[str, str], prefill_tp: int,
+def test_heterogeneous_tp_mla_is_replicated(daemon_sockets: tuple[str, str], prefill_tp: int,
                                             decode_tp: int) -> None:
     """MLA's latent is whole on every rank: each decode rank pulls whole
     blocks from one prefill rank (no head slices), and releases the other
     replicas' holds at once (their lease here is longer than the test)."""
-    a, b = pair
+    a, b = daemon_sockets
     rng = np.random.default_rng(31)
     latent = {f"l{i}": rng.integers(0, 1 << 16, (BLOCKS, BLOCK_SIZE, 40), dtype=np.uint16)
               for i in range(LAYERS)}
@@ -422,8 +418,8 @@ def test_importing_p2pxfer_and_the_worker_side_needs_no_vllm() -> None:
 
 
 def test_layers_save_kv_layer_missed_are_staged_at_the_end_of_the_step(
-        pair: tuple[str, str]) -> None:
-    a, b = pair
+        daemon_sockets: tuple[str, str]) -> None:
+    a, b = daemon_sockets
     src, dst = caches(12), caches(None)
     prefill = Worker(options(a, "P", send=True, receive=False))
     decode = Worker(options(b, "D", send=False, receive=True))

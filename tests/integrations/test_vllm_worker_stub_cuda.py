@@ -23,13 +23,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from daemon_helpers import daemon_pair
 from p2pxfer import cuda
 from p2pxfer.integrations import _tensors
 from p2pxfer.integrations.vllm import _device, _worker
 from p2pxfer.integrations.vllm._plan import Load, Save, Send
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
-from vllm_worker_helpers import pulled_by_each, wait_finished, worker_options
+from vllm_worker_helpers import (
+    one_to_two,
+    prefill_step,
+    pulled_by_each,
+    wait_finished,
+    worker_options,
+)
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD = 4, 64, 16, 4, 32
 
@@ -69,12 +74,6 @@ def stub(request: pytest.FixtureRequest, stub_lib: str,
     yield lib
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    with daemon_pair(tmp_path) as (a, b):
-        yield a.socket, b.socket
-
-
 def options(socket: str, engine: str, **kw: Any) -> WorkerOptions:
     return worker_options(socket, engine, block_size=BLOCK_SIZE, max_blocks=BLOCKS, **kw)
 
@@ -87,8 +86,8 @@ def caches(seed: int | None, heads: int = HEADS) -> dict[str, Any]:
 
 
 def test_stub_gpu_caches_every_byte_after_the_copies_ran(stub: ctypes.CDLL,
-                                                        pair: tuple[str, str]) -> None:
-    a, b = pair
+                                                        daemon_sockets: tuple[str, str]) -> None:
+    a, b = daemon_sockets
     src, dst = caches(3), caches(None)
     prefill = Worker(options(a, "P", send=True, receive=False))
     decode = Worker(options(b, "D", send=False, receive=True, checksum=True))
@@ -124,10 +123,10 @@ def test_stub_gpu_caches_every_byte_after_the_copies_ran(stub: ctypes.CDLL,
 
 
 def test_stub_gpu_caches_by_head_slices_tp_2_to_1(stub: ctypes.CDLL,
-                                                  pair: tuple[str, str]) -> None:
+                                                  daemon_sockets: tuple[str, str]) -> None:
     """TP 2 -> 1 in NHD: the decode's block is two prefill ranks' head
     slices, each copied to the device as one piece per token."""
-    a, b = pair
+    a, b = daemon_sockets
     src = [caches(10 + r, HEADS // 2) for r in range(2)]
     dst = caches(None)
     prefill = [Worker(options(a, "P", rank=r, send=True, receive=False, tp_size=2,
@@ -160,11 +159,11 @@ def test_stub_gpu_caches_by_head_slices_tp_2_to_1(stub: ctypes.CDLL,
 
 
 def test_stub_gpu_close_waits_for_a_step_never_ended(stub: ctypes.CDLL,
-                                                    pair: tuple[str, str]) -> None:
+                                                    daemon_sockets: tuple[str, str]) -> None:
     """Layers staged, then the worker closed before wait_for_save: the
     queued copies still run (into the still-mapped pool) before it is
     unpinned."""
-    prefill = Worker(options(pair[0], "P", send=True, receive=False))
+    prefill = Worker(options(daemon_sockets[0], "P", send=True, receive=False))
     try:
         prefill.register(caches(5))
         for name in prefill.index:
@@ -176,29 +175,17 @@ def test_stub_gpu_close_waits_for_a_step_never_ended(stub: ctypes.CDLL,
     assert stub.stub_pinned() == 0
 
 
-def test_stub_gpu_pulled_by_two_decode_ranks(stub: ctypes.CDLL, pair: tuple[str, str]) -> None:
+def test_stub_gpu_pulled_by_two_decode_ranks(stub: ctypes.CDLL,
+                                             daemon_sockets: tuple[str, str]) -> None:
     """TP 1 -> 2: one staged request, two pulls, each rank's slices."""
-    a, b = pair
     src = caches(21)
     dst = [caches(None, HEADS // 2) for _ in range(2)]
-    prefill = Worker(options(a, "P", send=True, receive=False, tp_size=1, peer_tp_size=2))
-    decode = [Worker(options(b, "D", rank=r, send=False, receive=True, tp_size=2,
-                             peer_tp_size=1)) for r in range(2)]
-    try:
-        prefill.register(src)
-        for w, mine in zip(decode, dst, strict=True):
-            w.register(mine)
+    with one_to_two(*daemon_sockets, options, src, dst) as (prefill, decode):
         sb, db = [8, 9, 10], [0, 5, 60]
-        for name in src:
-            prefill.stage_layer(name, [Save("r", tuple(sb))])
-        prefill.end_step([Save("r", tuple(sb))])
+        prefill_step(prefill, src, "r", sb)
         pulled_by_each(prefill, decode, 2, sb, db)
         half = HEADS // 2
         for r in range(2):
             for name, s in src.items():
                 assert (dst[r][name][:, db] == s[:, sb, :, r * half:(r + 1) * half]).all()
-    finally:
-        for w in decode:
-            w.close()
-        prefill.close()
     assert stub.stub_pinned() == 0
