@@ -77,3 +77,31 @@ async def test_a_write_waiting_its_turn_on_a_busy_link_keeps_its_deadline(
                 took = trio.current_time() - t0
                 nursery.cancel_scope.cancel()
     assert 0.45 <= took < 4.5, took  # not after the other's 5 s
+
+
+def test_a_degraded_member_is_rerouted_not_forgotten() -> None:
+    """Membership says one of a member's rails stopped answering: our link
+    to its control port moves to a rail that answers (ticket refills and
+    the settling of a notification whose rail failed go on), and back when
+    it is alive again; nothing we know of it (descriptors, tickets it holds
+    for us) is forgotten, as it is when a member really moves."""
+    from p2pxfer.daemon._follow import Follower
+    from p2pxfer.membership import Member, MemberAlive, MemberDegraded
+
+    table = PeerTable("me", (), auth=None, max_frame=1 << 20)
+    forgotten: list[str] = []
+    table.on_forget = forgotten.append
+    rails = ("10.9.1.2:7700", "10.9.2.2:7700")
+    table.up("h2", rails[0], rails)
+    forgotten.clear()
+    follower = Follower.__new__(Follower)  # only its event routing, no backend
+    follower.node, follower.peers = "me", table
+    follower.log = type("Log", (), {"record": lambda self, ev: None})()
+    m = Member("h2", rails[0], 7, addresses=rails, unreachable=rails[:1])
+    follower.on_event(MemberDegraded(m))
+    assert table.peers["h2"].address == rails[1]
+    follower.on_event(MemberAlive(Member("h2", rails[0], 7, addresses=rails)))
+    assert table.peers["h2"].address == rails[0]
+    assert forgotten == []
+    table.up("h2", "10.9.3.2:7700", ("10.9.3.2:7700",))  # it moved: what we knew is void
+    assert forgotten == ["h2"]

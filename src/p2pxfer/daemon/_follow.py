@@ -203,9 +203,15 @@ class Follower:
         self.log.record(ev)
         m = ev.member
         if isinstance(ev, MemberDegraded):
-            return  # still alive and current: its writes go on (on the rails that answer)
+            # Still alive and current: its writes go on (on the rails that
+            # answer), and so do our requests to it (ticket refills, settling
+            # a notification whose rail failed) on an address that answers.
+            answering = [a for a in m.every_address if a not in m.unreachable]
+            if answering:
+                self.peers.reroute(m.name, answering[0])
+            return
         if isinstance(ev, MemberJoined | MemberAlive):
-            self.peers.up(m.name, m.address)
+            self.peers.up(m.name, m.address, m.every_address)
         elif isinstance(ev, MemberDead | MemberLeft):
             what = "died" if isinstance(ev, MemberDead) else "left"
             self.peer_lost(m.name, f"{m.name} {what} (incarnation {m.incarnation})")

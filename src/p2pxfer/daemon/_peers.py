@@ -223,15 +223,32 @@ class PeerTable:
         self.peers[name] = PeerAddress(name, format_hostport(host, port))
         self.on_forget(name)
 
-    def up(self, name: str, address: str) -> None:
+    def up(self, name: str, address: str, addresses: tuple[str, ...] = ()) -> None:
         """A running member at ``address``: known from now on; if it moved,
-        what we knew of it is void."""
+        what we knew of it is void. From another of its own ``addresses``
+        (back from a rail that failed) it did not move: :meth:`reroute`."""
         if name == self.node:
             return
         known = self.peers.get(name)
-        if known is None or known.address != address:
+        if known is not None and known.address != address and known.address in addresses:
+            self.reroute(name, address)
+        elif known is None or known.address != address:
             self.peers[name] = PeerAddress(name, address)
             self.drop(name)
+
+    def reroute(self, name: str, address: str) -> None:
+        """The same life of ``name``, its control port now reached at
+        ``address`` (another of its rails: the one we used stopped
+        answering): the link dials there from now on. What we know of it
+        (descriptors, tickets it holds for us) stays valid."""
+        known = self.peers.get(name)
+        if name == self.node or known is None or known.address == address:
+            return
+        log.info("peer.rerouted", peer=name, old=known.address, new=address)
+        self.peers[name] = PeerAddress(name, address)
+        link = self._links.pop(name, None)
+        if link is not None and self.nursery is not None:
+            self.nursery.start_soon(link.close)
 
     def drop(self, name: str) -> None:
         """Forget ``name``'s descriptors and close its link (in the background)."""

@@ -54,6 +54,11 @@ __all__ = ["Writes"]
 
 log = get_logger("p2pxfer.daemon")
 
+#: a notification whose outcome is unknown: how long before asking its peer
+#: again when its control port did not answer (the link may move to a rail
+#: that answers)
+SETTLE_RETRY_S = 0.5
+
 
 class Writes:
     """Writes in flight, and how each one runs."""
@@ -236,7 +241,7 @@ class Writes:
                 self.notifications["unknown"] += 1
                 raise
             try:
-                arrived = await self.regions.settle(peer, ticket, imm, until)
+                arrived = await self._settle(peer, ticket, imm, until)
             except P2PXferError as exc:
                 self.notifications["unknown"] += 1
                 log.warning("transfer.notification_unsettled", peer=peer, region=region,
@@ -246,6 +251,20 @@ class Writes:
             log.info("transfer.notification_settled", peer=peer, region=region,
                      counted_on_ask=not arrived, why=str(unknown))
             return 1
+
+    async def _settle(self, peer: str, ticket: int, imm: int, until: float) -> bool:
+        """Ask ``peer`` whether the notification through ``ticket`` landed;
+        asked again while the write has time, if its control port did not
+        answer: the rail the link used may be the one that failed, and
+        membership moves the link to a rail that answers (``reroute``).
+        Asking twice is safe: the peer remembers a ticket it counted."""
+        while True:
+            try:
+                return await self.regions.settle(peer, ticket, imm, until)
+            except PeerUnreachable:
+                if trio.current_time() + SETTLE_RETRY_S >= until:
+                    raise
+                await trio.sleep(SETTLE_RETRY_S)
 
     async def _faulty_notify(self, src: memoryview, desc: RegionDescriptor,
                              scatter: ScatterList, imm: int | None, until: float) -> None:
