@@ -134,6 +134,16 @@ class Bridge:
             raise ConnectionLost(f"the client to the p2pxfer daemon at {self.socket} "
                                  "closed") from exc
 
+    def soon(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)`` to run in the bridge, in the order queued,
+        and return at once (never waits for the bridge). ``fn`` must not
+        raise: it runs in trio's own loop."""
+        try:
+            self._live_token().run_sync_soon(fn, *args)
+        except trio.RunFinishedError as exc:
+            raise ConnectionLost(f"the client to the p2pxfer daemon at {self.socket} "
+                                 "closed") from exc
+
     def _start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         # In the bridge's thread: once its nursery has closed (the close
         # hooks and the client's close may still run), nothing starts.

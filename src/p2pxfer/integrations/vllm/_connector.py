@@ -150,10 +150,11 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Hand this step's finished prefills to the pull servers and start
-        this step's loads; both run in the transfer thread, so this returns
-        at once."""
+        """Open this step's prefills pushed as computed, hand its finished
+        prefills to the pull servers and start its loads; all run in the
+        transfer thread, so this returns at once."""
         plan = self._plan()
+        self.worker.open(plan.opens)
         self.worker.hold(plan.sends)
         self.worker.load(plan.loads)
 

@@ -5,8 +5,10 @@ mailbox, then takes each layer as it lands in the staging pool, checks it
 blocks, or head slices when the prefill's ranks hold fewer heads). A layer
 that does not come (the prefill died: membership says so; the push's or
 the load's deadline passed) or does not check makes the load's blocks
-load errors. What must not live here: set-up (``_worker``), serving pulls
-(``_prefill``).
+load errors. A load pushed as computed writes its pulls into the
+prefill's slots for the transfer, as soon as they are there, and its
+layers land as the prefill computes them. What must not live here:
+set-up (``_worker``), serving pulls (``_prefill``, ``_push``).
 """
 
 from __future__ import annotations
@@ -25,13 +27,23 @@ from p2pxfer.errors import (
     P2PXferError,
     PeerLost,
     TransferError,
+    UnknownRegion,
     WaitTimeout,
 )
 from p2pxfer.integrations._tensors import checksum_blocks, copy_blocks
 from p2pxfer.log import get_logger
 from p2pxfer.scatter import ScatterList
 
-from ._plan import Load, Pull, Route, encode_pull, pull_routes, region_names, split
+from ._plan import (
+    Load,
+    Pull,
+    Route,
+    encode_pull,
+    pull_region,
+    pull_routes,
+    region_names,
+    split,
+)
 from ._state import SUM_BYTES, WorkerState
 
 __all__ = ["DecodeSide", "LoadCorrupted"]
@@ -39,6 +51,9 @@ __all__ = ["DecodeSide", "LoadCorrupted"]
 log = get_logger("p2pxfer.vllm")
 
 GONE = ("dead", "left")
+#: a pull pushed as computed whose slots are not there yet is written
+#: again after the first pause, then twice as long, up to the second
+PULL_RETRY_S = (0.01, 0.25)
 I64 = npt.NDArray[np.int64]
 
 
@@ -113,6 +128,9 @@ class DecodeSide(WorkerState):
                                         p.staging), self.slot_bytes)
                 off = p.msg * self.slot_bytes
                 self._msgs.array[off:off + len(data)] = np.frombuffer(data, np.uint8)
+                if job.transfer_id:
+                    await self._pull_early(job, p, off, len(data), deadline)
+                    continue
                 mailbox = job.key * kp + p.route.sub
                 await c.write(job.node, region_names(job.engine, p.route.rank)[1],
                               ScatterList.contiguous(len(data), off, mailbox * self.slot_bytes),
@@ -152,6 +170,35 @@ class DecodeSide(WorkerState):
                     self._msg_slots.release(f"{job.request}#{i}")
                 if job.blocks:
                     self._received.add(job.request)
+
+    async def _pull_early(self, job: Load, p: _Part, off: int, nbytes: int,
+                          deadline: float) -> None:
+        """Write a pull pushed as computed into the prefill rank's slots for
+        the transfer: they may not be there yet (the prefill has not
+        scheduled the request), so asked again, less and less often, until
+        the load's deadline; ``PeerLost`` once the prefill node is gone."""
+        c = self.bridge.client
+        assert self._msgs is not None
+        region = pull_region(job.engine, p.route.rank, job.transfer_id)
+        where = ScatterList.contiguous(nbytes, off, p.route.sub * self.slot_bytes)
+        pause = PULL_RETRY_S[0]
+        while True:
+            try:
+                await c.write(job.node, region, where, src=self._msgs, imm=p.route.sub,
+                              notify=True, timeout=max(deadline - trio.current_time(), 0.001))
+                return
+            except UnknownRegion:
+                if trio.current_time() + pause >= deadline:
+                    raise WaitTimeout(f"prefill node {job.node} took no pull for transfer "
+                                      f"{job.transfer_id!r} within {self.opts.load_timeout_s:g} "
+                                      "s") from None
+                peer = await c.lookup(job.node)
+                if peer is None or peer.get("state") in GONE:
+                    raise PeerLost(f"prefill node {job.node} is "
+                                   f"{'unknown' if peer is None else peer.get('state')} "
+                                   f"(transfer {job.transfer_id!r} was never opened)") from None
+                await trio.sleep(pause)
+                pause = min(pause * 2, PULL_RETRY_S[1])
 
     async def _receive(self, job: Load, parts: list[_Part], deadline: float,
                        life: int | None) -> None:

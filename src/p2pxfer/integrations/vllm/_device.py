@@ -6,7 +6,10 @@ pool page-locked, the streams its copies go on, and what waits for them.
   wrote the layer); ``wait_for_save`` records an event on each such stream
   (:meth:`end_step`) and returns: the forward is not stopped. A pull server
   waits for every event recorded so far (:meth:`staged`, in a thread)
-  before it reads the pool (checksums, push).
+  before it reads the pool (checksums, push). A layer pushed as computed
+  has an event of its own right behind its copies (:meth:`layer_event`),
+  not behind the later layers' kernels queued since: its pusher waits for
+  that one (:meth:`synced`).
 - Decode: each landed layer's pool -> device copies go on a stream of the
   worker's (:attr:`DeviceSide.loads`), synchronized (:meth:`loads_done`, in
   a thread) before the load is reported, however it ended: vLLM never
@@ -132,6 +135,22 @@ class DeviceSide:
             finally:
                 for event in events:
                     cuda.event_done(event, self.device)
+
+    def layer_event(self, on: DeviceCopies) -> int:
+        """An event behind the copies just issued on ``on`` (inside
+        :meth:`staging`); whoever takes it hands it to :meth:`synced`."""
+        return driver().record(on.stream, self.device)
+
+    def synced(self, events: list[int]) -> None:
+        """Blocks until ``events`` are over (from a worker thread), then
+        destroys them, over or not."""
+        cuda = driver()
+        try:
+            for event in events:
+                cuda.event_sync(event, self.device)
+        finally:
+            for event in events:
+                cuda.event_done(event, self.device)
 
     # -- decode -------------------------------------------------------------------------
 

@@ -15,10 +15,20 @@ request id it is for (a late pull for a key since reused is refused), the
 decode's node, pool, optional checksum region and request number, how
 many of the held blocks decode already has (``skip``), and the decode's
 block ids (int32 little-endian ``bin``).
+
+*Push as computed*: a proxy that sends a request to the prefill and the
+decode at once gives both the same ``transfer_id``. The prefill worker
+then exports the request's mailbox slots under a name of its own
+(``pull_region``) as soon as the request is scheduled, the decode writes
+its pull there (immediate: the decode's sub-slot), and each layer is
+pushed as soon as the step that completes it has computed it (``Save.last``
+carries the request's whole block table), not after the request finished.
+The id stands where the prefill request id stands in a pull.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +39,14 @@ import numpy.typing as npt
 
 from p2pxfer.errors import InvalidArgument
 
-__all__ = ["Load", "Pull", "Route", "Save", "Send", "decode_pull", "encode_pull", "pull_routes",
-           "pull_slot_bytes", "region_names", "split"]
+__all__ = ["Load", "Open", "Pull", "Route", "Save", "Send", "check_transfer_id", "decode_pull",
+           "encode_pull", "pull_region", "pull_routes", "pull_slot_bytes", "region_names",
+           "split"]
 
 HEADER = struct.Struct("<I")
 SLACK = 1024  # the map's keys, names and ids around the block table
+MAX_TRANSFER_ID = 64
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9._:-]+")
 
 
 @dataclass(frozen=True)
@@ -44,16 +57,34 @@ class Save:
 
     request: str
     blocks: tuple[int, ...]
+    #: push as computed: this step computes the request's last prompt
+    #: tokens, so each layer it saves is complete; ``table`` is every block
+    #: of the prompt, in order
+    last: bool = False
+    table: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Open:
+    """Prefill, push as computed: ``request`` was scheduled; its mailbox
+    slots (under ``key``) take a decode's pull for ``transfer_id`` now."""
+
+    request: str
+    key: int
+    transfer_id: str
 
 
 @dataclass(frozen=True)
 class Send:
     """Prefill: ``request`` finished and is held under ``key`` (its blocks
-    are not freed) until a decode pulls it or its lease passes."""
+    are not freed) until a decode pulls it or its lease passes. Pushed as
+    computed (``transfer_id``): its pushes may end now; no ``blocks``:
+    it was aborted, nothing more is pushed."""
 
     request: str
     key: int
     blocks: tuple[int, ...]
+    transfer_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +99,8 @@ class Load:
     remote_request: str
     skip: int
     blocks: tuple[int, ...]
+    #: push as computed: the pull goes to ``pull_region`` (``key`` unused)
+    transfer_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,6 +162,21 @@ def region_names(engine: str, rank: int) -> tuple[str, str, str]:
     """(KV staging pool, pull mailbox, checksum region) of one worker."""
     base = f"vllm-{engine}-r{rank}"
     return base, f"{base}-pull", f"{base}-sums"
+
+
+def check_transfer_id(tid: Any) -> str:
+    """``tid`` if it can name a pull region: 1..64 of ``A-Za-z0-9._:-``."""
+    if not isinstance(tid, str) or not 0 < len(tid) <= MAX_TRANSFER_ID \
+            or not _TRANSFER_ID.fullmatch(tid):
+        raise InvalidArgument(f"transfer_id must be 1..{MAX_TRANSFER_ID} of A-Z a-z 0-9 . _ : -, "
+                              f"got {tid!r}")
+    return tid
+
+
+def pull_region(engine: str, rank: int, transfer_id: str) -> str:
+    """The region a prefill worker takes the pulls of ``transfer_id`` in
+    (its mailbox slots for the request, sub-slot ``j`` at ``j`` slots)."""
+    return f"{region_names(engine, rank)[1]}-{check_transfer_id(transfer_id)}"
 
 
 def pull_slot_bytes(max_blocks: int) -> int:

@@ -94,23 +94,31 @@ class PrefillSide(WorkerState):
             log.warning("vllm.push_failed", request=s.request, key=s.key, part=j, error=str(exc))
         log.debug("vllm.released", request=s.request, key=s.key, part=j, outcome=outcome)
 
-    async def _send_sums(self, slot: int, pull: Pull, src: npt.NDArray[np.int64]) -> None:
-        """Each layer's checksum over the blocks about to be pushed, written
-        into the decode's checksum region before the push starts."""
+    async def _send_sums(self, slot: int, pull: Pull, src: npt.NDArray[np.int64],
+                         layers: npt.NDArray[np.int64] | None = None) -> None:
+        """Each layer's checksum (of ``layers``, else all) over the blocks
+        about to be pushed, written into the decode's checksum region
+        before the push starts."""
         pool, layout = self.pool, self.layout
         assert pool is not None and layout is not None
         n = layout.num_layers
+        which = np.arange(n) if layers is None else layers
 
         def compute() -> npt.NDArray[np.uint64]:
-            return np.array([checksum_blocks(pool.array, layout, layer, src)
-                             for layer in range(n)], "<u8")
+            return np.array([checksum_blocks(pool.array, layout, int(layer), src)
+                             for layer in which], "<u8")
 
         # In a thread (the gathers and CRCs release the GIL): the bridge
         # serves other pulls and loads meanwhile.
         sums = await trio.to_thread.run_sync(compute)
         out = self._sums_out
         assert out is not None
-        off = slot * n * SUM_BYTES
-        out.array[off:off + n * SUM_BYTES] = sums.view(np.uint8)
-        where = ScatterList.contiguous(n * SUM_BYTES, off, pull.request * n * SUM_BYTES)
+        base = slot * n * SUM_BYTES
+        out.array[base:base + n * SUM_BYTES].view("<u8")[which] = sums
+        # One piece per run of consecutive layers (all of them: one piece).
+        runs = np.split(which, np.flatnonzero(np.diff(which) != 1) + 1)
+        where = ScatterList(
+            np.array([base + r[0] * SUM_BYTES for r in runs], np.int64),
+            np.array([(pull.request * n + r[0]) * SUM_BYTES for r in runs], np.int64),
+            np.array([len(r) * SUM_BYTES for r in runs], np.int64))
         await self.bridge.client.write(pull.node, pull.sums, where, src=out)

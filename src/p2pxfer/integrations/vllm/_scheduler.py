@@ -14,6 +14,15 @@ decode's request, as for NIXL):
 - a decode request with those loads the prompt's KV from there
   (``get_num_new_matched_tokens`` returns it as loaded asynchronously).
 
+Push as computed (a proxy sends the request to both at once): the prefill
+request has ``{"do_remote_decode": true, "transfer_id": id}``, the decode
+request ``{"do_remote_prefill": true, "remote_node", "remote_engine_id",
+"transfer_id": id, "remote_tp_size"}``. The prefill takes its key when the
+request is first scheduled (``Open``), marks the step that computes its
+last prompt tokens (``Save.last``), and its ``request_finished`` holds the
+blocks until the workers' pushes end (nothing to answer: the decode has its
+parameters already). The decode's pull names the id.
+
 State: vLLM's scheduler thread only (vLLM calls all of this from it).
 """
 
@@ -26,7 +35,7 @@ from p2pxfer.errors import InvalidArgument, LimitExceeded
 from p2pxfer.integrations._slots import SlotTable
 from p2pxfer.log import get_logger
 
-from ._plan import Load, Save, Send
+from ._plan import Load, Open, Save, Send, check_transfer_id
 
 __all__ = ["SchedulerSide", "StepPlan"]
 
@@ -34,6 +43,13 @@ log = get_logger("p2pxfer.vllm")
 
 REMOTE_KEYS = ("remote_node", "remote_engine_id", "remote_key", "remote_request_id",
                "remote_block_ids")
+PUSH_KEYS = ("remote_node", "remote_engine_id", "transfer_id")
+
+
+def _remote_keys(params: dict[str, Any]) -> tuple[str, ...]:
+    """What a decode request's ``kv_transfer_params`` must name: a held
+    request (pulled), or a transfer id (pushed as computed)."""
+    return PUSH_KEYS if "transfer_id" in params else REMOTE_KEYS
 
 
 @dataclass
@@ -43,6 +59,7 @@ class StepPlan:
     saves: list[Save] = field(default_factory=list)
     sends: list[Send] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
+    opens: list[Open] = field(default_factory=list)
 
 
 def _blocks_of(blocks: Any) -> list[int]:
@@ -67,6 +84,9 @@ class SchedulerSide:
         self._loads: dict[str, Load] = {}  # to start at the next step
         self._blocks: dict[str, list[int]] = {}  # prefill: every block of a request to stage
         self._sends: list[Send] = []
+        self._opens: list[Open] = []
+        #: prefill, pushed as computed: request -> (key, transfer id, prompt tokens)
+        self._push: dict[str, tuple[int, str, int]] = {}
 
     # -- decode ------------------------------------------------------------------------
 
@@ -74,7 +94,7 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if not (self.receive and params.get("do_remote_prefill")):
             return 0, False
-        missing = [k for k in REMOTE_KEYS if k not in params]
+        missing = [k for k in _remote_keys(params) if k not in params]
         if missing:
             raise InvalidArgument(f"request {request.request_id!r} asks for a remote prefill "
                                   f"without {missing} in kv_transfer_params")
@@ -94,6 +114,8 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if self.send and params.get("do_remote_decode"):
             self._blocks[request.request_id] = _blocks_of(blocks)
+            if "transfer_id" in params:
+                self._open(request, params)
         if not (self.receive and params.get("do_remote_prefill")):
             return
         # Once: a request preempted and scheduled again computes for itself.
@@ -101,19 +123,33 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         local = _blocks_of(blocks)
-        remote = [int(b) for b in params["remote_block_ids"]]
         n_new = -(-num_external_tokens // self.block_size)
         local_new = local[len(local) - n_new:] if n_new else []
         # The blocks decode already had (a local prefix hit) are skipped on
         # the prefill side: the remote table's tail matches our new blocks.
-        skip = len(remote) - len(local_new)
+        skip = self._remote_blocks(request, params) - len(local_new)
         if skip < 0:
             raise InvalidArgument(f"request {request.request_id!r}: {len(local_new)} new blocks "
-                                  f"to load but the prefill holds {len(remote)}")
-        self._loads[request.request_id] = Load(
-            request.request_id, str(params["remote_node"]), str(params["remote_engine_id"]),
-            int(params["remote_key"]),
-            str(params["remote_request_id"]), skip, tuple(local_new))
+                                  "to load but the prefill holds "
+                                  f"{self._remote_blocks(request, params)}")
+        self._loads[request.request_id] = self._load(request.request_id, params, skip,
+                                                     tuple(local_new))
+
+    def _remote_blocks(self, request: Any, params: dict[str, Any]) -> int:
+        """Blocks of the prompt the prefill holds: its table, or (pushed as
+        computed, the table unknown yet) the prompt's length in blocks."""
+        if "transfer_id" in params:
+            return -(-len(request.prompt_token_ids or ()) // self.block_size)
+        return len(params["remote_block_ids"])
+
+    @staticmethod
+    def _load(rid: str, params: dict[str, Any], skip: int, blocks: tuple[int, ...]) -> Load:
+        node, engine = str(params["remote_node"]), str(params["remote_engine_id"])
+        if "transfer_id" in params:
+            tid = check_transfer_id(params["transfer_id"])
+            return Load(rid, node, engine, 0, tid, skip, blocks, tid)
+        return Load(rid, node, engine, int(params["remote_key"]),
+                    str(params["remote_request_id"]), skip, blocks)
 
     # -- prefill -----------------------------------------------------------------------
 
@@ -127,15 +163,21 @@ class SchedulerSide:
         self._blocks.pop(rid, None)
         params = request.kv_transfer_params or {}
         if self.receive and params.get("do_remote_prefill") and \
-                all(k in params for k in REMOTE_KEYS):
+                all(k in params for k in _remote_keys(params)):
             params["do_remote_prefill"] = False
-            self._loads[rid] = Load(rid, str(params["remote_node"]),
-                                    str(params["remote_engine_id"]), int(params["remote_key"]),
-                                    str(params["remote_request_id"]),
-                                    len(params["remote_block_ids"]), ())
+            self._loads[rid] = self._load(rid, params, self._remote_blocks(request, params), ())
             return False, None
         if not (self.send and params.get("do_remote_decode")):
             return False, None
+        pushed = self._push.pop(rid, None)
+        if pushed is not None:
+            # Its pushes may be under way from these blocks: they are held
+            # until the worker says its pushes ended (aborted: at once).
+            key, tid, _ = pushed
+            done = completed and bool(block_ids)
+            self._sends.append(Send(rid, key, tuple(int(b) for b in block_ids) if done else (),
+                                    tid))
+            return True, None
         if not completed or not block_ids:
             # Aborted (or errored): nobody will pull it; its blocks go now.
             log.debug("vllm.not_held", request=rid, status=str(getattr(request, "status", "")))
@@ -154,6 +196,23 @@ class SchedulerSide:
                       "remote_block_ids": [int(b) for b in block_ids],
                       "remote_tp_size": self.tp_size}
 
+    def _open(self, request: Any, params: dict[str, Any]) -> None:
+        """A prefill request pushed as computed was scheduled: its key now,
+        so a decode can pull before it finished."""
+        rid = request.request_id
+        if rid in self._push:
+            return  # scheduled again after a preemption: open already
+        tid = check_transfer_id(params["transfer_id"])
+        try:
+            key = self._keys.take(rid)
+        except LimitExceeded as exc:
+            # Nothing to take its pull in: the decode's load fails at its
+            # deadline and the decode computes the prompt itself.
+            log.warning("vllm.not_opened", request=rid, transfer_id=tid, error=str(exc))
+            return
+        self._push[rid] = (key, tid, len(request.prompt_token_ids or ()))
+        self._opens.append(Open(rid, key, tid))
+
     def held(self) -> int:
         """Prefill requests held for a pull."""
         return len(self._keys)
@@ -167,9 +226,10 @@ class SchedulerSide:
     # -- every step --------------------------------------------------------------------
 
     def plan(self, scheduler_output: Any) -> StepPlan:
-        step = StepPlan(loads=list(self._loads.values()), sends=self._sends)
+        step = StepPlan(loads=list(self._loads.values()), sends=self._sends, opens=self._opens)
         self._loads = {}
         self._sends = []
+        self._opens = []
         if self.send and self._blocks:
             step.saves = self._saves(scheduler_output)
         return step
@@ -178,7 +238,6 @@ class SchedulerSide:
         """The blocks each step's tokens touch, per request to be pulled; a
         request's first step stages from its first block (a locally cached
         prefix is not computed again, but it is pushed)."""
-        bs = self.block_size
         scheduled = out.num_scheduled_tokens
         saves = []
         for new in out.scheduled_new_reqs:
@@ -187,7 +246,7 @@ class SchedulerSide:
                 continue
             self._blocks[new.req_id] = blocks = list(new.block_ids[0])
             end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-            saves.append(Save(new.req_id, tuple(blocks[:-(-end // bs)])))
+            saves.append(self._save(new.req_id, blocks, 0, end))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             blocks = self._blocks.get(rid)
@@ -197,6 +256,15 @@ class SchedulerSide:
             if added:
                 blocks.extend(added[0])
             start = cached.num_computed_tokens[i]
-            end = start + scheduled.get(rid, 0)
-            saves.append(Save(rid, tuple(blocks[start // bs:-(-end // bs)])))
+            saves.append(self._save(rid, blocks, start, start + scheduled.get(rid, 0)))
         return saves
+
+    def _save(self, rid: str, blocks: list[int], start: int, end: int) -> Save:
+        """The blocks of tokens ``start..end`` of ``rid``; for one pushed as
+        computed whose prompt ends this step, ``last`` and its table."""
+        bs = self.block_size
+        step = tuple(blocks[start // bs:-(-end // bs)])
+        pushed = self._push.get(rid)
+        if pushed is None or end < pushed[2]:
+            return Save(rid, step)
+        return Save(rid, step, last=True, table=tuple(blocks[:-(-pushed[2] // bs)]))

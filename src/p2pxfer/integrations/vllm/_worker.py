@@ -9,7 +9,9 @@ Prefill: each computed layer's blocks are copied into the staging pool
 touched; nothing to copy when the tensors live in the pool); a finished
 request is held under its key until a decode's pull lands in the mailbox,
 then its blocks are pushed into the decode's pool, all layers, in layer
-order, by the daemon (``kv_push``). Decode: see ``_decode``.
+order, by the daemon (``kv_push``); a request pushed as computed is pushed
+layer by layer as its last step computes them (``_push``). Decode: see
+``_decode``.
 
 Heterogeneous tensor parallelism (``tp_size`` != ``peer_tp_size``, one
 dividing the other): the side whose ranks hold ``k`` times the heads keeps
@@ -39,8 +41,8 @@ from p2pxfer.log import get_logger
 
 from ._decode import DecodeSide, LoadCorrupted
 from ._device import DeviceSide
-from ._plan import Save
-from ._prefill import PrefillSide
+from ._plan import Save, Send
+from ._push import PushSide
 from ._state import SUM_BYTES, WorkerOptions
 
 __all__ = ["LoadCorrupted", "Worker", "WorkerOptions"]
@@ -48,7 +50,7 @@ __all__ = ["LoadCorrupted", "Worker", "WorkerOptions"]
 log = get_logger("p2pxfer.vllm")
 
 
-class Worker(PrefillSide, DecodeSide):
+class Worker(PushSide, DecodeSide):
     """See the module docstring."""
 
     def __init__(self, opts: WorkerOptions) -> None:
@@ -141,6 +143,7 @@ class Worker(PrefillSide, DecodeSide):
         assert self.pool is not None and self.layout is not None
         self._staged_layers.add(i)
         if self.shared:
+            self.computed(i, saves, None)
             return 0  # the engine computed the blocks in the pool itself
         # On a GPU: behind the kernels that wrote this layer, on vLLM's stream.
         with nullcontext(None) if self.gpu is None else self.gpu.staging() as on:
@@ -150,6 +153,7 @@ class Worker(PrefillSide, DecodeSide):
             for s in saves:  # per request, not per block: one C copy each
                 n += copy_blocks(self.layers[i], self.pool.array, self.layout, i, s.blocks,
                                  to_staging=True, slices=self.slices, on=on)
+            self.computed(i, saves, on)
             return n
 
     def end_step(self, saves: list[Save]) -> None:
@@ -166,6 +170,17 @@ class Worker(PrefillSide, DecodeSide):
         if self.gpu is not None:
             # Queued, not waited for: a pull server waits before it pushes.
             self.gpu.end_step()
+
+    def hold(self, sends: Iterable[Send]) -> None:
+        """Finished prefill requests: held for their pulls, or (pushed as
+        computed) released once their pushes end."""
+        held = []
+        for s in sends:
+            if s.transfer_id:
+                self.ended(s)
+            else:
+                held.append(s)
+        super().hold(held)
 
     # -- both --------------------------------------------------------------------------
 

@@ -1,0 +1,214 @@
+"""The vLLM connector's worker side pushing as computed (``_push``), without
+vLLM: two real daemons; the decode's load starts before the prefill has
+scheduled the request, each layer is pushed as the prefill's last step
+computes it, and the prefill's blocks are released only once the
+scheduler finished the request. Every byte of every layer checked.
+``test_vllm_connector.py`` drives the same through vLLM's schedulers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from test_vllm_worker import blocks_equal, caches, head_caches, heads_of, options
+
+from p2pxfer.integrations.vllm._plan import Load, Open, Save, Send
+from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
+from vllm_worker_helpers import DEADLINE_S, one_to_two, wait_finished
+
+SB = [5, 6, 7, 30, 2, 9]  # the prefill's blocks of the prompt
+DB = [11, 40, 41, 42, 3, 0]  # the decode's
+
+
+def until(cond: Callable[[], bool], what: str, within_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {within_s} s"
+        time.sleep(0.01)
+
+
+def last(request: str, blocks: list[int]) -> list[Save]:
+    """The step that computes the prompt's last tokens (here: all of it)."""
+    return [Save(request, tuple(blocks), last=True, table=tuple(blocks))]
+
+
+def layer_landed(src: dict[str, Any], dst: dict[str, Any], name: str) -> bool:
+    return bool((src[name].view(np.uint16)[:, SB] == dst[name].view(np.uint16)[:, DB]).all())
+
+
+def pair(a: str, b: str, **kw: Any) -> tuple[Worker, Worker]:
+    prefill = Worker(options(a, "P", send=True, receive=False, **kw))
+    try:
+        return prefill, Worker(options(b, "D", send=False, receive=True, **kw))
+    except BaseException:
+        prefill.close()
+        raise
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
+def test_each_layer_is_pushed_as_it_is_computed(daemon_sockets: tuple[str, str],
+                                                checksum: bool) -> None:
+    """The decode pulls before the prefill opened the transfer (its pull is
+    written again until the slots are there); the first two layers land
+    while the rest are not computed yet; the prefill is reported finished
+    sending only after the scheduler finished it."""
+    a, b = daemon_sockets
+    src, dst = caches(1), caches(None)
+    names = list(src)
+    prefill, decode = pair(a, b, checksum=checksum)
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-1", 0, tuple(DB), "t-1")])
+        time.sleep(0.2)  # the pull finds no slots and is written again
+        prefill.open([Open("req-1", 3, "t-1")])
+        saves = last("req-1", SB)
+        for name in names[:2]:
+            prefill.stage_layer(name, saves)
+        until(lambda: all(layer_landed(src, dst, n) for n in names[:2]), "early layers")
+        assert decode.finished() == (set(), set())  # the other layers are not computed
+        assert not dst[names[2]].any()
+        for name in names[2:]:
+            prefill.stage_layer(name, saves)
+        prefill.end_step(saves)
+        wait_finished(decode, received={"dec-1"})
+        assert decode.load_errors() == set()
+        blocks_equal(src, dst, SB, DB)
+        # Pushed, but vLLM still runs the request: its blocks are not let go.
+        time.sleep(0.2)
+        assert prefill.finished() == (set(), set())
+        prefill.hold([Send("req-1", 3, tuple(SB), "t-1")])
+        wait_finished(prefill, sent={"req-1"})
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_pull_after_the_prefill_finished_gets_every_layer(
+        daemon_sockets: tuple[str, str]) -> None:
+    a, b = daemon_sockets
+    src, dst = caches(2), caches(None)
+    prefill, decode = pair(a, b)
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        prefill.open([Open("req-1", 1, "t-late")])
+        saves = last("req-1", SB)
+        for name in src:
+            prefill.stage_layer(name, saves)
+        prefill.end_step(saves)
+        prefill.hold([Send("req-1", 1, tuple(SB), "t-late")])
+        time.sleep(0.1)
+        assert prefill.finished() == (set(), set())  # held for the pull
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-late", 0, tuple(DB), "t-late")])
+        wait_finished(decode, received={"dec-1"})
+        wait_finished(prefill, sent={"req-1"})
+        assert decode.load_errors() == set()
+        blocks_equal(src, dst, SB, DB)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_an_aborted_prefill_lets_go_and_its_decode_gets_load_errors(
+        daemon_sockets: tuple[str, str]) -> None:
+    """Aborted after its first layer: released at once, nothing more is
+    pushed, and the decode's load fails at its deadline (not a hang)."""
+    a, b = daemon_sockets
+    src, dst = caches(3), caches(None)
+    prefill, decode = pair(a, b, load_timeout_s=3.0)
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        prefill.open([Open("req-1", 2, "t-abort")])
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-abort", 0, tuple(DB), "t-abort")])
+        first = next(iter(src))
+        prefill.stage_layer(first, last("req-1", SB))
+        until(lambda: layer_landed(src, dst, first), "the first layer")
+        prefill.hold([Send("req-1", 2, (), "t-abort")])
+        wait_finished(prefill, sent={"req-1"}, within_s=10)
+        wait_finished(decode, received={"dec-1"}, within_s=30)
+        assert decode.load_errors() == set(DB)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_transfer_never_opened_is_a_load_error_at_the_deadline(
+        daemon_sockets: tuple[str, str]) -> None:
+    a, b = daemon_sockets
+    prefill, decode = pair(a, b, load_timeout_s=2.0)
+    try:
+        prefill.register(caches(4))
+        decode.register(caches(None))
+        t0 = time.monotonic()
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-none", 0, tuple(DB), "t-none")])
+        wait_finished(decode, received={"dec-1"}, within_s=30)
+        assert decode.load_errors() == set(DB)
+        assert time.monotonic() - t0 < 15
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
+        daemon_sockets: tuple[str, str]) -> None:
+    a, b = daemon_sockets
+    src, dst = caches(5), caches(None)
+    prefill, decode = pair(a, b, checksum=True)
+    try:
+        prefill.register(src)
+        decode.register(dst)
+
+        def corrupt(pool: Any, layout: Any, layer: int, blocks: Any) -> None:
+            if layer == 2:
+                off = layer * layout.layer_stride + int(blocks[1]) * layout.block_stride + 77
+                pool[off] ^= 0x40
+        decode.on_landed = corrupt
+        prefill.open([Open("req-1", 1, "t-bad")])
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-bad", 0, tuple(DB), "t-bad")])
+        saves = last("req-1", SB)
+        for name in src:
+            prefill.stage_layer(name, saves)
+        prefill.end_step(saves)
+        prefill.hold([Send("req-1", 1, tuple(SB), "t-bad")])
+        wait_finished(decode, received={"dec-1"})
+        assert decode.load_errors() == set(DB)
+        wait_finished(prefill, sent={"req-1"})
+        names = list(src)
+        assert layer_landed(src, dst, names[1])
+        assert not dst[names[2]].any()  # the bad layer never reached the engine
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_one_prefill_rank_pushes_as_computed_to_two_decode_ranks(
+        daemon_sockets: tuple[str, str]) -> None:
+    a, b = daemon_sockets
+    src = head_caches(6, 4, "NHD")
+    dst = [head_caches(None, 2, "NHD") for _ in range(2)]
+
+    def opts(socket: str, engine: str, **kw: Any) -> WorkerOptions:
+        return options(socket, engine, head_layout="NHD", **kw)
+    with one_to_two(a, b, opts, src, dst) as (prefill, decode):
+        for r, w in enumerate(decode):
+            w.load([Load(f"d{r}", prefill.node, "P", 0, "t-tp", 0, tuple(DB), "t-tp")])
+        prefill.open([Open("req-1", 1, "t-tp")])
+        saves = last("req-1", SB)
+        for name in src:
+            prefill.stage_layer(name, saves)
+        prefill.end_step(saves)
+        prefill.hold([Send("req-1", 1, tuple(SB), "t-tp")])
+        for r, w in enumerate(decode):
+            wait_finished(w, received={f"d{r}"})
+            assert w.load_errors() == set()
+        wait_finished(prefill, sent={"req-1"})
+        for name in src:
+            for r in range(2):
+                assert (dst[r][name][:, DB] ==
+                        heads_of(src[name], SB, 2 * r, 2 * r + 2, "NHD")).all(), (name, r)
