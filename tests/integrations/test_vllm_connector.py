@@ -320,3 +320,61 @@ def test_a_decode_request_aborted_while_loading_frees_its_blocks_after_the_load(
         assert len(d.worker.worker._slots) == 0
     finally:
         close(p, d)
+
+
+@pytest.mark.parametrize("chunk", [h.MAX_LEN, 64], ids=["one_step", "chunked"])
+def test_pushed_as_computed_through_vllm(pair: tuple[DaemonProc, DaemonProc], tmp_path: Path,
+                                         chunk: int) -> None:
+    """A proxy sends the request to both engines at once with one
+    transfer_id: vLLM's decode scheduler parks it and its load starts
+    before the prefill has seen it; the prefill's layers are pushed as its
+    last step computes them; vLLM frees the prefill's blocks only after the
+    pushes, and the decode runs the request from its last prompt token."""
+    a, b = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", chunk=chunk)
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine")
+    g = torch.Generator().manual_seed(5)
+    src_ids: list[int] = []
+
+    def fill(name: str, t: torch.Tensor, out: Any) -> None:
+        for rid, n in out.num_scheduled_tokens.items():
+            ids = p.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            src_ids[:] = ids
+            done = p.scheduler.requests[rid].num_computed_tokens - n
+            slots = torch.arange(done, done + n)
+            blocks = torch.tensor(ids)[slots // h.BLOCK_SIZE]
+            t[:, blocks, slots % h.BLOCK_SIZE] = torch.randn(
+                (2, n, h.KV_HEADS, h.HEAD), generator=g).half()
+
+    try:
+        prompt = list(range(1, 301))
+        occupy(d, 40)
+        d.scheduler.add_request(h.request("d1", prompt, 4, {
+            "do_remote_prefill": True, "remote_node": "node-a",
+            "remote_engine_id": "prefill-engine", "transfer_id": "xfer-1",
+            "remote_tp_size": 1}))
+        d.step()  # parked; its load starts (the prefill has no slots for it yet)
+        p.scheduler.add_request(h.request("p1", prompt, 1, {"do_remote_decode": True,
+                                                            "transfer_id": "xfer-1"}))
+        deadline = time.monotonic() + DEADLINE_S
+        steps = 0
+        while not ("d1" in d.finished_recving and "p1" in p.finished_sending):
+            assert time.monotonic() < deadline, "no push within the deadline"
+            p.step(fill)
+            d.step()
+            steps += 1
+            time.sleep(0.02)
+        assert d.load_errors == set()
+        assert steps >= -(-len(prompt) // chunk)
+        new = d.scheduled("d1")
+        assert new.num_computed_tokens == len(prompt) - 1
+        n = -(-len(prompt) // h.BLOCK_SIZE)
+        dst_ids = new.block_ids[0][:n]
+        assert src_ids[:n] != dst_ids
+        for name in h.layer_names():
+            assert torch.equal(p.kv[name][:, src_ids[:n]].view(torch.int16),
+                               d.kv[name][:, dst_ids].view(torch.int16)), name
+        assert p.scheduler.connector.scheduler.held() == 0
+        assert "p1" not in p.scheduler.requests  # its blocks went back
+    finally:
+        close(p, d)

@@ -26,7 +26,7 @@ import pytest
 from p2pxfer import cuda
 from p2pxfer.integrations import _tensors
 from p2pxfer.integrations.vllm import _device, _worker
-from p2pxfer.integrations.vllm._plan import Load, Save, Send
+from p2pxfer.integrations.vllm._plan import Load, Open, Save, Send
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
 from vllm_worker_helpers import (
     one_to_two,
@@ -120,6 +120,37 @@ def test_stub_gpu_caches_every_byte_after_the_copies_ran(stub: ctypes.CDLL,
         decode.close()
         prefill.close()
     assert stub.stub_pinned() == 0  # unpinned at close, before the pools were unmapped
+
+
+def test_stub_gpu_pushed_as_computed_after_each_layers_copies(
+        stub: ctypes.CDLL, daemon_sockets: tuple[str, str]) -> None:
+    """Pushed as computed: each layer goes once the event behind its own
+    copies is over (the stub runs the copies only then), not before."""
+    a, b = daemon_sockets
+    src, dst = caches(4), caches(None)
+    prefill = Worker(options(a, "P", send=True, receive=False))
+    decode = Worker(options(b, "D", send=False, receive=True, checksum=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        sb, db = [5, 6, 7, 30, 2], [11, 40, 41, 42, 3]
+        decode.load([Load("d", prefill.node, "P", 0, "t", 0, tuple(db), "t")])
+        prefill.open([Open("r", 2, "t")])
+        saves = [Save("r", tuple(sb), last=True, table=tuple(sb))]
+        for name in src:
+            prefill.stage_layer(name, saves)
+        prefill.end_step(saves)
+        wait_finished(decode, received={"d"})
+        assert decode.load_errors() == set()
+        prefill.hold([Send("r", 2, tuple(sb), "t")])
+        wait_finished(prefill, sent={"r"})
+        for name, s in src.items():
+            assert (dst[name][:, db] == s[:, sb]).all(), name
+        assert stub.stub_copies_run() == stub.stub_copies_queued()
+    finally:
+        decode.close()
+        prefill.close()
+    assert stub.stub_pinned() == 0
 
 
 def test_stub_gpu_caches_by_head_slices_tp_2_to_1(stub: ctypes.CDLL,
