@@ -157,9 +157,11 @@ def test_a_transfer_never_opened_is_a_load_error_at_the_deadline(
 
 def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
         daemon_sockets: tuple[str, str]) -> None:
+    """A load error at once; the load's request number stays taken for a
+    lease (later pushes of the prefill may still ask for it), then is free."""
     a, b = daemon_sockets
     src, dst = caches(5), caches(None)
-    prefill, decode = pair(a, b, checksum=True)
+    prefill, decode = pair(a, b, checksum=True, lease_s=3.0)
     try:
         prefill.register(src)
         decode.register(dst)
@@ -178,7 +180,9 @@ def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
         prefill.hold([Send("req-1", 1, tuple(SB), "t-bad")])
         wait_finished(decode, received={"dec-1"})
         assert decode.load_errors() == set(DB)
+        assert len(decode._slots) == 1  # quarantined
         wait_finished(prefill, sent={"req-1"})
+        until(lambda: len(decode._slots) == 0, "the request number back", 30)
         names = list(src)
         assert layer_landed(src, dst, names[1])
         assert not dst[names[2]].any()  # the bad layer never reached the engine

@@ -116,6 +116,7 @@ class DecodeSide(WorkerState):
         c, o = self.bridge.client, self.opts
         assert self.pool is not None and self._msgs is not None
         kp = split(o.peer_tp, o.tp_size)  # the prefill's head slices per block
+        failed = False
         try:
             deadline = trio.current_time() + o.load_timeout_s
             # The prefill's life now: a restarted prefill holds nothing of ours.
@@ -143,6 +144,7 @@ class DecodeSide(WorkerState):
             log.debug("vllm.loaded", request=job.request, peer=job.node, blocks=len(job.blocks),
                       seconds=time.perf_counter() - t0)
         except P2PXferError as exc:
+            failed = True
             with self._lock:
                 self._errors.update(job.blocks)
             log.warning("vllm.load_failed", request=job.request, peer=job.node,
@@ -159,17 +161,35 @@ class DecodeSide(WorkerState):
                                   error=str(exc))
                         with self._lock:
                             self._errors.update(job.blocks)
+            quarantine = failed and bool(job.transfer_id)
+            if quarantine:
+                # A prefill pushing as computed may still push later layers,
+                # each push asking for the request number anew: the number
+                # stays taken (its arrivals counted) for a lease, so no later
+                # load that reuses it counts them as its own. vLLM hears of
+                # the failure now.
+                self._ended(job, parts, requests=False)
+                await trio.sleep(o.lease_s)
+            with trio.CancelScope(shield=True):
                 for p in parts:
                     try:
                         await self.pool.forget(p.slot)
                     except P2PXferError as exc:
                         log.debug("vllm.forget_failed", request=job.request, error=str(exc))
-            with self._lock:
-                for i in range(len(parts)):
+            self._ended(job, parts, requests=True, report=not quarantine)
+
+    def _ended(self, job: Load, parts: list[_Part], *, requests: bool,
+               report: bool = True) -> None:
+        """A load's slots back: its message slots (and ``requests``: its
+        request numbers); ``report``: vLLM hears it ended."""
+        with self._lock:
+            for i in range(len(parts)):
+                if requests:
                     self._slots.release(f"{job.request}#{i}")
+                if report:
                     self._msg_slots.release(f"{job.request}#{i}")
-                if job.blocks:
-                    self._received.add(job.request)
+            if report and job.blocks:
+                self._received.add(job.request)
 
     async def _pull_early(self, job: Load, p: _Part, off: int, nbytes: int,
                           deadline: float) -> None:
