@@ -216,3 +216,54 @@ def test_one_prefill_rank_pushes_as_computed_to_two_decode_ranks(
             for r in range(2):
                 assert (dst[r][name][:, DB] ==
                         heads_of(src[name], SB, 2 * r, 2 * r + 2, "NHD")).all(), (name, r)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["heads", "mla"])
+def test_two_prefill_ranks_push_as_computed_to_one_decode_rank(
+        daemon_sockets: tuple[str, str], mla: bool) -> None:
+    """TP 2 -> 1: the decode's pulls go to each prefill rank's slots for the
+    transfer; with heads, each rank pushes its half into a head slice (with
+    checksums); MLA: whole blocks from rank 0, and rank 1's replica is let
+    go by an empty pull."""
+    a, b = daemon_sockets
+    rng = np.random.default_rng(40)
+    if mla:
+        one = {f"l{i}": rng.integers(0, 1 << 16, (64, 16, 40), dtype=np.uint16)
+               for i in range(4)}
+        src = [{n: v.copy() for n, v in one.items()} for _ in range(2)]
+        dst = {n: np.zeros_like(v) for n, v in one.items()}
+    else:
+        src = [head_caches(50 + q, 2, "HND") for q in range(2)]
+        dst = head_caches(None, 4, "HND")
+    prefill = [Worker(options(a, "P", rank=q, send=True, receive=False, tp_size=2,
+                              peer_tp_size=1, head_layout="HND", checksum=not mla))
+               for q in range(2)]
+    decode = Worker(options(b, "D", send=False, receive=True, tp_size=1, peer_tp_size=2,
+                            head_layout="HND", checksum=not mla))
+    try:
+        for w, mine in zip(prefill, src, strict=True):
+            w.register(mine)
+        decode.register(dst)
+        decode.load([Load("d", prefill[0].node, "P", 0, "t-21", 0, tuple(DB), "t-21")])
+        for w, mine in zip(prefill, src, strict=True):
+            w.open([Open("r", 4, "t-21")])
+            saves = last("r", SB)
+            for name in mine:
+                w.stage_layer(name, saves)
+            w.end_step(saves)
+            w.hold([Send("r", 4, tuple(SB), "t-21")])
+        wait_finished(decode, received={"d"})
+        assert decode.load_errors() == set()
+        for w in prefill:
+            wait_finished(w, sent={"r"})
+        for q in range(2):
+            for name, value in src[q].items():
+                if mla:
+                    assert (dst[name][DB] == value[SB]).all(), name
+                else:
+                    assert (heads_of(dst[name], DB, 2 * q, 2 * q + 2, "HND") ==
+                            value[:, SB]).all(), (q, name)
+    finally:
+        decode.close()
+        for w in prefill:
+            w.close()
