@@ -232,6 +232,15 @@ async def test_bad_pushes_are_refused_before_posting(pair: tuple[DaemonProc, Dae
             await dst.forget(5)
             await push(request=5)
             await dst.wait_layers(5, 3, timeout=20)
+            # Given up with refuse: pushes of it are refused until it is forgotten.
+            await dst.forget(6, refuse=True)
+            with pytest.raises(InvalidArgument, match="is over"):
+                await push(request=6)
+            with pytest.raises(UnknownRegion, match="given up"):
+                await dst.wait_layers(6, 3, timeout=1)
+            await dst.forget(6)
+            await push(request=6)
+            await dst.wait_layers(6, 3, timeout=20)
 
 
 def test_sync_client_push(pair: tuple[DaemonProc, DaemonProc]) -> None:

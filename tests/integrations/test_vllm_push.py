@@ -157,11 +157,12 @@ def test_a_transfer_never_opened_is_a_load_error_at_the_deadline(
 
 def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
         daemon_sockets: tuple[str, str]) -> None:
-    """A load error at once; the load's request number stays taken for a
-    lease (later pushes of the prefill may still ask for it), then is free."""
+    """A load error at once; the load's request number stays taken until
+    its deadline and a lease have passed (later pushes of the prefill may
+    still ask for it: the daemon refuses them), then is free."""
     a, b = daemon_sockets
     src, dst = caches(5), caches(None)
-    prefill, decode = pair(a, b, checksum=True, lease_s=3.0)
+    prefill, decode = pair(a, b, checksum=True, lease_s=3.0, load_timeout_s=5.0)
     try:
         prefill.register(src)
         decode.register(dst)
@@ -267,3 +268,130 @@ def test_two_prefill_ranks_push_as_computed_to_one_decode_rank(
         decode.close()
         for w in prefill:
             w.close()
+
+
+def out(new: list[Any], cached: list[tuple[str, list[int] | None, int]], tokens: dict[str, int],
+        resumed: tuple[str, ...] = ()) -> Any:
+    """A scheduler output of these new and cached requests."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached], num_computed_tokens=[c[2] for c in cached],
+            new_block_ids=[None if c[1] is None else (c[1],) for c in cached],
+            resumed_req_ids=set(resumed)),
+        num_scheduled_tokens=tokens)
+
+
+def test_the_prefill_scheduler_opens_marks_the_last_step_and_holds_until_pushed() -> None:
+    """Chunked 40 + 60 tokens, preempted between the chunks: opened once, at
+    its first scheduling; the step that computes the prompt's end is
+    ``last``, with the blocks it has after the preemption (replaced, not
+    appended); the step after is not; finished: held, no parameters."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-a", "P", 16, 8, send=True, receive=False)
+    req = SimpleNamespace(request_id="p1", prompt_token_ids=list(range(100)), max_tokens=1,
+                          kv_transfer_params={"do_remote_decode": True, "transfer_id": "x-1"})
+    side.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],)), 0)
+    new = SimpleNamespace(req_id="p1", block_ids=([7, 8, 9],), num_computed_tokens=0)
+    step = side.plan(out([new], [], {"p1": 40}))
+    assert step.opens == [Open("p1", 1, "x-1")]
+    assert step.saves == [Save("p1", (7, 8, 9))]
+    # Preempted, then scheduled again from scratch: all its blocks are new.
+    side.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([20, 21, 22],)), 0)
+    step = side.plan(out([], [("p1", [20, 21, 22], 0)], {"p1": 40}, resumed=("p1",)))
+    assert step.opens == [] and step.saves == [Save("p1", (20, 21, 22))]
+    step = side.plan(out([], [("p1", [23, 24, 25, 26], 40)], {"p1": 60}))
+    table = (20, 21, 22, 23, 24, 25, 26)
+    assert step.saves == [Save("p1", (22, 23, 24, 25, 26), last=True, table=table)]
+    step = side.plan(out([], [("p1", None, 100)], {"p1": 1}))
+    assert step.saves == [Save("p1", (26,))]  # past the prompt: not ``last`` again
+    assert side.finished(req, list(table), True) == (True, None)
+    assert side.plan(out([], [], {})).sends == [Send("p1", 1, table, "x-1")]
+    side.sent({"p1"})
+    assert side.held() == 0
+
+
+def test_a_bad_transfer_is_served_locally_not_raised_out_of_vllm() -> None:
+    """A transfer id that cannot name a region, or a prefill asked for more
+    than one token: logged; the prefill is not opened nor held, the decode
+    computes the prompt itself."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    prefill = SchedulerSide("node-a", "P", 16, 8, send=True, receive=False)
+    for tid, max_tokens in (("bad id/../x", 1), ("x" * 65, 1), ("fine", 5)):
+        req = SimpleNamespace(request_id="p1", prompt_token_ids=list(range(40)),
+                              max_tokens=max_tokens,
+                              kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
+        prefill.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 0)
+        assert prefill.plan(out([], [], {})).opens == []
+        assert prefill.finished(req, [1, 2, 3], True) == (False, None)
+        assert prefill.held() == 0
+    decode = SchedulerSide("node-b", "D", 16, 8, send=False, receive=True)
+    params = {"do_remote_prefill": True, "remote_node": "node-a", "remote_engine_id": "P",
+              "transfer_id": "no spaces allowed"}
+    req = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(40)),
+                          kv_transfer_params=params)
+    assert decode.matched_tokens(req, 0) == (0, False)
+    assert decode.finished(req, [], False) == (False, None)
+    assert decode.plan(out([], [], {})).loads == []
+
+
+def test_the_decode_scheduler_loads_a_pushed_request_by_its_prompt_length() -> None:
+    """No block table from the prefill: it holds the prompt's length in
+    blocks; with 2 blocks cached here, the pull skips them."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-b", "D", 16, 8, send=False, receive=True)
+    params = {"do_remote_prefill": True, "remote_node": "node-a", "remote_engine_id": "P",
+              "transfer_id": "x-9", "remote_tp_size": 1}
+    req = SimpleNamespace(request_id="d1", prompt_token_ids=list(range(100)),
+                          kv_transfer_params=params)
+    assert side.matched_tokens(req, 32) == (68, True)
+    side.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([40, 41, 50, 51, 52, 53,
+                                                                   54],)), 68)
+    (load,) = side.plan(out([], [], {})).loads
+    assert (load.skip, load.blocks, load.transfer_id, load.remote_request) == (
+        2, (50, 51, 52, 53, 54), "x-9", "x-9")
+
+
+def test_no_push_starts_after_the_decode_gave_up(daemon_sockets: tuple[str, str]) -> None:
+    """The decode waits 2 s; the prefill computes its later layers after
+    that: they are not pushed (they could land in blocks since given to
+    another load). The first layer, pushed in time, did land."""
+    a, b = daemon_sockets
+    src, dst = caches(8), caches(None)
+    prefill, decode = pair(a, b, load_timeout_s=2.0)
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        prefill.open([Open("req-1", 1, "t-slow")])
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-slow", 0, tuple(DB), "t-slow")])
+        names = list(src)
+        saves = last("req-1", SB)
+        prefill.stage_layer(names[0], saves)
+        until(lambda: layer_landed(src, dst, names[0]), "the first layer")
+        wait_finished(decode, received={"dec-1"}, within_s=30)
+        assert decode.load_errors() == set(DB)
+        for name in names[1:]:
+            prefill.stage_layer(name, saves)
+        prefill.end_step(saves)
+        prefill.hold([Send("req-1", 1, tuple(SB), "t-slow")])
+        wait_finished(prefill, sent={"req-1"})
+        pool, lay = decode.pool, decode.layout
+        assert pool is not None and lay is not None
+        for layer in range(1, len(names)):
+            for blk in DB:
+                off = layer * lay.layer_stride + blk * lay.block_stride
+                assert not pool.array[off:off + lay.block_bytes].any(), (layer, blk)
+    finally:
+        decode.close()
+        prefill.close()

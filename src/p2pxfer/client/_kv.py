@@ -242,10 +242,15 @@ class KVPool:
             raise InvalidArgument(f"pool {self.name!r} is device memory: its waits need "
                                   "blocks= (the block ids to copy to the device)")
 
-    async def forget(self, request: int) -> None:
+    async def forget(self, request: int, *, refuse: bool = False) -> None:
         """Drop the daemon's bookkeeping of ``request`` (its id may then be
-        pushed again); waits on it end with ``UnknownRegion``."""
-        await self._async_client()._conv.request("kv_forget", pool=self.name, request=request)
+        pushed again); waits on it end with ``UnknownRegion``. ``refuse``:
+        give the request up but keep refusing pushes of it (a sender's next
+        ``kv_begin`` is answered ``bad_request``) until it is forgotten
+        without ``refuse``."""
+        fields: dict[str, Any] = {"refuse": True} if refuse else {}
+        await self._async_client()._conv.request("kv_forget", pool=self.name, request=request,
+                                                 **fields)
 
 
 def pool_stage(layout: KVLayout, device: Any, mem: SharedMemory) -> DeviceStage | None:

@@ -306,8 +306,17 @@ class KV:
                     and self._recv.get((pool, request)) is recv:
                 del self._recv[(pool, request)]
 
-    def forget(self, s: ClientSession, pool: str, request: int) -> None:
-        self._owned(s, pool)
+    def forget(self, s: ClientSession, pool: str, request: int, refuse: bool = False) -> None:
+        """Drop ``request``; ``refuse``: end it instead and keep it, so a
+        sender still pushing it is refused at its next ``kv_begin`` until it
+        is forgotten for good."""
+        p = self._owned(s, pool)
+        if refuse:
+            over = self._request(pool, request, p.layout.num_layers)
+            if over.error is None:
+                self._end(over, UnknownRegion(f"request {request} into {pool!r} was given up "
+                                              "by its receiver"))
+            return
         recv = self._recv.pop((pool, request), None)
         if recv is not None:
             self._end(recv, UnknownRegion(f"request {request} into {pool!r} was forgotten"))

@@ -88,7 +88,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                 "request": (_INT, True), "layers": (_BIN, False), "deadline_ms": (_INT, False)},
     "kv_wait": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                 "upto": (_INT, True), "first": (_INT, False), "timeout_ms": (_INT, False)},
-    "kv_forget": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True)},
+    "kv_forget": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
+                  "refuse": (_BOOL, False)},
     # daemon -> daemon
     "kv_begin": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                  "layers": (_BIN, True), "deadline_ms": (_INT, True)},

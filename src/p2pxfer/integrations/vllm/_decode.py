@@ -117,16 +117,21 @@ class DecodeSide(WorkerState):
         assert self.pool is not None and self._msgs is not None
         kp = split(o.peer_tp, o.tp_size)  # the prefill's head slices per block
         failed = False
+        deadline = trio.current_time() + o.load_timeout_s
         try:
-            deadline = trio.current_time() + o.load_timeout_s
             # The prefill's life now: a restarted prefill holds nothing of ours.
             peer = await c.lookup(job.node)
             life = None if peer is None else peer.get("incarnation")
             for p in parts:
                 skip = job.skip + len(job.blocks) if p.route.release else job.skip
+                # Pushed as computed: the prefill starts no push after we
+                # gave up (what it pushes then could land in blocks since
+                # given to another load).
+                within = max(1, round((deadline - trio.current_time()) * 1000)) \
+                    if job.transfer_id else 0
                 data = encode_pull(Pull(job.remote_request, self.node, self.pool_name,
                                         self.sums_name if o.checksum else "", p.slot, skip,
-                                        p.staging), self.slot_bytes)
+                                        p.staging, within), self.slot_bytes)
                 off = p.msg * self.slot_bytes
                 self._msgs.array[off:off + len(data)] = np.frombuffer(data, np.uint8)
                 if job.transfer_id:
@@ -163,20 +168,30 @@ class DecodeSide(WorkerState):
                             self._errors.update(job.blocks)
             quarantine = failed and bool(job.transfer_id)
             if quarantine:
-                # A prefill pushing as computed may still push later layers,
-                # each push asking for the request number anew: the number
-                # stays taken (its arrivals counted) for a lease, so no later
-                # load that reuses it counts them as its own. vLLM hears of
-                # the failure now.
+                with trio.CancelScope(shield=True):
+                    await self._forget(job, parts, refuse=True)
+                # A prefill pushing as computed may still push later layers
+                # (it starts none after our deadline, and each ends within a
+                # lease), each push asking for the request number anew: the
+                # daemon refuses them from now on (what a push already
+                # posted still lands, in the staging mirror), and the number
+                # stays taken until then, so no later load that reuses it
+                # meets them. vLLM hears of the failure now.
                 self._ended(job, parts, requests=False)
-                await trio.sleep(o.lease_s)
+                await trio.sleep_until(deadline + o.lease_s)
             with trio.CancelScope(shield=True):
-                for p in parts:
-                    try:
-                        await self.pool.forget(p.slot)
-                    except P2PXferError as exc:
-                        log.debug("vllm.forget_failed", request=job.request, error=str(exc))
+                await self._forget(job, parts)
             self._ended(job, parts, requests=True, report=not quarantine)
+
+    async def _forget(self, job: Load, parts: list[_Part], refuse: bool = False) -> None:
+        """The daemon's bookkeeping of the load's requests dropped (``refuse``:
+        ended, and later pushes of them refused)."""
+        assert self.pool is not None
+        for p in parts:
+            try:
+                await self.pool.forget(p.slot, refuse=refuse)
+            except P2PXferError as exc:
+                log.debug("vllm.forget_failed", request=job.request, error=str(exc))
 
     def _ended(self, job: Load, parts: list[_Part], *, requests: bool,
                report: bool = True) -> None:

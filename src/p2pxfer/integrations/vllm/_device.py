@@ -152,6 +152,13 @@ class DeviceSide:
             for event in events:
                 cuda.event_done(event, self.device)
 
+    def drop(self, events: list[int]) -> None:
+        """Destroy ``events`` without waiting (the device finishes what they
+        stand behind on its own)."""
+        cuda = driver()
+        for event in events:
+            cuda.event_done(event, self.device)
+
     # -- decode -------------------------------------------------------------------------
 
     def loads_done(self) -> None:

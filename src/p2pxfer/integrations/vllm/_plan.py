@@ -13,8 +13,9 @@ decodes write the same slot) and are reused first in, first out.
 A slot holds a 4-byte little-endian length and a msgpack map: the prefill
 request id it is for (a late pull for a key since reused is refused), the
 decode's node, pool, optional checksum region and request number, how
-many of the held blocks decode already has (``skip``), and the decode's
-block ids (int32 little-endian ``bin``).
+many of the held blocks decode already has (``skip``), how long the
+decode waits from now on (``within``, ms; pushed as computed), and the
+decode's block ids (int32 little-endian ``bin``).
 
 *Push as computed*: a proxy that sends a request to the prefill and the
 decode at once gives both the same ``transfer_id``. The prefill worker
@@ -114,6 +115,9 @@ class Pull:
     request: int
     skip: int
     blocks: npt.NDArray[np.int64]
+    #: pushed as computed: milliseconds the decode waits from the pull on
+    #: (no push starts after; 0: no limit)
+    within_ms: int = 0
 
 
 def split(tp: int, peer_tp: int) -> int:
@@ -187,6 +191,7 @@ def pull_slot_bytes(max_blocks: int) -> int:
 def encode_pull(p: Pull, slot_bytes: int) -> bytes:
     body: bytes = msgpack.packb({"for": p.prefill_request, "node": p.node, "pool": p.pool,
                           "sums": p.sums, "request": p.request, "skip": p.skip,
+                          "within": p.within_ms,
                           "blocks": np.ascontiguousarray(p.blocks, "<i4").tobytes()})
     data = HEADER.pack(len(body)) + body
     if len(data) > slot_bytes:
@@ -205,6 +210,6 @@ def decode_pull(slot: npt.NDArray[np.uint8]) -> Pull:
         m: Any = msgpack.unpackb(slot[HEADER.size:HEADER.size + n].tobytes())
         blocks = np.frombuffer(m["blocks"], "<i4").astype(np.int64)
         return Pull(str(m["for"]), str(m["node"]), str(m["pool"]), str(m["sums"]),
-                    int(m["request"]), int(m["skip"]), blocks)
+                    int(m["request"]), int(m["skip"]), blocks, max(0, int(m.get("within", 0))))
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
         raise InvalidArgument(f"malformed pull: {exc!r}") from exc

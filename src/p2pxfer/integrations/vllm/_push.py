@@ -72,7 +72,11 @@ class _Early:
         return self.aborted or self.failed
 
     def fail(self) -> None:
+        """A slice failed: the others stop waiting too (the request is let
+        go once it ended)."""
         self.failed = True
+        for scope in self._waits:
+            scope.cancel()
         self.changed()
 
     def changed(self) -> None:
@@ -83,8 +87,12 @@ class _Early:
         while not cond():
             await self._changed.wait()
 
-    def layer(self, layer: int, table: Sequence[int], event: int | None) -> None:
-        """``layer`` is computed (staged behind ``event`` on a GPU)."""
+    def layer(self, layer: int, table: Sequence[int], event: int | None) -> bool:
+        """``layer`` is computed (staged behind ``event`` on a GPU); False if
+        ``event`` was not taken (the pushes are over, or the layer was
+        ready already): its caller destroys it."""
+        if self.served or self.ready[layer] or layer in self.events:
+            return False
         if self.table is None:
             self.table = np.asarray(table, np.int64)
         if event is None:
@@ -92,14 +100,19 @@ class _Early:
         else:
             self.events[layer] = event
         self.changed()
+        return True
 
     @contextlib.contextmanager
-    def waiting(self) -> Iterator[trio.CancelScope]:
+    def waiting(self, limit: float = math.inf) -> Iterator[trio.CancelScope]:
         """A scope to wait in (for the pull, for layers): no deadline until
-        the request ended, then its lease (aborted: none left)."""
+        the request ended, then its lease (aborted, failed: none left); never
+        past ``limit`` (the decode's own)."""
         with trio.CancelScope() as scope:
             self._waits.append(scope)
             self._deadline(scope)
+            scope.deadline = min(scope.deadline, limit)
+            if self.failed:
+                scope.cancel()
             try:
                 yield scope
             finally:
@@ -113,7 +126,8 @@ class _Early:
 
     def _deadline(self, scope: trio.CancelScope) -> None:
         if self.ended is not None:
-            scope.deadline = -math.inf if self.aborted else trio.current_time() + self.lease_s
+            end = -math.inf if self.aborted else trio.current_time() + self.lease_s
+            scope.deadline = min(scope.deadline, end)
 
 
 class PushSide(PrefillSide):
@@ -153,11 +167,15 @@ class PushSide(PrefillSide):
                 continue
             event = None if on is None or self.gpu is None else self.gpu.layer_event(on)
             try:
-                self.bridge.soon(e.layer, layer, s.table, event)
+                self.bridge.soon(self._layer, e, layer, s.table, event)
             except ConnectionLost:
                 if event is not None and self.gpu is not None:
-                    self.gpu.synced([event])
+                    self.gpu.drop([event])
                 return  # the bridge ended: nothing is pushed any more
+
+    def _layer(self, e: _Early, layer: int, table: Sequence[int], event: int | None) -> None:
+        if not e.layer(layer, table, event) and event is not None and self.gpu is not None:
+            self.gpu.drop([event])
 
     def ended(self, s: Send) -> None:
         """The scheduler finished ``s``, a request pushed as computed."""
@@ -200,7 +218,7 @@ class PushSide(PrefillSide):
         finally:
             e.served = True
             if e.events and self.gpu is not None:
-                self.gpu.synced(list(e.events.values()))  # destroyed, not waited for
+                self.gpu.drop(list(e.events.values()))
                 e.events.clear()
             with self._lock:
                 del self._early[e.open.request]
@@ -223,7 +241,10 @@ class PushSide(PrefillSide):
             if pull.prefill_request != e.open.transfer_id:
                 raise InvalidArgument(f"a pull for {pull.prefill_request!r} came in the slots of "
                                       f"transfer {e.open.transfer_id!r}")
-            with e.waiting() as scope:
+            # The decode gives up then: what we pushed after could land in
+            # blocks it has since given to another load.
+            limit = trio.current_time() + pull.within_ms / 1000 if pull.within_ms else math.inf
+            with e.waiting(limit) as scope:
                 await e.until(lambda: e.table is not None or e.stop)
             if self._gave_up(e, scope, j, "last step") or e.table is None:
                 return
@@ -233,25 +254,25 @@ class PushSide(PrefillSide):
                                       f"for a request of {len(e.table)}")
             src = blocks * self.k + (j if self.k > 1 else 0)
             if len(src):
-                await self._push_layers(e, pull, slot, src)
+                await self._push_layers(e, pull, slot, src, limit)
         except P2PXferError as exc:
             log.warning("vllm.push_failed", request=rid, part=j, error=str(exc))
             e.fail()
 
     @staticmethod
     def _gave_up(e: _Early, scope: trio.CancelScope, j: int, what: str) -> bool:
-        if scope.cancelled_caught and not e.aborted:
+        if scope.cancelled_caught and not e.stop:
             log.warning("vllm.lease_expired", request=e.open.request, part=j, waiting_for=what,
                         lease_s=e.lease_s)
         return scope.cancelled_caught
 
     async def _push_layers(self, e: _Early, pull: Pull, slot: int,
-                           src: npt.NDArray[np.int64]) -> None:
+                           src: npt.NDArray[np.int64], limit: float) -> None:
         c, o = self.bridge.client, self.opts
         assert self.pool is not None
         pushed = np.zeros(e.layers, bool)
         while not pushed.all():
-            with e.waiting() as scope:
+            with e.waiting(limit) as scope:
                 await e.until(lambda: bool((e.ready & ~pushed).any() or e.events) or e.stop)
             if self._gave_up(e, scope, slot % self.fanout, "layers") or e.stop:
                 log.info("vllm.push_stopped", request=e.open.request, aborted=e.aborted,
@@ -261,6 +282,10 @@ class PushSide(PrefillSide):
             batch = np.flatnonzero(e.ready & ~pushed)
             if not len(batch):
                 continue
+            if trio.current_time() >= limit:
+                log.warning("vllm.push_stopped", request=e.open.request, reason="decode gave up",
+                            layers_left=int((~pushed).sum()))
+                return
             if pull.sums:
                 await self._send_sums(slot, pull, src, batch)
             push = await c.kv_push(pull.node, pull.pool, self.pool, src, pull.blocks,

@@ -98,6 +98,9 @@ class SchedulerSide:
         if missing:
             raise InvalidArgument(f"request {request.request_id!r} asks for a remote prefill "
                                   f"without {missing} in kv_transfer_params")
+        if not self._valid_transfer(request, params):
+            params["do_remote_prefill"] = False  # computed here; nothing to release
+            return 0, False
         if int(params.get("remote_tp_size", 1)) != self.peer_tp:
             # Our staging pools are cut for a prefill of peer_tp ranks: one of
             # another size is not loaded from (computed here; the prefill's
@@ -135,6 +138,20 @@ class SchedulerSide:
         self._loads[request.request_id] = self._load(request.request_id, params, skip,
                                                      tuple(local_new))
 
+    @staticmethod
+    def _valid_transfer(request: Any, params: dict[str, Any]) -> bool:
+        """A ``transfer_id``, if any, that can name a region: else the
+        request is served as if it had none (a client's bad parameter is
+        logged, not raised out of vLLM's step)."""
+        if "transfer_id" not in params:
+            return True
+        try:
+            check_transfer_id(params["transfer_id"])
+        except InvalidArgument as exc:
+            log.warning("vllm.bad_transfer_id", request=request.request_id, error=str(exc))
+            return False
+        return True
+
     def _remote_blocks(self, request: Any, params: dict[str, Any]) -> int:
         """Blocks of the prompt the prefill holds: its table, or (pushed as
         computed, the table unknown yet) the prompt's length in blocks."""
@@ -169,6 +186,10 @@ class SchedulerSide:
             return False, None
         if not (self.send and params.get("do_remote_decode")):
             return False, None
+        if "transfer_id" in params and rid not in self._push:
+            # Pushed as computed but never opened (no key, a bad id): no
+            # decode can pull it; its blocks go now.
+            return False, None
         pushed = self._push.pop(rid, None)
         if pushed is not None:
             # Its pushes may be under way from these blocks: they are held
@@ -202,7 +223,15 @@ class SchedulerSide:
         rid = request.request_id
         if rid in self._push:
             return  # scheduled again after a preemption: open already
-        tid = check_transfer_id(params["transfer_id"])
+        if not self._valid_transfer(request, params):
+            return
+        if getattr(request, "max_tokens", 1) != 1:
+            # Its later steps would write the prompt's last block while it
+            # is pushed: a prefill to be pushed as computed generates one token.
+            log.warning("vllm.not_opened", request=rid, max_tokens=request.max_tokens,
+                        reason="pushed as computed, a prefill request takes max_tokens 1")
+            return
+        tid = str(params["transfer_id"])
         try:
             key = self._keys.take(rid)
         except LimitExceeded as exc:
@@ -253,7 +282,10 @@ class SchedulerSide:
             if blocks is None:
                 continue
             added = cached.new_block_ids[i]
-            if added:
+            if rid in getattr(cached, "resumed_req_ids", ()):
+                # Preempted and scheduled again: these are all its blocks.
+                blocks[:] = added[0] if added else []
+            elif added:
                 blocks.extend(added[0])
             start = cached.num_computed_tokens[i]
             saves.append(self._save(rid, blocks, start, start + scheduled.get(rid, 0)))
@@ -265,6 +297,6 @@ class SchedulerSide:
         bs = self.block_size
         step = tuple(blocks[start // bs:-(-end // bs)])
         pushed = self._push.get(rid)
-        if pushed is None or end < pushed[2]:
+        if pushed is None or not start < pushed[2] <= end:
             return Save(rid, step)
         return Save(rid, step, last=True, table=tuple(blocks[:-(-pushed[2] // bs)]))
