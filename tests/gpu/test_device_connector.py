@@ -19,7 +19,7 @@ import pytest
 from device_arrays import cuda_or_skip
 
 from p2pxfer.errors import InvalidArgument
-from p2pxfer.integrations.vllm._plan import Load, Send
+from p2pxfer.integrations.vllm._plan import Load, Open, Save, Send
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
 from vllm_worker_helpers import (
     one_to_two,
@@ -115,6 +115,39 @@ def test_gpu_kv_tensors_by_head_slices_tp_1_to_2(torch: Any,
             for name, s in src.items():
                 want = s[:, sb, :, r * half:(r + 1) * half].view(torch.int16)
                 assert torch.equal(dst[r][name][:, db].view(torch.int16), want), (r, name)
+
+
+def test_gpu_kv_tensors_pushed_as_computed(torch: Any,
+                                           daemon_sockets: tuple[str, str]) -> None:
+    """The decode pulls first; each layer is written by a kernel nobody
+    waits for, saved, and pushed once the event behind its own copies is
+    over; every byte checked on the decode's GPU (checksums on)."""
+    a, b = daemon_sockets
+    shape = (2, BLOCKS, BLOCK_SIZE, HEADS, HEAD)
+    src, dst = caches(torch, shape), caches(torch, shape)
+    prefill = Worker(options(a, "P", send=True, receive=False, checksum=True))
+    decode = Worker(options(b, "D", send=False, receive=True, checksum=True))
+    try:
+        prefill.register(src)
+        decode.register(dst)
+        sb, db = [5, 6, 7, 30, 2, 9, 63], [11, 40, 41, 42, 3, 0, 62]
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-1", 0, tuple(db), "t-1")])
+        prefill.open([Open("req-1", 3, "t-1")])
+        saves = [Save("req-1", tuple(sb), last=True, table=tuple(sb))]
+        for i, name in enumerate(src):
+            fill(torch, {name: src[name]}, 20 + i)  # this layer's "forward", not waited for
+            prefill.stage_layer(name, saves)
+        prefill.end_step(saves)
+        wait_finished(decode, received={"dec-1"})
+        assert decode.load_errors() == set()
+        prefill.hold([Send("req-1", 3, tuple(sb), "t-1")])
+        wait_finished(prefill, sent={"req-1"})
+        for name, s in src.items():
+            assert torch.equal(dst[name][:, db].view(torch.int16),
+                               s[:, sb].view(torch.int16)), name
+    finally:
+        decode.close()
+        prefill.close()
 
 
 def test_gpu_kv_tensors_cannot_be_shared_memory(torch: Any,
