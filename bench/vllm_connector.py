@@ -69,11 +69,9 @@ def cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
-    """Per-layer torch tensors (float16) as vLLM allocates them, on
-    ``args.device``."""
-    import torch
-
+def host_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
+    """Per-layer float16 arrays as vLLM allocates its tensors, ``(2, blocks,
+    block_size, kv_heads, head)``: random bits from ``seed``, else zeros."""
     shape = (2, blocks, args.block_size, args.kv_heads, args.head)
     rng = np.random.default_rng(seed)
     out = {}
@@ -81,8 +79,27 @@ def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
         a = np.zeros(shape, np.float16)
         if seed is not None:
             a.view(np.uint8).reshape(-1)[:] = np.frombuffer(rng.bytes(a.nbytes), np.uint8)
-        out[f"model.layers.{i}.self_attn.attn"] = torch.from_numpy(a).to(args.device)
+        out[f"model.layers.{i}.self_attn.attn"] = a
     return out
+
+
+def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
+    """``host_tensors`` as torch tensors on ``args.device``."""
+    import torch
+
+    return {name: torch.from_numpy(a).to(args.device)
+            for name, a in host_tensors(args, blocks, seed).items()}
+
+
+def shape_args(ap: argparse.ArgumentParser) -> None:
+    """The batch's shape: layers, tokens, block size, heads, requests, rounds."""
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
 
 
 def modes_of(args: Any) -> tuple[str, ...]:
@@ -262,13 +279,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=5)
+    shape_args(ap)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the engine tensors are (cuda: staging modes only; the "
                          "plain API's pools stay in host memory)")

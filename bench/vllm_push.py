@@ -38,18 +38,7 @@ from typing import Any
 import numpy as np
 
 from p2pxfer.bench import write_document
-
-
-def tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
-    shape = (2, blocks, args.block_size, args.kv_heads, args.head)
-    rng = np.random.default_rng(seed)
-    out = {}
-    for i in range(args.layers):
-        a = np.zeros(shape, np.float16)
-        if seed is not None:
-            a.view(np.uint8).reshape(-1)[:] = np.frombuffer(rng.bytes(a.nbytes), np.uint8)
-        out[f"model.layers.{i}.self_attn.attn"] = a
-    return out
+from vllm_connector import host_tensors, shape_args
 
 
 def measure(tmp: Path, args: Any) -> dict[str, Any]:
@@ -68,7 +57,7 @@ def measure(tmp: Path, args: Any) -> dict[str, Any]:
     perm = np.random.default_rng(1).permutation(n_blocks)
     dst_tables = [tuple(int(x) for x in perm[r * per_req:(r + 1) * per_req])
                   for r in range(args.requests)]
-    src = tensors(args, n_blocks, 7)
+    src = host_tensors(args, n_blocks, 7)
     pairs: dict[str, tuple[Worker, Worker]] = {}
     dsts: dict[str, dict[str, Any]] = {}
     common: dict[str, Any] = {"rank": 0, "block_size": args.block_size,
@@ -83,7 +72,7 @@ def measure(tmp: Path, args: Any) -> dict[str, Any]:
                                      receive=True, **common))
             pairs[mode] = (p, d)
             p.register(src)
-            dsts[mode] = tensors(args, n_blocks, None)
+            dsts[mode] = host_tensors(args, n_blocks, None)
             d.register(dsts[mode])
 
         def forward(p: Worker | None, saves: list[Save]) -> None:
@@ -173,15 +162,9 @@ def measure(tmp: Path, args: Any) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=8)
+    shape_args(ap)
     ap.add_argument("--layer-ms", type=float, default=8.0,
                     help="the simulated forward's time per layer")
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="p2pxfer-vllm-push-") as tmp:
