@@ -9,7 +9,8 @@ scheduler finished the request. Every byte of every layer checked.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -40,13 +41,22 @@ def layer_landed(src: dict[str, Any], dst: dict[str, Any], name: str) -> bool:
     return bool((src[name].view(np.uint16)[:, SB] == dst[name].view(np.uint16)[:, DB]).all())
 
 
-def pair(a: str, b: str, **kw: Any) -> tuple[Worker, Worker]:
-    prefill = Worker(options(a, "P", send=True, receive=False, **kw))
+@contextmanager
+def pair(sockets: tuple[str, str], src: dict[str, Any], dst: dict[str, Any],
+         **kw: Any) -> Iterator[tuple[Worker, Worker]]:
+    """A prefill worker (engine "P", caches ``src``) and a decode worker
+    ("D", ``dst``), registered; closed on the way out."""
+    prefill = Worker(options(sockets[0], "P", send=True, receive=False, **kw))
     try:
-        return prefill, Worker(options(b, "D", send=False, receive=True, **kw))
-    except BaseException:
+        decode = Worker(options(sockets[1], "D", send=False, receive=True, **kw))
+        try:
+            prefill.register(src)
+            decode.register(dst)
+            yield prefill, decode
+        finally:
+            decode.close()
+    finally:
         prefill.close()
-        raise
 
 
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
@@ -56,13 +66,9 @@ def test_each_layer_is_pushed_as_it_is_computed(daemon_sockets: tuple[str, str],
     written again until the slots are there); the first two layers land
     while the rest are not computed yet; the prefill is reported finished
     sending only after the scheduler finished it."""
-    a, b = daemon_sockets
     src, dst = caches(1), caches(None)
     names = list(src)
-    prefill, decode = pair(a, b, checksum=checksum)
-    try:
-        prefill.register(src)
-        decode.register(dst)
+    with pair(daemon_sockets, src, dst, checksum=checksum) as (prefill, decode):
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-1", 0, tuple(DB), "t-1")])
         time.sleep(0.2)  # the pull finds no slots and is written again
         prefill.open([Open("req-1", 3, "t-1")])
@@ -83,19 +89,12 @@ def test_each_layer_is_pushed_as_it_is_computed(daemon_sockets: tuple[str, str],
         assert prefill.finished() == (set(), set())
         prefill.hold([Send("req-1", 3, tuple(SB), "t-1")])
         wait_finished(prefill, sent={"req-1"})
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_a_pull_after_the_prefill_finished_gets_every_layer(
         daemon_sockets: tuple[str, str]) -> None:
-    a, b = daemon_sockets
     src, dst = caches(2), caches(None)
-    prefill, decode = pair(a, b)
-    try:
-        prefill.register(src)
-        decode.register(dst)
+    with pair(daemon_sockets, src, dst) as (prefill, decode):
         prefill.open([Open("req-1", 1, "t-late")])
         saves = last("req-1", SB)
         for name in src:
@@ -109,21 +108,14 @@ def test_a_pull_after_the_prefill_finished_gets_every_layer(
         wait_finished(prefill, sent={"req-1"})
         assert decode.load_errors() == set()
         blocks_equal(src, dst, SB, DB)
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_an_aborted_prefill_lets_go_and_its_decode_gets_load_errors(
         daemon_sockets: tuple[str, str]) -> None:
     """Aborted after its first layer: released at once, nothing more is
     pushed, and the decode's load fails at its deadline (not a hang)."""
-    a, b = daemon_sockets
     src, dst = caches(3), caches(None)
-    prefill, decode = pair(a, b, load_timeout_s=3.0)
-    try:
-        prefill.register(src)
-        decode.register(dst)
+    with pair(daemon_sockets, src, dst, load_timeout_s=3.0) as (prefill, decode):
         prefill.open([Open("req-1", 2, "t-abort")])
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-abort", 0, tuple(DB), "t-abort")])
         first = next(iter(src))
@@ -133,26 +125,16 @@ def test_an_aborted_prefill_lets_go_and_its_decode_gets_load_errors(
         wait_finished(prefill, sent={"req-1"}, within_s=10)
         wait_finished(decode, received={"dec-1"}, within_s=30)
         assert decode.load_errors() == set(DB)
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_a_transfer_never_opened_is_a_load_error_at_the_deadline(
         daemon_sockets: tuple[str, str]) -> None:
-    a, b = daemon_sockets
-    prefill, decode = pair(a, b, load_timeout_s=2.0)
-    try:
-        prefill.register(caches(4))
-        decode.register(caches(None))
+    with pair(daemon_sockets, caches(4), caches(None), load_timeout_s=2.0) as (prefill, decode):
         t0 = time.monotonic()
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-none", 0, tuple(DB), "t-none")])
         wait_finished(decode, received={"dec-1"}, within_s=30)
         assert decode.load_errors() == set(DB)
         assert time.monotonic() - t0 < 15
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
@@ -160,12 +142,9 @@ def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
     """A load error at once; the load's request number stays taken until
     its deadline and a lease have passed (later pushes of the prefill may
     still ask for it: the daemon refuses them), then is free."""
-    a, b = daemon_sockets
     src, dst = caches(5), caches(None)
-    prefill, decode = pair(a, b, checksum=True, lease_s=3.0, load_timeout_s=5.0)
-    try:
-        prefill.register(src)
-        decode.register(dst)
+    with pair(daemon_sockets, src, dst, checksum=True, lease_s=3.0, load_timeout_s=5.0) as (
+            prefill, decode):
 
         def corrupt(pool: Any, layout: Any, layer: int, blocks: Any) -> None:
             if layer == 2:
@@ -187,9 +166,6 @@ def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
         names = list(src)
         assert layer_landed(src, dst, names[1])
         assert not dst[names[2]].any()  # the bad layer never reached the engine
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_one_prefill_rank_pushes_as_computed_to_two_decode_ranks(
@@ -367,12 +343,8 @@ def test_no_push_starts_after_the_decode_gave_up(daemon_sockets: tuple[str, str]
     """The decode waits 2 s; the prefill computes its later layers after
     that: they are not pushed (they could land in blocks since given to
     another load). The first layer, pushed in time, did land."""
-    a, b = daemon_sockets
     src, dst = caches(8), caches(None)
-    prefill, decode = pair(a, b, load_timeout_s=2.0)
-    try:
-        prefill.register(src)
-        decode.register(dst)
+    with pair(daemon_sockets, src, dst, load_timeout_s=2.0) as (prefill, decode):
         prefill.open([Open("req-1", 1, "t-slow")])
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-slow", 0, tuple(DB), "t-slow")])
         names = list(src)
@@ -392,6 +364,3 @@ def test_no_push_starts_after_the_decode_gave_up(daemon_sockets: tuple[str, str]
             for blk in DB:
                 off = layer * lay.layer_stride + blk * lay.block_stride
                 assert not pool.array[off:off + lay.block_bytes].any(), (layer, blk)
-    finally:
-        decode.close()
-        prefill.close()
