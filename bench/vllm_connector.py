@@ -91,6 +91,18 @@ def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
             for name, a in host_tensors(args, blocks, seed).items()}
 
 
+def two_daemons(tmp: Path) -> tuple[Any, Any]:
+    """Daemons "node-a" (prefill) and "node-b" (decode), peers on loopback."""
+    from p2pxfer.testing import free_port, start_daemon
+
+    pa, pb = free_port(), free_port()
+    a = start_daemon(tmp, "node-a", control_port=pa,
+                     peers=[{"name": "node-b", "address": f"127.0.0.1:{pb}"}])
+    b = start_daemon(tmp, "node-b", control_port=pb,
+                     peers=[{"name": "node-a", "address": f"127.0.0.1:{pa}"}])
+    return a, b
+
+
 def shape_args(ap: argparse.ArgumentParser) -> None:
     """The batch's shape: layers, tokens, block size, heads, requests, rounds."""
     ap.add_argument("--layers", type=int, default=32)
@@ -112,15 +124,10 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
     from p2pxfer import connect
     from p2pxfer.integrations.vllm._plan import Load, Save, Send
     from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
-    from p2pxfer.testing import free_port, start_daemon
 
     per_req = -(-args.tokens // args.block_size)
     n_blocks = args.requests * per_req + 8
-    pa, pb = free_port(), free_port()
-    a = start_daemon(tmp, "node-a", control_port=pa,
-                     peers=[{"name": "node-b", "address": f"127.0.0.1:{pb}"}])
-    b = start_daemon(tmp, "node-b", control_port=pb,
-                     peers=[{"name": "node-a", "address": f"127.0.0.1:{pa}"}])
+    a, b = two_daemons(tmp)
     rng = np.random.default_rng(1)
     src_tables = [np.arange(r * per_req, (r + 1) * per_req) for r in range(args.requests)]
     perm = rng.permutation(n_blocks)

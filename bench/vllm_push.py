@@ -38,21 +38,16 @@ from typing import Any
 import numpy as np
 
 from p2pxfer.bench import write_document
-from vllm_connector import host_tensors, shape_args
+from vllm_connector import host_tensors, shape_args, two_daemons
 
 
 def measure(tmp: Path, args: Any) -> dict[str, Any]:
     from p2pxfer.integrations.vllm._plan import Load, Open, Save, Send
     from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
-    from p2pxfer.testing import free_port, start_daemon
 
     per_req = -(-args.tokens // args.block_size)
     n_blocks = args.requests * per_req + 8
-    pa, pb = free_port(), free_port()
-    a = start_daemon(tmp, "node-a", control_port=pa,
-                     peers=[{"name": "node-b", "address": f"127.0.0.1:{pb}"}])
-    b = start_daemon(tmp, "node-b", control_port=pb,
-                     peers=[{"name": "node-a", "address": f"127.0.0.1:{pa}"}])
+    a, b = two_daemons(tmp)
     src_tables = [tuple(range(r * per_req, (r + 1) * per_req)) for r in range(args.requests)]
     perm = np.random.default_rng(1).permutation(n_blocks)
     dst_tables = [tuple(int(x) for x in perm[r * per_req:(r + 1) * per_req])

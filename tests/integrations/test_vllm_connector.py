@@ -59,6 +59,25 @@ def prefill(p: h.Engine, rid: str, prompt: list[int]) -> dict[str, Any]:
     return dict(done.kv_transfer_params)
 
 
+def fill_slots(p: h.Engine, seed: int, seen: list[int] | None = None) -> Any:
+    """"Attention" writing random K and V into exactly the slots each
+    step's tokens write; ``seen``: the block ids of the last request filled."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fill(name: str, t: torch.Tensor, out: Any) -> None:
+        for rid, n in out.num_scheduled_tokens.items():
+            ids = p.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            if seen is not None:
+                seen[:] = ids
+            # schedule() has counted this step's tokens already.
+            done = p.scheduler.requests[rid].num_computed_tokens - n
+            slots = torch.arange(done, done + n)
+            blocks = torch.tensor(ids)[slots // h.BLOCK_SIZE]
+            t[:, blocks, slots % h.BLOCK_SIZE] = torch.randn(
+                (2, n, h.KV_HEADS, h.HEAD), generator=g).half()
+    return fill
+
+
 def run_until(engines: list[h.Engine], cond: Any, what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not cond():
@@ -265,18 +284,7 @@ def test_a_chunked_prefill_stages_each_chunk(pair: tuple[DaemonProc, DaemonProc]
     a, b = pair
     p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", chunk=64)
     d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine")
-    g = torch.Generator().manual_seed(3)
-
-    def fill(name: str, t: torch.Tensor, out: Any) -> None:
-        """Random K and V into exactly the slots this step's tokens write."""
-        for rid, n in out.num_scheduled_tokens.items():
-            ids = p.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            # schedule() has counted this step's tokens already.
-            done = p.scheduler.requests[rid].num_computed_tokens - n
-            slots = torch.arange(done, done + n)
-            blocks = torch.tensor(ids)[slots // h.BLOCK_SIZE]
-            t[:, blocks, slots % h.BLOCK_SIZE] = torch.randn(
-                (2, n, h.KV_HEADS, h.HEAD), generator=g).half()
+    fill = fill_slots(p, 3)
 
     try:
         prompt = list(range(1, 301))
@@ -333,18 +341,8 @@ def test_pushed_as_computed_through_vllm(pair: tuple[DaemonProc, DaemonProc], tm
     a, b = pair
     p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", chunk=chunk)
     d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine")
-    g = torch.Generator().manual_seed(5)
     src_ids: list[int] = []
-
-    def fill(name: str, t: torch.Tensor, out: Any) -> None:
-        for rid, n in out.num_scheduled_tokens.items():
-            ids = p.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            src_ids[:] = ids
-            done = p.scheduler.requests[rid].num_computed_tokens - n
-            slots = torch.arange(done, done + n)
-            blocks = torch.tensor(ids)[slots // h.BLOCK_SIZE]
-            t[:, blocks, slots % h.BLOCK_SIZE] = torch.randn(
-                (2, n, h.KV_HEADS, h.HEAD), generator=g).half()
+    fill = fill_slots(p, 5, src_ids)
 
     try:
         prompt = list(range(1, 301))

@@ -37,6 +37,16 @@ def last(request: str, blocks: list[int]) -> list[Save]:
     return [Save(request, tuple(blocks), last=True, table=tuple(blocks))]
 
 
+def compute_all(w: Worker, names: Any, request: str, key: int, tid: str) -> None:
+    """The prefill's one step: every layer computed and saved, the step
+    ended, then the request finished (as vLLM's scheduler says)."""
+    saves = last(request, SB)
+    for name in names:
+        w.stage_layer(name, saves)
+    w.end_step(saves)
+    w.hold([Send(request, key, tuple(SB), tid)])
+
+
 def layer_landed(src: dict[str, Any], dst: dict[str, Any], name: str) -> bool:
     return bool((src[name].view(np.uint16)[:, SB] == dst[name].view(np.uint16)[:, DB]).all())
 
@@ -96,11 +106,7 @@ def test_a_pull_after_the_prefill_finished_gets_every_layer(
     src, dst = caches(2), caches(None)
     with pair(daemon_sockets, src, dst) as (prefill, decode):
         prefill.open([Open("req-1", 1, "t-late")])
-        saves = last("req-1", SB)
-        for name in src:
-            prefill.stage_layer(name, saves)
-        prefill.end_step(saves)
-        prefill.hold([Send("req-1", 1, tuple(SB), "t-late")])
+        compute_all(prefill, src, "req-1", 1, "t-late")
         time.sleep(0.1)
         assert prefill.finished() == (set(), set())  # held for the pull
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-late", 0, tuple(DB), "t-late")])
@@ -153,11 +159,7 @@ def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
         decode.on_landed = corrupt
         prefill.open([Open("req-1", 1, "t-bad")])
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-bad", 0, tuple(DB), "t-bad")])
-        saves = last("req-1", SB)
-        for name in src:
-            prefill.stage_layer(name, saves)
-        prefill.end_step(saves)
-        prefill.hold([Send("req-1", 1, tuple(SB), "t-bad")])
+        compute_all(prefill, src, "req-1", 1, "t-bad")
         wait_finished(decode, received={"dec-1"})
         assert decode.load_errors() == set(DB)
         assert len(decode._slots) == 1  # quarantined
@@ -180,11 +182,7 @@ def test_one_prefill_rank_pushes_as_computed_to_two_decode_ranks(
         for r, w in enumerate(decode):
             w.load([Load(f"d{r}", prefill.node, "P", 0, "t-tp", 0, tuple(DB), "t-tp")])
         prefill.open([Open("req-1", 1, "t-tp")])
-        saves = last("req-1", SB)
-        for name in src:
-            prefill.stage_layer(name, saves)
-        prefill.end_step(saves)
-        prefill.hold([Send("req-1", 1, tuple(SB), "t-tp")])
+        compute_all(prefill, src, "req-1", 1, "t-tp")
         for r, w in enumerate(decode):
             wait_finished(w, received={f"d{r}"})
             assert w.load_errors() == set()
@@ -224,11 +222,7 @@ def test_two_prefill_ranks_push_as_computed_to_one_decode_rank(
         decode.load([Load("d", prefill[0].node, "P", 0, "t-21", 0, tuple(DB), "t-21")])
         for w, mine in zip(prefill, src, strict=True):
             w.open([Open("r", 4, "t-21")])
-            saves = last("r", SB)
-            for name in mine:
-                w.stage_layer(name, saves)
-            w.end_step(saves)
-            w.hold([Send("r", 4, tuple(SB), "t-21")])
+            compute_all(w, mine, "r", 4, "t-21")
         wait_finished(decode, received={"d"})
         assert decode.load_errors() == set()
         for w in prefill:
