@@ -14,6 +14,7 @@ sender whose node dies (``PeerLost``, with membership).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import traceback
 from collections.abc import Iterator
@@ -37,7 +38,13 @@ from daemon_helpers import (
     start_daemon,
 )
 from p2pxfer.client import KVPool
-from p2pxfer.errors import InvalidArgument, TransferError, UnknownRegion, WaitTimeout
+from p2pxfer.errors import (
+    InvalidArgument,
+    P2PXferError,
+    TransferError,
+    UnknownRegion,
+    WaitTimeout,
+)
 from p2pxfer.kv import KVLayout
 
 TIMEOUT = 120.0
@@ -241,6 +248,36 @@ async def test_bad_pushes_are_refused_before_posting(pair: tuple[DaemonProc, Dae
             await dst.forget(6)
             await push(request=6)
             await dst.wait_layers(6, 3, timeout=20)
+
+
+async def test_a_request_given_up_answers_once_its_pushes_landed(
+        pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """``forget(refuse=True)`` while a 64 MiB push is under way: it answers
+    once the push's layers have landed (nothing changes in the pool after),
+    and the request is refused from then on."""
+    a, b = pair
+    lay = KVLayout(16, 256, 16 << 10)
+    src_blocks, dst_blocks = tables(21, lay, 256)
+    with trio.fail_after(TIMEOUT):
+        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
+            dst = await decode.kv_pool("kv-drain", lay)
+            src = await prefill.kv_pool("kv-drain-src", lay, receive=False)
+            pool_view(src.array, lay)[:, :, src_blocks] = request_kv(21, lay, 256)
+            push = await prefill.kv_push("node-b", "kv-drain", src, src_blocks, dst_blocks,
+                                         request=9)
+            await dst.wait_layers(9, 0, timeout=TIMEOUT)  # under way: the rest still to come
+            await dst.forget(9, refuse=True)
+            landed = dst.array.copy()
+            # The push itself may end either way (the request was given up
+            # under it): what matters is that nothing of it lands from now on.
+            with contextlib.suppress(P2PXferError):
+                await push.wait()
+            await trio.sleep(0.2)
+            assert np.array_equal(dst.array, landed)
+            again = await prefill.kv_push("node-b", "kv-drain", src, src_blocks[:1],
+                                          dst_blocks[:1], request=9)
+            with pytest.raises(InvalidArgument, match="is over"):
+                await again.wait()
 
 
 def test_sync_client_push(pair: tuple[DaemonProc, DaemonProc]) -> None:

@@ -119,7 +119,7 @@ async def _kv_wait(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _kv_forget(s: ClientSession, msg: Message) -> dict[str, Any]:
-    s.daemon.kv.forget(s, msg["pool"], msg["request"], bool(msg.get("refuse", False)))
+    await s.daemon.kv.forget(s, msg["pool"], msg["request"], bool(msg.get("refuse", False)))
     return {}
 
 

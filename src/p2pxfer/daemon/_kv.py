@@ -34,6 +34,7 @@ trio thread's. What must not live here: the block expansion
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,9 @@ class _Recv(LayerArrivals):
     slots: set[int] = field(default_factory=set)
     deadline: float = math.inf
     waiters: int = 0
+    #: its receiver gave it up (``kv_forget`` with ``refuse``): kept, so
+    #: pushes of it are refused until it is forgotten for good
+    refused: bool = False
 
     @property
     def finished(self) -> bool:
@@ -186,7 +190,7 @@ class KV:
             raise InvalidArgument(f"kv_begin: deadline_ms must be within 1..{MAX_DEADLINE_MS}, "
                                   f"got {deadline_ms}")
         recv = self._request(pool, request, n)
-        if recv.error is not None or recv.expired:
+        if recv.error is not None or recv.expired or recv.refused:
             raise InvalidArgument(f"request {request} into {pool!r} is over (forget it before "
                                   "using its id again)")
         if recv.claimed[lays].any():
@@ -273,7 +277,7 @@ class KV:
 
     def _trim(self) -> None:
         for key, recv in list(self._recv.items()):
-            if recv.finished:
+            if recv.finished and not recv.refused:
                 del self._recv[key]
                 if len(self._recv) < MAX_REQUESTS // 2:
                     return
@@ -302,17 +306,26 @@ class KV:
         finally:
             recv.waiters -= 1
             # A request nobody pushed and nobody waits for leaves nothing behind.
-            if not recv.waiters and not recv.claimed.any() \
+            if not recv.waiters and not recv.claimed.any() and not recv.refused \
                     and self._recv.get((pool, request)) is recv:
                 del self._recv[(pool, request)]
 
-    def forget(self, s: ClientSession, pool: str, request: int, refuse: bool = False) -> None:
-        """Drop ``request``; ``refuse``: end it instead and keep it, so a
-        sender still pushing it is refused at its next ``kv_begin`` until it
-        is forgotten for good."""
+    async def forget(self, s: ClientSession, pool: str, request: int,
+                     refuse: bool = False) -> None:
+        """Drop ``request``. ``refuse``: give it up instead, and keep it: a
+        sender's next ``kv_begin`` for it is refused until it is forgotten
+        for good; returns once the pushes already begun have landed, or
+        their deadline passed, or their sender was lost (nothing of them
+        lands in the pool after), then ends it."""
         p = self._owned(s, pool)
         if refuse:
             over = self._request(pool, request, p.layout.num_layers)
+            over.refused = True
+            begun = [self._slots[slot][1] for slot in over.slots if slot in self._slots]
+            if begun and over.error is None and not over.expired:
+                with contextlib.suppress(P2PXferError):
+                    await over.wait(np.unique(np.concatenate(begun)),
+                                    max(0.0, over.deadline - trio.current_time()))
             if over.error is None:
                 self._end(over, UnknownRegion(f"request {request} into {pool!r} was given up "
                                               "by its receiver"))

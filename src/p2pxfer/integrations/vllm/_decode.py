@@ -123,23 +123,14 @@ class DecodeSide(WorkerState):
             peer = await c.lookup(job.node)
             life = None if peer is None else peer.get("incarnation")
             for p in parts:
-                skip = job.skip + len(job.blocks) if p.route.release else job.skip
-                # Pushed as computed: the prefill starts no push after we
-                # gave up (what it pushes then could land in blocks since
-                # given to another load).
-                within = max(1, round((deadline - trio.current_time()) * 1000)) \
-                    if job.transfer_id else 0
-                data = encode_pull(Pull(job.remote_request, self.node, self.pool_name,
-                                        self.sums_name if o.checksum else "", p.slot, skip,
-                                        p.staging, within), self.slot_bytes)
-                off = p.msg * self.slot_bytes
-                self._msgs.array[off:off + len(data)] = np.frombuffer(data, np.uint8)
                 if job.transfer_id:
-                    await self._pull_early(job, p, off, len(data), deadline)
+                    await self._pull_early(job, p, deadline)
                     continue
+                nbytes = self._put_pull(job, p, deadline)
                 mailbox = job.key * kp + p.route.sub
                 await c.write(job.node, region_names(job.engine, p.route.rank)[1],
-                              ScatterList.contiguous(len(data), off, mailbox * self.slot_bytes),
+                              ScatterList.contiguous(nbytes, p.msg * self.slot_bytes,
+                                                     mailbox * self.slot_bytes),
                               src=self._msgs, imm=mailbox, notify=True,
                               timeout=o.load_timeout_s)
             t0 = time.perf_counter()
@@ -166,22 +157,48 @@ class DecodeSide(WorkerState):
                                   error=str(exc))
                         with self._lock:
                             self._errors.update(job.blocks)
-            quarantine = failed and bool(job.transfer_id)
-            if quarantine:
-                with trio.CancelScope(shield=True):
-                    await self._forget(job, parts, refuse=True)
-                # A prefill pushing as computed may still push later layers
-                # (it starts none after our deadline, and each ends within a
-                # lease), each push asking for the request number anew: the
-                # daemon refuses them from now on (what a push already
-                # posted still lands, in the staging mirror), and the number
-                # stays taken until then, so no later load that reuses it
-                # meets them. vLLM hears of the failure now.
+            if failed:
+                # A push already begun may still be landing, in blocks vLLM
+                # computes again once it hears of the failure (in shared
+                # memory, its very tensors): the daemon refuses more of the
+                # request's pushes and answers once those have landed (or
+                # their deadline passed, or their sender is gone). Then
+                # vLLM hears of it. (Cancelled only when the bridge closes.)
+                await self._forget(job, parts, refuse=True)
                 self._ended(job, parts, requests=False)
-                await trio.sleep_until(deadline + o.lease_s)
+                if job.transfer_id:
+                    # A prefill pushing as computed asks for the request
+                    # number anew with each layer it pushes (none after our
+                    # deadline, each ending within a lease): refused while
+                    # the number stays taken, as it does until then.
+                    self._quarantine(job, parts)
+                    await trio.sleep_until(deadline + o.lease_s)
             with trio.CancelScope(shield=True):
                 await self._forget(job, parts)
-            self._ended(job, parts, requests=True, report=not quarantine)
+            self._ended(job, parts, requests=True, report=not failed)
+
+    def _put_pull(self, job: Load, p: _Part, deadline: float) -> int:
+        """Write the pull of part ``p`` into its message slot; its bytes.
+        Pushed as computed, it says how long we still wait: the prefill
+        starts no push after that."""
+        o = self.opts
+        assert self._msgs is not None
+        skip = job.skip + len(job.blocks) if p.route.release else job.skip
+        within = max(1, round((deadline - trio.current_time()) * 1000)) \
+            if job.transfer_id else 0
+        data = encode_pull(Pull(job.remote_request, self.node, self.pool_name,
+                                self.sums_name if o.checksum else "", p.slot, skip,
+                                p.staging, within), self.slot_bytes)
+        off = p.msg * self.slot_bytes
+        self._msgs.array[off:off + len(data)] = np.frombuffer(data, np.uint8)
+        return len(data)
+
+    def _quarantine(self, job: Load, parts: list[_Part]) -> None:
+        """Keep the load's request numbers under keys no later load of the
+        same vLLM request id can take."""
+        with self._lock:
+            for i in range(len(parts)):
+                self._slots.rename(f"{job.request}#{i}", f"{job.request}#{i}@{id(parts)}")
 
     async def _forget(self, job: Load, parts: list[_Part], refuse: bool = False) -> None:
         """The daemon's bookkeeping of the load's requests dropped (``refuse``:
@@ -201,13 +218,13 @@ class DecodeSide(WorkerState):
             for i in range(len(parts)):
                 if requests:
                     self._slots.release(f"{job.request}#{i}")
+                    self._slots.release(f"{job.request}#{i}@{id(parts)}")
                 if report:
                     self._msg_slots.release(f"{job.request}#{i}")
             if report and job.blocks:
                 self._received.add(job.request)
 
-    async def _pull_early(self, job: Load, p: _Part, off: int, nbytes: int,
-                          deadline: float) -> None:
+    async def _pull_early(self, job: Load, p: _Part, deadline: float) -> None:
         """Write a pull pushed as computed into the prefill rank's slots for
         the transfer: they may not be there yet (the prefill has not
         scheduled the request), so asked again, less and less often, until
@@ -215,9 +232,11 @@ class DecodeSide(WorkerState):
         c = self.bridge.client
         assert self._msgs is not None
         region = pull_region(job.engine, p.route.rank, job.transfer_id)
-        where = ScatterList.contiguous(nbytes, off, p.route.sub * self.slot_bytes)
         pause = PULL_RETRY_S[0]
         while True:
+            nbytes = self._put_pull(job, p, deadline)  # what we wait for now
+            where = ScatterList.contiguous(nbytes, p.msg * self.slot_bytes,
+                                           p.route.sub * self.slot_bytes)
             try:
                 await c.write(job.node, region, where, src=self._msgs, imm=p.route.sub,
                               notify=True, timeout=max(deadline - trio.current_time(), 0.001))

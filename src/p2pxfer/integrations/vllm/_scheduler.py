@@ -182,6 +182,8 @@ class SchedulerSide:
         if self.receive and params.get("do_remote_prefill") and \
                 all(k in params for k in _remote_keys(params)):
             params["do_remote_prefill"] = False
+            if not self._valid_transfer(request, params):
+                return False, None
             self._loads[rid] = self._load(rid, params, self._remote_blocks(request, params), ())
             return False, None
         if not (self.send and params.get("do_remote_decode")):
