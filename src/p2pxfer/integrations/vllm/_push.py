@@ -152,7 +152,8 @@ class PushSide(PrefillSide):
             except ConnectionLost as exc:
                 log.warning("vllm.open_failed", request=o.request, error=str(exc))
                 with self._lock:
-                    del self._early[o.request]
+                    if self._early.get(o.request) is e:
+                        del self._early[o.request]
 
     def computed(self, layer: int, saves: Iterable[Save], on: DeviceCopies | None) -> None:
         """``layer`` of this step's requests is in the pool (queued behind
@@ -221,7 +222,8 @@ class PushSide(PrefillSide):
                 self.gpu.drop(list(e.events.values()))
                 e.events.clear()
             with self._lock:
-                del self._early[e.open.request]
+                if self._early.get(e.open.request) is e:  # not a later one of that id
+                    del self._early[e.open.request]
                 if e.ended is not None:
                     self._sent.add(e.open.request)
 
