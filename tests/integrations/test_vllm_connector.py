@@ -376,3 +376,27 @@ def test_pushed_as_computed_through_vllm(pair: tuple[DaemonProc, DaemonProc], tm
         assert "p1" not in p.scheduler.requests  # its blocks went back
     finally:
         close(p, d)
+
+
+def test_a_decode_request_aborted_while_its_push_is_awaited_frees_its_blocks_soon(
+        pair: tuple[DaemonProc, DaemonProc], tmp_path: Path) -> None:
+    """Pushed as computed, the prefill never gets the request: aborting the
+    decode request stops its load at once (not at its 120 s deadline), and
+    vLLM then frees its blocks."""
+    from vllm.v1.request import RequestStatus
+
+    _, b = pair
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine")
+    try:
+        d.scheduler.add_request(h.request("d1", PROMPT, 4, {
+            "do_remote_prefill": True, "remote_node": "node-a",
+            "remote_engine_id": "prefill-engine", "transfer_id": "xfer-never",
+            "remote_tp_size": 1}))
+        d.step()  # parked; its pull waits for slots that never come
+        d.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+        t0 = time.monotonic()
+        run_until([d], lambda: "d1" not in d.scheduler.requests, "blocks freed")
+        assert time.monotonic() - t0 < 30
+        assert len(d.worker.worker._msg_slots) == 0
+    finally:
+        close(d)

@@ -358,3 +358,46 @@ def test_no_push_starts_after_the_decode_gave_up(daemon_sockets: tuple[str, str]
             for blk in DB:
                 off = layer * lay.layer_stride + blk * lay.block_stride
                 assert not pool.array[off:off + lay.block_bytes].any(), (layer, blk)
+
+
+def test_a_load_vllm_aborted_stops_at_once(daemon_sockets: tuple[str, str]) -> None:
+    """The prefill has not computed the request (and may never): a cancel
+    ends the load at once as a load error, well before its deadline."""
+    with pair(daemon_sockets, caches(9), caches(None), load_timeout_s=120.0) as (prefill,
+                                                                                  decode):
+        prefill.open([Open("req-1", 1, "t-stop")])
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-stop", 0, tuple(DB), "t-stop")])
+        time.sleep(0.5)  # the pull is in; no layer comes
+        t0 = time.monotonic()
+        decode.cancel(["dec-1"])
+        wait_finished(decode, received={"dec-1"}, within_s=30)
+        assert decode.load_errors() == set(DB)
+        assert time.monotonic() - t0 < 20
+        prefill.hold([Send("req-1", 1, (), "t-stop")])
+        wait_finished(prefill, sent={"req-1"})
+
+
+def test_the_decode_scheduler_stops_a_pushed_load_vllm_aborted() -> None:
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-b", "D", 16, 8, send=False, receive=True)
+
+    def req(rid: str) -> Any:
+        params = {"do_remote_prefill": True, "remote_node": "node-a", "remote_engine_id": "P",
+                  "transfer_id": f"t-{rid}", "remote_tp_size": 1}
+        return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(40)),
+                               kv_transfer_params=params)
+
+    blocks = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],))
+    reqs = {rid: req(rid) for rid in ("aborted", "done", "loaded")}
+    for r in reqs.values():
+        assert side.matched_tokens(r, 0) == (40, True)
+        side.after_alloc(r, blocks, 40)
+    assert len(side.plan(out([], [], {})).loads) == 3
+    side.received({"loaded"})  # its load reported back
+    assert side.finished(reqs["aborted"], [4, 5, 6], False) == (False, None)
+    assert side.finished(reqs["done"], [4, 5, 6], True) == (False, None)
+    assert side.finished(reqs["loaded"], [4, 5, 6], False) == (False, None)
+    assert side.plan(out([], [], {})).cancels == ["aborted"]

@@ -156,6 +156,7 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan = self._plan()
         self.worker.open(plan.opens)
         self.worker.hold(plan.sends)
+        self.worker.cancel(plan.cancels)
         self.worker.load(plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -200,6 +201,7 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler.sent(set(connector_output.finished_sending or ()))
+        self.scheduler.received(set(connector_output.finished_recving or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -26,6 +26,7 @@ from p2pxfer.errors import (
     LimitExceeded,
     P2PXferError,
     PeerLost,
+    TransferAborted,
     TransferError,
     UnknownRegion,
     WaitTimeout,
@@ -112,6 +113,22 @@ class DecodeSide(WorkerState):
             self._errors.update(job.blocks)
             self._received.add(job.request)
 
+    def cancel(self, requests: Iterable[str]) -> None:
+        """Stop these loads (vLLM aborted their requests): each ends as a
+        load error, and is reported back as usual."""
+        for rid in requests:
+            try:
+                self.bridge.soon(self._cancel, rid)
+            except ConnectionLost:
+                return  # the bridge ended: so did its loads
+
+    def _cancel(self, rid: str) -> None:
+        scope = self._running.get(rid)
+        if scope is None:
+            self._cancelled.add(rid)  # spawned, not started yet
+        else:
+            scope.cancel()
+
     async def _load(self, job: Load, parts: list[_Part]) -> None:
         c, o = self.bridge.client, self.opts
         assert self.pool is not None and self._msgs is not None
@@ -119,26 +136,34 @@ class DecodeSide(WorkerState):
         failed = False
         deadline = trio.current_time() + o.load_timeout_s
         try:
-            # The prefill's life now: a restarted prefill holds nothing of ours.
-            peer = await c.lookup(job.node)
-            life = None if peer is None else peer.get("incarnation")
-            for p in parts:
-                if job.transfer_id:
-                    await self._pull_early(job, p, deadline)
-                    continue
-                nbytes = self._put_pull(job, p, deadline)
-                mailbox = job.key * kp + p.route.sub
-                await c.write(job.node, region_names(job.engine, p.route.rank)[1],
-                              ScatterList.contiguous(nbytes, p.msg * self.slot_bytes,
-                                                     mailbox * self.slot_bytes),
-                              src=self._msgs, imm=mailbox, notify=True,
-                              timeout=o.load_timeout_s)
-            t0 = time.perf_counter()
-            if job.blocks:
-                await self._receive(job, [p for p in parts if not p.route.release], deadline,
-                                    life)
-            log.debug("vllm.loaded", request=job.request, peer=job.node, blocks=len(job.blocks),
-                      seconds=time.perf_counter() - t0)
+            with trio.CancelScope() as scope:
+                self._running[job.request] = scope
+                if job.request in self._cancelled:
+                    self._cancelled.discard(job.request)
+                    scope.cancel()
+                # The prefill's life now: a restarted prefill holds nothing of ours.
+                peer = await c.lookup(job.node)
+                life = None if peer is None else peer.get("incarnation")
+                for p in parts:
+                    if job.transfer_id:
+                        await self._pull_early(job, p, deadline)
+                        continue
+                    nbytes = self._put_pull(job, p, deadline)
+                    mailbox = job.key * kp + p.route.sub
+                    await c.write(job.node, region_names(job.engine, p.route.rank)[1],
+                                  ScatterList.contiguous(nbytes, p.msg * self.slot_bytes,
+                                                         mailbox * self.slot_bytes),
+                                  src=self._msgs, imm=mailbox, notify=True,
+                                  timeout=o.load_timeout_s)
+                t0 = time.perf_counter()
+                if job.blocks:
+                    await self._receive(job, [p for p in parts if not p.route.release],
+                                        deadline, life)
+                log.debug("vllm.loaded", request=job.request, peer=job.node,
+                          blocks=len(job.blocks), seconds=time.perf_counter() - t0)
+            if scope.cancelled_caught:
+                raise TransferAborted(f"the load of {job.request!r} was stopped: vLLM aborted "
+                                      "the request")
         except P2PXferError as exc:
             failed = True
             with self._lock:
@@ -146,6 +171,7 @@ class DecodeSide(WorkerState):
             log.warning("vllm.load_failed", request=job.request, peer=job.node,
                         blocks=len(job.blocks), error=str(exc))
         finally:
+            self._running.pop(job.request, None)
             with trio.CancelScope(shield=True):
                 if self.gpu is not None:
                     # Every copy into the engine's blocks is over before vLLM

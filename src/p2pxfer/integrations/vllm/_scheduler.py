@@ -60,6 +60,8 @@ class StepPlan:
     sends: list[Send] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     opens: list[Open] = field(default_factory=list)
+    #: decode: loads pushed as computed whose request was aborted: stop them
+    cancels: list[str] = field(default_factory=list)
 
 
 def _blocks_of(blocks: Any) -> list[int]:
@@ -87,6 +89,9 @@ class SchedulerSide:
         self._opens: list[Open] = []
         #: prefill, pushed as computed: request -> (key, transfer id, prompt tokens)
         self._push: dict[str, tuple[int, str, int]] = {}
+        #: decode: requests whose load pushed as computed has not reported back
+        self._pushed_loads: set[str] = set()
+        self._cancels: list[str] = []
 
     # -- decode ------------------------------------------------------------------------
 
@@ -137,6 +142,8 @@ class SchedulerSide:
                                   f"{self._remote_blocks(request, params)}")
         self._loads[request.request_id] = self._load(request.request_id, params, skip,
                                                      tuple(local_new))
+        if "transfer_id" in params:
+            self._pushed_loads.add(request.request_id)
 
     @staticmethod
     def _valid_transfer(request: Any, params: dict[str, Any]) -> bool:
@@ -185,6 +192,14 @@ class SchedulerSide:
             if not self._valid_transfer(request, params):
                 return False, None
             self._loads[rid] = self._load(rid, params, self._remote_blocks(request, params), ())
+            return False, None
+        if rid in self._pushed_loads:
+            self._pushed_loads.discard(rid)
+            if not completed:
+                # Its prefill may take long to compute it, or never (aborted
+                # too): the load stops now (its blocks, which vLLM keeps
+                # until the load reports back, then go).
+                self._cancels.append(rid)
             return False, None
         if not (self.send and params.get("do_remote_decode")):
             return False, None
@@ -254,13 +269,19 @@ class SchedulerSide:
         for rid in requests:
             self._keys.release(rid)
 
+    def received(self, requests: set[str]) -> None:
+        """Workers report these loads over: nothing of them to stop."""
+        self._pushed_loads -= requests
+
     # -- every step --------------------------------------------------------------------
 
     def plan(self, scheduler_output: Any) -> StepPlan:
-        step = StepPlan(loads=list(self._loads.values()), sends=self._sends, opens=self._opens)
+        step = StepPlan(loads=list(self._loads.values()), sends=self._sends, opens=self._opens,
+                        cancels=self._cancels)
         self._loads = {}
         self._sends = []
         self._opens = []
+        self._cancels = []
         if self.send and self._blocks:
             step.saves = self._saves(scheduler_output)
         return step

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import trio
 
 from p2pxfer.client import KVPool, SharedMemory
 from p2pxfer.errors import InvalidArgument
@@ -105,6 +106,10 @@ class WorkerState:
         self._sums: SharedMemory | None = None  # decode: checksums as they land
         self._sums_out: SharedMemory | None = None  # prefill: checksums to send
         self._msgs: SharedMemory | None = None
+        #: the bridge's thread's: loads running (to stop them), and loads
+        #: stopped before they started
+        self._running: dict[str, trio.CancelScope] = {}
+        self._cancelled: set[str] = set()
         #: test hook: ``(staging array, layout, layer, blocks)`` after a layer landed
         #: and before it is checked and copied (tests corrupt a byte with it)
         self.on_landed: Callable[[npt.NDArray[np.uint8], KVLayout, int, Any], None] | None = None
