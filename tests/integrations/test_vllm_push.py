@@ -121,7 +121,7 @@ def test_an_aborted_prefill_lets_go_and_its_decode_gets_load_errors(
     """Aborted after its first layer: released at once, nothing more is
     pushed, and the decode's load fails at its deadline (not a hang)."""
     src, dst = caches(3), caches(None)
-    with pair(daemon_sockets, src, dst, load_timeout_s=3.0) as (prefill, decode):
+    with pair(daemon_sockets, src, dst, load_timeout_s=8.0) as (prefill, decode):
         prefill.open([Open("req-1", 2, "t-abort")])
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-abort", 0, tuple(DB), "t-abort")])
         first = next(iter(src))
@@ -149,7 +149,7 @@ def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
     its deadline and a lease have passed (later pushes of the prefill may
     still ask for it: the daemon refuses them), then is free."""
     src, dst = caches(5), caches(None)
-    with pair(daemon_sockets, src, dst, checksum=True, lease_s=3.0, load_timeout_s=5.0) as (
+    with pair(daemon_sockets, src, dst, checksum=True, lease_s=3.0, load_timeout_s=10.0) as (
             prefill, decode):
 
         def corrupt(pool: Any, layout: Any, layer: int, blocks: Any) -> None:
@@ -164,7 +164,7 @@ def test_a_corrupted_byte_pushed_as_computed_is_a_load_error(
         assert decode.load_errors() == set(DB)
         assert len(decode._slots) == 1  # quarantined
         wait_finished(prefill, sent={"req-1"})
-        until(lambda: len(decode._slots) == 0, "the request number back", 30)
+        until(lambda: len(decode._slots) == 0, "the request number back", 60)
         names = list(src)
         assert layer_landed(src, dst, names[1])
         assert not dst[names[2]].any()  # the bad layer never reached the engine
@@ -334,11 +334,11 @@ def test_the_decode_scheduler_loads_a_pushed_request_by_its_prompt_length() -> N
 
 
 def test_no_push_starts_after_the_decode_gave_up(daemon_sockets: tuple[str, str]) -> None:
-    """The decode waits 2 s; the prefill computes its later layers after
+    """The decode waits 6 s; the prefill computes its later layers after
     that: they are not pushed (they could land in blocks since given to
     another load). The first layer, pushed in time, did land."""
     src, dst = caches(8), caches(None)
-    with pair(daemon_sockets, src, dst, load_timeout_s=2.0) as (prefill, decode):
+    with pair(daemon_sockets, src, dst, load_timeout_s=6.0) as (prefill, decode):
         prefill.open([Open("req-1", 1, "t-slow")])
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-slow", 0, tuple(DB), "t-slow")])
         names = list(src)
