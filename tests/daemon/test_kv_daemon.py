@@ -252,9 +252,10 @@ async def test_bad_pushes_are_refused_before_posting(pair: tuple[DaemonProc, Dae
 
 async def test_a_request_given_up_answers_once_its_pushes_landed(
         pair: tuple[DaemonProc, DaemonProc]) -> None:
-    """``forget(refuse=True)`` while a 64 MiB push is under way: it answers
+    """``forget(refuse=True)`` while a 128 MiB push is under way: it answers
     once the push's layers have landed (nothing changes in the pool after),
-    and the request is refused from then on."""
+    the client's other requests going on meanwhile, and the request is
+    refused from then on."""
     a, b = pair
     lay = KVLayout(16, 256, 16 << 10)
     src_blocks, dst_blocks = tables(21, lay, 256)
@@ -266,7 +267,18 @@ async def test_a_request_given_up_answers_once_its_pushes_landed(
             push = await prefill.kv_push("node-b", "kv-drain", src, src_blocks, dst_blocks,
                                          request=9)
             await dst.wait_layers(9, 0, timeout=TIMEOUT)  # under way: the rest still to come
-            await dst.forget(9, refuse=True)
+            order: list[str] = []
+
+            async def give_up() -> None:
+                await dst.forget(9, refuse=True)
+                order.append("forget")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(give_up)
+                await trio.sleep(0)
+                await decode.status()  # the client's other requests go on meanwhile
+                order.append("status")
+            assert order == ["status", "forget"]
             landed = dst.array.copy()
             # The push itself may end either way (the request was given up
             # under it): what matters is that nothing of it lands from now on.

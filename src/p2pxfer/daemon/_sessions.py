@@ -178,7 +178,9 @@ class ClientSession:
                 # Its credentials passed at accept: full-size frames from now on.
                 self.pump.conn.lift_frame_limit()
                 self._greeting.deadline = math.inf
-            elif msg.kind in CONCURRENT:
+            elif msg.kind in CONCURRENT or (msg.kind == "kv_forget" and msg.get("refuse")):
+                # (A forget that refuses waits for pushes under way: it must
+                # not hold up the client's other requests.)
                 try:
                     self.daemon.limits.request(self, msg.kind)
                 except P2PXferError as exc:
