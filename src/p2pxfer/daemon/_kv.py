@@ -48,6 +48,7 @@ from p2pxfer._kv_core import LayerArrivals
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
+    LimitExceeded,
     P2PXferError,
     PeerLost,
     UnknownRegion,
@@ -70,6 +71,9 @@ I64 = npt.NDArray[np.int64]
 #: what a client keeps a KV pool in (``kv_pool``'s ``kind``)
 MEMORY_KINDS = ("host", "cuda")
 MAX_REQUESTS = 16384  # requests remembered per daemon; the oldest finished go first
+#: requests given up and not yet forgotten, per pool (a receiver forgets
+#: each within its deadline and a lease)
+MAX_REFUSED = 1 << 16
 REAP_EVERY_S = 0.25  # how often deadlines are checked
 
 
@@ -99,9 +103,6 @@ class _Recv(LayerArrivals):
     slots: set[int] = field(default_factory=set)
     deadline: float = math.inf
     waiters: int = 0
-    #: its receiver gave it up (``kv_forget`` with ``refuse``): kept, so
-    #: pushes of it are refused until it is forgotten for good
-    refused: bool = False
 
     @property
     def finished(self) -> bool:
@@ -119,6 +120,11 @@ class KV:
         self._recv: dict[tuple[str, int], _Recv] = {}
         # request slot -> (request, its layers, [how many are not complete yet])
         self._slots: dict[int, tuple[_Recv, I64, list[int]]] = {}
+        #: requests their receiver gave up (``kv_forget`` with ``refuse``):
+        #: pushes of them are refused until they are forgotten for good;
+        #: per pool, at most ``MAX_REFUSED``
+        self._refused: set[tuple[str, int]] = set()
+        self._refused_in: dict[str, int] = {}
         #: the sending side (``_kv_push``), wired by the daemon
         self.pushes: Pushes | None = None
         exports.on_remove.append(self.drop_pool)
@@ -173,6 +179,8 @@ class KV:
         for key in [k for k in self._recv if k[0] == name]:
             recv = self._recv.pop(key)
             self._end(recv, UnknownRegion(f"KV pool {name!r} was closed"))
+        self._refused = {k for k in self._refused if k[0] != name}
+        self._refused_in.pop(name, None)
 
     # -- receiving (peer requests, and the owner's waits) -------------------------------
 
@@ -189,8 +197,11 @@ class KV:
         if not 0 < deadline_ms <= MAX_DEADLINE_MS:
             raise InvalidArgument(f"kv_begin: deadline_ms must be within 1..{MAX_DEADLINE_MS}, "
                                   f"got {deadline_ms}")
+        if (pool, request) in self._refused:
+            raise InvalidArgument(f"request {request} into {pool!r} is over: its receiver gave "
+                                  "it up")
         recv = self._request(pool, request, n)
-        if recv.error is not None or recv.expired or recv.refused:
+        if recv.error is not None or recv.expired:
             raise InvalidArgument(f"request {request} into {pool!r} is over (forget it before "
                                   "using its id again)")
         if recv.claimed[lays].any():
@@ -277,7 +288,7 @@ class KV:
 
     def _trim(self) -> None:
         for key, recv in list(self._recv.items()):
-            if recv.finished and not recv.refused:
+            if recv.finished:
                 del self._recv[key]
                 if len(self._recv) < MAX_REQUESTS // 2:
                     return
@@ -297,6 +308,8 @@ class KV:
         n = self._owned(s, pool).layout.num_layers
         if not 0 <= first <= upto < n:
             raise InvalidArgument(f"kv_wait: want 0 <= first <= upto < {n}, got {first}, {upto}")
+        if (pool, request) in self._refused:
+            raise UnknownRegion(f"request {request} into {pool!r} was given up by its receiver")
         recv = self._request(pool, request, n)
         recv.waiters += 1
         try:
@@ -306,21 +319,36 @@ class KV:
         finally:
             recv.waiters -= 1
             # A request nobody pushed and nobody waits for leaves nothing behind.
-            if not recv.waiters and not recv.claimed.any() and not recv.refused \
+            if not recv.waiters and not recv.claimed.any() \
                     and self._recv.get((pool, request)) is recv:
                 del self._recv[(pool, request)]
 
+    def refuse(self, s: ClientSession, pool: str, request: int) -> None:
+        """``request`` given up by its receiver: a sender's next
+        ``kv_begin`` for it is refused until it is forgotten for good (at
+        once, in the session's turn: nothing may slip in before the drain)."""
+        self._owned(s, pool)
+        key = (pool, request)
+        if key in self._refused:
+            return
+        if self._refused_in.get(pool, 0) >= MAX_REFUSED:
+            raise LimitExceeded(f"KV pool {pool!r} holds {MAX_REFUSED} requests given up and "
+                                "not forgotten: forget some")
+        self._refused.add(key)
+        self._refused_in[pool] = self._refused_in.get(pool, 0) + 1
+
     async def forget(self, s: ClientSession, pool: str, request: int,
                      refuse: bool = False) -> None:
-        """Drop ``request``. ``refuse``: give it up instead, and keep it: a
-        sender's next ``kv_begin`` for it is refused until it is forgotten
-        for good; returns once the pushes already begun have landed, or
+        """Drop ``request``. ``refuse``: give it up instead (``refuse``),
+        and return once the pushes of it already begun have landed, or
         their deadline passed, or their sender was lost (nothing of them
-        lands in the pool after), then ends it."""
-        p = self._owned(s, pool)
+        lands in the pool after), then end it."""
+        self._owned(s, pool)
         if refuse:
-            over = self._request(pool, request, p.layout.num_layers)
-            over.refused = True
+            self.refuse(s, pool, request)
+            over = self._recv.get((pool, request))
+            if over is None:
+                return
             begun = [self._slots[slot][1] for slot in over.slots if slot in self._slots]
             if begun and over.error is None and not over.expired:
                 with contextlib.suppress(P2PXferError):
@@ -330,6 +358,9 @@ class KV:
                 self._end(over, UnknownRegion(f"request {request} into {pool!r} was given up "
                                               "by its receiver"))
             return
+        if (pool, request) in self._refused:
+            self._refused.discard((pool, request))
+            self._refused_in[pool] -= 1
         recv = self._recv.pop((pool, request), None)
         if recv is not None:
             self._end(recv, UnknownRegion(f"request {request} into {pool!r} was forgotten"))

@@ -179,10 +179,15 @@ class ClientSession:
                 self.pump.conn.lift_frame_limit()
                 self._greeting.deadline = math.inf
             elif msg.kind in CONCURRENT or (msg.kind == "kv_forget" and msg.get("refuse")):
-                # (A forget that refuses waits for pushes under way: it must
-                # not hold up the client's other requests.)
+                # A forget that refuses waits for pushes under way: it must
+                # not hold up the client's other requests. Its refusal holds
+                # from now on, whatever becomes of the wait (with room of its
+                # own beside the cap, as a ``cancel`` has).
                 try:
-                    self.daemon.limits.request(self, msg.kind)
+                    if msg.kind == "kv_forget":
+                        self.daemon.kv.refuse(self, msg["pool"], msg["request"])
+                    self.daemon.limits.request(self, "cancel" if msg.kind == "kv_forget"
+                                               else msg.kind)
                 except P2PXferError as exc:
                     await self._send(self.pump.answer(msg.id, exc))
                     continue

@@ -94,12 +94,18 @@ class DecodeSide(WorkerState):
                     # Too many loads at once: this one fails (vLLM recomputes).
                     self._fail_unstarted(job, len(parts), exc)
                     continue
+            # Its scope is known before it starts: a cancel behind it finds it.
+            scope = trio.CancelScope()
+            with self._lock:
+                self._running[job.request] = scope
             try:
-                self.bridge.spawn(self._load, job, parts)
+                self.bridge.spawn(self._load, job, parts, scope)
             except ConnectionLost as exc:
                 # The daemon is gone: a load error, not an exception out of
                 # vLLM's step (it recomputes the blocks and goes on).
                 with self._lock:
+                    if self._running.get(job.request) is scope:
+                        del self._running[job.request]
                     self._fail_unstarted(job, len(parts), exc)
 
     def _fail_unstarted(self, job: Load, taken: int, exc: P2PXferError) -> None:
@@ -123,24 +129,19 @@ class DecodeSide(WorkerState):
                 return  # the bridge ended: so did its loads
 
     def _cancel(self, rid: str) -> None:
-        scope = self._running.get(rid)
-        if scope is None:
-            self._cancelled.add(rid)  # spawned, not started yet
-        else:
-            scope.cancel()
+        with self._lock:
+            scope = self._running.get(rid)
+        if scope is not None:  # else over already
+            scope.cancel()  # (before the load enters it: it starts cancelled)
 
-    async def _load(self, job: Load, parts: list[_Part]) -> None:
+    async def _load(self, job: Load, parts: list[_Part], scope: trio.CancelScope) -> None:
         c, o = self.bridge.client, self.opts
         assert self.pool is not None and self._msgs is not None
         kp = split(o.peer_tp, o.tp_size)  # the prefill's head slices per block
         failed = False
         deadline = trio.current_time() + o.load_timeout_s
         try:
-            with trio.CancelScope() as scope:
-                self._running[job.request] = scope
-                if job.request in self._cancelled:
-                    self._cancelled.discard(job.request)
-                    scope.cancel()
+            with scope:
                 # The prefill's life now: a restarted prefill holds nothing of ours.
                 peer = await c.lookup(job.node)
                 life = None if peer is None else peer.get("incarnation")
@@ -171,7 +172,9 @@ class DecodeSide(WorkerState):
             log.warning("vllm.load_failed", request=job.request, peer=job.node,
                         blocks=len(job.blocks), error=str(exc))
         finally:
-            self._running.pop(job.request, None)
+            with self._lock:
+                if self._running.get(job.request) is scope:  # not a later load's
+                    del self._running[job.request]
             with trio.CancelScope(shield=True):
                 if self.gpu is not None:
                     # Every copy into the engine's blocks is over before vLLM
@@ -191,13 +194,14 @@ class DecodeSide(WorkerState):
                 # their deadline passed, or their sender is gone). Then
                 # vLLM hears of it. (Cancelled only when the bridge closes.)
                 await self._forget(job, parts, refuse=True)
-                self._ended(job, parts, requests=False)
                 if job.transfer_id:
                     # A prefill pushing as computed asks for the request
                     # number anew with each layer it pushes (none after our
                     # deadline, each ending within a lease): refused while
                     # the number stays taken, as it does until then.
                     self._quarantine(job, parts)
+                self._ended(job, parts, requests=False)
+                if job.transfer_id:
                     await trio.sleep_until(deadline + o.lease_s)
             with trio.CancelScope(shield=True):
                 await self._forget(job, parts)

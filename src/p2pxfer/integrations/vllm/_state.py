@@ -106,10 +106,9 @@ class WorkerState:
         self._sums: SharedMemory | None = None  # decode: checksums as they land
         self._sums_out: SharedMemory | None = None  # prefill: checksums to send
         self._msgs: SharedMemory | None = None
-        #: the bridge's thread's: loads running (to stop them), and loads
-        #: stopped before they started
+        #: loads started and not over, by vLLM request id (to stop them; the
+        #: scopes are cancelled in the bridge's thread only)
         self._running: dict[str, trio.CancelScope] = {}
-        self._cancelled: set[str] = set()
         #: test hook: ``(staging array, layout, layer, blocks)`` after a layer landed
         #: and before it is checked and copied (tests corrupt a byte with it)
         self.on_landed: Callable[[npt.NDArray[np.uint8], KVLayout, int, Any], None] | None = None
