@@ -6,7 +6,8 @@ Threads: vLLM's thread calls the public methods (and issues the prefill's
 device copies, on vLLM's stream); the transfers run in the bridge's trio
 thread (``_bridge``), which issues the decode's device copies on a stream
 of its own (``_device``). The fields under ``_lock`` (finished
-sets, load errors, slot tables) are the only ones both touch; everything
+sets, load errors, slot tables, the loads running, the requests pushed as
+computed) are the only ones both touch; everything
 else is set in ``Worker.register`` before any transfer starts, and read
 after.
 """
