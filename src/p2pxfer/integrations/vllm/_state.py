@@ -1,5 +1,5 @@
 """The worker side's options and state, shared by its halves
-(``_prefill.PrefillSide``, ``_decode.DecodeSide``) and put together by
+(``_prefill.PrefillSide``, ``_push.PushSide``, ``_decode.DecodeSide``) and put together by
 ``_worker.Worker``. No I/O here.
 
 Threads: vLLM's thread calls the public methods (and issues the prefill's
