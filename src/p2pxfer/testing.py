@@ -90,8 +90,47 @@ def p2pxfer_cmd() -> list[str]:
     return [sys.executable, "-m", "p2pxfer"]
 
 
+#: the lowest port ``free_port`` hands out
+PORTS_FROM = 10000
+_cursor: list[int] = []  # this process's next port to try
+
+
+def _port_window() -> tuple[int, int] | None:
+    """Where ``free_port`` looks: below the kernel's ephemeral range, which
+    every outgoing connection and ``bind(0)`` draw from (a port found free
+    there can be taken by any connection before the daemon binds it), one
+    slice per pytest-xdist worker. None where there is no room."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    size = (low - PORTS_FROM) // workers
+    if size < 1000:
+        return None
+    first = PORTS_FROM + (int(worker) % workers if worker.isdigit() else 0) * size
+    return first, first + size
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, from outside the
+    kernel's ephemeral range (``_port_window``): only another test could
+    take it before it is bound, and tests in other workers look elsewhere."""
+    window = _port_window()
+    if window is not None:
+        lo, hi = window
+        if not _cursor:  # processes of one worker start apart
+            _cursor.append(lo + (os.getpid() * 7919) % (hi - lo))
+        for i in range(hi - lo):
+            port = lo + (_cursor[0] - lo + i) % (hi - lo)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((LOOPBACK, port))
+                except OSError:
+                    continue
+            _cursor[0] = port + 1 if port + 1 < hi else lo
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
