@@ -123,8 +123,7 @@ class KV:
         #: requests their receiver gave up (``kv_forget`` with ``refuse``):
         #: pushes of them are refused until they are forgotten for good;
         #: per pool, at most ``MAX_REFUSED``
-        self._refused: set[tuple[str, int]] = set()
-        self._refused_in: dict[str, int] = {}
+        self._refused: dict[str, set[int]] = {}
         #: the sending side (``_kv_push``), wired by the daemon
         self.pushes: Pushes | None = None
         exports.on_remove.append(self.drop_pool)
@@ -179,8 +178,7 @@ class KV:
         for key in [k for k in self._recv if k[0] == name]:
             recv = self._recv.pop(key)
             self._end(recv, UnknownRegion(f"KV pool {name!r} was closed"))
-        self._refused = {k for k in self._refused if k[0] != name}
-        self._refused_in.pop(name, None)
+        self._refused.pop(name, None)
 
     # -- receiving (peer requests, and the owner's waits) -------------------------------
 
@@ -197,7 +195,7 @@ class KV:
         if not 0 < deadline_ms <= MAX_DEADLINE_MS:
             raise InvalidArgument(f"kv_begin: deadline_ms must be within 1..{MAX_DEADLINE_MS}, "
                                   f"got {deadline_ms}")
-        if (pool, request) in self._refused:
+        if request in self._refused.get(pool, ()):
             raise InvalidArgument(f"request {request} into {pool!r} is over: its receiver gave "
                                   "it up")
         recv = self._request(pool, request, n)
@@ -308,7 +306,7 @@ class KV:
         n = self._owned(s, pool).layout.num_layers
         if not 0 <= first <= upto < n:
             raise InvalidArgument(f"kv_wait: want 0 <= first <= upto < {n}, got {first}, {upto}")
-        if (pool, request) in self._refused:
+        if request in self._refused.get(pool, ()):
             raise UnknownRegion(f"request {request} into {pool!r} was given up by its receiver")
         recv = self._request(pool, request, n)
         recv.waiters += 1
@@ -328,14 +326,11 @@ class KV:
         ``kv_begin`` for it is refused until it is forgotten for good (at
         once, in the session's turn: nothing may slip in before the drain)."""
         self._owned(s, pool)
-        key = (pool, request)
-        if key in self._refused:
-            return
-        if self._refused_in.get(pool, 0) >= MAX_REFUSED:
+        given_up = self._refused.setdefault(pool, set())
+        if request not in given_up and len(given_up) >= MAX_REFUSED:
             raise LimitExceeded(f"KV pool {pool!r} holds {MAX_REFUSED} requests given up and "
                                 "not forgotten: forget some")
-        self._refused.add(key)
-        self._refused_in[pool] = self._refused_in.get(pool, 0) + 1
+        given_up.add(request)
 
     async def forget(self, s: ClientSession, pool: str, request: int,
                      refuse: bool = False) -> None:
@@ -358,9 +353,7 @@ class KV:
                 self._end(over, UnknownRegion(f"request {request} into {pool!r} was given up "
                                               "by its receiver"))
             return
-        if (pool, request) in self._refused:
-            self._refused.discard((pool, request))
-            self._refused_in[pool] -= 1
+        self._refused.get(pool, set()).discard(request)
         recv = self._recv.pop((pool, request), None)
         if recv is not None:
             self._end(recv, UnknownRegion(f"request {request} into {pool!r} was forgotten"))

@@ -54,13 +54,6 @@ class SlotTable:
             self._free.append(slot)
         return slot
 
-    def rename(self, key: str, new: str) -> None:
-        """Hold ``key``'s slot (if any) under ``new`` instead."""
-        slot = self._by_key.pop(key, None)
-        if slot is not None:
-            self._by_key[new] = slot
-            self._by_slot[slot] = new
-
     def __len__(self) -> int:
         return len(self._by_key)
 

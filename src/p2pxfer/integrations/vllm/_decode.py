@@ -71,6 +71,9 @@ class _Part:
     slot: int
     msg: int
     staging: I64
+    #: what its slots are taken under: this load's own, so that no later
+    #: load of the same vLLM request id shares them
+    key: str
 
 
 class DecodeSide(WorkerState):
@@ -82,17 +85,23 @@ class DecodeSide(WorkerState):
         routes = pull_routes(o.tp_size, o.rank, o.peer_tp, replicated=self.replicated)
         for job in loads:
             blocks = np.asarray(job.blocks, np.int64)
-            parts = []
+            parts: list[_Part] = []
+            load = next(self._load_ids)
             with self._lock:
                 try:
                     for i, route in enumerate(routes):
-                        key = f"{job.request}#{i}"
+                        key = f"{job.request}#{i}@{load}"
                         staging = blocks[:0] if route.release else blocks * self.k + route.part
-                        parts.append(_Part(route, self._slots.take(key),
-                                           self._msg_slots.take(key), staging))
+                        slot = self._slots.take(key)
+                        try:
+                            msg = self._msg_slots.take(key)
+                        except LimitExceeded:
+                            self._slots.release(key)
+                            raise
+                        parts.append(_Part(route, slot, msg, staging, key))
                 except LimitExceeded as exc:
                     # Too many loads at once: this one fails (vLLM recomputes).
-                    self._fail_unstarted(job, len(parts), exc)
+                    self._fail_unstarted(job, parts, exc)
                     continue
             # Its scope is known before it starts: a cancel behind it finds it.
             scope = trio.CancelScope()
@@ -106,14 +115,14 @@ class DecodeSide(WorkerState):
                 with self._lock:
                     if self._running.get(job.request) is scope:
                         del self._running[job.request]
-                    self._fail_unstarted(job, len(parts), exc)
+                    self._fail_unstarted(job, parts, exc)
 
-    def _fail_unstarted(self, job: Load, taken: int, exc: P2PXferError) -> None:
+    def _fail_unstarted(self, job: Load, parts: list[_Part], exc: P2PXferError) -> None:
         """End a load that never started: its slots back, its blocks load
         errors. Under ``_lock``."""
-        for i in range(taken):
-            self._slots.release(f"{job.request}#{i}")
-            self._msg_slots.release(f"{job.request}#{i}")
+        for p in parts:
+            self._slots.release(p.key)
+            self._msg_slots.release(p.key)
         log.warning("vllm.load_failed", request=job.request, error=str(exc))
         if job.blocks:
             self._errors.update(job.blocks)
@@ -194,14 +203,12 @@ class DecodeSide(WorkerState):
                 # their deadline passed, or their sender is gone). Then
                 # vLLM hears of it. (Cancelled only when the bridge closes.)
                 await self._forget(job, parts, refuse=True)
+                self._ended(job, parts, requests=False)
                 if job.transfer_id:
                     # A prefill pushing as computed asks for the request
                     # number anew with each layer it pushes (none after our
                     # deadline, each ending within a lease): refused while
                     # the number stays taken, as it does until then.
-                    self._quarantine(job, parts)
-                self._ended(job, parts, requests=False)
-                if job.transfer_id:
                     await trio.sleep_until(deadline + o.lease_s)
             with trio.CancelScope(shield=True):
                 await self._forget(job, parts)
@@ -223,13 +230,6 @@ class DecodeSide(WorkerState):
         self._msgs.array[off:off + len(data)] = np.frombuffer(data, np.uint8)
         return len(data)
 
-    def _quarantine(self, job: Load, parts: list[_Part]) -> None:
-        """Keep the load's request numbers under keys no later load of the
-        same vLLM request id can take."""
-        with self._lock:
-            for i in range(len(parts)):
-                self._slots.rename(f"{job.request}#{i}", f"{job.request}#{i}@{id(parts)}")
-
     async def _forget(self, job: Load, parts: list[_Part], refuse: bool = False) -> None:
         """The daemon's bookkeeping of the load's requests dropped (``refuse``:
         ended, and later pushes of them refused)."""
@@ -245,12 +245,11 @@ class DecodeSide(WorkerState):
         """A load's slots back: its message slots (and ``requests``: its
         request numbers); ``report``: vLLM hears it ended."""
         with self._lock:
-            for i in range(len(parts)):
+            for p in parts:
                 if requests:
-                    self._slots.release(f"{job.request}#{i}")
-                    self._slots.release(f"{job.request}#{i}@{id(parts)}")
+                    self._slots.release(p.key)
                 if report:
-                    self._msg_slots.release(f"{job.request}#{i}")
+                    self._msg_slots.release(p.key)
             if report and job.blocks:
                 self._received.add(job.request)
 

@@ -121,20 +121,13 @@ class DeviceSide:
         by the first before its events are over."""
         with self._waiting:
             cuda = driver()
-            events: list[int] = []
-            try:
-                with self._lock:
-                    events.extend(self._events.values())
-                    self._events.clear()
-                    # A step staged but not ended (wait_for_save not called
-                    # yet, or never): behind what its streams hold now.
-                    for stream in self._step:
-                        events.append(cuda.record(stream, self.device))
-                for event in events:
-                    cuda.event_sync(event, self.device)
-            finally:
-                for event in events:
-                    cuda.event_done(event, self.device)
+            with self._lock:
+                events = list(self._events.values())
+                self._events.clear()
+                # A step staged but not ended (wait_for_save not called
+                # yet, or never): behind what its streams hold now.
+                events.extend(cuda.record(stream, self.device) for stream in self._step)
+            self.synced(events)
 
     def layer_event(self, on: DeviceCopies) -> int:
         """An event behind the copies just issued on ``on`` (inside
@@ -149,8 +142,7 @@ class DeviceSide:
             for event in events:
                 cuda.event_sync(event, self.device)
         finally:
-            for event in events:
-                cuda.event_done(event, self.device)
+            self.drop(events)
 
     def drop(self, events: list[int]) -> None:
         """Destroy ``events`` without waiting (the device finishes what they

@@ -14,6 +14,7 @@ after.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ class WorkerState:
         self._errors: set[int] = set()
         self._slots = SlotTable(0, MAX_REQUEST, "decode request")
         self._msg_slots = SlotTable(0, opts.max_loads - 1, "pull message")
+        self._load_ids = itertools.count()  # each load's own slot keys
         self.layers: list[LayerTensor] = []
         self.index: dict[str, int] = {}
         self.layout: KVLayout | None = None
