@@ -41,6 +41,7 @@ from p2pxfer.client import KVPool
 from p2pxfer.errors import (
     InvalidArgument,
     P2PXferError,
+    TransferAborted,
     TransferError,
     UnknownRegion,
     WaitTimeout,
@@ -290,6 +291,87 @@ async def test_a_request_given_up_answers_once_its_pushes_landed(
                                           dst_blocks[:1], request=9)
             with pytest.raises(InvalidArgument, match="is over"):
                 await again.wait()
+
+
+async def test_a_request_its_sender_abandons_ends_its_waits_at_once(
+        pair: tuple[DaemonProc, DaemonProc]) -> None:
+    """``kv_abandon`` after two of eight layers: the receiver's wait for the
+    rest ends now with ``TransferAborted`` quoting the sender and its reason
+    (the push's deadline is 60 s), a later push of the request is refused,
+    and a request abandoned before anyone waits is heard by its first wait.
+    A request that is over (every layer landed, or ended) stays as it was."""
+    a, b = pair
+    lay = KVLayout(8, 64, 8192)
+    src_blocks, dst_blocks = tables(23, lay, 16)
+    with trio.fail_after(TIMEOUT):
+        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
+            dst = await decode.kv_pool("kv-abandon", lay)
+            src = await prefill.kv_pool("kv-abandon-src", lay, receive=False)
+            pool_view(src.array, lay)[:, :, src_blocks] = request_kv(23, lay, 16)
+            push = await prefill.kv_push("node-b", "kv-abandon", src, src_blocks, dst_blocks,
+                                         request=4, layers=[0, 1], deadline=60)
+            await push.wait()
+            await dst.wait_layers(4, 1, timeout=TIMEOUT)
+            ended: list[float] = []
+
+            async def rest() -> None:
+                with pytest.raises(TransferAborted, match="sender node-a gave it up: aborted "
+                                                          "by its user"):
+                    await dst.wait_layers(4, 7, first=2, timeout=TIMEOUT)
+                ended.append(trio.current_time())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(rest)
+                await decode.status()  # the wait is in the daemon's hands
+                t0 = trio.current_time()
+                assert await prefill.kv_abandon("node-b", "kv-abandon", 4,
+                                                reason="aborted by its user")
+            assert ended[0] - t0 < 30, "the wait lasted until the push's deadline"
+            assert not await prefill.kv_abandon("node-b", "kv-abandon", 4)  # over already
+            again = await prefill.kv_push("node-b", "kv-abandon", src, src_blocks[:1],
+                                          dst_blocks[:1], request=4, layers=[5])
+            with pytest.raises(InvalidArgument, match="is over"):
+                await again.wait()
+            # Abandoned before anyone waited: the first wait hears it.
+            assert await prefill.kv_abandon("node-b", "kv-abandon", 5, reason="push failed")
+            with pytest.raises(TransferAborted, match="push failed"):
+                await dst.wait_layers(5, 0, timeout=TIMEOUT)
+            # Every layer landed: nothing to end.
+            push = await prefill.kv_push("node-b", "kv-abandon", src, src_blocks, dst_blocks,
+                                         request=6)
+            await push.wait()
+            assert not await prefill.kv_abandon("node-b", "kv-abandon", 6)
+            await dst.wait_layers(6, 7, timeout=TIMEOUT)
+            for r in (4, 5, 6):
+                await dst.forget(r)
+            with pytest.raises(UnknownRegion):
+                await prefill.kv_abandon("node-b", "no-such-pool", 4)
+            with pytest.raises(InvalidArgument, match="reason is 1025 characters"):
+                await prefill.kv_abandon("node-b", "kv-abandon", 7, reason="x" * 1025)
+            with pytest.raises(InvalidArgument, match="request must be >= 0"):
+                await prefill.kv_abandon("node-b", "kv-abandon", -1)
+
+
+def test_an_abandon_from_blocking_and_asyncio_callers(pair: tuple[DaemonProc, DaemonProc]
+                                                      ) -> None:
+    """The same word from a ``SyncClient`` and from an asyncio caller; the
+    blocking receiver's wait raises it."""
+    a, b = pair
+    lay = KVLayout(4, 32, 8192)
+
+    async def abandon(request: int) -> bool:
+        assert asyncio.get_running_loop() is not None
+        async with p2pxfer.connect(a.socket) as c:
+            return await c.kv_abandon("node-b", "kv-abandon-sync", request, reason="asyncio")
+
+    with p2pxfer.SyncClient(b.socket) as decode, p2pxfer.SyncClient(a.socket) as prefill:
+        dst = decode.kv_pool("kv-abandon-sync", lay)
+        assert prefill.kv_abandon("node-b", "kv-abandon-sync", 1, reason="blocking")
+        with pytest.raises(TransferAborted, match="blocking"):
+            decode.wait_layers(dst, 1, 3, timeout=20)
+        assert asyncio.run(abandon(2))
+        with pytest.raises(TransferAborted, match="asyncio"):
+            decode.wait_layers(dst, 2, 3, timeout=20)
 
 
 def test_sync_client_push(pair: tuple[DaemonProc, DaemonProc]) -> None:

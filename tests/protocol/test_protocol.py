@@ -430,6 +430,10 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("kv_wait", {"pool": "kv", "request": 7, "upto": 1, "first": 1, "timeout_ms": 100},
      {"done": 1, "expired": True}),
     ("kv_forget", {"pool": "kv", "request": 7}, {}),
+    ("kv_forget", {"pool": "kv", "request": 7, "refuse": True}, {}),
+    ("kv_abandon", {"peer": "node-b", "pool": "kv", "request": 7}, {"ended": True}),
+    ("kv_abandon", {"peer": "node-b", "pool": "kv", "request": 7, "reason": "aborted"},
+     {"ended": False}),
     ("status", {}, {"node": "node-a", "incarnation": 7, "regions": [], "peers": [],
                     "transfers_in_flight": 0, "nics": []}),
     ("peers", {}, {"peers": [{"name": "node-b", "address": "10.0.0.2:7000"}]}),
@@ -452,6 +456,7 @@ PEER_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("kv_expect", {"slot": 9, "pieces": bytes(16)}, {}),
     ("kv_expect", {"slot": 9, "pieces": bytes(8), "first": 1}, {}),
     ("kv_arrived", {"pool": "kv", "request": 5, "layer": 2}, {"arrived": 1, "expected": 1}),
+    ("kv_abandoned", {"pool": "kv", "request": 5, "reason": "aborted"}, {"ended": True}),
     ("invalidate", {"region": "kv"}, {}),
     ("status", {}, {"node": "node-b", "incarnation": 7, "regions": ["kv"], "peers": [],
                     "transfers_in_flight": 2, "nics": ["eth0"]}),
@@ -1081,12 +1086,13 @@ def test_specific_errors_and_unknown_codes() -> None:
 
 def test_handler_tables_are_checked() -> None:
     check_handlers({"status": 0, "peers": 0, "auth": 0, "resolve": 0, "invalidate": 0,
-                    "kv_begin": 0, "kv_expect": 0, "kv_arrived": 0, "imm_tickets": 0,
-                    "notify_settle": 0, "ping": 0}, PEER_REQUESTS,
+                    "kv_begin": 0, "kv_expect": 0, "kv_arrived": 0, "kv_abandoned": 0,
+                    "imm_tickets": 0, "notify_settle": 0, "ping": 0}, PEER_REQUESTS,
                    "test")
     with pytest.raises(LocalProtocolError, match=r"missing \['invalidate'\]"):
         check_handlers({"status", "peers", "auth", "resolve", "kv_begin", "kv_expect",
-                        "kv_arrived", "imm_tickets", "notify_settle", "ping"}, PEER_REQUESTS,
+                        "kv_arrived", "kv_abandoned", "imm_tickets", "notify_settle", "ping"},
+                       PEER_REQUESTS,
                        "test")
     with pytest.raises(LocalProtocolError, match=r"extra \['frobnicate'\]"):
         check_handlers({*PEER_REQUESTS, "frobnicate"}, PEER_REQUESTS, "test")

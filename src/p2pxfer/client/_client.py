@@ -240,6 +240,20 @@ class Client:
         return await start_push(self, peer, pool, src, src_blocks, dst_blocks, request,
                                 layers, deadline)
 
+    async def kv_abandon(self, peer: str, pool: str, request: int, *,
+                         reason: str = "") -> bool:
+        """Tell node ``peer`` that this node pushes no more of ``request``
+        into its pool ``pool`` (aborted here, or its push failed): the
+        receiver's waits on it end now with ``TransferAborted`` quoting
+        ``reason`` (at most 1024 characters), not at the push's deadline,
+        and later pushes of it are refused there until the receiver forgets
+        it. Allowed to whoever may push into the pool. True if that ended
+        the request; False if it was over already (every layer landed,
+        given up, ended)."""
+        r = await self._conv.request("kv_abandon", peer=peer, pool=pool, request=request,
+                                     reason=reason)
+        return bool(r.get("ended"))
+
     async def status(self) -> dict[str, Any]:
         return await self._conv.request("status")
 

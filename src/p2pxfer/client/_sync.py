@@ -178,6 +178,11 @@ class SyncClient:
             staged.close()
         return combine(request, parts, time.perf_counter() - t0)
 
+    def kv_abandon(self, peer: str, pool: str, request: int, *, reason: str = "") -> bool:
+        """See :meth:`Client.kv_abandon`."""
+        r = self._c.request("kv_abandon", peer=peer, pool=pool, request=request, reason=reason)
+        return bool(r.get("ended"))
+
     def _push(self, fields: dict[str, Any], request: int) -> KVPushResult:
         r = self._c.request("kv_push", **fields)
         if r.get("cancelled"):

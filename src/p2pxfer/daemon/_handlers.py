@@ -123,6 +123,10 @@ async def _kv_forget(s: ClientSession, msg: Message) -> dict[str, Any]:
     return {}
 
 
+async def _kv_abandon(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return await s.daemon.kv.abandon_push(s, msg)
+
+
 async def _cancel(s: ClientSession, msg: Message) -> dict[str, Any]:
     await s.cancel(msg["target"])
     return {}
@@ -137,6 +141,6 @@ HANDLERS: dict[str, Handler] = {
     "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
     "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
     "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
-    "ping": _ping,
+    "kv_abandon": _kv_abandon, "ping": _ping,
 }
 check_handlers(HANDLERS, CLIENT_REQUESTS, "client sessions")

@@ -51,12 +51,13 @@ from p2pxfer.errors import (
     LimitExceeded,
     P2PXferError,
     PeerLost,
+    TransferAborted,
     UnknownRegion,
 )
 from p2pxfer.kv_plan import KVLayout
 from p2pxfer.log import get_logger
 
-from ._kv_push import MAX_DEADLINE_MS, Pushes, pack_i64, unpack_i64
+from ._kv_push import MAX_DEADLINE_MS, MAX_REASON, Pushes, pack_i64, unpack_i64
 
 if TYPE_CHECKING:
     from ._exports import Export, Exports
@@ -251,6 +252,28 @@ class KV:
                                   f"{len(recv.arrived) - 1}")
         return {"arrived": int(recv.arrived[layer]), "expected": int(recv.expected[layer])}
 
+    def abandon(self, sender: str, pool: str, request: int, reason: str) -> dict[str, Any]:
+        """``sender`` pushes no more of ``request`` into ``pool``: unless it
+        is over already (every layer landed, given up, ended), it ends now,
+        its waits raising ``TransferAborted`` instead of waiting for the
+        push's deadline. A request not pushed or waited for yet is recorded
+        ended (its first wait hears it); ``begin`` refuses it from now on."""
+        p = self.pools.get(pool)
+        if p is None:
+            raise UnknownRegion(f"no KV pool named {pool!r} on {self.node}")
+        if request < 0:
+            raise InvalidArgument(f"kv_abandoned: request must be >= 0, got {request}")
+        if request in self._refused.get(pool, ()):
+            return {"ended": False}
+        recv = self._request(pool, request, p.layout.num_layers)
+        if recv.error is not None or recv.expired or recv.complete().all():
+            return {"ended": False}
+        log.warning("kv.abandoned", pool=pool, request=request, sender=sender,
+                    reason=reason[:MAX_REASON])
+        self._end(recv, TransferAborted(f"request {request} into {pool!r}: its sender {sender} "
+                                        f"gave it up: {reason[:MAX_REASON] or 'no reason given'}"))
+        return {"ended": True}
+
     def _arrival(self, recv: _Recv, slot: int, layer: int, count: int) -> None:
         """Notifications of ``layer`` landed (the slot's sink, in trio)."""
         if recv.arrive(layer, count) and (entry := self._slots.get(slot)) is not None:
@@ -381,3 +404,8 @@ class KV:
         """A ``kv_push`` (``_kv_push``)."""
         assert self.pushes is not None, "the daemon wires KV.pushes"
         return await self.pushes.push(s, msg)
+
+    async def abandon_push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
+        """A ``kv_abandon`` (``_kv_push``)."""
+        assert self.pushes is not None, "the daemon wires KV.pushes"
+        return await self.pushes.abandon(s, msg)

@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from ._writes import Writes
 
 
-__all__ = ["DEFAULT_DEADLINE_MS", "MAX_DEADLINE_MS", "Pushes", "pack_i64", "unpack_i64"]
+__all__ = ["DEFAULT_DEADLINE_MS", "MAX_DEADLINE_MS", "MAX_REASON", "Pushes", "pack_i64",
+           "unpack_i64"]
 
 log = get_logger("p2pxfer.daemon")
 
@@ -64,6 +65,7 @@ DEFAULT_DEADLINE_MS = 30_000
 #: that do not come (a sender that went away): the node's slots are few (4095)
 #: and shared, so a push may not ask to hold one for ever
 MAX_DEADLINE_MS = 600_000
+MAX_REASON = 1024  # characters of a sender's reason (``kv_abandon``) quoted by the receiver
 
 
 def pack_i64(values: Any) -> bytes:
@@ -217,6 +219,27 @@ class Pushes:
 
         return await push_layers(plan, copy if copied else send, announce=announce,
                                  settle=settle)
+
+    async def abandon(self, s: ClientSession, msg: Any) -> dict[str, Any]:
+        """A ``kv_abandon``: the receiver of a request this client pushes no
+        more of is told so (``KV.abandon`` there), so its waits end now. The
+        client must be one that may push into the pool."""
+        peer, pool, request = msg["peer"], msg["pool"], msg["request"]
+        reason = msg.get("reason", "")
+        if request < 0:
+            raise InvalidArgument(f"request must be >= 0, got {request}")
+        if len(reason) > MAX_REASON:
+            raise InvalidArgument(f"reason is {len(reason)} characters, at most {MAX_REASON}")
+        self.follower.check_peer(peer)
+        until = deadline_after(self.write_timeout_s)
+        await self.writes.destination(s, peer, pool, until)  # the same rules as a push
+        if peer == self.node:
+            return self.kv.abandon(peer, pool, request, reason)
+        r = await self.peers.request(peer, "kv_abandoned", until=until, pool=pool,
+                                     request=request, reason=reason)
+        log.info("kv.push_abandoned", client=s.label, peer=peer, pool=pool, request=request,
+                 ended=bool(r.get("ended")))
+        return {"ended": bool(r.get("ended"))}
 
     @contextlib.contextmanager
     def _tracked(self, peer: str) -> Iterator[None]:

@@ -59,7 +59,7 @@ log = get_logger("p2pxfer.daemon")
 
 #: requests served as tasks of the session (they wait); the rest in turn
 CONCURRENT = frozenset({"write", "wait_imm", "watch", "locate", "cancel", "kv_push",
-                        "kv_wait"})
+                        "kv_wait", "kv_abandon"})
 #: what a request stopped by the client's ``cancel`` is answered
 CANCELLED: dict[str, Any] = {"cancelled": True}
 HELLO_TIMEOUT_S = 10.0  # a client that has not said hello by then is closed

@@ -27,9 +27,10 @@ __all__ = [
     "validate",
 ]
 
-SCHEMA_VERSION = 3  # 2: control connections authenticate (nonce/proof/auth); watch, locate
+SCHEMA_VERSION = 4  # 2: control connections authenticate (nonce/proof/auth); watch, locate
 # 3: frames MACed after auth, 4 KiB handshake frames, forbidden; cancel; wait_imm
 # scoped to a region or the session; resolve returns a slot
+# 4: kv_forget refuse; kv_abandon (client) and kv_abandoned (peer)
 
 #: the longest name a message carries (node, peer, region, pool, client):
 #: a name is a key in tables and log lines, not a payload
@@ -90,6 +91,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                 "upto": (_INT, True), "first": (_INT, False), "timeout_ms": (_INT, False)},
     "kv_forget": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                   "refuse": (_BOOL, False)},
+    "kv_abandon": {"id": (_INT, True), "peer": (_STR, True), "pool": (_STR, True),
+                   "request": (_INT, True), "reason": (_STR, False)},
     # daemon -> daemon
     "kv_begin": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                  "layers": (_BIN, True), "deadline_ms": (_INT, True)},
@@ -97,6 +100,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                   "first": (_INT, False)},
     "kv_arrived": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                    "layer": (_INT, True)},
+    "kv_abandoned": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
+                     "reason": (_STR, False)},
     # notification tickets (daemon -> daemon): a notify-mode write's one
     # notification made identifiable, and settled when its outcome is unknown
     "imm_tickets": {"id": (_INT, True), "region": (_STR, True), "n": (_INT, True)},
@@ -109,11 +114,11 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 CLIENT_REQUESTS = frozenset(
     {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
      "add_peer", "watch", "locate", "cancel", "kv_pool", "kv_push", "kv_wait", "kv_forget",
-     "ping"}
+     "kv_abandon", "ping"}
 )
 PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers", "kv_begin",
-                           "kv_expect", "kv_arrived", "imm_tickets", "notify_settle",
-                           "ping"})
+                           "kv_expect", "kv_arrived", "kv_abandoned", "imm_tickets",
+                           "notify_settle", "ping"})
 
 
 class Message:
