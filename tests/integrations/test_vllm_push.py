@@ -116,12 +116,13 @@ def test_a_pull_after_the_prefill_finished_gets_every_layer(
         blocks_equal(src, dst, SB, DB)
 
 
-def test_an_aborted_prefill_lets_go_and_its_decode_gets_load_errors(
+def test_an_aborted_prefill_lets_go_and_its_decode_gets_load_errors_at_once(
         daemon_sockets: tuple[str, str]) -> None:
     """Aborted after its first layer: released at once, nothing more is
-    pushed, and the decode's load fails at its deadline (not a hang)."""
+    pushed, and the decode is told (``kv_abandon``): its load fails now,
+    not at its deadline (120 s)."""
     src, dst = caches(3), caches(None)
-    with pair(daemon_sockets, src, dst, load_timeout_s=8.0) as (prefill, decode):
+    with pair(daemon_sockets, src, dst, load_timeout_s=120.0) as (prefill, decode):
         prefill.open([Open("req-1", 2, "t-abort")])
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-abort", 0, tuple(DB), "t-abort")])
         first = next(iter(src))
@@ -131,6 +132,23 @@ def test_an_aborted_prefill_lets_go_and_its_decode_gets_load_errors(
         wait_finished(prefill, sent={"req-1"}, within_s=10)
         wait_finished(decode, received={"dec-1"}, within_s=30)
         assert decode.load_errors() == set(DB)
+
+
+def test_a_prefill_aborted_before_its_decode_pulled_fails_the_load_at_once(
+        daemon_sockets: tuple[str, str]) -> None:
+    """Aborted before any pull came: a pull within the grace is still taken
+    and answered with the abort, so the load fails now, not at its
+    deadline; the prefill's request is released after the grace."""
+    src, dst = caches(5), caches(None)
+    with pair(daemon_sockets, src, dst, load_timeout_s=120.0) as (prefill, decode):
+        prefill.open([Open("req-1", 4, "t-abort-early")])
+        prefill.hold([Send("req-1", 4, (), "t-abort-early")])
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-abort-early", 0, tuple(DB),
+                          "t-abort-early")])
+        wait_finished(decode, received={"dec-1"}, within_s=30)
+        assert decode.load_errors() == set(DB)
+        assert not dst[next(iter(dst))].any()
+        wait_finished(prefill, sent={"req-1"}, within_s=30)
 
 
 def test_a_transfer_never_opened_is_a_load_error_at_the_deadline(

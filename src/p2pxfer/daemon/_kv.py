@@ -56,8 +56,9 @@ from p2pxfer.errors import (
 )
 from p2pxfer.kv_plan import KVLayout
 from p2pxfer.log import get_logger
+from p2pxfer.protocol import MAX_REASON
 
-from ._kv_push import MAX_DEADLINE_MS, MAX_REASON, Pushes, pack_i64, unpack_i64
+from ._kv_push import MAX_DEADLINE_MS, Pushes, pack_i64, unpack_i64
 
 if TYPE_CHECKING:
     from ._exports import Export, Exports

@@ -36,6 +36,7 @@ from p2pxfer.errors import (
 )
 from p2pxfer.kv_plan import KVLayout, PushPlan, layer_imm, plan_push
 from p2pxfer.log import get_logger
+from p2pxfer.protocol import MAX_REASON
 from p2pxfer.scatter import ScatterList
 
 from ._kv_settle import Unsettled, settle_notification
@@ -54,8 +55,7 @@ if TYPE_CHECKING:
     from ._writes import Writes
 
 
-__all__ = ["DEFAULT_DEADLINE_MS", "MAX_DEADLINE_MS", "MAX_REASON", "Pushes", "pack_i64",
-           "unpack_i64"]
+__all__ = ["DEFAULT_DEADLINE_MS", "MAX_DEADLINE_MS", "Pushes", "pack_i64", "unpack_i64"]
 
 log = get_logger("p2pxfer.daemon")
 
@@ -65,7 +65,6 @@ DEFAULT_DEADLINE_MS = 30_000
 #: that do not come (a sender that went away): the node's slots are few (4095)
 #: and shared, so a push may not ask to hold one for ever
 MAX_DEADLINE_MS = 600_000
-MAX_REASON = 1024  # characters of a sender's reason (``kv_abandon``) quoted by the receiver
 
 
 def pack_i64(values: Any) -> bytes:

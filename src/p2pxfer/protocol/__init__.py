@@ -21,6 +21,7 @@ from ._frames import DEFAULT_MAX_FRAME as DEFAULT_MAX_FRAME
 from ._frames import FrameDecoder as FrameDecoder
 from ._frames import encode_frame as encode_frame
 from ._messages import CLIENT_REQUESTS as CLIENT_REQUESTS
+from ._messages import MAX_REASON as MAX_REASON
 from ._messages import PEER_REQUESTS as PEER_REQUESTS
 from ._messages import SCHEMA as SCHEMA
 from ._messages import SCHEMA_VERSION as SCHEMA_VERSION

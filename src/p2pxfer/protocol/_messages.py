@@ -17,6 +17,7 @@ from ._errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "CLIENT_REQUESTS",
+    "MAX_REASON",
     "PEER_REQUESTS",
     "SCHEMA",
     "SCHEMA_VERSION",
@@ -37,6 +38,9 @@ SCHEMA_VERSION = 4  # 2: control connections authenticate (nonce/proof/auth); wa
 MAX_NAME = 255
 #: the longest other text (an error's message, an address)
 MAX_TEXT_FIELD = 4096
+#: the longest reason a sender gives for abandoning a KV request
+#: (``kv_abandon``), quoted in the receiver's error message
+MAX_REASON = 1024
 NAME_FIELDS = frozenset({"name", "peer", "region", "pool", "src", "node", "role"})
 
 _INT = (int,)

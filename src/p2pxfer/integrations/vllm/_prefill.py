@@ -7,8 +7,10 @@ is the pull of decode rank ``j`` of those: head slice ``j`` (staging
 blocks ``b*k + j``, ``k == f``), or whole blocks for MLA (``k == 1``).
 The request is released (reported finished sending, so vLLM frees its
 blocks) once every slot was served (an empty pull releases at once),
-refused, or its lease passed. What must not live here: set-up
-(``_worker``), loads (``_decode``).
+refused, or its lease passed. A pull whose push failed is answered with
+``kv_abandon`` (``_abandon``): its decode's load fails now, not at its
+deadline. What must not live here: set-up (``_worker``), loads
+(``_decode``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import trio
 from p2pxfer.errors import ConnectionLost, InvalidArgument, P2PXferError, WaitTimeout
 from p2pxfer.integrations._tensors import checksum_blocks
 from p2pxfer.log import get_logger
+from p2pxfer.protocol import MAX_REASON
 from p2pxfer.scatter import ScatterList
 
 from ._plan import Pull, Send, decode_pull
@@ -63,6 +66,7 @@ class PrefillSide(WorkerState):
         assert self._mailbox is not None and self.pool is not None
         slot = s.key * self.fanout + j
         outcome = "pushed"
+        taken: Pull | None = None
         try:
             await c.wait_imm(slot, 1, region=self.pull_name, timeout=o.lease_s)
             sb = self.slot_bytes
@@ -70,6 +74,7 @@ class PrefillSide(WorkerState):
             if pull.prefill_request != s.request:
                 raise InvalidArgument(f"a pull for {pull.prefill_request!r} came under key "
                                       f"{s.key}, which holds {s.request!r}")
+            taken = pull
             blocks = np.asarray(s.blocks, np.int64)[pull.skip:]
             if not 0 <= pull.skip <= len(s.blocks) or len(blocks) != len(pull.blocks):
                 raise InvalidArgument(f"a pull of {len(pull.blocks)} blocks after {pull.skip} "
@@ -92,7 +97,23 @@ class PrefillSide(WorkerState):
         except P2PXferError as exc:
             outcome = "failed"
             log.warning("vllm.push_failed", request=s.request, key=s.key, part=j, error=str(exc))
+            if taken is not None:
+                await self._abandon(s.request, taken, f"its push failed: {exc}")
         log.debug("vllm.released", request=s.request, key=s.key, part=j, outcome=outcome)
+
+    async def _abandon(self, request: str, pull: Pull, why: str) -> None:
+        """Tell the decode whose ``pull`` was taken that no more of it comes
+        (``kv_abandon``): its load fails now (vLLM computes the blocks
+        there), not at its deadline. Best effort: a decode we cannot reach
+        fails at its deadline, or sooner if its daemon rules us dead."""
+        reason = f"prefill request {request!r}: {why}"[:MAX_REASON]
+        try:
+            await self.bridge.client.kv_abandon(pull.node, pull.pool, pull.request,
+                                                reason=reason)
+        except P2PXferError as exc:
+            log.debug("vllm.abandon_failed", request=request, peer=pull.node, error=str(exc))
+        else:
+            log.info("vllm.abandoned", request=request, peer=pull.node, why=why)
 
     async def _send_sums(self, slot: int, pull: Pull, src: npt.NDArray[np.int64],
                          layers: npt.NDArray[np.int64] | None = None) -> None:

@@ -8,8 +8,10 @@ layers are ready when the previous push ended go in the next one.
 The request's blocks stay held until its pushes ended *and* the scheduler
 finished it (``ended``): only then is it reported finished sending, so
 vLLM never frees blocks a push may still read. An aborted request pushes
-nothing more (a push under way is waited for); its decode's load fails at
-the decode's deadline. What must not live here: pulls of finished
+nothing more (a push under way is waited for) and tells the decode that
+pulled it (``kv_abandon``, also after a failed push), whose load then fails
+at once; a pull that comes within ``ABORTED_PULL_GRACE_S`` of the abort is
+still taken to be told so. What must not live here: pulls of finished
 requests (``_prefill``), loads (``_decode``).
 
 Threads: vLLM's thread makes each ``_Early`` (``open``) and finds it in
@@ -40,6 +42,10 @@ __all__ = ["PushSide"]
 
 log = get_logger("p2pxfer.vllm")
 
+#: how long a request aborted before its decode pulled still takes the
+#: pull (to tell the decode, whose pull is retried at least every 0.25 s)
+ABORTED_PULL_GRACE_S = 2.0
+
 
 @dataclass(eq=False)
 class _Early:
@@ -57,7 +63,9 @@ class _Early:
     served: bool = False  # the pushes are over
     lease_s: float = 0.0
     _changed: trio.Event = field(default_factory=trio.Event)
-    _waits: list[trio.CancelScope] = field(default_factory=list)
+    #: scopes waited in, and how long each still waits once nothing more
+    #: is pushed
+    _waits: dict[trio.CancelScope, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ready = np.zeros(self.layers, bool)
@@ -75,8 +83,8 @@ class _Early:
         """A slice failed: the others stop waiting too (the request is let
         go once it ended)."""
         self.failed = True
-        for scope in self._waits:
-            scope.cancel()
+        for scope, grace in self._waits.items():
+            self._deadline(scope, grace)
         self.changed()
 
     def changed(self) -> None:
@@ -103,31 +111,32 @@ class _Early:
         return True
 
     @contextlib.contextmanager
-    def waiting(self, limit: float = math.inf) -> Iterator[trio.CancelScope]:
+    def waiting(self, limit: float = math.inf, grace: float = 0.0
+                ) -> Iterator[trio.CancelScope]:
         """A scope to wait in (for the pull, for layers): no deadline until
-        the request ended, then its lease (aborted, failed: none left); never
-        past ``limit`` (the decode's own)."""
+        the request ended, then its lease; once nothing more is pushed
+        (aborted, failed), ``grace``; never past ``limit`` (the decode's
+        own)."""
         with trio.CancelScope() as scope:
-            self._waits.append(scope)
-            self._deadline(scope)
+            self._waits[scope] = grace
+            self._deadline(scope, grace)
             scope.deadline = min(scope.deadline, limit)
-            if self.failed:
-                scope.cancel()
             try:
                 yield scope
             finally:
-                self._waits.remove(scope)
+                del self._waits[scope]
 
     def end(self, send: Send) -> None:
         self.ended = send
-        for scope in self._waits:
-            self._deadline(scope)
+        for scope, grace in self._waits.items():
+            self._deadline(scope, grace)
         self.changed()
 
-    def _deadline(self, scope: trio.CancelScope) -> None:
-        if self.ended is not None:
-            end = -math.inf if self.aborted else trio.current_time() + self.lease_s
-            scope.deadline = min(scope.deadline, end)
+    def _deadline(self, scope: trio.CancelScope, grace: float) -> None:
+        if self.stop:
+            scope.deadline = min(scope.deadline, trio.current_time() + grace)
+        elif self.ended is not None:
+            scope.deadline = min(scope.deadline, trio.current_time() + self.lease_s)
 
 
 class PushSide(PrefillSide):
@@ -229,37 +238,46 @@ class PushSide(PrefillSide):
 
     async def _push_one(self, e: _Early, j: int, region: str) -> None:
         """Take the pull of head slice ``j``, then push each layer as it is
-        ready."""
+        ready. Stopped short (aborted, failed, out of time), the decode
+        that pulled is told (``_abandon``): its load fails now, not at its
+        deadline."""
         c, rid = self.bridge.client, e.open.request
         assert self._mailbox is not None and self.pool is not None
         slot = e.open.key * self.fanout + j
-        with e.waiting() as scope:
+        # A pull that comes soon after the request was aborted is still
+        # taken, so that its decode hears of the abort.
+        with e.waiting(grace=ABORTED_PULL_GRACE_S) as scope:
             await c.wait_imm(j, 1, region=region)
         if self._gave_up(e, scope, j, "pull"):
             return
+        pull: Pull | None = None
         try:
             sb = self.slot_bytes
-            pull = decode_pull(self._mailbox.array[slot * sb:(slot + 1) * sb])
-            if pull.prefill_request != e.open.transfer_id:
-                raise InvalidArgument(f"a pull for {pull.prefill_request!r} came in the slots of "
+            got = decode_pull(self._mailbox.array[slot * sb:(slot + 1) * sb])
+            if got.prefill_request != e.open.transfer_id:
+                raise InvalidArgument(f"a pull for {got.prefill_request!r} came in the slots of "
                                       f"transfer {e.open.transfer_id!r}")
+            pull = got
             # The decode gives up then: what we pushed after could land in
             # blocks it has since given to another load.
             limit = trio.current_time() + pull.within_ms / 1000 if pull.within_ms else math.inf
             with e.waiting(limit) as scope:
                 await e.until(lambda: e.table is not None or e.stop)
             if self._gave_up(e, scope, j, "last step") or e.table is None:
+                await self._abandon(rid, pull, self._why(e, "its last step"))
                 return
             blocks = e.table[pull.skip:]
             if not 0 <= pull.skip <= len(e.table) or len(blocks) != len(pull.blocks):
                 raise InvalidArgument(f"a pull of {len(pull.blocks)} blocks after {pull.skip} "
                                       f"for a request of {len(e.table)}")
             src = blocks * self.k + (j if self.k > 1 else 0)
-            if len(src):
-                await self._push_layers(e, pull, slot, src, limit)
+            if len(src) and (short := await self._push_layers(e, pull, slot, src, limit)):
+                await self._abandon(rid, pull, short)
         except P2PXferError as exc:
             log.warning("vllm.push_failed", request=rid, part=j, error=str(exc))
             e.fail()
+            if pull is not None:
+                await self._abandon(rid, pull, f"its push failed: {exc}")
 
     @staticmethod
     def _gave_up(e: _Early, scope: trio.CancelScope, j: int, what: str) -> bool:
@@ -268,8 +286,18 @@ class PushSide(PrefillSide):
                         lease_s=e.lease_s)
         return scope.cancelled_caught
 
+    @staticmethod
+    def _why(e: _Early, waiting_for: str) -> str:
+        """Why nothing more of ``e`` is pushed, for the decode's error."""
+        if e.aborted:
+            return "it was aborted"
+        if e.failed:
+            return "a push of another of its head slices failed"
+        return f"its lease ({e.lease_s:g} s) passed waiting for {waiting_for}"
+
     async def _push_layers(self, e: _Early, pull: Pull, slot: int,
-                           src: npt.NDArray[np.int64], limit: float) -> None:
+                           src: npt.NDArray[np.int64], limit: float) -> str | None:
+        """Each layer pushed as it is ready; why it stopped short, if it did."""
         c, o = self.bridge.client, self.opts
         assert self.pool is not None
         pushed = np.zeros(e.layers, bool)
@@ -279,7 +307,9 @@ class PushSide(PrefillSide):
             if self._gave_up(e, scope, slot % self.fanout, "layers") or e.stop:
                 log.info("vllm.push_stopped", request=e.open.request, aborted=e.aborted,
                          layers_left=int((~pushed).sum()))
-                return
+                if trio.current_time() >= limit:
+                    return "the decode's deadline passed"
+                return self._why(e, "layers")
             await self._in_pool(e)
             batch = np.flatnonzero(e.ready & ~pushed)
             if not len(batch):
@@ -287,7 +317,7 @@ class PushSide(PrefillSide):
             if trio.current_time() >= limit:
                 log.warning("vllm.push_stopped", request=e.open.request, reason="decode gave up",
                             layers_left=int((~pushed).sum()))
-                return
+                return "the decode's deadline passed"
             if pull.sums:
                 await self._send_sums(slot, pull, src, batch)
             push = await c.kv_push(pull.node, pull.pool, self.pool, src, pull.blocks,
@@ -297,6 +327,7 @@ class PushSide(PrefillSide):
             pushed[batch] = True
             log.debug("vllm.pushed", request=e.open.request, peer=pull.node,
                       nbytes=result.nbytes, layers=len(batch), first=int(batch[0]))
+        return None
 
     async def _in_pool(self, e: _Early) -> None:
         """A GPU's layers whose copies were queued: once they are over, ready."""
