@@ -595,7 +595,8 @@ def test_a_prefill_stages_its_cached_prefix_first_then_each_chunk() -> None:
     from p2pxfer.integrations.vllm._scheduler import SchedulerSide
 
     side = SchedulerSide("node-a", "P", BLOCK_SIZE, 8, send=True, receive=False)
-    request = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True})
+    request = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True},
+                              prompt_token_ids=list(range(100)))
     side.after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],)), 0)
     first = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="p1", block_ids=([7, 8, 9, 10],),
@@ -610,6 +611,12 @@ def test_a_prefill_stages_its_cached_prefix_first_then_each_chunk() -> None:
                                               num_computed_tokens=[64]),
         num_scheduled_tokens={"p1": 36})
     assert side.plan(second).saves == [Save("p1", (11, 12))]  # tokens 64..99
+    third = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["p1"], new_block_ids=[None],
+                                              num_computed_tokens=[100]),
+        num_scheduled_tokens={"p1": 1})
+    assert side.plan(third).saves == []  # past the prompt: never sent, never staged
 
 
 def test_a_lease_longer_than_a_push_may_wait_is_refused_at_start() -> None:

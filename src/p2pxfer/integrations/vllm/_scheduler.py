@@ -85,6 +85,7 @@ class SchedulerSide:
         self._keys = SlotTable(1, max_held, "held prefill request")
         self._loads: dict[str, Load] = {}  # to start at the next step
         self._blocks: dict[str, list[int]] = {}  # prefill: every block of a request to stage
+        self._prompts: dict[str, int] = {}  # prefill: the prompt's tokens, all that is sent
         self._sends: list[Send] = []
         self._opens: list[Open] = []
         #: prefill, pushed as computed: request -> (key, transfer id, prompt tokens)
@@ -122,6 +123,8 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if self.send and params.get("do_remote_decode"):
             self._blocks[request.request_id] = _blocks_of(blocks)
+            if (ids := getattr(request, "prompt_token_ids", None)) is not None:
+                self._prompts[request.request_id] = len(ids)  # (not with prompt embeds)
             if "transfer_id" in params:
                 self._open(request, params)
         if not (self.receive and params.get("do_remote_prefill")):
@@ -185,6 +188,7 @@ class SchedulerSide:
         prefill's hold at once (an empty pull)."""
         rid = request.request_id
         self._blocks.pop(rid, None)
+        self._prompts.pop(rid, None)
         params = request.kv_transfer_params or {}
         if self.receive and params.get("do_remote_prefill") and \
                 all(k in params for k in _remote_keys(params)):
@@ -298,7 +302,8 @@ class SchedulerSide:
                 continue
             self._blocks[new.req_id] = blocks = list(new.block_ids[0])
             end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-            saves.append(self._save(new.req_id, blocks, 0, end))
+            if (save := self._save(new.req_id, blocks, 0, end)) is not None:
+                saves.append(save)
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             blocks = self._blocks.get(rid)
@@ -311,12 +316,20 @@ class SchedulerSide:
             elif added:
                 blocks.extend(added[0])
             start = cached.num_computed_tokens[i]
-            saves.append(self._save(rid, blocks, start, start + scheduled.get(rid, 0)))
+            if (save := self._save(rid, blocks, start, start + scheduled.get(rid, 0))) is not None:
+                saves.append(save)
         return saves
 
-    def _save(self, rid: str, blocks: list[int], start: int, end: int) -> Save:
-        """The blocks of tokens ``start..end`` of ``rid``; for one pushed as
-        computed whose prompt ends this step, ``last`` and its table."""
+    def _save(self, rid: str, blocks: list[int], start: int, end: int) -> Save | None:
+        """The blocks of the prompt's tokens among ``start..end`` of ``rid``
+        (None if there are none); for one pushed as computed whose prompt
+        ends this step, ``last`` and its table. Later tokens are never sent,
+        and staging them (a step vLLM's asynchronous scheduling runs after
+        the prompt's last) would write the prompt's last block again while
+        a push may be reading it."""
+        end = min(end, self._prompts.get(rid, end))
+        if start >= end:
+            return None
         bs = self.block_size
         step = tuple(blocks[start // bs:-(-end // bs)])
         pushed = self._push.get(rid)
