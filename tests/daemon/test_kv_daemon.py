@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import traceback
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -251,20 +251,32 @@ async def test_bad_pushes_are_refused_before_posting(pair: tuple[DaemonProc, Dae
             await dst.wait_layers(6, 3, timeout=20)
 
 
+@contextlib.asynccontextmanager
+async def two_pools(pair: tuple[DaemonProc, DaemonProc], name: str, lay: KVLayout,
+                    src_blocks: npt.NDArray[np.int64], seed: int
+                    ) -> AsyncIterator[tuple[p2pxfer.Client, p2pxfer.Client, KVPool, KVPool]]:
+    """A decode client of node-b with receiving pool ``name``, a prefill
+    client of node-a with a source pool whose ``src_blocks`` hold
+    ``request_kv(seed)``."""
+    a, b = pair
+    async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
+        dst = await decode.kv_pool(name, lay)
+        src = await prefill.kv_pool(f"{name}-src", lay, receive=False)
+        pool_view(src.array, lay)[:, :, src_blocks] = request_kv(seed, lay, len(src_blocks))
+        yield decode, prefill, dst, src
+
+
 async def test_a_request_given_up_answers_once_its_pushes_landed(
         pair: tuple[DaemonProc, DaemonProc]) -> None:
     """``forget(refuse=True)`` while a 128 MiB push is under way: it answers
     once the push's layers have landed (nothing changes in the pool after),
     the client's other requests going on meanwhile, and the request is
     refused from then on."""
-    a, b = pair
     lay = KVLayout(16, 256, 16 << 10)
     src_blocks, dst_blocks = tables(21, lay, 256)
     with trio.fail_after(TIMEOUT):
-        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
-            dst = await decode.kv_pool("kv-drain", lay)
-            src = await prefill.kv_pool("kv-drain-src", lay, receive=False)
-            pool_view(src.array, lay)[:, :, src_blocks] = request_kv(21, lay, 256)
+        async with two_pools(pair, "kv-drain", lay, src_blocks, 21) as (decode, prefill, dst,
+                                                                         src):
             push = await prefill.kv_push("node-b", "kv-drain", src, src_blocks, dst_blocks,
                                          request=9)
             await dst.wait_layers(9, 0, timeout=TIMEOUT)  # under way: the rest still to come
@@ -300,14 +312,11 @@ async def test_a_request_its_sender_abandons_ends_its_waits_at_once(
     (the push's deadline is 60 s), a later push of the request is refused,
     and a request abandoned before anyone waits is heard by its first wait.
     A request that is over (every layer landed, or ended) stays as it was."""
-    a, b = pair
     lay = KVLayout(8, 64, 8192)
     src_blocks, dst_blocks = tables(23, lay, 16)
     with trio.fail_after(TIMEOUT):
-        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
-            dst = await decode.kv_pool("kv-abandon", lay)
-            src = await prefill.kv_pool("kv-abandon-src", lay, receive=False)
-            pool_view(src.array, lay)[:, :, src_blocks] = request_kv(23, lay, 16)
+        async with two_pools(pair, "kv-abandon", lay, src_blocks, 23) as (decode, prefill, dst,
+                                                                           src):
             push = await prefill.kv_push("node-b", "kv-abandon", src, src_blocks, dst_blocks,
                                          request=4, layers=[0, 1], deadline=60)
             await push.wait()
