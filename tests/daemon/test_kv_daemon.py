@@ -353,12 +353,42 @@ async def test_a_request_its_sender_abandons_ends_its_waits_at_once(
             await dst.wait_layers(6, 7, timeout=TIMEOUT)
             for r in (4, 5, 6):
                 await dst.forget(r)
+            # Once a push began, only its sender may say so (node-b is not).
+            push = await prefill.kv_push("node-b", "kv-abandon", src, src_blocks, dst_blocks,
+                                         request=8, layers=[0])
+            await push.wait()
+            with pytest.raises(InvalidArgument, match="pushes no request 8"):
+                await decode.kv_abandon("node-b", "kv-abandon", 8)
+            await dst.forget(8)
             with pytest.raises(UnknownRegion):
                 await prefill.kv_abandon("node-b", "no-such-pool", 4)
             with pytest.raises(InvalidArgument, match="reason is 1025 characters"):
                 await prefill.kv_abandon("node-b", "kv-abandon", 7, reason="x" * 1025)
             with pytest.raises(InvalidArgument, match="request must be >= 0"):
                 await prefill.kv_abandon("node-b", "kv-abandon", -1)
+
+
+async def test_an_abandon_stops_the_senders_pushes_first(pair: tuple[DaemonProc, DaemonProc]
+                                                         ) -> None:
+    """``kv_abandon`` while a 256 MiB push of the request is under way: the
+    push ends ``TransferAborted`` (stopped, not left landing), the
+    receiver's wait too, and nothing lands in the pool after the answer."""
+    lay = KVLayout(32, 512, 16 << 10)
+    src_blocks, dst_blocks = tables(24, lay, 512)
+    with trio.fail_after(TIMEOUT):
+        async with two_pools(pair, "kv-abandon-push", lay, src_blocks, 24) as (
+                _, prefill, dst, src):
+            push = await prefill.kv_push("node-b", "kv-abandon-push", src, src_blocks,
+                                         dst_blocks, request=3)
+            await dst.wait_layers(3, 0, timeout=TIMEOUT)  # under way
+            assert await prefill.kv_abandon("node-b", "kv-abandon-push", 3, reason="stop")
+            with pytest.raises(TransferAborted, match="abandoned"):
+                await push.wait()
+            landed = dst.array.copy()
+            with pytest.raises(TransferAborted, match="stop"):
+                await dst.wait_layers(3, 31, timeout=TIMEOUT)
+            await trio.sleep(0.2)
+            assert np.array_equal(dst.array, landed)
 
 
 def test_an_abandon_from_blocking_and_asyncio_callers(pair: tuple[DaemonProc, DaemonProc]

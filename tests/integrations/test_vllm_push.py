@@ -138,9 +138,11 @@ def test_a_prefill_aborted_before_its_decode_pulled_fails_the_load_at_once(
         daemon_sockets: tuple[str, str]) -> None:
     """Aborted before any pull came: a pull within the grace is still taken
     and answered with the abort, so the load fails now, not at its
-    deadline; the prefill's request is released after the grace."""
+    deadline; the prefill's request is released once it answered. (A grace
+    of 20 s: a starved machine may take more than the default 2 s to pull.)"""
     src, dst = caches(5), caches(None)
-    with pair(daemon_sockets, src, dst, load_timeout_s=120.0) as (prefill, decode):
+    with pair(daemon_sockets, src, dst, load_timeout_s=120.0,
+              abort_grace_s=20.0) as (prefill, decode):
         prefill.open([Open("req-1", 4, "t-abort-early")])
         prefill.hold([Send("req-1", 4, (), "t-abort-early")])
         decode.load([Load("dec-1", prefill.node, "P", 0, "t-abort-early", 0, tuple(DB),

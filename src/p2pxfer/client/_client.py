@@ -35,7 +35,7 @@ from p2pxfer.log import get_logger
 from p2pxfer.protocol import pack_scatter
 from p2pxfer.scatter import ScatterList
 
-from ._kv import KVPool, KVPush, open_pool, start_push
+from ._kv import KVPool, KVPush, check_reason, open_pool, start_push
 from ._wire import Conversation, open_conversation
 
 __all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedMemory",
@@ -250,6 +250,7 @@ class Client:
         it. Allowed to whoever may push into the pool. True if that ended
         the request; False if it was over already (every layer landed,
         given up, ended)."""
+        check_reason(reason)
         r = await self._conv.request("kv_abandon", peer=peer, pool=pool, request=request,
                                      reason=reason)
         return bool(r.get("ended"))

@@ -27,6 +27,7 @@ from ._client import WAIT_MARGIN_S, SharedMemory, new_buffer, wait_timed_out
 from ._kv import (
     KVPool,
     KVPushResult,
+    check_reason,
     combine,
     pool_stage,
     push_fields,
@@ -180,6 +181,7 @@ class SyncClient:
 
     def kv_abandon(self, peer: str, pool: str, request: int, *, reason: str = "") -> bool:
         """See :meth:`Client.kv_abandon`."""
+        check_reason(reason)
         r = self._c.request("kv_abandon", peer=peer, pool=pool, request=request, reason=reason)
         return bool(r.get("ended"))
 

@@ -77,6 +77,10 @@ MAX_REQUESTS = 16384  # requests remembered per daemon; the oldest finished go f
 #: each within its deadline and a lease)
 MAX_REFUSED = 1 << 16
 REAP_EVERY_S = 0.25  # how often deadlines are checked
+#: how long a request abandoned before anyone waited for it or pushed it is
+#: kept for its first wait: a word that came late (its receiver had
+#: forgotten the request) must not fail a later request of that number
+ABANDONED_KEEP_S = 60.0
 
 
 @dataclass
@@ -105,6 +109,9 @@ class _Recv(LayerArrivals):
     slots: set[int] = field(default_factory=set)
     deadline: float = math.inf
     waiters: int = 0
+    #: made by a sender's ``kv_abandoned`` before anyone waited or pushed:
+    #: dropped then unless a wait heard it first (``ABANDONED_KEEP_S``)
+    abandoned_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -257,8 +264,11 @@ class KV:
         """``sender`` pushes no more of ``request`` into ``pool``: unless it
         is over already (every layer landed, given up, ended), it ends now,
         its waits raising ``TransferAborted`` instead of waiting for the
-        push's deadline. A request not pushed or waited for yet is recorded
-        ended (its first wait hears it); ``begin`` refuses it from now on."""
+        push's deadline, and ``begin`` refuses it while it is remembered
+        (until it is forgotten; nothing of it pushed: until a wait heard it).
+        Only a sender of the request may say so once a push of it began; a
+        request nobody pushed or waited for yet is remembered ended for its
+        first wait, at most ``ABANDONED_KEEP_S``."""
         p = self.pools.get(pool)
         if p is None:
             raise UnknownRegion(f"no KV pool named {pool!r} on {self.node}")
@@ -266,7 +276,13 @@ class KV:
             raise InvalidArgument(f"kv_abandoned: request must be >= 0, got {request}")
         if request in self._refused.get(pool, ()):
             return {"ended": False}
-        recv = self._request(pool, request, p.layout.num_layers)
+        known = self._recv.get((pool, request))
+        if known is not None and known.senders and sender not in known.senders:
+            raise InvalidArgument(f"kv_abandoned: {sender!r} pushes no request {request} into "
+                                  f"{pool!r} here")
+        recv = known or self._request(pool, request, p.layout.num_layers)
+        if known is None:
+            recv.abandoned_at = trio.current_time()
         if recv.error is not None or recv.expired or recv.complete().all():
             return {"ended": False}
         log.warning("kv.abandoned", pool=pool, request=request, sender=sender,
@@ -396,10 +412,13 @@ class KV:
         while True:
             await trio.sleep(REAP_EVERY_S)
             now = trio.current_time()
-            for recv in list(self._recv.values()):
+            for key, recv in list(self._recv.items()):
                 if not recv.finished and recv.deadline < now:
                     log.warning("kv.deadline", pool=recv.pool, request=recv.request)
                     self._end(recv, None)
+                elif recv.abandoned_at is not None and not recv.waiters \
+                        and not recv.claimed.any() and recv.abandoned_at + ABANDONED_KEEP_S < now:
+                    del self._recv[key]
 
     async def push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
         """A ``kv_push`` (``_kv_push``)."""

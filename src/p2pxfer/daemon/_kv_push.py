@@ -32,6 +32,7 @@ from p2pxfer.errors import (
     InvalidArgument,
     NotificationUnknown,
     P2PXferError,
+    TransferAborted,
     UnknownRegion,
 )
 from p2pxfer.kv_plan import KVLayout, PushPlan, layer_imm, plan_push
@@ -115,6 +116,8 @@ class Pushes:
         self.follower = follower
         self._imm_slots = imm_slots  # made on first use (``Daemon.imm_slots``)
         self.write_timeout_s = write_timeout_s
+        #: pushes under way, by (peer, pool, request): what ``abandon`` stops
+        self._live: dict[tuple[str, str, int], dict[trio.CancelScope, trio.Event]] = {}
 
     async def _ask(self, peer: str, kind: str, until: float,
                    **fields: Any) -> dict[str, Any]:
@@ -128,6 +131,22 @@ class Pushes:
         return await self.peers.request(peer, kind, until=until, **fields)
 
     async def push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
+        key = (msg["peer"], msg["pool"], msg["request"])
+        live = self._live.setdefault(key, {})
+        scope, done = trio.CancelScope(), trio.Event()
+        live[scope] = done
+        try:
+            with scope:
+                return await self._push(s, msg)
+            raise TransferAborted(f"the push of request {key[2]} into {key[1]!r} on {key[0]} "
+                                  "was stopped: its sender abandoned the request")
+        finally:
+            done.set()
+            del live[scope]
+            if not live:
+                del self._live[key]
+
+    async def _push(self, s: ClientSession, msg: Any) -> dict[str, Any]:
         src = s.kv_pools.get(msg["src"])
         if src is None:
             raise UnknownRegion(f"this client has no KV pool {msg['src']!r}")
@@ -220,9 +239,11 @@ class Pushes:
                                  settle=settle)
 
     async def abandon(self, s: ClientSession, msg: Any) -> dict[str, Any]:
-        """A ``kv_abandon``: the receiver of a request this client pushes no
-        more of is told so (``KV.abandon`` there), so its waits end now. The
-        client must be one that may push into the pool."""
+        """A ``kv_abandon``: this node's pushes of the request under way are
+        stopped (each returns once what it posted has completed), then its
+        receiver is told that no more comes (``KV.abandon`` there), so its
+        waits end now and nothing of it lands after. The client must be one
+        that may push into the pool."""
         peer, pool, request = msg["peer"], msg["pool"], msg["request"]
         reason = msg.get("reason", "")
         if request < 0:
@@ -232,6 +253,11 @@ class Pushes:
         self.follower.check_peer(peer)
         until = deadline_after(self.write_timeout_s)
         await self.writes.destination(s, peer, pool, until)  # the same rules as a push
+        pushes = list(self._live.get((peer, pool, request), {}).items())
+        for scope, _ in pushes:
+            scope.cancel()
+        for _, done in pushes:
+            await done.wait()
         if peer == self.node:
             return self.kv.abandon(peer, pool, request, reason)
         r = await self.peers.request(peer, "kv_abandoned", until=until, pool=pool,

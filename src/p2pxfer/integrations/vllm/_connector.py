@@ -10,7 +10,9 @@ daemon's socket; default ``$P2PXFER_SOCKET`` or
 ``/run/p2pxfer/p2pxfer.sock``), ``checksum`` (bool: a CRC-32 per layer per
 request, checked on decode before a layer reaches the engine), ``lease_s``
 (how long a prefill holds a finished request for its pull),
-``load_timeout_s``, ``poll_s``, ``max_held``, ``max_loads``,
+``load_timeout_s``, ``poll_s``, ``abort_grace_s`` (pushed as computed: how
+long a prefill request aborted before its decode pulled still answers the
+pull with the abort), ``max_held``, ``max_loads``,
 ``arrangement`` (``planes_first`` / ``blocks_first`` / ``single``; guessed
 from the tensors' shape by default), ``kv_memory`` (``staging``, the
 default: a pool mirroring the KV tensors; ``shared``: vLLM's CPU KV
@@ -120,6 +122,7 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 lease_s=float(extra.get("lease_s", 120.0)),
                 load_timeout_s=float(extra.get("load_timeout_s", 120.0)),
                 poll_s=float(extra.get("poll_s", 0.5)), arrangement=extra.get("arrangement"),
+                abort_grace_s=float(extra.get("abort_grace_s", 2.0)),
                 memory=str(extra.get("kv_memory", "staging")), tp_size=tp, peer_tp_size=peer_tp,
                 head_layout=str(extra.get("head_layout", "NHD"))))
         else:

@@ -10,8 +10,8 @@ finished it (``ended``): only then is it reported finished sending, so
 vLLM never frees blocks a push may still read. An aborted request pushes
 nothing more (a push under way is waited for) and tells the decode that
 pulled it (``kv_abandon``, also after a failed push), whose load then fails
-at once; a pull that comes within ``ABORTED_PULL_GRACE_S`` of the abort is
-still taken to be told so. What must not live here: pulls of finished
+at once; a pull that comes within ``abort_grace_s`` of the abort is still
+taken to be told so. What must not live here: pulls of finished
 requests (``_prefill``), loads (``_decode``).
 
 Threads: vLLM's thread makes each ``_Early`` (``open``) and finds it in
@@ -41,10 +41,6 @@ from ._state import WorkerOptions
 __all__ = ["PushSide"]
 
 log = get_logger("p2pxfer.vllm")
-
-#: how long a request aborted before its decode pulled still takes the
-#: pull (to tell the decode, whose pull is retried at least every 0.25 s)
-ABORTED_PULL_GRACE_S = 2.0
 
 
 @dataclass(eq=False)
@@ -246,7 +242,7 @@ class PushSide(PrefillSide):
         slot = e.open.key * self.fanout + j
         # A pull that comes soon after the request was aborted is still
         # taken, so that its decode hears of the abort.
-        with e.waiting(grace=ABORTED_PULL_GRACE_S) as scope:
+        with e.waiting(grace=self.opts.abort_grace_s) as scope:
             await c.wait_imm(j, 1, region=region)
         if self._gave_up(e, scope, j, "pull"):
             return
@@ -264,7 +260,9 @@ class PushSide(PrefillSide):
             with e.waiting(limit) as scope:
                 await e.until(lambda: e.table is not None or e.stop)
             if self._gave_up(e, scope, j, "last step") or e.table is None:
-                await self._abandon(rid, pull, self._why(e, "its last step"))
+                await self._abandon(rid, pull, "the decode's deadline passed"
+                                    if trio.current_time() >= limit
+                                    else self._why(e, "its last step"))
                 return
             blocks = e.table[pull.skip:]
             if not 0 <= pull.skip <= len(e.table) or len(blocks) != len(pull.blocks):

@@ -64,6 +64,16 @@ class StepPlan:
     cancels: list[str] = field(default_factory=list)
 
 
+def _prompt_tokens(request: Any) -> int | None:
+    """A request's prompt tokens (``num_prompt_tokens``, which a prompt of
+    embeddings has too); None if unknown."""
+    n = getattr(request, "num_prompt_tokens", None)
+    if isinstance(n, int):
+        return n
+    ids = getattr(request, "prompt_token_ids", None)
+    return None if ids is None else len(ids)
+
+
 def _blocks_of(blocks: Any) -> list[int]:
     """The first KV cache group's block ids of a ``KVCacheBlocks``."""
     ids = blocks.get_block_ids()
@@ -123,8 +133,8 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if self.send and params.get("do_remote_decode"):
             self._blocks[request.request_id] = _blocks_of(blocks)
-            if (ids := getattr(request, "prompt_token_ids", None)) is not None:
-                self._prompts[request.request_id] = len(ids)  # (not with prompt embeds)
+            if (n := _prompt_tokens(request)) is not None:
+                self._prompts[request.request_id] = n
             if "transfer_id" in params:
                 self._open(request, params)
         if not (self.receive and params.get("do_remote_prefill")):

@@ -57,6 +57,10 @@ class WorkerOptions:
     lease_s: float = 120.0
     load_timeout_s: float = 120.0
     poll_s: float = 0.5  # how often a waiting load asks membership about its prefill
+    #: pushed as computed: how long a prefill request aborted before its
+    #: decode pulled still takes the pull, to tell that decode (whose pull
+    #: is retried at least every 0.25 s)
+    abort_grace_s: float = 2.0
     arrangement: str | None = None
     #: "staging": the pool mirrors the engine's tensors (a copy per layer per
     #: request on each side); "shared": the engine's torch tensors are moved
@@ -69,6 +73,9 @@ class WorkerOptions:
     head_layout: str = "NHD"  # where the heads sit in a block: NHD or HND
 
     def __post_init__(self) -> None:
+        if not 0 <= self.abort_grace_s <= MAX_LEASE_S:
+            raise InvalidArgument(f"abort_grace_s must be within 0..{MAX_LEASE_S:g} seconds, "
+                                  f"got {self.abort_grace_s}")
         if not 0 < self.lease_s <= MAX_LEASE_S:
             raise InvalidArgument(f"lease_s must be within 0..{MAX_LEASE_S:g} seconds (a "
                                   f"push's longest deadline), got {self.lease_s}")
