@@ -83,6 +83,40 @@ async def test_unknown_notifications_are_settled_once(pair: Pair) -> None:
     # arrival; then it is counted on asking, and the arrival is dropped.
 
 
+async def test_a_burst_beyond_the_tickets_in_hand_is_settled_too(pair: Pair) -> None:
+    """150 notify-mode writes at once, more than the batch of tickets in
+    hand (64): those that find none wait for the refill instead of going
+    without (a notification without a ticket cannot be settled), so every
+    one returns 1 and counts once."""
+    a, b, _ = pair
+    size, n = 4096, 150
+    before = a.status()["notifications"]
+    with trio.fail_after(TIMEOUT):
+        async with p2pxfer.connect(a.socket) as writer, p2pxfer.connect(b.socket) as owner:
+            dst = await owner.alloc(n * size, "burst-dst")
+            await owner.export("burst", dst)
+            src = await writer.alloc(n * size, "burst-src")
+            src.array[:] = np.random.default_rng(23).integers(0, 256, src.nbytes, np.uint8)
+            results: list[int] = []
+
+            async def one(i: int) -> None:
+                results.append(await writer.write(
+                    "node-b", "burst", ScatterList.contiguous(size, i * size, i * size),
+                    src=src, imm=i, notify=True))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            assert results == [1] * n
+            for i in range(n):
+                await owner.wait_imm(i, 1, region="burst", timeout=20)
+            assert np.array_equal(dst.array, src.array)
+    after = a.status()["notifications"]
+    assert after["unknown"] == before["unknown"], after
+    assert (after["landed"] + after["counted_on_ask"]
+            - before["landed"] - before["counted_on_ask"]) == n, (before, after)
+
+
 def test_settle_refuses_what_is_not_the_callers(pair: Pair) -> None:
     """``notify_settle`` for a ticket nobody was given, or given to another
     peer, is ``unknown_region``; a caller outside the peer table gets no

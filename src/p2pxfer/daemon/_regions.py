@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -45,6 +46,19 @@ INVALIDATE_GIVE_UP_S = 600.0
 #: notification tickets asked for at once (``_imms``: with ``resolve``, then
 #: ``imm_tickets`` in the background once half of them are spent)
 TICKET_BATCH = 64
+#: how long a notify-mode write with no ticket in hand waits for a refill
+#: (within its deadline): a notification without one cannot be settled
+#: when its outcome is unknown
+TICKET_WAIT_S = 2.0
+
+
+@dataclass(eq=False)
+class _Refill:
+    """An ``imm_tickets`` under way: ``done`` once answered, ``ok`` if it
+    brought tickets."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    ok: bool = False
 
 
 class Regions:
@@ -67,7 +81,8 @@ class Regions:
         #: (they stay valid while the export does; a new export has another
         #: slot): the peer holds them for us until its region or our life goes
         self._tickets: dict[tuple[str, str], tuple[int, list[int]]] = {}
-        self._refilling: set[tuple[str, str]] = set()  # asked for more, not answered yet
+        #: asked for more, not answered yet: set once answered
+        self._refilling: dict[tuple[str, str], _Refill] = {}
         self._resolved_by: dict[str, set[str]] = {}
         #: invalidations not delivered yet, per (peer, region) (``status``)
         self.pending_invalidations: Counter[tuple[str, str]] = Counter()
@@ -180,23 +195,45 @@ class Regions:
             return None
         if len(held[1]) <= TICKET_BATCH // 2 and key not in self._refilling \
                 and self.nursery is not None:
-            self._refilling.add(key)
-            self.nursery.start_soon(self._refill, peer, region, slot)
+            refill = self._refilling[key] = _Refill()
+            self.nursery.start_soon(self._refill, peer, region, slot, refill)
         return held[1].pop() if held[1] else None
 
-    async def _refill(self, peer: str, region: str, slot: int) -> None:
+    async def ticket_for_write(self, peer: str, region: str, until: float) -> int | None:
+        """``ticket``, or, with none in hand while a refill is on its way
+        (a burst of writes spent the batch, or the control link was cut a
+        while), the refill waited for: at most ``TICKET_WAIT_S`` and within
+        ``until``. None if no ticket comes: the peer gives none, the refill
+        failed, or time ran out."""
+        key = (peer, region)
+        with trio.move_on_at(min(until, trio.current_time() + TICKET_WAIT_S)):
+            while True:
+                ticket = self.ticket(peer, region)
+                refill = self._refilling.get(key)
+                if ticket is not None or refill is None:
+                    return ticket
+                await refill.done.wait()
+                if not refill.ok:
+                    return self.ticket(peer, region)
+        return None
+
+    async def _refill(self, peer: str, region: str, slot: int, refill: _Refill) -> None:
         key = (peer, region)
         try:
             result = await self.peers.request(peer, "imm_tickets", region=region,
                                               n=TICKET_BATCH)
             held = self._tickets.get(key)
             if held is not None and held[0] == slot:  # still that export's
-                held[1].extend(check_tickets(result.get("tickets"), slot, self._imm_slots()))
+                fresh = check_tickets(result.get("tickets"), slot, self._imm_slots())
+                held[1].extend(fresh)
+                refill.ok = bool(fresh)
         except P2PXferError as exc:
             log.info("region.tickets_failed", peer=peer, region=region,
                      error=bounded(str(exc)))
         finally:
-            self._refilling.discard(key)
+            if self._refilling.get(key) is refill:
+                del self._refilling[key]
+            refill.done.set()
 
     async def settle(self, peer: str, ticket: int, value: int, until: float) -> bool:
         """``notify_settle`` on ``peer``: whether the notification through

@@ -228,7 +228,8 @@ class Writes:
         control connection whether it landed, and counts it if not
         (``notify_settle``): exactly once, and unknown only when that path
         fails too."""
-        ticket = self.regions.ticket(peer, region) if notify and imm is not None else None
+        ticket = await self.regions.ticket_for_write(peer, region, until) \
+            if notify and imm is not None else None
         prefix = ticket if ticket is not None else self.regions.slot(peer, region)
         full = None if imm is None else self.imm_slots.compose(prefix, imm)
         try:
