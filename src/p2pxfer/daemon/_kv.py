@@ -277,14 +277,15 @@ class KV:
         if request in self._refused.get(pool, ()):
             return {"ended": False}
         known = self._recv.get((pool, request))
+        if known is not None and (known.error is not None or known.expired
+                                  or known.complete().all()):
+            return {"ended": False}
         if known is not None and known.senders and sender not in known.senders:
             raise InvalidArgument(f"kv_abandoned: {sender!r} pushes no request {request} into "
                                   f"{pool!r} here")
         recv = known or self._request(pool, request, p.layout.num_layers)
         if known is None:
             recv.abandoned_at = trio.current_time()
-        if recv.error is not None or recv.expired or recv.complete().all():
-            return {"ended": False}
         log.warning("kv.abandoned", pool=pool, request=request, sender=sender,
                     reason=reason[:MAX_REASON])
         self._end(recv, TransferAborted(f"request {request} into {pool!r}: its sender {sender} "

@@ -251,13 +251,13 @@ class Pushes:
         if len(reason) > MAX_REASON:
             raise InvalidArgument(f"reason is {len(reason)} characters, at most {MAX_REASON}")
         self.follower.check_peer(peer)
-        until = deadline_after(self.write_timeout_s)
-        await self.writes.destination(s, peer, pool, until)  # the same rules as a push
+        await self.writes.destination(s, peer, pool, deadline_after(self.write_timeout_s))
         pushes = list(self._live.get((peer, pool, request), {}).items())
         for scope, _ in pushes:
             scope.cancel()
         for _, done in pushes:
             await done.wait()
+        until = deadline_after(self.write_timeout_s)  # after the pushes' drain
         if peer == self.node:
             return self.kv.abandon(peer, pool, request, reason)
         r = await self.peers.request(peer, "kv_abandoned", until=until, pool=pool,

@@ -14,6 +14,7 @@ client memory (``_sessions``) or membership verdicts (``_follow``).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,15 +49,17 @@ INVALIDATE_GIVE_UP_S = 600.0
 TICKET_BATCH = 64
 #: how long a notify-mode write with no ticket in hand waits for a refill
 #: (within its deadline): a notification without one cannot be settled
-#: when its outcome is unknown
+#: when its outcome is unknown. Also the pause after a refill that failed
+#: before the next is asked for (the control link may be cut a while)
 TICKET_WAIT_S = 2.0
 
 
 @dataclass(eq=False)
 class _Refill:
-    """An ``imm_tickets`` under way: ``done`` once answered, ``ok`` if it
-    brought tickets."""
+    """An ``imm_tickets`` under way for the export whose slot is ``slot``:
+    ``done`` once answered, ``ok`` if it brought tickets."""
 
+    slot: int
     done: trio.Event = field(default_factory=trio.Event)
     ok: bool = False
 
@@ -83,6 +86,11 @@ class Regions:
         self._tickets: dict[tuple[str, str], tuple[int, list[int]]] = {}
         #: asked for more, not answered yet: set once answered
         self._refilling: dict[tuple[str, str], _Refill] = {}
+        #: the peer's last answer brought no tickets (none to give: no room
+        #: for tags, or it holds too many for us): none asked for, none
+        #: waited for, until the region is resolved afresh
+        self._barren: set[tuple[str, str]] = set()
+        self._refill_failed: dict[tuple[str, str], float] = {}  # when, for the pause
         self._resolved_by: dict[str, set[str]] = {}
         #: invalidations not delivered yet, per (peer, region) (``status``)
         self.pending_invalidations: Counter[tuple[str, str]] = Counter()
@@ -169,6 +177,8 @@ class Regions:
         self._resolved[key] = desc
         self._slots[key] = slot
         fresh = check_tickets(result.get("tickets"), slot, self._imm_slots())
+        if want:
+            self._barren.discard(key) if fresh else self._barren.add(key)
         if held is not None and held[0] == slot:
             fresh.extend(held[1])
         self._tickets[key] = (slot, fresh)
@@ -186,16 +196,18 @@ class Regions:
         for tags in the CQ data, or it holds too many), or a refill is still
         on its way; the notification then goes through the region's slot.
         Never waits: once half a batch is left, more are asked for in the
-        background (``_refill``), so a write never waits on the control
-        connection for one."""
+        background (``_refill``; not from a peer whose last answer brought
+        none, nor within ``TICKET_WAIT_S`` of a refill that failed)."""
         key = (peer, region)
         slot = self._slots.get(key)
         held = self._tickets.get(key)
         if slot is None or held is None or held[0] != slot:
             return None
         if len(held[1]) <= TICKET_BATCH // 2 and key not in self._refilling \
-                and self.nursery is not None:
-            refill = self._refilling[key] = _Refill()
+                and self.nursery is not None and key not in self._barren \
+                and trio.current_time() >= self._refill_failed.get(key, -math.inf) \
+                + TICKET_WAIT_S:
+            refill = self._refilling[key] = _Refill(slot)
             self.nursery.start_soon(self._refill, peer, region, slot, refill)
         return held[1].pop() if held[1] else None
 
@@ -210,7 +222,7 @@ class Regions:
             while True:
                 ticket = self.ticket(peer, region)
                 refill = self._refilling.get(key)
-                if ticket is not None or refill is None:
+                if ticket is not None or refill is None or refill.slot != self._slots.get(key):
                     return ticket
                 await refill.done.wait()
                 if not refill.ok:
@@ -227,7 +239,11 @@ class Regions:
                 fresh = check_tickets(result.get("tickets"), slot, self._imm_slots())
                 held[1].extend(fresh)
                 refill.ok = bool(fresh)
+                self._refill_failed.pop(key, None)
+                if not fresh:
+                    self._barren.add(key)
         except P2PXferError as exc:
+            self._refill_failed[key] = trio.current_time()
             log.info("region.tickets_failed", peer=peer, region=region,
                      error=bounded(str(exc)))
         finally:
@@ -266,6 +282,9 @@ class Regions:
             self._slots.pop(key, None)
             self._kv.pop(key, None)
             self._tickets.pop(key, None)
+        for key in [k for k in (*self._barren, *self._refill_failed) if k[0] == peer]:
+            self._barren.discard(key)
+            self._refill_failed.pop(key, None)
         for holders in self._resolved_by.values():
             holders.discard(peer)
         for key in [k for k in self.pending_invalidations if k[0] == peer]:
