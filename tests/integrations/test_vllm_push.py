@@ -337,6 +337,26 @@ def test_a_bad_transfer_is_served_locally_not_raised_out_of_vllm() -> None:
     assert decode.plan(out([], [], {})).loads == []
 
 
+def test_a_finished_prefill_holds_and_offers_only_its_prompts_blocks() -> None:
+    """A block vLLM gave a token past the prompt (96 tokens: 6 whole blocks,
+    the 7th holds only a token asynchronous scheduling ran) is neither held
+    nor offered: the decode lines the table up with its own 6 prompt
+    blocks, so a 7th would shift every block it pulls by one."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-a", "P", 16, 8, send=True, receive=False)
+    req = SimpleNamespace(request_id="p1", prompt_token_ids=list(range(96)), max_tokens=1,
+                          kv_transfer_params={"do_remote_decode": True})
+    side.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7],)), 0)
+    held, params = side.finished(req, [1, 2, 3, 4, 5, 6, 7], True)
+    assert held and params is not None
+    assert params["remote_block_ids"] == [1, 2, 3, 4, 5, 6]
+    (send,) = side.plan(out([], [], {})).sends
+    assert send.blocks == (1, 2, 3, 4, 5, 6)
+
+
 def test_the_decode_scheduler_loads_a_pushed_request_by_its_prompt_length() -> None:
     """No block table from the prefill: it holds the prompt's length in
     blocks; with 2 blocks cached here, the pull skips them."""

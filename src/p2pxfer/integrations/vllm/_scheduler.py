@@ -176,7 +176,7 @@ class SchedulerSide:
         """Blocks of the prompt the prefill holds: its table, or (pushed as
         computed, the table unknown yet) the prompt's length in blocks."""
         if "transfer_id" in params:
-            return -(-len(request.prompt_token_ids or ()) // self.block_size)
+            return -(-(_prompt_tokens(request) or 0) // self.block_size)
         return len(params["remote_block_ids"])
 
     @staticmethod
@@ -217,6 +217,11 @@ class SchedulerSide:
             return False, None
         if not (self.send and params.get("do_remote_decode")):
             return False, None
+        if (n := _prompt_tokens(request)) is not None:
+            # The prompt's blocks only: a block vLLM gave a token after the
+            # prompt (a step of asynchronous scheduling) is never staged, and
+            # the decode lines the table up with its own prompt blocks.
+            block_ids = block_ids[:-(-n // self.block_size)]
         if "transfer_id" in params and rid not in self._push:
             # Pushed as computed but never opened (no key, a bad id): no
             # decode can pull it; its blocks go now.
