@@ -151,6 +151,7 @@ class Daemon:
         self.exports = Exports(self.node, engine, lambda: self.imm_slots)
         self.regions = Regions(self.node, self.peers, self.exports, lambda: self.imm_slots)
         self.peers.on_forget = self._forget_peer
+        self.peers.on_reroute = self.regions.rerouted
         self.follower = Follower(self.node, self.peers)
         self.regions.reachable = self.follower.running
         self.follower.on_superseded = self._superseded

@@ -188,6 +188,8 @@ class PeerTable:
         #: called with a peer's name when what we knew of it is void (a new
         #: address, a new life): the region cache drops its descriptors
         self.on_forget: Callable[[str], None] = lambda name: None
+        #: the control link to a peer now goes another way (``reroute``)
+        self.on_reroute: Callable[[str], None] = lambda name: None
         self.nursery: trio.Nursery | None = None
 
     def __contains__(self, name: str) -> bool:
@@ -249,6 +251,7 @@ class PeerTable:
         link = self._links.pop(name, None)
         if link is not None and self.nursery is not None:
             self.nursery.start_soon(link.close)
+        self.on_reroute(name)
 
     def drop(self, name: str) -> None:
         """Forget ``name``'s descriptors and close its link (in the background)."""

@@ -274,6 +274,14 @@ class Regions:
         self._slots.pop((peer, region), None)
         self._kv.pop((peer, region), None)
 
+    def rerouted(self, peer: str) -> None:
+        """The control link to ``peer`` goes another way now (a rail healed,
+        or another answers): a refill that failed on the old way is no
+        reason to wait before asking again (the next write's refill goes
+        the new way, and that write waits for it)."""
+        for key in [k for k in self._refill_failed if k[0] == peer]:
+            del self._refill_failed[key]
+
     def forget_peer(self, peer: str) -> None:
         """``peer``'s life (or address) changed: its descriptors are void, and
         it holds none of ours."""

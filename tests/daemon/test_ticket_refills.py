@@ -1,0 +1,71 @@
+"""When a notify write's notification tickets come (``Regions``,
+``daemon/_regions.py``): a write that finds none in hand waits for the
+refill; a refill that failed is not asked again for ``TICKET_WAIT_S``
+(writes meanwhile go without), except once the control link to the peer
+goes another way (``rerouted``: a rail healed), when the next write asks
+at once and waits for it. In-process on trio's autojump clock, with a
+stand-in for the peer link below the fabric: nothing here moves bytes
+(``test_notify_settle.py`` and the rail-cut scenario in
+``tests/membership/test_membership_rails.py`` run the real thing)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+
+from p2pxfer.daemon._imms import ImmTable
+from p2pxfer.daemon._regions import Regions
+from p2pxfer.errors import PeerUnreachable
+
+
+class _Link:
+    """The peer's answers to ``imm_tickets``: unreachable while ``cut``."""
+
+    def __init__(self, slot: int, tag_bits: int) -> None:
+        self.cut = True
+        self.asked = 0
+        self._next = 1
+        self._slot, self._tag_bits = slot, tag_bits
+
+    async def request(self, peer: str, kind: str, **fields: Any) -> dict[str, Any]:
+        assert kind == "imm_tickets"
+        self.asked += 1
+        await trio.sleep(0.1)
+        if self.cut:
+            raise PeerUnreachable(f"peer {peer}: TooSlowError")
+        tickets = [self._slot | (self._next + i) for i in range(fields["n"])]
+        self._next += fields["n"]
+        return {"tickets": tickets}
+
+
+async def test_a_refill_that_failed_is_asked_again_at_once_after_a_reroute(
+        autojump_clock: trio.testing.MockClock) -> None:
+    table = ImmTable(SimpleNamespace(imm_bits=64, route_imms=lambda *a: None))  # type: ignore[arg-type]
+    assert table.tag_bits > 0
+    slot = 5 << table.tag_bits
+    link = _Link(slot, table.tag_bits)
+    regions = Regions("node-a", link, SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
+                      lambda: table)
+    key = ("node-b", "r")
+    regions._slots[key] = slot
+    regions._tickets[key] = (slot, [])  # the batch spent
+    async with trio.open_nursery() as nursery:
+        regions.nursery = nursery
+        until = trio.current_time() + 60
+        # The control link is cut: the write waits for the refill, which fails.
+        assert await regions.ticket_for_write("node-b", "r", until) is None
+        assert link.asked == 1
+        # Right after: not asked again, the write goes without at once.
+        t0 = trio.current_time()
+        assert await regions.ticket_for_write("node-b", "r", until) is None
+        assert link.asked == 1 and trio.current_time() == t0
+        # The link heals and goes another way: the next write asks at once
+        # and waits for the answer.
+        link.cut = False
+        regions.rerouted("node-b")
+        ticket = await regions.ticket_for_write("node-b", "r", until)
+        assert ticket is not None and ticket >> table.tag_bits == slot >> table.tag_bits
+        assert link.asked == 2
+        nursery.cancel_scope.cancel()
