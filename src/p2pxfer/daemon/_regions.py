@@ -177,8 +177,10 @@ class Regions:
         self._resolved[key] = desc
         self._slots[key] = slot
         fresh = check_tickets(result.get("tickets"), slot, self._imm_slots())
-        if want:
-            self._barren.discard(key) if fresh else self._barren.add(key)
+        if want and fresh:
+            self._barren.discard(key)
+        elif want:
+            self._barren.add(key)
         if held is not None and held[0] == slot:
             fresh.extend(held[1])
         self._tickets[key] = (slot, fresh)
