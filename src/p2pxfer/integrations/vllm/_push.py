@@ -260,9 +260,7 @@ class PushSide(PrefillSide):
             with e.waiting(limit) as scope:
                 await e.until(lambda: e.table is not None or e.stop)
             if self._gave_up(e, scope, j, "last step") or e.table is None:
-                await self._abandon(rid, pull, "the decode's deadline passed"
-                                    if trio.current_time() >= limit
-                                    else self._why(e, "its last step"))
+                await self._abandon(rid, pull, self._why(e, "its last step", limit))
                 return
             blocks = e.table[pull.skip:]
             if not 0 <= pull.skip <= len(e.table) or len(blocks) != len(pull.blocks):
@@ -285,8 +283,10 @@ class PushSide(PrefillSide):
         return scope.cancelled_caught
 
     @staticmethod
-    def _why(e: _Early, waiting_for: str) -> str:
+    def _why(e: _Early, waiting_for: str, limit: float) -> str:
         """Why nothing more of ``e`` is pushed, for the decode's error."""
+        if trio.current_time() >= limit:
+            return "the decode's deadline passed"
         if e.aborted:
             return "it was aborted"
         if e.failed:
@@ -305,9 +305,7 @@ class PushSide(PrefillSide):
             if self._gave_up(e, scope, slot % self.fanout, "layers") or e.stop:
                 log.info("vllm.push_stopped", request=e.open.request, aborted=e.aborted,
                          layers_left=int((~pushed).sum()))
-                if trio.current_time() >= limit:
-                    return "the decode's deadline passed"
-                return self._why(e, "layers")
+                return self._why(e, "layers", limit)
             await self._in_pool(e)
             batch = np.flatnonzero(e.ready & ~pushed)
             if not len(batch):
