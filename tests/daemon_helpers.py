@@ -61,6 +61,7 @@ __all__ = [
     "describe_mismatch",
     "free_port",
     "p2pxfer_cmd",
+    "shared_mem",
     "spawn_daemon",
     "start_daemon",
     "toml_value",
@@ -416,3 +417,14 @@ def as_uid(uid: int, fn: Callable[[], Any]) -> Any:
     os.close(r)
     os.waitpid(pid, 0)
     return pickle.loads(data)
+
+
+def shared_mem(c: RawConn, rid: int, size: int = 1 << 16) -> Any:
+    """A fresh memfd of ``size`` shared over the raw connection ``c``
+    (request id ``rid``): the daemon's handle for it."""
+    fd = os.memfd_create("shared", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        return c.request({"t": "share", "id": rid, "size": size}, fds=[fd])["result"]["mem"]
+    finally:
+        os.close(fd)

@@ -31,6 +31,7 @@ from p2pxfer.errors import PeerUnreachable as PeerUnreachable
 from p2pxfer.errors import ProviderNotFound as ProviderNotFound
 from p2pxfer.errors import RailsExhausted as RailsExhausted
 from p2pxfer.errors import ReadOnlyBuffer as ReadOnlyBuffer
+from p2pxfer.errors import RegionWithdrawn as RegionWithdrawn
 from p2pxfer.errors import RegistrationError as RegistrationError
 from p2pxfer.errors import RemoteClosed as RemoteClosed
 from p2pxfer.errors import ScatterError as ScatterError

@@ -174,6 +174,14 @@ class UnknownRegion(DaemonError, LookupError):
     code = "unknown_region"
 
 
+class RegionWithdrawn(UnknownRegion):
+    """The region was there and its owner withdrew it saying why (``unexport``
+    with a reason): it will not come back under that name for this use, so
+    a writer waiting for it to appear can stop waiting."""
+
+    code = "region_withdrawn"
+
+
 class UnknownPeer(DaemonError, LookupError):
     """A request names a node that is neither this one nor a known peer."""
 

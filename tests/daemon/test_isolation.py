@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import trio
 
-from daemon_helpers import RawControl, as_uid, daemon_pair
+from daemon_helpers import RawControl, as_uid, daemon_pair, shared_mem
 from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.kv import KVLayout
 from p2pxfer.membership import ClusterAuth
@@ -75,10 +75,10 @@ def test_a_key_holder_cannot_forge_another_regions_immediates(
         victim.hello()
         attacker.hello()
         assert victim.request({"t": "export", "id": 2, "name": "victim",
-                               "mem": _shared_mem(victim, 1), "offset": 0,
+                               "mem": shared_mem(victim, 1), "offset": 0,
                                "length": 4096})["t"] == "ok"
         atk = attacker.request({"t": "export", "id": 2, "name": "atk",
-                                "mem": _shared_mem(attacker, 1), "offset": 0,
+                                "mem": shared_mem(attacker, 1), "offset": 0,
                                 "length": 4096})["result"]["descriptor"]
         bits = d.status()["imm_bits"]
         assert bits == 64
@@ -155,15 +155,6 @@ def open_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _shared_mem(c: RawConn, rid: int, size: int = 1 << 16) -> Any:
-    fd = os.memfd_create("iso", os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        return c.request({"t": "share", "id": rid, "size": size}, fds=[fd])["result"]["mem"]
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 @pytest.mark.parametrize("local_copy", [False, True], ids=["engine", "local-copy"])
 def test_a_peer_alias_of_this_daemon_does_not_bypass_the_uid_check(
@@ -180,17 +171,17 @@ def test_a_peer_alias_of_this_daemon_does_not_bypass_the_uid_check(
     layout = KVLayout(1, 4, 4096).to_wire()
     with RawConn(d.socket) as owner:
         owner.hello()
-        mem = _shared_mem(owner, 1)
+        mem = shared_mem(owner, 1)
         assert owner.request({"t": "export", "id": 2, "name": "roots", "mem": mem,
                               "offset": 0, "length": 1 << 16})["t"] == "ok"
-        kvmem = _shared_mem(owner, 3)
+        kvmem = shared_mem(owner, 3)
         assert owner.request({"t": "kv_pool", "id": 4, "name": "kvroots", "mem": kvmem,
                               "layout": layout})["t"] == "ok"
 
         def intruder() -> dict[str, Any]:
             with RawConn(d.socket, timeout=30) as c:
                 c.hello()
-                mine = _shared_mem(c, 2)
+                mine = shared_mem(c, 2)
                 scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
                 out = {}
                 for peer in ("iso", "mirror"):
@@ -234,7 +225,7 @@ def test_a_uid_cannot_take_another_uids_region_name(open_dir: Path,
     def squatter() -> dict[str, Any]:
         with RawConn(d.socket) as c:
             c.hello()
-            mem = _shared_mem(c, 1)
+            mem = shared_mem(c, 1)
             out = {}
             for i, name in enumerate(("kv", "~0/kv", f"~{NOBODY}x/kv", mine)):
                 r = c.request({"t": "export", "id": 2 + i, "name": name, "mem": mem,
@@ -250,7 +241,7 @@ def test_a_uid_cannot_take_another_uids_region_name(open_dir: Path,
                                         "kv_pool kvpool": "forbidden"}
     with RawConn(d.socket) as root:
         root.hello()
-        mem = _shared_mem(root, 1)
+        mem = shared_mem(root, 1)
         for i, name in enumerate(("kv", "~0/kv")):
             assert root.request({"t": "export", "id": 2 + i, "name": name, "mem": mem,
                                  "offset": 0, "length": 4096})["t"] == "ok", name
@@ -260,6 +251,42 @@ def test_a_uid_cannot_take_another_uids_region_name(open_dir: Path,
         assert r.get("code") == "forbidden" and f"~{NOBODY}/" in r["message"], r
     # Root's service is gone (reconnecting): its name is still not the other uid's.
     assert as_uid(NOBODY, squatter)["kv"] == "forbidden"
+    assert d.alive()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+@pytest.mark.parametrize("local_copy", [False, True], ids=["engine", "local-copy"])
+def test_why_a_region_was_withdrawn_is_told_only_to_uids_it_admitted(
+        open_dir: Path, daemons: list[DaemonProc], local_copy: bool) -> None:
+    """A region unexported with a reason: a later writer of a uid it did not
+    admit hears ``unknown_region`` as for any name, not the reason; one it
+    granted (``writers``) hears ``region_withdrawn`` and why."""
+    d = start_daemon(open_dir, "tomb", allowed_uids=[NOBODY], local_copy=local_copy)
+    daemons.append(d)
+    with RawConn(d.socket) as owner:
+        owner.hello()
+        mem = shared_mem(owner, 1)
+        for i, (name, writers) in enumerate((("roots", []), ("granted", [NOBODY]))):
+            assert owner.request({"t": "export", "id": 2 + i, "name": name, "mem": mem,
+                                  "offset": 0, "length": 4096, "writers": writers}
+                                 )["t"] == "ok"
+            assert owner.request({"t": "unexport", "id": 4 + i, "name": name,
+                                  "reason": "secret plans"})["t"] == "ok"
+
+    def writer() -> dict[str, Any]:
+        with RawConn(d.socket, timeout=30) as c:
+            c.hello()
+            mine = shared_mem(c, 1)
+            scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
+            out = {}
+            for i, region in enumerate(("roots", "granted")):
+                r = c.request({"t": "write", "id": 2 + i, "peer": "tomb", "region": region,
+                               "mem": mine, "offset": 0, "scatter": scatter})
+                out[region] = (r.get("code", r["t"]), "secret plans" in r.get("message", ""))
+            return out
+
+    assert as_uid(NOBODY, writer) == {"roots": ("unknown_region", False),
+                                      "granted": ("region_withdrawn", True)}
     assert d.alive()
 
 
@@ -298,7 +325,7 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
             with RawConn(d.socket) as c3:  # a third client of this uid
                 c3.send({"t": "hello", "v": SCHEMA_VERSION, "role": "client"})
                 out["third client"] = _code(c3.frame())
-            m1 = _shared_mem(c1, 1, mib)
+            m1 = shared_mem(c1, 1, mib)
             fd = os.memfd_create("caps", os.MFD_ALLOW_SEALING)
             os.ftruncate(fd, mib)
             out["c1 more memory"] = _code(c1.request({"t": "share", "id": 2,
@@ -306,7 +333,7 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
             out["c2 1 MiB"] = _code(c2.request({"t": "share", "id": 3, "size": mib},
                                                fds=[fd]))
             os.close(fd)
-            m2 = _shared_mem(c2, 4, mib // 4)
+            m2 = shared_mem(c2, 4, mib // 4)
             out["exports"] = [export(c1, 10, m1, "a"), export(c1, 11, m1, "b"),
                               export(c1, 12, m1, "c"), export(c2, 13, m2, "d"),
                               export(c2, 14, m2, "e")]
@@ -446,7 +473,7 @@ def test_half_open_connections_cannot_keep_an_authenticated_peer_out(
     daemons.append(d)
     with RawConn(d.socket) as owner:
         owner.hello()
-        mem = _shared_mem(owner, 1)
+        mem = shared_mem(owner, 1)
         assert owner.request({"t": "export", "id": 2, "name": "roots", "mem": mem,
                               "offset": 0, "length": 4096})["t"] == "ok"
         sources = [f"127.0.0.{i}" for i in range(2, 7)]
@@ -511,7 +538,7 @@ def test_a_peers_answer_is_decoded_under_limits(tmp_path: Path,
         before = _hwm_kib(d)
         with RawConn(d.socket, timeout=60) as c:
             c.hello()
-            mem = _shared_mem(c, 1)
+            mem = shared_mem(c, 1)
             scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
             reply = c.request({"t": "write", "id": 2, "peer": "evil", "region": "x",
                                "mem": mem, "offset": 0, "scatter": scatter})

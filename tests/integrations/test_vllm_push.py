@@ -153,6 +153,31 @@ def test_a_prefill_aborted_before_its_decode_pulled_fails_the_load_at_once(
         wait_finished(prefill, sent={"req-1"}, within_s=30)
 
 
+@pytest.mark.parametrize("how", ["aborted", "lease"])
+def test_a_pull_after_the_prefill_let_go_fails_the_load_at_once(
+        daemon_sockets: tuple[str, str], how: str) -> None:
+    """The decode pulls only after the prefill let the transfer go, aborted
+    (past ``abort_grace_s``) or its lease passed with no pull: the slots
+    went with a reason (``RegionWithdrawn``), so the load fails now, not
+    at its deadline (120 s)."""
+    src, dst = caches(6), caches(None)
+    with pair(daemon_sockets, src, dst, load_timeout_s=120.0, abort_grace_s=0.0,
+              lease_s=120.0 if how == "aborted" else 0.5) as (prefill, decode):
+        tid = f"t-gone-{how}"
+        prefill.open([Open("req-1", 5, tid)])
+        if how == "aborted":
+            prefill.hold([Send("req-1", 5, (), tid)])
+        else:
+            compute_all(prefill, src, "req-1", 5, tid)
+        wait_finished(prefill, sent={"req-1"}, within_s=30)
+        t0 = time.monotonic()
+        decode.load([Load("dec-1", prefill.node, "P", 0, tid, 0, tuple(DB), tid)])
+        wait_finished(decode, received={"dec-1"}, within_s=30)
+        assert decode.load_errors() == set(DB)
+        assert time.monotonic() - t0 < 30
+        assert not dst[next(iter(dst))].any()
+
+
 def test_a_transfer_never_opened_is_a_load_error_at_the_deadline(
         daemon_sockets: tuple[str, str]) -> None:
     with pair(daemon_sockets, caches(4), caches(None), load_timeout_s=2.0) as (prefill, decode):

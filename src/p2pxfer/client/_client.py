@@ -32,10 +32,10 @@ from p2pxfer.errors import (
 )
 from p2pxfer.kv_plan import KVLayout
 from p2pxfer.log import get_logger
-from p2pxfer.protocol import pack_scatter
+from p2pxfer.protocol import check_reason, pack_scatter
 from p2pxfer.scatter import ScatterList
 
-from ._kv import KVPool, KVPush, check_reason, open_pool, start_push
+from ._kv import KVPool, KVPush, open_pool, start_push
 from ._wire import Conversation, open_conversation
 
 __all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedMemory",
@@ -141,8 +141,13 @@ class Client:
                                      length=length, **fields)
         return RegionDescriptor.from_wire(result["descriptor"])
 
-    async def unexport(self, name: str) -> None:
-        await self._conv.request("unexport", name=name)
+    async def unexport(self, name: str, *, reason: str | None = None) -> None:
+        """Withdraw the region ``name``: once this returns, no byte lands in
+        its memory. With ``reason``, a writer that comes later (for up to
+        ten minutes) hears ``RegionWithdrawn`` with it instead of
+        ``UnknownRegion``: one that waits for the region to appear can stop
+        waiting."""
+        await self._conv.request("unexport", name=name, **unexport_fields(reason))
 
     async def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
                     src_offset: int = 0, imm: int | None = None, notify: bool = False,
@@ -307,6 +312,14 @@ class Client:
         for mem in self._mems:
             mem.close()
         self._mems.clear()
+
+
+def unexport_fields(reason: str | None) -> dict[str, Any]:
+    """An ``unexport``'s optional fields (its reason checked)."""
+    if reason is None:
+        return {}
+    check_reason(reason)
+    return {"reason": reason}
 
 
 @contextlib.contextmanager

@@ -35,7 +35,6 @@ from p2pxfer.buffers import RegionDescriptor
 from p2pxfer.devmem import DeviceStage, device_memory
 from p2pxfer.errors import InvalidArgument, TransferError, UsageError, WaitTimeout
 from p2pxfer.kv_plan import KVLayout, is_int
-from p2pxfer.protocol import MAX_REASON
 
 if TYPE_CHECKING:
     from ._client import Client, SharedMemory
@@ -252,14 +251,6 @@ class KVPool:
         fields: dict[str, Any] = {"refuse": True} if refuse else {}
         await self._async_client()._conv.request("kv_forget", pool=self.name, request=request,
                                                  **fields)
-
-
-def check_reason(reason: str) -> None:
-    """A ``kv_abandon`` reason the daemon takes (else ``InvalidArgument``)."""
-    if not isinstance(reason, str):
-        raise InvalidArgument(f"reason must be a str, got {type(reason).__name__}")
-    if len(reason) > MAX_REASON:
-        raise InvalidArgument(f"reason is {len(reason)} characters, at most {MAX_REASON}")
 
 
 def pool_stage(layout: KVLayout, device: Any, mem: SharedMemory) -> DeviceStage | None:

@@ -19,15 +19,20 @@ import sniffio
 from p2pxfer.buffers import RegionDescriptor
 from p2pxfer.errors import ConnectionLost, InvalidArgument, TransferError, UsageError, WaitTimeout
 from p2pxfer.kv_plan import KVLayout
-from p2pxfer.protocol import pack_scatter
+from p2pxfer.protocol import check_reason, pack_scatter
 from p2pxfer.scatter import ScatterList
 
 from ._blocking import BlockingConversation
-from ._client import WAIT_MARGIN_S, SharedMemory, new_buffer, wait_timed_out
+from ._client import (
+    WAIT_MARGIN_S,
+    SharedMemory,
+    new_buffer,
+    unexport_fields,
+    wait_timed_out,
+)
 from ._kv import (
     KVPool,
     KVPushResult,
-    check_reason,
     combine,
     pool_stage,
     push_fields,
@@ -84,8 +89,9 @@ class SyncClient:
             self._mems.remove(mem)
         mem.close()
 
-    def unexport(self, name: str) -> None:
-        self._c.request("unexport", name=name)
+    def unexport(self, name: str, *, reason: str | None = None) -> None:
+        """``Client.unexport``."""
+        self._c.request("unexport", name=name, **unexport_fields(reason))
 
     def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
               src_offset: int = 0, imm: int | None = None, notify: bool = False,

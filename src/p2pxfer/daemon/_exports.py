@@ -9,7 +9,11 @@ removed, and it fans each change out, in one order, to the parts that act on
 exports: the immediate table (the slot), the engine (registration and key),
 and the parts that subscribed with ``on_remove`` (the region directory tells
 the peers that resolved it; a KV pool on it ends its requests). Name
-uniqueness and the writer's uid rule are checked here, once.
+uniqueness and the writer's uid rule are checked here, once. A region
+unexported with a reason leaves a tombstone for ``WITHDRAWN_KEEP_S`` (at
+most ``MAX_WITHDRAWN``, the oldest dropped first): a writer that comes
+late hears ``RegionWithdrawn`` and why, not ``UnknownRegion``, and stops
+waiting for the region to appear.
 
 Every method runs in the daemon's trio thread, which owns this state.
 What must not live here: the copies themselves (``_local``), what peers
@@ -28,7 +32,13 @@ import trio
 
 from p2pxfer._pump import bounded
 from p2pxfer.engine import Engine
-from p2pxfer.errors import InvalidArgument, NameTaken, P2PXferError, UnknownRegion
+from p2pxfer.errors import (
+    InvalidArgument,
+    NameTaken,
+    P2PXferError,
+    RegionWithdrawn,
+    UnknownRegion,
+)
 from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 
@@ -36,12 +46,18 @@ if TYPE_CHECKING:
     from ._imms import ImmTable, Sink
     from ._shared import ExportMap, SharedMap
 
-__all__ = ["RESERVED", "Export", "ExportOwner", "Exports"]
+__all__ = ["MAX_WITHDRAWN", "RESERVED", "WITHDRAWN_KEEP_S", "Export", "ExportOwner", "Exports"]
 
 log = get_logger("p2pxfer.daemon")
 
 #: the scratch region ``ping`` writes into, exported by the daemon itself
 RESERVED = "p2pxfer.ping"
+#: how long a region withdrawn with a reason is answered as such: longer
+#: than a writer waits for a region to appear (the vLLM decode's pull
+#: waits ``load_timeout_s``, 120 s by default)
+WITHDRAWN_KEEP_S = 600.0
+#: tombstones kept at most; one takes a name and a reason (bounded)
+MAX_WITHDRAWN = 4096
 
 
 class ExportOwner(Protocol):
@@ -78,6 +94,19 @@ class Export:
         return privileged or uid == self.owner.uid or uid in self.writers
 
 
+@dataclass(frozen=True)
+class _Withdrawn:
+    """What is left of a region its owner withdrew saying why."""
+
+    reason: str
+    until: float  # trio time
+    uid: int  # its owner's, and the uids it admitted
+    writers: frozenset[int]
+
+    def admits(self, uid: int, privileged: bool) -> bool:
+        return privileged or uid == self.uid or uid in self.writers
+
+
 class Exports:
     """Every export of this daemon's clients, by name and by owner."""
 
@@ -87,6 +116,8 @@ class Exports:
         self._imm_slots = imm_slots
         self._by_name: dict[str, Export] = {}
         self._by_owner: dict[ExportOwner, dict[str, Export]] = {}
+        #: tombstones by name, oldest first (insertion order)
+        self._withdrawn: dict[str, _Withdrawn] = {}
         #: called with each export as it goes, in order, after the copies into
         #: it stopped and before its slot and key are given up
         self.on_remove: list[Callable[[Export], None]] = []
@@ -106,6 +137,22 @@ class Exports:
     def owned_by(self, owner: ExportOwner) -> dict[str, Export]:
         """``owner``'s exports by name (a view: do not change it)."""
         return self._by_owner.get(owner, {})
+
+    def absent(self, name: str, uid: int | None = None, privileged: bool = False
+               ) -> UnknownRegion:
+        """The error for a write into ``name``, not exported here:
+        ``RegionWithdrawn`` with its owner's reason while its tombstone
+        lasts (to a peer, or a local ``uid`` the region admitted), else
+        ``UnknownRegion``."""
+        shown = bounded(name, 100)
+        gone = self._withdrawn.get(name)
+        if gone is not None and gone.until <= trio.current_time():
+            del self._withdrawn[name]
+            gone = None
+        if gone is not None and (uid is None or gone.admits(uid, privileged)):
+            return RegionWithdrawn(f"region {shown!r} on {self.node} was withdrawn by its "
+                                   f"owner: {gone.reason}")
+        return UnknownRegion(f"no region named {shown!r} on {self.node}")
 
     def check_free(self, name: str) -> None:
         if not name:
@@ -159,23 +206,27 @@ class Exports:
             own.retire()
             raise
         export = Export(name, owner, mem, offset, own, slot, desc, writers)
+        self._withdrawn.pop(name, None)
         self._by_name[name] = export
         self._by_owner.setdefault(owner, {})[name] = export
         log.info("region.exported", client=owner.label, region=name, nbytes=desc.length,
                  writers=sorted(writers))
         return export
 
-    async def remove(self, name: str) -> None:
+    async def remove(self, name: str, reason: str | None = None) -> None:
         """Unexport ``name``: no new copy into it from now on; the running
         ones are stopped and waited for (shielded: bounded by the pieces in
         hand, and an export must never go while a copy still writes into
         it); then the subscribers hear it, its slot and key go, and its
         mapping is retired: once this returns no byte lands in the owner's
         memory from here, and a peer's write still streaming in lands in
-        private pages."""
+        private pages. With ``reason``, a tombstone says so to later
+        writers (``absent``)."""
         export = self._by_name.pop(name, None)
         if export is None:
             raise UnknownRegion(f"no region named {bounded(name, 100)!r} is exported here")
+        if reason is not None:
+            self.withdraw(name, reason, export.owner.uid, export.writers)
         mine = self._by_owner[export.owner]
         del mine[name]
         if not mine:
@@ -197,6 +248,18 @@ class Exports:
         with contextlib.suppress(P2PXferError):
             self._engine.deregister(export.own.view)  # the registration the export pinned
         export.own.retire()
+
+    def withdraw(self, name: str, reason: str, uid: int, writers: frozenset[int]) -> None:
+        """Leave a tombstone for ``name`` (``absent``), which was exported by
+        ``uid`` for ``writers``; the oldest go past ``MAX_WITHDRAWN``."""
+        self._withdrawn.pop(name, None)  # to the end: the newest
+        now = trio.current_time()
+        self._withdrawn[name] = _Withdrawn(reason, now + WITHDRAWN_KEEP_S, uid, writers)
+        while self._withdrawn:
+            oldest = next(iter(self._withdrawn))
+            if len(self._withdrawn) <= MAX_WITHDRAWN and self._withdrawn[oldest].until > now:
+                break
+            del self._withdrawn[oldest]
 
     def backing(self, owner: ExportOwner, mem_id: int) -> bool:
         """Whether one of ``owner``'s exports lies in its memory ``mem_id``."""

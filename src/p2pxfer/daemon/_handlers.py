@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2pxfer.errors import Forbidden, InvalidArgument, UnknownRegion
-from p2pxfer.protocol import CLIENT_REQUESTS, Message, check_handlers, unpack_scatter
+from p2pxfer.protocol import (
+    CLIENT_REQUESTS,
+    Message,
+    check_handlers,
+    check_reason,
+    unpack_scatter,
+)
 from p2pxfer.scatter import ScatterList
 
 from ._follow import WATCH_TIMEOUT_MAX_S
@@ -45,7 +51,10 @@ async def _export(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
-    await s.unexport(msg["name"])
+    reason = msg.get("reason")
+    if reason is not None:
+        check_reason(reason)
+    await s.unexport(msg["name"], reason)
     return {}
 
 

@@ -37,7 +37,7 @@ from p2pxfer.errors import (
 )
 from p2pxfer.kv_plan import KVLayout, PushPlan, layer_imm, plan_push
 from p2pxfer.log import get_logger
-from p2pxfer.protocol import MAX_REASON
+from p2pxfer.protocol import check_reason
 from p2pxfer.scatter import ScatterList
 
 from ._kv_settle import Unsettled, settle_notification
@@ -248,8 +248,7 @@ class Pushes:
         reason = msg.get("reason", "")
         if request < 0:
             raise InvalidArgument(f"request must be >= 0, got {request}")
-        if len(reason) > MAX_REASON:
-            raise InvalidArgument(f"reason is {len(reason)} characters, at most {MAX_REASON}")
+        check_reason(reason)
         self.follower.check_peer(peer)
         await self.writes.destination(s, peer, pool, deadline_after(self.write_timeout_s))
         pushes = list(self._live.get((peer, pool, request), {}).items())

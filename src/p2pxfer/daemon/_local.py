@@ -134,7 +134,7 @@ class LocalCopies:
         counts their immediates, then raises: ``src`` is no longer read."""
         target = self.exports.get(region)
         if target is None:
-            raise UnknownRegion(f"no region named {region!r} on {self.node}")
+            raise self.exports.absent(region, writer.uid, writer.privileged)
         writer.may_write_into(region)
         scatter.check_bounds(len(src), target.length)
         slots = self._imm_slots()

@@ -143,7 +143,7 @@ class Regions:
         """Our descriptor of ``region``; ``for_peer`` will be told when it goes."""
         export = self.exports.get(region)
         if export is None:
-            raise UnknownRegion(f"no region named {region!r} on {self.node}")
+            raise self.exports.absent(region)
         if for_peer and for_peer in self.peers:  # only known peers are told (bounded)
             self._resolved_by.setdefault(region, set()).add(for_peer)
         return export.desc

@@ -368,12 +368,13 @@ class ClientSession:
                                self.counts.sink(name))
         return export.desc.to_wire()
 
-    async def unexport(self, name: str) -> None:
-        """Unexport ``name`` (``Exports.remove``): once this returns no byte
-        lands in the region's memory from here."""
+    async def unexport(self, name: str, reason: str | None = None) -> None:
+        """Unexport ``name`` (``Exports.remove``; ``reason``: withdrawn, and
+        later writers hear why): once this returns no byte lands in the
+        region's memory from here."""
         if name not in self.exports:
             raise UnknownRegion(f"this client exported no {name!r}")
-        await self.daemon.exports.remove(name)
+        await self.daemon.exports.remove(name, reason)
 
     async def _release(self) -> None:
         """The client is gone: drop its exports (once copies into them have

@@ -29,6 +29,7 @@ from p2pxfer.errors import (
     P2PXferError,
     PeerLost,
     PeerUnreachable,
+    RegionWithdrawn,
     TransferError,
     TransferTimeout,
 )
@@ -141,8 +142,15 @@ class Writes:
         """``region`` on ``peer``, resolved. A region of this daemon meets the
         writer's uid check (``ClientSession.may_write_into``) whatever name
         reached it: this node's, or a peer entry whose address is our own
-        control port (the check must not depend on how the peer was named)."""
-        desc = await self.regions.resolve(peer, region, until=until)
+        control port (the check must not depend on how the peer was named).
+        A region of this node withdrawn with a reason says so only to a uid
+        it admitted."""
+        try:
+            desc = await self.regions.resolve(peer, region, until=until)
+        except RegionWithdrawn:
+            if session is None or peer != self.node:
+                raise
+            raise self.exports.absent(region, session.uid, session.privileged) from None
         if session is not None and self.ours(desc):
             session.may_write_into(desc.name)
         return desc

@@ -26,6 +26,7 @@ from ._messages import PEER_REQUESTS as PEER_REQUESTS
 from ._messages import SCHEMA as SCHEMA
 from ._messages import SCHEMA_VERSION as SCHEMA_VERSION
 from ._messages import Message as Message
+from ._messages import check_reason as check_reason
 from ._messages import pack_scatter as pack_scatter
 from ._messages import unpack_scatter as unpack_scatter
 from ._transitions import INITIATOR as INITIATOR

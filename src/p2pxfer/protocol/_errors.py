@@ -28,6 +28,7 @@ from p2pxfer.errors import (
     PeerUnreachable,
     RailFailedUnderImmediates,
     RailsExhausted,
+    RegionWithdrawn,
     ScatterError,
     TransferAborted,
     TransferError,
@@ -70,6 +71,7 @@ PROTOCOL_CODES = ("bad_frame", "too_big", "unknown_type", "bad_version", "unexpe
 # ``Connection`` raises it for a message without a usable id (then fatal).
 _ANSWERS: tuple[tuple[type[P2PXferError], bool], ...] = (
     (InvalidArgument, False),
+    (RegionWithdrawn, False),
     (UnknownRegion, False),
     (UnregisteredMemory, False),
     (ScatterError, False),

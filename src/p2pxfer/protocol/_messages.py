@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from p2pxfer.errors import InvalidArgument
+
 from ._errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
@@ -22,16 +24,18 @@ __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
     "Message",
+    "check_reason",
     "pack_scatter",
     "unpack_scatter",
     "usable_id",
     "validate",
 ]
 
-SCHEMA_VERSION = 4  # 2: control connections authenticate (nonce/proof/auth); watch, locate
+SCHEMA_VERSION = 5  # 2: control connections authenticate (nonce/proof/auth); watch, locate
 # 3: frames MACed after auth, 4 KiB handshake frames, forbidden; cancel; wait_imm
 # scoped to a region or the session; resolve returns a slot
 # 4: kv_forget refuse; kv_abandon (client) and kv_abandoned (peer)
+# 5: unexport reason, region_withdrawn
 
 #: the longest name a message carries (node, peer, region, pool, client):
 #: a name is a key in tables and log lines, not a payload
@@ -39,7 +43,8 @@ MAX_NAME = 255
 #: the longest other text (an error's message, an address)
 MAX_TEXT_FIELD = 4096
 #: the longest reason a sender gives for abandoning a KV request
-#: (``kv_abandon``), quoted in the receiver's error message
+#: (``kv_abandon``) or withdrawing a region (``unexport``), quoted in the
+#: error its peer hears
 MAX_REASON = 1024
 NAME_FIELDS = frozenset({"name", "peer", "region", "pool", "src", "node", "role"})
 
@@ -67,7 +72,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "unshare": {"id": (_INT, True), "mem": (_INT, True)},
     "export": {"id": (_INT, True), "name": (_STR, True), "mem": (_INT, True),
                "offset": (_INT, True), "length": (_INT, True), "writers": (_LIST, False)},
-    "unexport": {"id": (_INT, True), "name": (_STR, True)},
+    "unexport": {"id": (_INT, True), "name": (_STR, True), "reason": (_STR, False)},
     "write": {"id": (_INT, True), "peer": (_STR, True), "region": (_STR, True),
               "mem": (_INT, True), "offset": (_INT, True), "scatter": (_BIN, True),
               "imm": (_OPT_INT, False), "notify": (_BOOL, False)},
@@ -168,6 +173,15 @@ class Message:
 
 
 _set = object.__setattr__
+
+
+def check_reason(reason: Any) -> None:
+    """A reason (``kv_abandon``, ``unexport``) a daemon takes, else
+    ``InvalidArgument``."""
+    if not isinstance(reason, str):
+        raise InvalidArgument(f"reason must be a str, got {type(reason).__name__}")
+    if len(reason) > MAX_REASON:
+        raise InvalidArgument(f"reason is {len(reason)} characters, at most {MAX_REASON}")
 
 
 def _short(value: Any, limit: int = 80) -> str:

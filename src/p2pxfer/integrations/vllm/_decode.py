@@ -26,6 +26,7 @@ from p2pxfer.errors import (
     LimitExceeded,
     P2PXferError,
     PeerLost,
+    RegionWithdrawn,
     TransferAborted,
     TransferError,
     UnknownRegion,
@@ -257,7 +258,8 @@ class DecodeSide(WorkerState):
         """Write a pull pushed as computed into the prefill rank's slots for
         the transfer: they may not be there yet (the prefill has not
         scheduled the request), so asked again, less and less often, until
-        the load's deadline; ``PeerLost`` once the prefill node is gone."""
+        the load's deadline; ``PeerLost`` once the prefill node is gone,
+        ``TransferAborted`` once its slots went (``RegionWithdrawn``)."""
         c = self.bridge.client
         assert self._msgs is not None
         region = pull_region(job.engine, p.route.rank, job.transfer_id)
@@ -270,6 +272,11 @@ class DecodeSide(WorkerState):
                 await c.write(job.node, region, where, src=self._msgs, imm=p.route.sub,
                               notify=True, timeout=max(deadline - trio.current_time(), 0.001))
                 return
+            except RegionWithdrawn as exc:
+                # Its slots were there and went (aborted, lease passed):
+                # they will not come back.
+                raise TransferAborted(f"prefill node {job.node} took no pull for transfer "
+                                      f"{job.transfer_id!r}: {exc}") from None
             except UnknownRegion:
                 if trio.current_time() + pause >= deadline:
                     raise WaitTimeout(f"prefill node {job.node} took no pull for transfer "

@@ -56,6 +56,7 @@ class _Early:
     table: npt.NDArray[np.int64] | None = None  # the prompt's blocks, from the last step
     ended: Send | None = None  # the scheduler finished it
     failed: bool = False  # a slice's push failed: the others stop too
+    pulled: int = 0  # head slices whose pull came
     served: bool = False  # the pushes are over
     lease_s: float = 0.0
     _changed: trio.Event = field(default_factory=trio.Event)
@@ -216,7 +217,10 @@ class PushSide(PrefillSide):
             finally:
                 with trio.CancelScope(shield=True):
                     try:
-                        await c.unexport(name)
+                        # A pull that comes after (the decode was slow to
+                        # ask) hears why and fails at once, not at its
+                        # deadline.
+                        await c.unexport(name, reason=self._withdrawn(e))
                     except P2PXferError as exc:
                         log.debug("vllm.unexport_failed", region=name, error=str(exc))
         except P2PXferError as exc:
@@ -246,6 +250,7 @@ class PushSide(PrefillSide):
             await c.wait_imm(j, 1, region=region)
         if self._gave_up(e, scope, j, "pull"):
             return
+        e.pulled += 1
         pull: Pull | None = None
         try:
             sb = self.slot_bytes
@@ -281,6 +286,17 @@ class PushSide(PrefillSide):
             log.warning("vllm.lease_expired", request=e.open.request, part=j, waiting_for=what,
                         lease_s=e.lease_s)
         return scope.cancelled_caught
+
+    def _withdrawn(self, e: _Early) -> str:
+        """Why ``e``'s slots go, for a decode whose pull comes too late."""
+        what = f"prefill request {e.open.request!r} (transfer {e.open.transfer_id!r})"
+        if e.aborted:
+            return f"{what} was aborted"
+        if e.failed:
+            return f"{what}: a push of it failed"
+        if e.pulled < self.fanout:
+            return f"{what}: its lease ({e.lease_s:g} s) passed before every pull came"
+        return f"{what} was pushed to the decode that pulled it"
 
     @staticmethod
     def _why(e: _Early, waiting_for: str, limit: float) -> str:
