@@ -1,10 +1,11 @@
-"""Regions withdrawn with a reason (``unexport(name, reason=...)``): a
-writer that comes later hears ``RegionWithdrawn`` and why, instead of
-``UnknownRegion``, through the peer and on the owner's own node, from trio,
-asyncio and blocking callers; a new export of the name ends it, and a plain
-unexport leaves nothing. Two real daemons (tcp;ofi_rxm on loopback); the
-tombstones' time and cap in-process, on trio's autojump clock. Only uids
-the region admitted hear the reason: ``test_isolation.py``."""
+"""Regions withdrawn with a reason (``unexport(name, reason=...)``, or
+``withdraw`` of a name never exported): a writer that comes later hears
+``RegionWithdrawn`` and why, instead of ``UnknownRegion``, through the
+peer and on the owner's own node, from trio, asyncio and blocking callers;
+a new export of the name ends it, and a plain unexport leaves nothing.
+Two real daemons (tcp;ofi_rxm on loopback); the tombstones' time and cap
+in-process, on trio's autojump clock. Only uids the region admitted hear
+the reason: ``test_isolation.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import p2pxfer
 from daemon_helpers import DaemonProc, daemon_pair
 from p2pxfer.daemon import _exports
 from p2pxfer.daemon._exports import WITHDRAWN_KEEP_S, Exports
-from p2pxfer.errors import InvalidArgument, RegionWithdrawn, UnknownRegion
+from p2pxfer.errors import Forbidden, InvalidArgument, NameTaken, RegionWithdrawn, UnknownRegion
 from p2pxfer.protocol import MAX_REASON
 from p2pxfer.scatter import ScatterList
 
@@ -77,6 +78,26 @@ async def test_a_late_writer_hears_why_a_region_was_withdrawn(
             await owner.write("node-b", "long", ONE, src=own)
 
 
+async def test_a_name_never_exported_can_be_withdrawn(pair: tuple[DaemonProc, DaemonProc]
+                                                      ) -> None:
+    """``withdraw``: a name this client may export, not exported now."""
+    a, b = pair
+    async with p2pxfer.connect(a.socket) as writer, p2pxfer.connect(b.socket) as owner:
+        src, dst = await writer.alloc(4096), await owner.alloc(1 << 16)
+        await owner.withdraw("never", "its request was aborted while it waited")
+        with pytest.raises(RegionWithdrawn, match="aborted while it waited"):
+            await writer.write("node-b", "never", ONE, src=src)
+        # Exported after all: written as usual.
+        await owner.export("never", dst)
+        assert await writer.write("node-b", "never", ONE, src=src) == 1
+        with pytest.raises(NameTaken):
+            await owner.withdraw("never", "it is exported")
+        with pytest.raises(Forbidden):
+            await owner.withdraw("~4242/theirs", "not this uid's name")
+        with pytest.raises(InvalidArgument, match=f"at most {MAX_REASON}"):
+            await owner.withdraw("long", "x" * (MAX_REASON + 1))
+
+
 def test_withdrawn_from_blocking_and_asyncio_callers(pair: tuple[DaemonProc, DaemonProc]
                                                      ) -> None:
     """A ``SyncClient`` withdraws; an asyncio caller and a blocking one hear why."""
@@ -97,6 +118,9 @@ def test_withdrawn_from_blocking_and_asyncio_callers(pair: tuple[DaemonProc, Dae
         assert "withdrawn by its owner: its lease passed" in asyncio.run(late_write())
         with pytest.raises(RegionWithdrawn, match="its lease passed"):
             writer.write("node-b", "sync-gone", ONE, src=writer.alloc(4096))
+        owner.withdraw("sync-never", "never scheduled")
+        with pytest.raises(RegionWithdrawn, match="never scheduled"):
+            writer.write("node-b", "sync-never", ONE, src=writer.alloc(4096))
 
 
 async def test_tombstones_last_their_time_and_the_oldest_go_first(

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_vllm_worker import blocks_equal, caches, head_caches, heads_of, options
 
-from p2pxfer.integrations.vllm._plan import Load, Open, Save, Send
+from p2pxfer.integrations.vllm._plan import Load, Open, Save, Send, Withdraw
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
 from vllm_worker_helpers import DEADLINE_S, one_to_two, wait_finished
 
@@ -338,7 +338,7 @@ def test_the_prefill_scheduler_opens_marks_the_last_step_and_holds_until_pushed(
 def test_a_bad_transfer_is_served_locally_not_raised_out_of_vllm() -> None:
     """A transfer id that cannot name a region, or a prefill asked for more
     than one token: logged; the prefill is not opened nor held, the decode
-    computes the prompt itself."""
+    computes the prompt itself (told at once where the id names a region)."""
     from types import SimpleNamespace
 
     from p2pxfer.integrations.vllm._scheduler import SchedulerSide
@@ -349,9 +349,13 @@ def test_a_bad_transfer_is_served_locally_not_raised_out_of_vllm() -> None:
                               max_tokens=max_tokens,
                               kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
         prefill.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 0)
-        assert prefill.plan(out([], [], {})).opens == []
+        step = prefill.plan(out([], [], {}))
+        assert step.opens == []
+        assert step.withdraws == ([Withdraw(tid, "prefill request 'p1' has max_tokens 5, not 1")]
+                                  if tid == "fine" else [])
         assert prefill.finished(req, [1, 2, 3], True) == (False, None)
         assert prefill.held() == 0
+        assert prefill.plan(out([], [], {})).withdraws == []  # once
     decode = SchedulerSide("node-b", "D", 16, 8, send=False, receive=True)
     params = {"do_remote_prefill": True, "remote_node": "node-a", "remote_engine_id": "P",
               "transfer_id": "no spaces allowed"}
@@ -360,6 +364,58 @@ def test_a_bad_transfer_is_served_locally_not_raised_out_of_vllm() -> None:
     assert decode.matched_tokens(req, 0) == (0, False)
     assert decode.finished(req, [], False) == (False, None)
     assert decode.plan(out([], [], {})).loads == []
+
+
+def test_a_transfer_that_is_never_opened_is_withdrawn() -> None:
+    """Pushed as computed, but aborted before it was ever scheduled, or no
+    key free to hold it: its transfer is withdrawn (once), so the decode's
+    pull fails at once instead of at its deadline."""
+    from types import SimpleNamespace
+
+    from p2pxfer.integrations.vllm._scheduler import SchedulerSide
+
+    side = SchedulerSide("node-a", "P", 16, 1, send=True, receive=False)
+
+    def req(rid: str) -> Any:
+        return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(40)), max_tokens=1,
+                               kv_transfer_params={"do_remote_decode": True,
+                                                   "transfer_id": f"t-{rid}"})
+
+    waiting = req("p0")
+    assert side.finished(waiting, [], False) == (False, None)
+    assert side.plan(out([], [], {})).withdraws == [
+        Withdraw("t-p0", "prefill request 'p0' ended before it was scheduled (aborted)")]
+    held, refused = req("p1"), req("p2")
+    for r in (held, refused):
+        side.after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 0)
+    step = side.plan(out([], [], {}))
+    assert step.opens == [Open("p1", 1, "t-p1")]
+    assert [w.transfer_id for w in step.withdraws] == ["t-p2"]
+    assert "'p2' could not be held" in step.withdraws[0].reason
+    # Scheduled again once a key is free: still not opened, nor withdrawn again.
+    assert side.finished(held, [1, 2, 3], False) == (True, None)
+    side.sent({"p1"})
+    side.after_alloc(refused, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],)), 0)
+    step = side.plan(out([], [], {}))
+    assert step.opens == [] and step.withdraws == []
+    assert side.finished(refused, [4, 5, 6], True) == (False, None)
+    assert side.plan(out([], [], {})).withdraws == []
+
+
+def test_a_withdrawn_transfers_pull_fails_the_load_at_once(
+        daemon_sockets: tuple[str, str]) -> None:
+    """The prefill withdrew a transfer it never opened: the decode's pull
+    hears why, and its load fails now, not at its deadline (120 s)."""
+    src, dst = caches(7), caches(None)
+    with pair(daemon_sockets, src, dst, load_timeout_s=120.0) as (prefill, decode):
+        t0 = time.monotonic()
+        # (A pull that comes before the withdraw is written again, as for a
+        # transfer not opened yet.)
+        prefill.withdraw([Withdraw("t-never", "prefill request 'r9' was aborted")])
+        decode.load([Load("dec-1", prefill.node, "P", 0, "t-never", 0, tuple(DB), "t-never")])
+        wait_finished(decode, received={"dec-1"}, within_s=30)
+        assert decode.load_errors() == set(DB)
+        assert time.monotonic() - t0 < 30
 
 
 def test_a_finished_prefill_holds_and_offers_only_its_prompts_blocks() -> None:

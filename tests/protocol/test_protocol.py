@@ -400,6 +400,8 @@ CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("export", {"name": "kv", "mem": 1, "offset": 0, "length": 1 << 20},
      {"descriptor": DESCRIPTOR}),
     ("unexport", {"name": "kv"}, {}),
+    ("unexport", {"name": "kv", "reason": "aborted"}, {}),
+    ("withdraw", {"name": "kv", "reason": "never scheduled"}, {}),
     ("write", {"peer": "node-b", "region": "kv", "mem": 1, "offset": 0,
                "scatter": pack_scatter(*(np.array([0, 64], np.int64),) * 3)},
      {"pieces": 2}),

@@ -149,6 +149,15 @@ class Client:
         waiting."""
         await self._conv.request("unexport", name=name, **unexport_fields(reason))
 
+    async def withdraw(self, name: str, reason: str) -> None:
+        """Say that the region ``name`` (a name this client may export, not
+        exported now) will not come: for ten minutes, or until it is
+        exported, a writer that names it hears ``RegionWithdrawn`` with
+        ``reason`` instead of ``UnknownRegion``, as after ``unexport`` with
+        a reason."""
+        check_reason(reason)
+        await self._conv.request("withdraw", name=name, reason=reason)
+
     async def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
                     src_offset: int = 0, imm: int | None = None, notify: bool = False,
                     timeout: float | None = None) -> int:

@@ -93,6 +93,11 @@ class SyncClient:
         """``Client.unexport``."""
         self._c.request("unexport", name=name, **unexport_fields(reason))
 
+    def withdraw(self, name: str, reason: str) -> None:
+        """``Client.withdraw``."""
+        check_reason(reason)
+        self._c.request("withdraw", name=name, reason=reason)
+
     def write(self, peer: str, region: str, scatter: ScatterList, *, src: SharedMemory,
               src_offset: int = 0, imm: int | None = None, notify: bool = False,
               timeout: float | None = None) -> int:

@@ -58,6 +58,12 @@ async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
     return {}
 
 
+async def _withdraw(s: ClientSession, msg: Message) -> dict[str, Any]:
+    check_reason(msg["reason"])
+    s.withdraw(msg["name"], msg["reason"])
+    return {}
+
+
 async def _write(s: ClientSession, msg: Message) -> dict[str, Any]:
     src = s.mem(msg["mem"]).view(msg["offset"])
     scatter = ScatterList(*unpack_scatter(msg["scatter"]))
@@ -147,7 +153,8 @@ async def _ping(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 HANDLERS: dict[str, Handler] = {
     "share": _share, "unshare": _unshare, "export": _export, "unexport": _unexport,
-    "write": _write, "wait_imm": _wait_imm, "status": _status, "peers": _peers,
+    "withdraw": _withdraw, "write": _write, "wait_imm": _wait_imm, "status": _status,
+    "peers": _peers,
     "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,
     "kv_pool": _kv_pool, "kv_push": _kv_push, "kv_wait": _kv_wait, "kv_forget": _kv_forget,
     "kv_abandon": _kv_abandon, "ping": _ping,

@@ -376,6 +376,14 @@ class ClientSession:
             raise UnknownRegion(f"this client exported no {name!r}")
         await self.daemon.exports.remove(name, reason)
 
+    def withdraw(self, name: str, reason: str) -> None:
+        """A tombstone for ``name``, a name this client may export but that
+        is not exported now (one it will never export: a writer waiting
+        for it to appear hears ``reason``, ``Exports.absent``)."""
+        self.may_name(name)
+        self.daemon.exports.check_free(name)
+        self.daemon.exports.withdraw(name, reason, self.uid, frozenset())
+
     async def _release(self) -> None:
         """The client is gone: drop its exports (once copies into them have
         stopped), registrations and mappings. Runs shielded."""

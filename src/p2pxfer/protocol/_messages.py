@@ -35,7 +35,7 @@ SCHEMA_VERSION = 5  # 2: control connections authenticate (nonce/proof/auth); wa
 # 3: frames MACed after auth, 4 KiB handshake frames, forbidden; cancel; wait_imm
 # scoped to a region or the session; resolve returns a slot
 # 4: kv_forget refuse; kv_abandon (client) and kv_abandoned (peer)
-# 5: unexport reason, region_withdrawn
+# 5: unexport reason, withdraw, region_withdrawn
 
 #: the longest name a message carries (node, peer, region, pool, client):
 #: a name is a key in tables and log lines, not a payload
@@ -73,6 +73,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "export": {"id": (_INT, True), "name": (_STR, True), "mem": (_INT, True),
                "offset": (_INT, True), "length": (_INT, True), "writers": (_LIST, False)},
     "unexport": {"id": (_INT, True), "name": (_STR, True), "reason": (_STR, False)},
+    "withdraw": {"id": (_INT, True), "name": (_STR, True), "reason": (_STR, True)},
     "write": {"id": (_INT, True), "peer": (_STR, True), "region": (_STR, True),
               "mem": (_INT, True), "offset": (_INT, True), "scatter": (_BIN, True),
               "imm": (_OPT_INT, False), "notify": (_BOOL, False)},
@@ -121,7 +122,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 CLIENT_REQUESTS = frozenset(
-    {"share", "unshare", "export", "unexport", "write", "wait_imm", "status", "peers",
+    {"share", "unshare", "export", "unexport", "withdraw", "write", "wait_imm", "status", "peers",
      "add_peer", "watch", "locate", "cancel", "kv_pool", "kv_push", "kv_wait", "kv_forget",
      "kv_abandon", "ping"}
 )

@@ -157,6 +157,7 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         prefills to the pull servers and start its loads; all run in the
         transfer thread, so this returns at once."""
         plan = self._plan()
+        self.worker.withdraw(plan.withdraws)
         self.worker.open(plan.opens)
         self.worker.hold(plan.sends)
         self.worker.cancel(plan.cancels)

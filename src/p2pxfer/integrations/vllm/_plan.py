@@ -40,7 +40,8 @@ import numpy.typing as npt
 
 from p2pxfer.errors import InvalidArgument
 
-__all__ = ["Load", "Open", "Pull", "Route", "Save", "Send", "check_transfer_id", "decode_pull",
+__all__ = ["Load", "Open", "Pull", "Route", "Save", "Send", "Withdraw", "check_transfer_id",
+           "decode_pull",
            "encode_pull", "pull_region", "pull_routes", "pull_slot_bytes", "region_names",
            "split"]
 
@@ -73,6 +74,16 @@ class Open:
     request: str
     key: int
     transfer_id: str
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """Prefill, push as computed: ``transfer_id`` will never be opened (its
+    request was aborted before it was scheduled, or cannot be pushed as
+    computed): a decode's pull hears ``reason`` and fails at once."""
+
+    transfer_id: str
+    reason: str
 
 
 @dataclass(frozen=True)

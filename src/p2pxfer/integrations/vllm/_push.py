@@ -11,7 +11,9 @@ vLLM never frees blocks a push may still read. An aborted request pushes
 nothing more (a push under way is waited for) and tells the decode that
 pulled it (``kv_abandon``, also after a failed push), whose load then fails
 at once; a pull that comes within ``abort_grace_s`` of the abort is still
-taken to be told so. What must not live here: pulls of finished
+taken to be told so, and one that comes later finds the slots withdrawn
+with the reason (``unexport`` with one), as does a pull for a transfer
+that is never opened (``withdraw``). What must not live here: pulls of finished
 requests (``_prefill``), loads (``_decode``).
 
 Threads: vLLM's thread makes each ``_Early`` (``open``) and finds it in
@@ -34,7 +36,7 @@ from p2pxfer.errors import ConnectionLost, InvalidArgument, P2PXferError
 from p2pxfer.integrations._tensors import DeviceCopies
 from p2pxfer.log import get_logger
 
-from ._plan import Open, Pull, Save, Send, decode_pull, pull_region
+from ._plan import Open, Pull, Save, Send, Withdraw, decode_pull, pull_region
 from ._prefill import PrefillSide
 from ._state import WorkerOptions
 
@@ -160,6 +162,24 @@ class PushSide(PrefillSide):
                 with self._lock:
                     if self._early.get(o.request) is e:
                         del self._early[o.request]
+
+    def withdraw(self, items: Iterable[Withdraw]) -> None:
+        """These transfers will never be opened: a decode's pull for one
+        hears why (in the bridge)."""
+        for w in items:
+            try:
+                self.bridge.spawn(self._withdraw, w)
+            except ConnectionLost:
+                return  # the bridge ended: decodes fail at their deadline
+
+    async def _withdraw(self, w: Withdraw) -> None:
+        name = pull_region(self.opts.engine, self.opts.rank, w.transfer_id)
+        try:
+            await self.bridge.client.withdraw(name, w.reason)
+        except P2PXferError as exc:
+            log.warning("vllm.withdraw_failed", transfer_id=w.transfer_id, error=str(exc))
+        else:
+            log.info("vllm.withdrawn", transfer_id=w.transfer_id, why=w.reason)
 
     def computed(self, layer: int, saves: Iterable[Save], on: DeviceCopies | None) -> None:
         """``layer`` of this step's requests is in the pool (queued behind

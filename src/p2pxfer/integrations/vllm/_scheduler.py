@@ -35,7 +35,7 @@ from p2pxfer.errors import InvalidArgument, LimitExceeded
 from p2pxfer.integrations._slots import SlotTable
 from p2pxfer.log import get_logger
 
-from ._plan import Load, Open, Save, Send, check_transfer_id
+from ._plan import Load, Open, Save, Send, Withdraw, check_transfer_id
 
 __all__ = ["SchedulerSide", "StepPlan"]
 
@@ -62,6 +62,8 @@ class StepPlan:
     opens: list[Open] = field(default_factory=list)
     #: decode: loads pushed as computed whose request was aborted: stop them
     cancels: list[str] = field(default_factory=list)
+    #: prefill: transfers that will never be opened
+    withdraws: list[Withdraw] = field(default_factory=list)
 
 
 def _prompt_tokens(request: Any) -> int | None:
@@ -100,6 +102,10 @@ class SchedulerSide:
         self._opens: list[Open] = []
         #: prefill, pushed as computed: request -> (key, transfer id, prompt tokens)
         self._push: dict[str, tuple[int, str, int]] = {}
+        #: prefill, pushed as computed: requests that will never be opened
+        #: (their transfers withdrawn already)
+        self._refused: set[str] = set()
+        self._withdraws: list[Withdraw] = []
         #: decode: requests whose load pushed as computed has not reported back
         self._pushed_loads: set[str] = set()
         self._cancels: list[str] = []
@@ -223,8 +229,14 @@ class SchedulerSide:
             # the decode lines the table up with its own prompt blocks.
             block_ids = block_ids[:-(-n // self.block_size)]
         if "transfer_id" in params and rid not in self._push:
-            # Pushed as computed but never opened (no key, a bad id): no
-            # decode can pull it; its blocks go now.
+            # Pushed as computed but never opened (aborted while it waited,
+            # no key, a bad id): no decode can pull it; its blocks go now,
+            # and a decode's pull hears why (unless it did already).
+            if rid in self._refused:
+                self._refused.discard(rid)
+            elif self._valid_transfer(request, params):
+                self._withdraw(params, f"prefill request {rid!r} ended before it was "
+                                       f"scheduled ({'finished' if completed else 'aborted'})")
             return False, None
         pushed = self._push.pop(rid, None)
         if pushed is not None:
@@ -257,26 +269,36 @@ class SchedulerSide:
         """A prefill request pushed as computed was scheduled: its key now,
         so a decode can pull before it finished."""
         rid = request.request_id
-        if rid in self._push:
-            return  # scheduled again after a preemption: open already
+        if rid in self._push or rid in self._refused:
+            return  # scheduled again after a preemption: open (or refused) already
         if not self._valid_transfer(request, params):
             return
+        tid = str(params["transfer_id"])
         if getattr(request, "max_tokens", 1) != 1:
             # Its later steps would write the prompt's last block while it
             # is pushed: a prefill to be pushed as computed generates one token.
-            log.warning("vllm.not_opened", request=rid, max_tokens=request.max_tokens,
-                        reason="pushed as computed, a prefill request takes max_tokens 1")
+            why = f"prefill request {rid!r} has max_tokens {request.max_tokens}, not 1"
+            log.warning("vllm.not_opened", request=rid, transfer_id=tid, reason=why)
+            self._refuse(rid, params, why)
             return
-        tid = str(params["transfer_id"])
         try:
             key = self._keys.take(rid)
         except LimitExceeded as exc:
-            # Nothing to take its pull in: the decode's load fails at its
-            # deadline and the decode computes the prompt itself.
+            # Nothing to take its pull in: the decode hears so and computes
+            # the prompt itself.
             log.warning("vllm.not_opened", request=rid, transfer_id=tid, error=str(exc))
+            self._refuse(rid, params, f"prefill request {rid!r} could not be held: {exc}")
             return
         self._push[rid] = (key, tid, len(request.prompt_token_ids or ()))
         self._opens.append(Open(rid, key, tid))
+
+    def _refuse(self, rid: str, params: dict[str, Any], why: str) -> None:
+        """``rid`` is never opened: its transfer is withdrawn now."""
+        self._refused.add(rid)
+        self._withdraw(params, why)
+
+    def _withdraw(self, params: dict[str, Any], why: str) -> None:
+        self._withdraws.append(Withdraw(str(params["transfer_id"]), why))
 
     def held(self) -> int:
         """Prefill requests held for a pull."""
@@ -296,11 +318,12 @@ class SchedulerSide:
 
     def plan(self, scheduler_output: Any) -> StepPlan:
         step = StepPlan(loads=list(self._loads.values()), sends=self._sends, opens=self._opens,
-                        cancels=self._cancels)
+                        cancels=self._cancels, withdraws=self._withdraws)
         self._loads = {}
         self._sends = []
         self._opens = []
         self._cancels = []
+        self._withdraws = []
         if self.send and self._blocks:
             step.saves = self._saves(scheduler_output)
         return step
