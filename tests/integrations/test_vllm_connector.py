@@ -411,6 +411,58 @@ def test_a_prefill_request_aborted_before_its_last_step_fails_the_load_at_once(
         close(p, d)
 
 
+def test_a_prefill_request_aborted_while_it_waits_fails_the_load_at_once(
+        pair: tuple[DaemonProc, DaemonProc], tmp_path: Path) -> None:
+    """Pushed as computed, the prefill request is aborted before vLLM ever
+    scheduled it: the prefill withdraws its transfer, and the decode's load
+    fails now, not at its 600 s deadline."""
+    from vllm.v1.request import RequestStatus
+
+    a, b = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine")
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine", load_timeout_s=600.0)
+    try:
+        prompt = list(range(1, 301))
+        d.scheduler.add_request(h.request("d1", prompt, 4, {
+            "do_remote_prefill": True, "remote_node": "node-a",
+            "remote_engine_id": "prefill-engine", "transfer_id": "xfer-waiting",
+            "remote_tp_size": 1}))
+        d.step()  # parked; its load starts
+        p.scheduler.add_request(h.request("p1", prompt, 1, {"do_remote_decode": True,
+                                                            "transfer_id": "xfer-waiting"}))
+        p.scheduler.finish_requests("p1", RequestStatus.FINISHED_ABORTED)
+        t0 = time.monotonic()
+        run_until([p, d], lambda: "d1" in d.finished_recving, "load outcome")
+        assert time.monotonic() - t0 < 60, "the load waited for its deadline"
+        assert d.load_errors
+        assert d.scheduled("d1").num_computed_tokens == 0  # computed here, not stuck
+    finally:
+        close(p, d)
+
+
+def test_asynchronous_scheduling_runs_no_step_after_a_pushed_prompt(
+        pair: tuple[DaemonProc, DaemonProc], tmp_path: Path) -> None:
+    """What pushing as computed from vLLM's own memory relies on: with
+    asynchronous scheduling (the next step scheduled before the last one's
+    output is in), a prefill of one token gets no step after its prompt's
+    last, so nothing writes the prompt's last block while it is pushed. A
+    request of two tokens would get one: the connector opens only requests
+    of one (``max_tokens`` 1)."""
+    a, _ = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", async_scheduling=True)
+    try:
+        prompt = list(range(1, 101))  # the last block is partial
+        for rid, n in (("one", 1), ("two", 2)):
+            p.scheduler.add_request(h.request(rid, prompt, n, {"do_remote_decode": True,
+                                                              "transfer_id": f"x-{rid}"}))
+        first = p.scheduler.schedule()
+        assert set(first.num_scheduled_tokens) == {"one", "two"}
+        after = p.scheduler.schedule()  # before the first step's output
+        assert set(after.num_scheduled_tokens) == {"two"}
+    finally:
+        close(p)
+
+
 def test_a_decode_request_aborted_while_its_push_is_awaited_frees_its_blocks_soon(
         pair: tuple[DaemonProc, DaemonProc], tmp_path: Path) -> None:
     """Pushed as computed, the prefill never gets the request: aborting the

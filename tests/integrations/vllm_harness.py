@@ -33,6 +33,7 @@ from vllm.config import (
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -152,10 +153,12 @@ class Engine:
 
 
 def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
-           chunk: int = MAX_LEN, **extra: Any) -> Engine:
+           chunk: int = MAX_LEN, async_scheduling: bool = False, **extra: Any) -> Engine:
     """An engine of ``tp`` ranks (their worker connectors made here, rank by
     rank, as vLLM's workers would make theirs); each rank holds
-    ``KV_HEADS / tp`` heads. ``chunk``: tokens per step (chunked prefill)."""
+    ``KV_HEADS / tp`` heads. ``chunk``: tokens per step (chunked prefill).
+    ``async_scheduling``: vLLM's ``AsyncScheduler`` (``step`` still runs
+    each step's output before the next is scheduled)."""
     kv = KVTransferConfig(kv_connector="P2PXferConnector",
                           kv_connector_module_path="p2pxfer.integrations.vllm", kv_role=role,
                           engine_id=engine_id, kv_load_failure_policy="recompute",
@@ -180,9 +183,9 @@ def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
                              dtype=torch.float16)
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(layer_names(), spec)])
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(config),
-                          block_size=BLOCK_SIZE)
+    scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
+        vllm_config=config, kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE)
     workers, kvs = [], []
     for rank in range(tp):
         # Outside vLLM's distributed set-up the connector would be rank 0.
