@@ -5,7 +5,8 @@ Reads both kinds of JSON the benchmarks write: lists of ``p2pxfer bench``
 records (``p2pxfer bench --json``, ``python -m p2pxfer.bench write``,
 ``bench/daemon.py``'s daemon.json) and scenario documents
 (``{"benchmark", "results"}``: latency, dry-run, idle, kv, control round trip,
-same-daemon, membership). A size sweep adds a few representative sizes to the main table
+same-daemon, membership, the vLLM connector against the plain KV API, push as
+computed against pull). A size sweep adds a few representative sizes to the main table
 and all of them to a sweep table.
 
     python bench/summarize.py FILES...                  # the main table
@@ -99,7 +100,16 @@ def scenario_rows(doc: dict[str, Any]) -> list[str]:
     for r in doc["results"]:
         name = f"{doc['benchmark']}: {r['pattern']}"
         p = r.get("provider", "")
-        if "memcpy_gbps" in r:  # same-daemon: ours against memcpy of the same bytes
+        if "ratio_vs_plain" in r:  # the vLLM connector's modes against the plain KV API
+            out += _connector_rows(p, name, r)
+        elif "speedup_push_vs_pull" in r:  # vLLM: push as computed against pull after
+            s = r["seconds"]
+            out.append(_row(p, name, f"{s['push']:.3f} s pushed as computed",
+                            f"{s['pull']:.3f} s pulled after the forward",
+                            f"{r['speedup_push_vs_pull']:.2f}x", "-", "-",
+                            f"forward alone {s['forward']:.3f} s; "
+                            f"{100 * r['overlap_hidden']:.0f}% of the overlap hidden"))
+        elif "memcpy_gbps" in r:  # same-daemon: ours against memcpy of the same bytes
             out.append(_row(p, name, _gb(r["gbps"]), _gb(r["memcpy_gbps"]) + " (memcpy)",
                             f"**{r['ratio_to_memcpy']:.2f}**", "-", "-",
                             f"{r['pieces']} pieces; p50 {r['p50_us']:.0f} us; engine posted "
@@ -138,6 +148,25 @@ def scenario_rows(doc: dict[str, Any]) -> list[str]:
         elif "p50_us" in r:
             out.append(_row(p, name, f"{r['p50_us']:.0f} us p50", "-", "-", "-", "-",
                             f"p99 {r['p99_us']:.0f} us"))
+    return out
+
+
+def _connector_rows(provider: str, name: str, r: dict[str, Any]) -> list[str]:
+    """One row per connector mode: its throughput against the plain KV API's
+    on the same pages (medians; the paired median beside it)."""
+    out = []
+    paired = r.get("ratio_vs_plain_paired", {})
+    for mode, ratio in r["ratio_vs_plain"].items():
+        post = r["cpu_ms_per_request"][mode]["describe_and_post"]
+        notes = f"describe+post {post:.2f} ms CPU per request"
+        if mode in paired:
+            notes += f"; paired ratio {paired[mode]:.2f}"
+        base = mode.split("+")[0]
+        if "+checksum" in mode and base in r.get("checksum_cost_ratio", {}):
+            notes += f"; checksum costs {r['checksum_cost_ratio'][base]:.2f}x"
+        out.append(_row(provider, f"{name} ({mode})", _gb(r["gbps"][mode]),
+                        _gb(r["gbps"]["plain"]) + " (plain KV API)", f"**{ratio:.2f}**",
+                        "-", "-", notes))
     return out
 
 
@@ -239,6 +268,10 @@ def check(paths: list[str], expect_mooncake: bool, expect_nixl: bool = False) ->
                     problems.append(f"{path}: {r.get('pattern')}: no ratio to the C reference")
                 if "memcpy_gbps" in r and not (r.get("ratio_to_memcpy") or 0) > 0:
                     problems.append(f"{path}: {r.get('pattern')}: no ratio to memcpy")
+                if "ratio_vs_plain" in r and not all(
+                        (v or 0) > 0 for v in r["ratio_vs_plain"].values()):
+                    problems.append(f"{path}: {r.get('pattern')}: a mode without its ratio "
+                                    "to the plain KV API")
     return problems
 
 

@@ -262,6 +262,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
         b.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
+        "provider": "tcp;ofi_rxm",  # the daemons' (two_daemons)
         "pattern": f"{args.requests} requests x {args.layers} layers x {per_req} blocks "
                    f"(K+V, {lay.block_bytes >> 10} KiB per block per plane)",
         "engine_tensors": args.device, "plain_api_pools": "cpu",

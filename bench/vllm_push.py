@@ -139,6 +139,7 @@ def measure(tmp: Path, args: Any) -> dict[str, Any]:
     transfer = med["pull"] - med["forward"]
     block_bytes = 2 * args.block_size * args.kv_heads * args.head * 2
     return {
+        "provider": "tcp;ofi_rxm",  # the daemons' (two_daemons)
         "pattern": f"{args.requests} requests x {args.layers} layers x {per_req} blocks "
                    f"(K+V, {block_bytes >> 11} KiB per block per plane), forward "
                    f"{args.layer_ms:g} ms per layer",

@@ -150,6 +150,36 @@ def test_summarize_check_fails_on_what_is_missing(tmp_path: Path) -> None:
     assert _summarize("--check", str(tmp_path / "nomooncake.json")).returncode == 0
 
 
+def test_summarize_shows_the_vllm_rows(tmp_path: Path) -> None:
+    """The connector's modes against the plain KV API, and push as computed
+    against pull (bench/vllm_connector.py, bench/vllm_push.py)."""
+    modes = ("staging", "shared+checksum")
+    connector = {"benchmark": "vllm_connector", "results": [{
+        "provider": TCP, "pattern": "2 requests", "gbps": {"plain": 2.0, **dict.fromkeys(
+            modes, 1.8)}, "ratio_vs_plain": dict.fromkeys(modes, 0.9),
+        "ratio_vs_plain_paired": dict.fromkeys(modes, 0.92),
+        "checksum_cost_ratio": {"shared": 1.25},
+        "cpu_ms_per_request": {m: {"describe_and_post": 0.25} for m in modes}}]}
+    push = {"benchmark": "vllm_push", "results": [{
+        "provider": TCP, "pattern": "2 requests", "overlap_hidden": 0.5,
+        "seconds": {"forward": 0.25, "pull": 1.2, "push": 1.0}, "speedup_push_vs_pull": 1.2}]}
+    paths = []
+    for name, doc in (("c.json", connector), ("p.json", push)):
+        (tmp_path / name).write_text(json.dumps(doc))
+        paths.append(str(tmp_path / name))
+    r = _summarize(*paths)
+    assert r.returncode == 0, r.stderr
+    assert "| vllm_connector: 2 requests (shared+checksum) | 1.80 GB/s | 2.00 GB/s (plain KV " \
+           "API) | **0.90** |" in r.stdout
+    assert "paired ratio 0.92; checksum costs 1.25x" in r.stdout
+    assert "| 1.000 s pushed as computed | 1.200 s pulled after the forward | 1.20x |" in r.stdout
+    assert _summarize("--check", *paths).returncode == 0
+    connector["results"][0]["ratio_vs_plain"]["staging"] = None
+    (tmp_path / "c.json").write_text(json.dumps(connector))
+    bad = _summarize("--check", *paths)
+    assert bad.returncode == 1 and "c.json" in bad.stderr
+
+
 def test_summarize_rewrites_only_between_the_readme_markers(tmp_path: Path) -> None:
     good = tmp_path / "good.json"
     good.write_text(json.dumps([_record()]))
