@@ -91,6 +91,7 @@ __all__ = [
     "RailsExhausted",
     "ReadOnlyBuffer",
     "RegionDescriptor",
+    "RegionWithdrawn",
     "RegistrationCache",
     "RegistrationError",
     "RemoteClosed",

@@ -11,7 +11,7 @@ EXPECTED = {
     "RemoteClosed", "ScatterError", "ScatterList", "SharedBuffer", "SharedMemory",
     "SyncClient", "TransferError", "UnregisteredMemory", "WaitTimeout",
     "ConnectionLost", "NotificationUnknown", "PeerUnreachable", "RailsExhausted",
-    "TransferAborted", "TransferTimeout",
+    "TransferAborted", "TransferTimeout", "RegionWithdrawn",
     "alloc_shared", "connect", "open_engine",
 }
 
@@ -27,7 +27,7 @@ def test_every_error_is_a_p2pxfer_error() -> None:
               ("EngineClosed", "ProviderNotFound", "ReadOnlyBuffer", "RemoteClosed",
                "UnregisteredMemory", "WaitTimeout", "InvalidArgument", "ConnectionLost",
                "NotificationUnknown", "PeerUnreachable", "RailsExhausted",
-               "TransferAborted", "TransferTimeout")]
+               "TransferAborted", "TransferTimeout", "RegionWithdrawn")]
     assert errors
     for cls in errors:
         assert issubclass(cls, p2pxfer.P2PXferError), cls

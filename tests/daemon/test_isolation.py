@@ -260,8 +260,13 @@ def test_why_a_region_was_withdrawn_is_told_only_to_uids_it_admitted(
         open_dir: Path, daemons: list[DaemonProc], local_copy: bool) -> None:
     """A region unexported with a reason: a later writer of a uid it did not
     admit hears ``unknown_region`` as for any name, not the reason; one it
-    granted (``writers``) hears ``region_withdrawn`` and why."""
-    d = start_daemon(open_dir, "tomb", allowed_uids=[NOBODY], local_copy=local_copy)
+    granted (``writers``) hears ``region_withdrawn`` and why. Through a peer
+    entry whose address is this daemon's own, neither hears the reason (the
+    uid is not known where the name is resolved)."""
+    port = free_port()
+    d = start_daemon(open_dir, "tomb", allowed_uids=[NOBODY], local_copy=local_copy,
+                     control_port=port,
+                     peers=[{"name": "mirror", "address": f"{LOOPBACK}:{port}"}])
     daemons.append(d)
     with RawConn(d.socket) as owner:
         owner.hello()
@@ -279,14 +284,17 @@ def test_why_a_region_was_withdrawn_is_told_only_to_uids_it_admitted(
             mine = shared_mem(c, 1)
             scatter = pack_scatter(np.array([0]), np.array([0]), np.array([4096]))
             out = {}
-            for i, region in enumerate(("roots", "granted")):
-                r = c.request({"t": "write", "id": 2 + i, "peer": "tomb", "region": region,
+            for i, (peer, region) in enumerate((("tomb", "roots"), ("tomb", "granted"),
+                                                ("mirror", "roots"), ("mirror", "granted"))):
+                r = c.request({"t": "write", "id": 2 + i, "peer": peer, "region": region,
                                "mem": mine, "offset": 0, "scatter": scatter})
-                out[region] = (r.get("code", r["t"]), "secret plans" in r.get("message", ""))
+                out[f"{peer} {region}"] = (r.get("code", r["t"]),
+                                           "secret plans" in r.get("message", ""))
             return out
 
-    assert as_uid(NOBODY, writer) == {"roots": ("unknown_region", False),
-                                      "granted": ("region_withdrawn", True)}
+    assert as_uid(NOBODY, writer) == {
+        "tomb roots": ("unknown_region", False), "tomb granted": ("region_withdrawn", True),
+        "mirror roots": ("unknown_region", False), "mirror granted": ("unknown_region", False)}
     assert d.alive()
 
 

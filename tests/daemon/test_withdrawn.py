@@ -123,6 +123,27 @@ def test_withdrawn_from_blocking_and_asyncio_callers(pair: tuple[DaemonProc, Dae
             writer.write("node-b", "sync-never", ONE, src=writer.alloc(4096))
 
 
+def test_one_uid_cannot_flush_the_others_tombstones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its own cap, a uid's oldest goes, not another uid's."""
+    monkeypatch.setattr(_exports, "MAX_WITHDRAWN_PER_UID", 2)
+
+    async def main() -> None:
+        ex = Exports("n", engine=None, imm_slots=lambda: None)  # type: ignore[arg-type,return-value]
+        ex.withdraw("root's", "why", 0, frozenset())
+        for i in range(50):
+            ex.withdraw(f"~1000/{i}", "flood", 1000, frozenset())
+        assert isinstance(ex.absent("root's"), RegionWithdrawn)
+        assert [isinstance(ex.absent(f"~1000/{i}"), RegionWithdrawn) for i in (47, 48, 49)] == [
+            False, True, True]
+        # A name withdrawn again, or exported, is counted once.
+        ex.withdraw("~1000/49", "again", 1000, frozenset())
+        ex.withdraw("~1000/50", "new", 1000, frozenset())
+        assert isinstance(ex.absent("~1000/49"), RegionWithdrawn)
+        assert plainly_unknown(ex.absent("~1000/48"))
+
+    trio.run(main)
+
+
 async def test_tombstones_last_their_time_and_the_oldest_go_first(
         autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_exports, "MAX_WITHDRAWN", 3)

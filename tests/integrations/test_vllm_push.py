@@ -17,8 +17,11 @@ import numpy as np
 import pytest
 from test_vllm_worker import blocks_equal, caches, head_caches, heads_of, options
 
-from p2pxfer.integrations.vllm._plan import Load, Open, Save, Send, Withdraw
+import p2pxfer
+from p2pxfer.errors import RegionWithdrawn, UnknownRegion
+from p2pxfer.integrations.vllm._plan import Load, Open, Save, Send, Withdraw, pull_region
 from p2pxfer.integrations.vllm._worker import Worker, WorkerOptions
+from p2pxfer.scatter import ScatterList
 from vllm_worker_helpers import DEADLINE_S, one_to_two, wait_finished
 
 SB = [5, 6, 7, 30, 2, 9]  # the prefill's blocks of the prompt
@@ -114,6 +117,13 @@ def test_a_pull_after_the_prefill_finished_gets_every_layer(
         wait_finished(prefill, sent={"req-1"})
         assert decode.load_errors() == set()
         blocks_equal(src, dst, SB, DB)
+    # Pushed whole: its slots went without a tombstone (a router may use the
+    # id again).
+    with p2pxfer.SyncClient(daemon_sockets[1]) as c:
+        with pytest.raises(UnknownRegion) as gone:
+            c.write(prefill.node, pull_region("P", 0, "t-late"), ScatterList.contiguous(8),
+                    src=c.alloc(4096))
+        assert not isinstance(gone.value, RegionWithdrawn), gone.value
 
 
 def test_an_aborted_prefill_lets_go_and_its_decode_gets_load_errors_at_once(

@@ -31,7 +31,14 @@ import trio
 
 from p2pxfer._pump import ByteStream, Pump, TrioStream, bounded, where_raised
 from p2pxfer.address import format_hostport, parse_hostport
-from p2pxfer.errors import AuthenticationFailed, ConnectionLost, InvalidArgument, P2PXferError
+from p2pxfer.errors import (
+    AuthenticationFailed,
+    ConnectionLost,
+    InvalidArgument,
+    P2PXferError,
+    RegionWithdrawn,
+    UnknownRegion,
+)
 from p2pxfer.log import get_logger
 from p2pxfer.protocol import (
     PEER_REQUESTS,
@@ -66,7 +73,15 @@ def _auth_request(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
 
 
 def _resolve(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
-    desc = d.regions.local_descriptor(msg["region"], for_peer=caller.name)
+    try:
+        desc = d.regions.local_descriptor(msg["region"], for_peer=caller.name)
+    except RegionWithdrawn:
+        if caller.name != d.node:
+            raise
+        # This daemon asking itself (a peer entry whose address is our own
+        # control port): the writer's uid is not known here, so it hears
+        # what a uid the region did not admit would (``Exports.absent``).
+        raise UnknownRegion(f"no region named {msg['region']!r} on {d.node}") from None
     slot = d.regions.slot(d.node, msg["region"])
     result: dict[str, Any] = {"descriptor": desc.to_wire(), "slot": slot}
     want = msg.get("tickets", 0)

@@ -24,6 +24,7 @@ resolved (``_regions``), a client's memory and its other requests
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
     from ._imms import ImmTable, Sink
     from ._shared import ExportMap, SharedMap
 
-__all__ = ["MAX_WITHDRAWN", "RESERVED", "WITHDRAWN_KEEP_S", "Export", "ExportOwner", "Exports"]
+__all__ = ["MAX_WITHDRAWN", "MAX_WITHDRAWN_PER_UID", "RESERVED", "WITHDRAWN_KEEP_S", "Export",
+           "ExportOwner", "Exports"]
 
 log = get_logger("p2pxfer.daemon")
 
@@ -56,8 +58,11 @@ RESERVED = "p2pxfer.ping"
 #: than a writer waits for a region to appear (the vLLM decode's pull
 #: waits ``load_timeout_s``, 120 s by default)
 WITHDRAWN_KEEP_S = 600.0
-#: tombstones kept at most; one takes a name and a reason (bounded)
+#: tombstones kept at most; one takes a name and a reason (bounded) ...
 MAX_WITHDRAWN = 4096
+#: ... and of one uid's regions: past it, that uid's oldest goes, so no uid
+#: can flush the others' (``withdraw`` needs no export)
+MAX_WITHDRAWN_PER_UID = 1024
 
 
 class ExportOwner(Protocol):
@@ -116,8 +121,10 @@ class Exports:
         self._imm_slots = imm_slots
         self._by_name: dict[str, Export] = {}
         self._by_owner: dict[ExportOwner, dict[str, Export]] = {}
-        #: tombstones by name, oldest first (insertion order)
+        #: tombstones by name, oldest first (insertion order), and how many
+        #: each uid has
         self._withdrawn: dict[str, _Withdrawn] = {}
+        self._withdrawn_by_uid: Counter[int] = Counter()
         #: called with each export as it goes, in order, after the copies into
         #: it stopped and before its slot and key are given up
         self.on_remove: list[Callable[[Export], None]] = []
@@ -147,7 +154,7 @@ class Exports:
         shown = bounded(name, 100)
         gone = self._withdrawn.get(name)
         if gone is not None and gone.until <= trio.current_time():
-            del self._withdrawn[name]
+            self._unbury(name)
             gone = None
         if gone is not None and (uid is None or gone.admits(uid, privileged)):
             return RegionWithdrawn(f"region {shown!r} on {self.node} was withdrawn by its "
@@ -206,7 +213,7 @@ class Exports:
             own.retire()
             raise
         export = Export(name, owner, mem, offset, own, slot, desc, writers)
-        self._withdrawn.pop(name, None)
+        self._unbury(name)
         self._by_name[name] = export
         self._by_owner.setdefault(owner, {})[name] = export
         log.info("region.exported", client=owner.label, region=name, nbytes=desc.length,
@@ -251,15 +258,26 @@ class Exports:
 
     def withdraw(self, name: str, reason: str, uid: int, writers: frozenset[int]) -> None:
         """Leave a tombstone for ``name`` (``absent``), which was exported by
-        ``uid`` for ``writers``; the oldest go past ``MAX_WITHDRAWN``."""
-        self._withdrawn.pop(name, None)  # to the end: the newest
+        ``uid`` for ``writers``; the oldest go past ``MAX_WITHDRAWN``, and
+        ``uid``'s oldest past ``MAX_WITHDRAWN_PER_UID``."""
+        self._unbury(name)  # to the end: the newest
+        if self._withdrawn_by_uid[uid] >= MAX_WITHDRAWN_PER_UID:
+            self._unbury(next(n for n, g in self._withdrawn.items() if g.uid == uid))
         now = trio.current_time()
         self._withdrawn[name] = _Withdrawn(reason, now + WITHDRAWN_KEEP_S, uid, writers)
+        self._withdrawn_by_uid[uid] += 1
         while self._withdrawn:
             oldest = next(iter(self._withdrawn))
             if len(self._withdrawn) <= MAX_WITHDRAWN and self._withdrawn[oldest].until > now:
                 break
-            del self._withdrawn[oldest]
+            self._unbury(oldest)
+
+    def _unbury(self, name: str) -> None:
+        gone = self._withdrawn.pop(name, None)
+        if gone is not None:
+            self._withdrawn_by_uid[gone.uid] -= 1
+            if not self._withdrawn_by_uid[gone.uid]:
+                del self._withdrawn_by_uid[gone.uid]
 
     def backing(self, owner: ExportOwner, mem_id: int) -> bool:
         """Whether one of ``owner``'s exports lies in its memory ``mem_id``."""

@@ -60,6 +60,7 @@ async def _unexport(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 async def _withdraw(s: ClientSession, msg: Message) -> dict[str, Any]:
     check_reason(msg["reason"])
+    await s.name_freed(msg["name"])
     s.withdraw(msg["name"], msg["reason"])
     return {}
 

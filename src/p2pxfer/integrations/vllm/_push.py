@@ -58,7 +58,8 @@ class _Early:
     table: npt.NDArray[np.int64] | None = None  # the prompt's blocks, from the last step
     ended: Send | None = None  # the scheduler finished it
     failed: bool = False  # a slice's push failed: the others stop too
-    pulled: int = 0  # head slices whose pull came
+    pushed: int = 0  # head slices pushed whole
+    closed: bool = False  # the worker shut down under it
     served: bool = False  # the pushes are over
     lease_s: float = 0.0
     _changed: trio.Event = field(default_factory=trio.Event)
@@ -234,6 +235,9 @@ class PushSide(PrefillSide):
                 async with trio.open_nursery() as nursery:
                     for j in range(self.fanout):
                         nursery.start_soon(self._push_one, e, j, name)
+            except trio.Cancelled:
+                e.closed = True  # the bridge closes
+                raise
             finally:
                 with trio.CancelScope(shield=True):
                     try:
@@ -270,7 +274,6 @@ class PushSide(PrefillSide):
             await c.wait_imm(j, 1, region=region)
         if self._gave_up(e, scope, j, "pull"):
             return
-        e.pulled += 1
         pull: Pull | None = None
         try:
             sb = self.slot_bytes
@@ -294,6 +297,8 @@ class PushSide(PrefillSide):
             src = blocks * self.k + (j if self.k > 1 else 0)
             if len(src) and (short := await self._push_layers(e, pull, slot, src, limit)):
                 await self._abandon(rid, pull, short)
+            else:
+                e.pushed += 1
         except P2PXferError as exc:
             log.warning("vllm.push_failed", request=rid, part=j, error=str(exc))
             e.fail()
@@ -307,16 +312,21 @@ class PushSide(PrefillSide):
                         lease_s=e.lease_s)
         return scope.cancelled_caught
 
-    def _withdrawn(self, e: _Early) -> str:
-        """Why ``e``'s slots go, for a decode whose pull comes too late."""
+    def _withdrawn(self, e: _Early) -> str | None:
+        """Why ``e``'s slots go, for a decode whose pull comes too late; None
+        once every slice was pushed (no tombstone: a router may use the
+        transfer id again)."""
+        if e.pushed == self.fanout:
+            return None
         what = f"prefill request {e.open.request!r} (transfer {e.open.transfer_id!r})"
+        if e.closed:
+            return f"{what}: its prefill worker shut down"
         if e.aborted:
             return f"{what} was aborted"
         if e.failed:
             return f"{what}: a push of it failed"
-        if e.pulled < self.fanout:
-            return f"{what}: its lease ({e.lease_s:g} s) passed before every pull came"
-        return f"{what} was pushed to the decode that pulled it"
+        return f"{what} was given up (its lease of {e.lease_s:g} s, or its decode's deadline, " \
+               "passed)"
 
     @staticmethod
     def _why(e: _Early, waiting_for: str, limit: float) -> str:
