@@ -482,7 +482,11 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
 
 async def test_close_fails_writers_waiting_for_a_slot() -> None:
     """Writers queued behind ``max_inflight`` when the engine closes get
-    ``EngineClosed`` too, not an error from the closed registration cache."""
+    ``EngineClosed`` too, not an error from the closed registration cache.
+    The close lets every piece already posted complete before it closes the
+    connection: one cut in the middle of a message left the receiver's
+    ofi_rxm receiving it for ever, and closing the receiver's engine then
+    crashed the process (libfabric 1.17, a NULL dereference in fi_close)."""
     size = 256 << 20  # still in flight when aclose comes (tcp: ~3 GB/s here)
     source = random_bytes(10, size)
     region = np.zeros(size, np.uint8)
@@ -506,6 +510,9 @@ async def test_close_fails_writers_waiting_for_a_slot() -> None:
                     await trio.sleep(0.02)
                     assert a.statistics().in_flight[0] > 0, "writes finished too soon"
                     await a.aclose()
+            nics = a.statistics().nics
+            assert sum(n.pieces for n in nics) > 0
+            assert sum(n.inflight for n in nics) == 0, f"posted pieces cut off: {nics}"
         assert len(errors) == 4
         assert [type(e).__name__ for e in errors] == ["EngineClosed"] * 4, errors
 

@@ -38,6 +38,9 @@ DEEP_IDLE_S = 2.0  # no completion for this long (and none in flight): deep idle
 DEEP_IDLE_NAP_NS = 16_000_000  # ... where a nap without wait fds may last this long
 DEEP_IDLE_RETURN_NS = 250_000_000  # ... and the poller returns to Python this seldom
 CLOSE_DRAIN_NS = 20_000_000  # at close, progress this long first (``_shutdown``)
+#: at close, wait at most this long for the pieces already posted to complete
+#: (a silent peer's never do)
+CLOSE_FLUSH_S = 2.0
 # A turn this much longer than its nap means the thread was not scheduled.
 STARVED_SLACK_S = 0.05
 
@@ -234,10 +237,33 @@ class PollerLoop:
                     end(queued)
 
     def _shutdown(self) -> None:
-        """Fail everything still queued or in flight: the engine is closing.
-        Then progress a moment (what it reads is dropped): fi_close crashed on a
-        tcp;ofi_rxm endpoint whose peer had just dropped a connection mid-write."""
-        self._fail_all(None)
+        """The engine is closing: stop posting, let the pieces already posted
+        complete (at most ``CLOSE_FLUSH_S``), then fail everything still
+        queued or in flight with ``EngineClosed``, then progress a moment
+        (what it reads is dropped). A connection closed in the middle of a
+        message leaves the peer's ofi_rxm receiving it for ever, and
+        libfabric 1.17 dies (NULL dereference) in ``fi_close`` of that
+        peer's endpoint: a peer engine closed later crashed its process."""
         s = self._s
+        with s._lock:
+            for tr in s._inflight.values():
+                tr.closed = True
+                # No notification goes out either (``_finish_if_done``).
+                tr.error = tr.error or "the engine closed"
+                tr.remaining -= tr.w.batch.cancel()
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        while time.monotonic() < deadline:
+            with s._lock:
+                left = sum(max(tr.remaining, 0) for tr in s._inflight.values())
+            if not left:
+                break
+            try:
+                c = s._poller.progress(spin_ns=s._spin_ns, timeout_ns=INFLIGHT_NAP_NS,
+                                       min_entries=left)
+            except P2PXferError:
+                break  # closing anyway
+            with s._lock:
+                s._absorb(c)
+        self._fail_all(None)
         with contextlib.suppress(P2PXferError):  # closing anyway
             s._poller.progress(spin_ns=0, timeout_ns=CLOSE_DRAIN_NS, min_entries=1 << 30)
