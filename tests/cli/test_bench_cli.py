@@ -140,6 +140,7 @@ def test_paged_cases_stay_in_the_pool() -> None:
     (["--peer", "b"], "--peer is for --via-daemon"),
     (["--client", "host:99999"], "port must be a number"),
     (["--once"], "--once is for --server"),
+    (["--hmem"], "--hmem is for --device"),
 ])
 def test_bad_options_are_usage_errors(args: list[str], message: str) -> None:
     r = bench(*args, "--quiet")
@@ -155,6 +156,17 @@ def test_unknown_provider_is_a_clean_error() -> None:
     assert "no provider 'nosuch'" in r.output and "fi_info -l" in r.output
     assert "Traceback" not in r.output
     assert time.monotonic() - t0 < 10
+
+
+def test_device_bench_without_a_gpu_is_a_clean_error() -> None:
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a CUDA driver is installed here: tests/gpu runs the device bench")
+    r = bench("--device", "cuda", "--hmem", "--provider", "shm")
+    assert r.exit_code == 1
+    assert "libcuda.so.1" in r.output and "NVIDIA driver" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_too_many_rails_on_loopback() -> None:

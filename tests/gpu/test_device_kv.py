@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import threading
 from typing import Any
 
@@ -326,6 +327,11 @@ def test_hmem_engine_registers_device_memory_or_stages_it(provider: str) -> None
         assert_landed(dst, data, lay, sb, db)
         if provider == "tcp;ofi_rxm":
             assert directs == (False, False)  # tcp never registers device memory
+        # Set where a libfabric built with CUDA is loaded (tests/gpu/on_device.sh
+        # with a CUDA libfabric): there the direct path must be taken, not
+        # fallen back from.
+        if provider in os.environ.get("P2PXFER_EXPECT_HMEM", "").split(","):
+            assert directs == (True, True)
     finally:
         src.close()
         dst.close()

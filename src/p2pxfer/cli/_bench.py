@@ -102,6 +102,9 @@ def _given(ctx: click.Context, name: str) -> bool:
 @click.option("--device", "device_kind", type=click.Choice(["cuda"]),
               help="KV pushes of device memory (staged) against the host path and plain "
                    "CUDA copies (--provider [shm], --page-size [64KiB], --iterations)")
+@click.option("--hmem", is_flag=True,
+              help="--device: also device memory registered as is (EngineConfig.hmem), "
+                   "where the provider can")
 @click.option("--calibrate", is_flag=True,
               help="measure the shapes `p2pxfer plan` needs (loopback) and save each "
                    "provider's profile")
@@ -118,8 +121,8 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
           pages_per_transfer: int | None, region_size: int | None, concurrency: int,
           warmup: int, iterations: int | None, memcpy_size: int, timeout: float,
           connect_timeout: float, seed: int, json_path: str | None, plot_path: str | None,
-          quiet: bool, nixl: bool, device_kind: str | None, calibrate: bool, quick: bool,
-          profile_dir: str | None) -> None:
+          quiet: bool, nixl: bool, device_kind: str | None, hmem: bool, calibrate: bool,
+          quick: bool, profile_dir: str | None) -> None:
     """Bandwidth test: our path against the raw C loop over the same provider,
     pattern and target, in the same run, next to this machine's memcpy.
 
@@ -144,10 +147,13 @@ def bench(ctx: click.Context, loopback: bool, server: bool, client_addr: str | N
     mode = {"--server": "server", "--client": "client",
             "--via-daemon": "via-daemon"}.get(modes[0] if modes else "", "loopback")
     provider_list = tuple(p.strip() for v in providers for p in v.split(","))
+    if hmem and device_kind is None:
+        raise click.UsageError("--hmem is for --device")
     if device_kind is not None:
         if modes and modes != ["--loopback"]:
             raise click.UsageError("--device measures in loopback mode")
-        _device(provider_list or ("shm",), page_size or 64 << 10, iterations or 5, json_path)
+        _device(provider_list or ("shm",), page_size or 64 << 10, iterations or 5, json_path,
+                hmem)
         return
     if calibrate:
         if modes and modes != ["--loopback"]:
@@ -323,7 +329,7 @@ def _bench_run(opts: BenchOptions, json_path: str | None, plot_path: str | None,
 
 
 def _device(providers: tuple[str, ...], block_bytes: int, rounds: int,
-            json_path: str | None) -> None:
+            json_path: str | None, hmem: bool) -> None:
     """``--device cuda``: one table per provider, and the records as JSON."""
     import json
 
@@ -336,25 +342,34 @@ def _device(providers: tuple[str, ...], block_bytes: int, rounds: int,
     records = []
     for provider in providers:
         try:
-            rows = run(provider, block_bytes, rounds)
+            rows = run(provider, block_bytes, rounds, hmem)
         except DeviceError as exc:
             raise click.ClickException(str(exc)) from exc
         records.extend(rows)
         table = Table(title=f"device KV push, {provider}")
-        for col in ("row", "GB/s", "first layer ms", "per layer ms", "vs min(host, copy)"):
+        for col in ("row", "GB/s", "first layer ms", "per layer ms", "ratio"):
             table.add_column(col)
+        regs = {r["row"]: r for r in rows if r["row"].startswith("registration")}
         for r in rows:
-            if r["row"] == "registration":
+            if r["row"] in regs:
                 continue
+            ratio = r.get("ratio_vs_min_host_copy", r.get("ratio_vs_host"))
             table.add_row(r["row"], f"{r['gbps']:.2f}", f"{r.get('first_layer_ms', 0):.2f}",
                           f"{r.get('per_layer_ms', 0):.2f}",
-                          f"{r['ratio_vs_min_host_copy']:.2f}" if "ratio_vs_min_host_copy" in r
-                          else "")
-        Console().print(table)
-        reg = rows[0]
-        Console().print(f"registration per GiB: staging miss {reg['staging_miss_s_per_gib']:.3f}"
-                        f" s, hit {reg['staging_hit_s_per_gib']:.4f} s, fabric export "
-                        f"{reg['export_s_per_gib']:.3f} s")
+                          "" if ratio is None else f"{ratio:.2f}")
+        console = Console()
+        console.print(table)
+        reg = regs["registration"]
+        console.print(f"registration per GiB: staging miss {reg['staging_miss_s_per_gib']:.3f}"
+                      f" s, hit {reg['staging_hit_s_per_gib']:.4f} s, fabric export "
+                      f"{reg['export_s_per_gib']:.3f} s")
+        direct = regs.get("registration direct")
+        if direct is not None and direct["available"]:
+            console.print(f"device memory registered as is, per GiB: miss "
+                          f"{direct['device_export_miss_s_per_gib']:.4f} s, hit "
+                          f"{direct['device_export_hit_s_per_gib']:.4f} s")
+        elif direct is not None:
+            console.print(f"device memory cannot be registered as is: {direct['reason']}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"device": records}, f, indent=1)

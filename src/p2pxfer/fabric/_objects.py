@@ -369,8 +369,13 @@ def _register_device(domain: Domain, address: int, length: int, access: int, req
                                                out))
             finally:
                 os.close(fd)
+            if rc == 0:
+                log.info("fabric.device_registered", via="dmabuf", nbytes=length)
             if rc in (0, -lib.FI_ENOKEY):
                 return rc
             log.debug("fabric.dmabuf_refused", code=rc)
-    return int(lib.p2p_mr_reg_hmem(domain.handle, address, length, access, requested,
-                                   lib.FI_HMEM_CUDA, device, out))
+    rc = int(lib.p2p_mr_reg_hmem(domain.handle, address, length, access, requested,
+                                 lib.FI_HMEM_CUDA, device, out))
+    if rc == 0:
+        log.info("fabric.device_registered", via="cuda", nbytes=length)
+    return rc
