@@ -28,11 +28,17 @@ waited for as vLLM's ``wait_for_save`` does, the decode's copies into the
 engine tensors are pinned pool -> device (timed); the plain API's pools
 stay in host memory, so the ratio is what GPU caches cost over host ones.
 
+Each round runs every mode right after a plain run of its own, the modes
+in an order that rotates from round to round: a mode's ratio is against
+the plain runs beside it. (Run in a fixed order after one plain run, the
+mode that came first looked best whichever it was: shared 1.06 of plain
+right after it, 0.89 third, behind the checksum modes.)
+
 Reported (medians over rounds): seconds and GB/s of each, CPU seconds
 (this process and both daemons: on a busy host the fairer measure), each mode's
-throughput relative to plain (plain seconds / its seconds: of the medians,
-and paired, the median of each round's ratio, which a host whose load
-changes between rounds skews less), the checksum's
+throughput relative to plain (its plain runs' seconds / its seconds: of the
+medians, and paired, the median of each round's ratio, which a host whose
+load changes between rounds skews less), the checksum's
 cost (seconds with / without), and CPU milliseconds per request in vLLM's
 thread: describe and post (``hold`` + ``load``), and staging
 (``stage_layer`` over every layer and ``end_step``; 0 when shared), with
@@ -155,6 +161,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
     pairs = {mode: await trio.to_thread.run_sync(workers, mode) for mode in modes}
     times: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in modes}}
     cpu_s: dict[str, list[float]] = {"plain": [], **{mode: [] for mode in modes}}
+    plain_before: dict[str, list[float]] = {mode: [] for mode in modes}  # its own plain runs
     post_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     stage_ms: dict[str, list[float]] = {mode: [] for mode in modes}
     stage_wall_ms: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -173,11 +180,11 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                 async for _ in dp.layers(request, timeout=60):
                     pass
 
-            async def plain(round_: int) -> float:
+            async def plain(run: int) -> float:
                 """Push every request; the decode takes each layer as it
                 lands (as a plain-API decode does)."""
                 t0 = time.perf_counter()
-                requests = [round_ * args.requests + i for i in range(args.requests)]
+                requests = [run * args.requests + i for i in range(args.requests)]
                 async with trio.open_nursery() as nursery:
                     for r in requests:
                         nursery.start_soon(landed, r)
@@ -236,17 +243,19 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                         import torch
 
                         torch.cuda.synchronize()
-                c0 = cpu()
-                got = {"plain": await plain(r)}
-                used = {"plain": cpu() - c0}
-                for mode in modes:
+                turn = r % len(modes)
+                for i, mode in enumerate(modes[turn:] + modes[:turn]):
                     c0 = cpu()
-                    got[mode] = await trio.to_thread.run_sync(connector, mode, r)
-                    used[mode] = cpu() - c0
-                if r:
-                    for k, v in got.items():
-                        times[k].append(v)
-                        cpu_s[k].append(used[k])
+                    took = await plain(r * len(modes) + i)
+                    used = cpu() - c0
+                    c0 = cpu()
+                    got = await trio.to_thread.run_sync(connector, mode, r)
+                    if r:
+                        times["plain"].append(took)
+                        cpu_s["plain"].append(used)
+                        plain_before[mode].append(took)
+                        times[mode].append(got)
+                        cpu_s[mode].append(cpu() - c0)
             # Every decode's engine tensors hold what the prefill's held.
             for mode in modes:
                 d = pairs[mode][1]
@@ -269,11 +278,13 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
         "bytes_per_round": nbytes, "rounds": args.rounds,
         "seconds": med, "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
         "cpu_seconds_per_round": {k: statistics.median(v) for k, v in cpu_s.items()},
-        "ratio_vs_plain": {mode: med["plain"] / med[mode] for mode in modes},
-        # Each round's plain run beside the same round's run of the mode
-        # (same load on a shared host), the median over rounds.
+        "ratio_vs_plain": {mode: statistics.median(plain_before[mode]) / med[mode]
+                           for mode in modes},
+        # Each run of the mode against the plain run right before it (same
+        # load on a shared host), the median over rounds.
         "ratio_vs_plain_paired": {mode: statistics.median(
-            p / m for p, m in zip(times["plain"], times[mode], strict=True)) for mode in modes},
+            p / m for p, m in zip(plain_before[mode], times[mode], strict=True))
+            for mode in modes},
         "checksum_cost_ratio": {m: med[f"{m}+checksum"] / med[m]
                                 for m in ("staging", "shared") if m in modes},
         "cpu_ms_per_request": {mode: {"describe_and_post": statistics.median(post_ms[mode]),
