@@ -9,7 +9,7 @@
 #     bash tests/gpu/build_cuda_libfabric.sh LIBFABRIC_SOURCE_DIR
 # e.g. a release tarball of https://github.com/ofiwg/libfabric unpacked, or a
 # checkout (then autoconf, automake and libtool are needed for autogen.sh).
-# The CUDA headers come from NVIDIA's wheels on PyPI. About 5 minutes on 2 cores.
+# The CUDA headers come from NVIDIA's wheels on PyPI. About 2 minutes on 2 cores.
 set -euo pipefail
 src=$(cd "${1:?usage: build_cuda_libfabric.sh LIBFABRIC_SOURCE_DIR}" && pwd)
 root=$(pwd)
