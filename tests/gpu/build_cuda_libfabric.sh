@@ -17,6 +17,7 @@ dest=$root/.dev/fabcuda
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 py=$root/.venv/bin/python
+mkdir -p "$root/.dev"
 grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude
 
 # cuda.h and cuda_runtime.h (runtime wheel), crt/ (nvcc wheel), nvml.h.
@@ -33,9 +34,11 @@ done
 cp -r "$src" "$work/src"
 cd "$work/src"
 [[ -x configure ]] || ./autogen.sh
+# The logs stay (under .dev/) where a step fails.
 ./configure --prefix="$dest" --enable-only --enable-shm=yes --enable-tcp=yes --enable-rxm=yes \
-    --with-cuda="$work/cuda" --enable-cuda-dlopen --disable-static > "$work/configure.log"
-make -j"$(nproc)" > "$work/make.log"
+    --with-cuda="$work/cuda" --enable-cuda-dlopen --disable-static \
+    > "$root/.dev/fabcuda-configure.log" 2>&1
+make -j"$(nproc)" > "$root/.dev/fabcuda-make.log" 2>&1
 rm -rf "$dest"
 make install > /dev/null
 rm -rf "$dest/lib/libfabric.la" "$dest/share"

@@ -16,8 +16,8 @@ export PYTHONUNBUFFERED=1
     fi_info --version | head -2
 } 2>&1 | tee "$out/machine.txt"
 rc=0
-timeout 300 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || rc=1
-timeout 240 python3 -m p2pxfer bench --device cuda --provider shm --provider 'tcp;ofi_rxm' \
+timeout 200 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || rc=1
+timeout 120 python3 -m p2pxfer bench --device cuda --provider shm --provider 'tcp;ofi_rxm' \
     --iterations 5 --json "$out/gpu_bench.json" 2>&1 | tee "$out/bench.log" || rc=1
 
 # A libfabric built with CUDA, where .dev/fabcuda holds one (lib/, bin/) and
@@ -28,7 +28,15 @@ timeout 240 python3 -m p2pxfer bench --device cuda --provider shm --provider 'tc
 if [[ -d .dev/fabcuda/lib ]]; then
     cudart=$(find /opt /usr/local /usr/lib -name 'libcudart.so.[0-9]*' 2>/dev/null | sort | tail -1)
     mkdir -p /tmp/cudalib && ln -sfn "$cudart" /tmp/cudalib/libcudart.so
+    # Never save the CUDA build as Debian's (a run killed midway leaves it in
+    # place), and put Debian's back however this ends.
+    if cmp -s .dev/fabcuda/_fabric.abi3.so src/p2pxfer/_fabric.abi3.so; then
+        echo "on_device.sh: src/p2pxfer/_fabric.abi3.so is the CUDA build: carry the" \
+             "Debian build again" >&2
+        exit 1
+    fi
     cp src/p2pxfer/_fabric.abi3.so /tmp/_fabric.debian.so
+    trap 'cp /tmp/_fabric.debian.so src/p2pxfer/_fabric.abi3.so' EXIT
     cp .dev/fabcuda/_fabric.abi3.so src/p2pxfer/_fabric.abi3.so
     (
         export LD_LIBRARY_PATH="$PWD/.dev/fabcuda/lib:/tmp/cudalib:$LD_LIBRARY_PATH"
@@ -42,12 +50,12 @@ if [[ -d .dev/fabcuda/lib ]]; then
         # every write through bounce buffers the target's progress drains (no
         # CMA between them), which the other in-process tests' napping
         # engines turn into minutes (docs/gpu.md).
-        timeout 240 python3 -m pytest tests/gpu -rA -q -p no:cacheprovider \
+        timeout 120 python3 -m pytest tests/gpu -rA -q -p no:cacheprovider \
             -k "hmem or device_to_device_in_process" 2>&1 | grep -E '^(PASSED|FAILED|ERROR)|passed|failed' \
             | tee "$out/gpu_tests_fabcuda.log"
         grep -q ' passed' "$out/gpu_tests_fabcuda.log" && ! grep -qE 'failed|^ERROR' "$out/gpu_tests_fabcuda.log" \
             || exit 1
-        timeout 180 python3 -m p2pxfer --log-level DEBUG bench --device cuda --hmem \
+        timeout 120 python3 -m p2pxfer --log-level DEBUG bench --device cuda --hmem \
             --provider shm --iterations 5 --json "$out/gpu_bench_hmem.json" \
             > "$out/bench_hmem.log" 2>&1; brc=$?
         grep -E 'device_registered|dmabuf|pool_staged|rror' "$out/bench_hmem.log" \
@@ -55,6 +63,5 @@ if [[ -d .dev/fabcuda/lib ]]; then
         grep -vE '\[(debug|info) ' "$out/bench_hmem.log" | tail -30
         exit $brc
     ) || rc=1
-    cp /tmp/_fabric.debian.so src/p2pxfer/_fabric.abi3.so
 fi
 exit $rc
