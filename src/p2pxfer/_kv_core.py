@@ -57,9 +57,9 @@ class LayerSend(Protocol):
     @property
     def imms(self) -> int: ...
 
-    def cancel(self) -> None: ...
+    def cancel(self, *, drain: bool = False) -> None: ...
 
-    async def wait(self) -> int: ...
+    async def wait(self, *, drain: bool = False) -> int: ...
 
 
 #: ``submit(layer, its pieces)``: the layer on its way
@@ -81,9 +81,13 @@ async def push_layers(plan: PushPlan, submit: Submit, *, announce: Announce | No
     settled rather than raised. Returns the pieces of each layer as sent
     (after striping) and ``time.perf_counter()`` when layer 0 was over.
 
-    On an error or cancellation: what has not gone out is cancelled, what
-    was posted is awaited (shielded), then it raises: the source is no
-    longer read."""
+    On an error or cancellation: layers none of which went out are
+    cancelled, a layer under way goes on to its end (its notification
+    included), each is awaited (shielded), then it raises: the source is no
+    longer read, and nothing of the push lands afterwards. (Stopped midway,
+    a layer's pieces would only be known handed to the provider: on tcp a
+    completion means in the socket, and they could land after the push
+    raised, and after its receiver was told it ended.)"""
     sends: list[LayerSend] = []
     first = 0.0
     try:
@@ -96,7 +100,7 @@ async def push_layers(plan: PushPlan, submit: Submit, *, announce: Announce | No
             await announce(1, sends[1:])
         for k, send in enumerate(sends):
             try:
-                await send.wait()
+                await send.wait(drain=True)
             except NotificationUnknown as exc:
                 if settle is None:
                     raise
@@ -105,11 +109,11 @@ async def push_layers(plan: PushPlan, submit: Submit, *, announce: Announce | No
                 first = time.perf_counter()
     except BaseException:
         for send in sends:
-            send.cancel()
+            send.cancel(drain=True)
         with trio.CancelScope(shield=True):
             for send in sends:
                 try:
-                    await send.wait()
+                    await send.wait(drain=True)
                 except Exception as exc:  # already failing: the first error stands
                     log.debug("kv.layer_failed", error=str(exc))
         raise

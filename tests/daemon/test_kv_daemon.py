@@ -372,7 +372,9 @@ async def test_an_abandon_stops_the_senders_pushes_first(pair: tuple[DaemonProc,
                                                          ) -> None:
     """``kv_abandon`` while a 256 MiB push of the request is under way: the
     push ends ``TransferAborted`` (stopped, not left landing), the
-    receiver's wait too, and nothing lands in the pool after the answer."""
+    receiver's wait too, and nothing lands in the pool after the answer:
+    the layer under way went on to its end, the layers not begun were
+    dropped, so every layer is whole or untouched."""
     lay = KVLayout(32, 512, 16 << 10)
     src_blocks, dst_blocks = tables(24, lay, 512)
     with trio.fail_after(TIMEOUT):
@@ -389,6 +391,11 @@ async def test_an_abandon_stops_the_senders_pushes_first(pair: tuple[DaemonProc,
                 await dst.wait_layers(3, 31, timeout=TIMEOUT)
             await trio.sleep(0.2)
             assert np.array_equal(dst.array, landed)
+            got = pool_view(landed, lay)[:, :, dst_blocks]
+            want = request_kv(24, lay, len(src_blocks))
+            cut = [k for k in range(lay.num_layers)
+                   if got[k].any() and not np.array_equal(got[k], want[k])]
+            assert not cut, f"layers {cut} were cut short"
 
 
 def test_an_abandon_from_blocking_and_asyncio_callers(pair: tuple[DaemonProc, DaemonProc]

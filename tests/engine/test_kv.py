@@ -1096,6 +1096,48 @@ async def test_cancelled_push_stops_posting_later_layers() -> None:
         assert posted < 15 * 1024, f"{posted} pieces went out after the cancel"
 
 
+async def test_a_cancelled_push_leaves_whole_layers_and_nothing_lands_after() -> None:
+    """Cancelled midway, a push lets the layer under way go on to its end
+    (its notification too) and cancels the layers not begun: once it has
+    raised, every layer of the pool is either whole or untouched, each whole
+    one was notified, and nothing lands afterwards. (Stopped midway, the
+    layer's posted pieces were only known handed to tcp's socket: they could
+    land after the push had raised, into blocks its receiver had given to
+    another request by then.)"""
+    n = 16
+    lay = KVLayout(n, 512, 16 << 10)  # 8 MiB a layer
+    blocks = np.arange(512, dtype=np.int64)
+    async with pair(TCP) as (a, b):
+        src, dst = KVPool(a, "src", lay), KVPool(b, "dst", lay)
+        fill(src, 5)
+        with trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+
+                async def pusher(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+                    with trio.CancelScope() as cs:
+                        task_status.started(cs)
+                        await push_pages(a, src, dst.describe(), blocks, blocks,
+                                         request_id=1, coalesce=False)
+
+                cs = await nursery.start(pusher)
+                await dst.wait_layers(1, 0)
+                cs.cancel()
+            landed = dst.array.copy()
+            await trio.sleep(0.3)
+        assert np.array_equal(dst.array, landed), "bytes landed after the push had ended"
+        want = expected_image(src.array, lay, lay, blocks, blocks, range(n))
+        notified = set(dst.layers_done(1))
+        cut = []
+        for layer in range(n):
+            at = slice(layer * lay.layer_stride, (layer + 1) * lay.layer_stride)
+            whole, untouched = np.array_equal(landed[at], want[at]), not landed[at].any()
+            if not (whole or untouched):
+                cut.append(layer)
+            assert whole == (layer in notified), f"layer {layer}: whole {whole}, notified"
+        assert not cut, f"layers {cut} were cut short"
+        assert len(notified) < n, "the push ended before the cancel: nothing was tested"
+
+
 async def test_push_to_dead_receiver_ends() -> None:
     lay = KVLayout(4, 8, 4096)
     async with open_engine(engine_config(TCP)) as a:

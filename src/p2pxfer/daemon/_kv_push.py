@@ -89,11 +89,12 @@ class _LayerCopy:
     imms: int = 1
     state: str = "queued"  # then "copying", "copied" or "cancelled"
 
-    def cancel(self) -> None:
+    def cancel(self, *, drain: bool = False) -> None:
+        # A copy lands while it is awaited: drained or not, the same.
         if self.state == "queued":
             self.state = "cancelled"
 
-    async def wait(self) -> int:
+    async def wait(self, *, drain: bool = False) -> int:
         if self.state == "queued":
             self.state = "copying"
             await self.copy()
@@ -240,7 +241,8 @@ class Pushes:
 
     async def abandon(self, s: ClientSession, msg: Any) -> dict[str, Any]:
         """A ``kv_abandon``: this node's pushes of the request under way are
-        stopped (each returns once what it posted has completed), then its
+        stopped (each drops the layers it had not begun and finishes the one
+        under way: ``push_layers``), then its
         receiver is told that no more comes (``KV.abandon`` there), so its
         waits end now and nothing of it lands after. The client must be one
         that may push into the pool."""

@@ -161,6 +161,16 @@ class PollerLoop:
                     s._finish_if_done(tr)
                 else:
                     s._queues.push(tr)
+            elif what == "drain" and not any(tr.w.batch.posted_by_cursor()) \
+                    and s._queues.remove(tr):
+                # Nothing of it went out: it ends here. Under way, it goes on
+                # to its end (its notification too), so what it posted lands
+                # before it ends (``Shard.cancel``).
+                tr.cancel_requested = True
+                never = tr.w.batch.cancel()
+                tr.w.batch.unposted_at_cancel = never
+                tr.remaining -= never
+                s._finish_if_done(tr)
             elif what == "cancel" and s._queues.remove(tr):
                 never = tr.w.batch.cancel()
                 tr.w.batch.unposted_at_cancel = never

@@ -236,7 +236,15 @@ class Shard:
         n = len(self._inflight)
         return not self._inbox and (n == 0 or (n == 1 and tr.w.tid in self._inflight))
 
-    def cancel(self, tr: TransferState) -> None:
+    def cancel(self, tr: TransferState, *, drain: bool = False) -> None:
+        """Stop posting ``tr``. With ``drain``, only if none of it was posted
+        yet (the poller thread decides); a write under way then goes on to
+        its end, so that what it posted has landed when it ends: a
+        completion on tcp means handed to the socket, not placed, and only
+        the write's own delivery-complete tail or notification says placed."""
+        if drain:
+            self._send("drain", tr)
+            return
         tr.cancel_requested = True
         self._send("cancel", tr)
 

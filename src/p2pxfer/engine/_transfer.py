@@ -42,6 +42,11 @@ class _YieldClock:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
 
+#: how long a cancelled write under way may take to end when drained
+#: (``Transfer.wait``): a KV layer's remaining pieces, then its notification
+DRAIN_S = 5.0
+
+
 class Transfer:
     """A submitted write. ``await wait()`` for its completion."""
 
@@ -73,11 +78,16 @@ class Transfer:
     def done(self) -> bool:
         return self._tr.done.is_set()
 
-    def cancel(self) -> None:
+    def cancel(self, *, drain: bool = False) -> None:
         """Stop posting this write's remaining pieces (those posted still
-        complete); :meth:`wait` then raises ``TransferError``."""
+        complete); :meth:`wait` then raises ``TransferError``. With
+        ``drain``, only a write none of which was posted yet stops; one
+        under way goes on to its end, so that everything it posted has
+        landed once it ends (a completion alone says that only where the
+        provider places one peer's writes in order and the write's tail or
+        notification was delivery-complete)."""
         if not self._tr.done.is_set():
-            self._shard.cancel(self._tr)
+            self._shard.cancel(self._tr, drain=drain)
 
     def abort(self, reason: str) -> None:
         """Give this write up now, without waiting for its posted pieces: the
@@ -87,14 +97,16 @@ class Transfer:
         known dead (membership's verdict). No-op once done."""
         self._shard.abort(self._tr, reason)
 
-    async def wait(self) -> int:
+    async def wait(self, *, drain: bool = False) -> int:
         """Return the piece count once every piece completed; raise
         ``TransferError``/``EngineClosed`` if one failed, ``TransferTimeout``
         when its deadline passed first (the write is torn down, see
         :meth:`abort`). Cancellation stops posting, waits (shielded) up to
         ``EngineConfig.cancel_grace_s`` for what was posted, tears down what
         is still in flight after that, then re-raises: either way nothing of
-        it is posted any more when this returns or raises.
+        it is posted any more when this returns or raises. With ``drain``,
+        cancellation is :meth:`cancel` ``(drain=True)``: a write under way
+        gets up to ``DRAIN_S`` (or the grace, if longer) to end.
 
         A transfer already complete returns without a trip through the
         scheduler, unless the engine has not yielded for ``YIELD_EVERY_NS``:
@@ -115,13 +127,15 @@ class Transfer:
                     with trio.CancelScope(shield=True):
                         await tr.done.wait()
             except trio.Cancelled:
-                shard.cancel(tr)
+                shard.cancel(tr, drain=drain)
                 with trio.CancelScope(shield=True):
-                    with trio.move_on_after(self._grace_s):
+                    with trio.move_on_after(max(self._grace_s, DRAIN_S) if drain
+                                            else self._grace_s):
                         await tr.done.wait()
                     if not tr.done.is_set():
+                        waited = max(self._grace_s, DRAIN_S) if drain else self._grace_s
                         shard.abort(tr, f"was cancelled and its posted pieces did not "
-                                        f"finish within {self._grace_s:g} s")
+                                        f"finish within {waited:g} s")
                         await tr.done.wait()
                 raise
             finally:
