@@ -1074,23 +1074,31 @@ async def test_wait_layers_timeout_zero_after_landing() -> None:
         await dst.wait_layers(1, 1, timeout=0)
 
 
+async def push_cancelled(a: Engine, src: KVPool, dst: KVPool, blocks: npt.NDArray[np.int64],
+                         until: Any) -> None:
+    """Push ``blocks`` of every layer as request 1, cancel it once ``until()``
+    returned, and return once the push has ended."""
+    async with trio.open_nursery() as nursery:
+
+        async def pusher(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+            with trio.CancelScope() as cs:
+                task_status.started(cs)
+                await push_pages(a, src, dst.describe(), blocks, blocks, request_id=1,
+                                 coalesce=False)
+
+        cs = await nursery.start(pusher)
+        await until()
+        cs.cancel()
+
+
 async def test_cancelled_push_stops_posting_later_layers() -> None:
     lay = KVLayout(16, 1024, 8 << 10)  # 128 MiB, 16384 pieces
     blocks = np.arange(1024, dtype=np.int64)
     async with pair(TCP) as (a, b):
         src, dst = KVPool(a, "src", lay), KVPool(b, "dst", lay)
         with trio.fail_after(STEP):
-            async with trio.open_nursery() as nursery:
-
-                async def pusher(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
-                    with trio.CancelScope() as cs:
-                        task_status.started(cs)
-                        await push_pages(a, src, dst.describe(), blocks, blocks,
-                                         request_id=1, coalesce=False)
-
-                cs = await nursery.start(pusher)
-                await wait_until(lambda: sum(a.shards[0].pieces_done) > 0, STEP, "a completion")
-                cs.cancel()
+            await push_cancelled(a, src, dst, blocks, lambda: wait_until(
+                lambda: sum(a.shards[0].pieces_done) > 0, STEP, "a completion"))
         posted = nic_totals(a)[1]
         # Only the layer being waited on (layer 0) may be cut short today.
         assert posted < 15 * 1024, f"{posted} pieces went out after the cancel"
@@ -1111,17 +1119,7 @@ async def test_a_cancelled_push_leaves_whole_layers_and_nothing_lands_after() ->
         src, dst = KVPool(a, "src", lay), KVPool(b, "dst", lay)
         fill(src, 5)
         with trio.fail_after(STEP):
-            async with trio.open_nursery() as nursery:
-
-                async def pusher(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
-                    with trio.CancelScope() as cs:
-                        task_status.started(cs)
-                        await push_pages(a, src, dst.describe(), blocks, blocks,
-                                         request_id=1, coalesce=False)
-
-                cs = await nursery.start(pusher)
-                await dst.wait_layers(1, 0)
-                cs.cancel()
+            await push_cancelled(a, src, dst, blocks, lambda: dst.wait_layers(1, 0))
             landed = dst.array.copy()
             await trio.sleep(0.3)
         assert np.array_equal(dst.array, landed), "bytes landed after the push had ended"
