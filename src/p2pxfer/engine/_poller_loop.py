@@ -161,21 +161,18 @@ class PollerLoop:
                     s._finish_if_done(tr)
                 else:
                     s._queues.push(tr)
-            elif what == "drain" and not any(tr.w.batch.posted_by_cursor()) \
-                    and s._queues.remove(tr):
-                # Nothing of it went out: it ends here. Under way, it goes on
-                # to its end (its notification too), so what it posted lands
-                # before it ends (``Shard.cancel``).
-                tr.cancel_requested = True
-                never = tr.w.batch.cancel()
-                tr.w.batch.unposted_at_cancel = never
-                tr.remaining -= never
-                s._finish_if_done(tr)
-            elif what == "cancel" and s._queues.remove(tr):
-                never = tr.w.batch.cancel()
-                tr.w.batch.unposted_at_cancel = never
-                tr.remaining -= never
-                s._finish_if_done(tr)
+            elif what in ("cancel", "drain"):
+                # Drained: only a write none of which went out stops here; one
+                # under way goes on to its end (its notification too), so what
+                # it posted lands before it ends (``Shard.cancel``).
+                if what == "drain" and any(tr.w.batch.posted_by_cursor()):
+                    pass
+                elif s._queues.remove(tr):
+                    tr.cancel_requested = True
+                    never = tr.w.batch.cancel()
+                    tr.w.batch.unposted_at_cancel = never
+                    tr.remaining -= never
+                    s._finish_if_done(tr)
             elif what == "abort":
                 s._failover.abort(tr)
             s._inbox.popleft()
