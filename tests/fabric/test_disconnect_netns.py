@@ -97,6 +97,9 @@ WRITER = textwrap.dedent("""
         reference_target(rail, 1 << 30, 0.1)
     say(step="reset again", reset=rail.disconnect(address))
     nft("delete table inet p2prst")
+    # Every byte differs from the first write's, so the target's digest
+    # proves this one landed whole.
+    src += 1
     # The knocks end the peer's old connection; then a write goes through.
     deadline = time.monotonic() + 30
     while True:
@@ -143,7 +146,11 @@ def test_disconnecting_a_peer_that_refused_us_as_already_connected() -> None:
             tail, terr = target.communicate("done\n", timeout=TIMEOUT)
             landed = json.loads(tail.splitlines()[-1])
             assert landed["sha"] == steps["written"]["sha"], (landed, terr[-2000:])
-            assert landed["landed"] >= 2 * 64
+            # The first write's completion said only that its pieces were in
+            # our socket: the reset right after it may drop those the target
+            # had not read yet (a busy machine), so only the last write's
+            # 64 pieces are sure to be counted.
+            assert landed["landed"] >= 64, landed
         finally:
             for p in (writer, target):
                 if p is not None and p.poll() is None:
