@@ -144,7 +144,17 @@ async def wait_until(cond: Callable[[], bool], timeout: float, what: str, *,
         while not cond():
             await trio.sleep(interval)
         return trio.current_time() - t0
+    if cond():  # a stall of this thread may have spanned the deadline
+        return trio.current_time() - t0
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def stall(engine: Engine, on: bool) -> None:
+    """Stop (or restart) ``engine`` reading its CQs: on tcp it then receives
+    nothing more once its socket buffers are full, so writes to it cannot
+    finish however slowly the test runs."""
+    for shard in engine.shards:
+        shard._poller.hold(on)  # test-only reach: the way to make a peer mute
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import trio
 
-from conftest import engine_config
+from conftest import engine_config, stall
 from p2pxfer.client import SyncClient, connect
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.errors import (
@@ -57,13 +57,6 @@ async def engines(n: int, **kw: Any) -> AsyncIterator[list[Engine]]:
     async with AsyncExitStack() as stack:
         yield [await stack.enter_async_context(open_engine(engine_config(PROVIDER, **kw)))
                for _ in range(n)]
-
-
-def stall(engine: Engine, on: bool) -> None:
-    """Stop (or restart) ``engine`` reading its CQs: on tcp it then receives
-    nothing more once its socket buffers are full."""
-    for shard in engine.shards:
-        shard._poller.hold(on)  # test-only reach: the way to make a peer mute
 
 
 def inflight(engine: Engine) -> list[int]:
@@ -127,9 +120,7 @@ async def test_a_stalled_peer_never_holds_up_writes_to_another() -> None:
         sl = ScatterList.contiguous(8 << 20)
         with trio.fail_after(STEP):
             await a.write(src, to_b, ScatterList.contiguous(4096))
-            t0 = time.monotonic()
             await a.write(src, to_c, sl)
-            base = time.monotonic() - t0
         stall(b, True)
         # More pieces than a NIC's TX queue holds (tcp;ofi_rxm: 2048).
         many = BIG // (16 << 10)
@@ -137,15 +128,14 @@ async def test_a_stalled_peer_never_holds_up_writes_to_another() -> None:
                             np.arange(many, dtype=np.int64) << 14, np.full(many, 16 << 10))
         stuck = await a.submit(src, to_b, pages, timeout=STEP)
         await trio.sleep(0.2)
-        times = []
         for i in range(5):
-            t0 = time.monotonic()
             with trio.fail_after(STEP):
                 n = await a.write(src, to_c, sl, imm=10 + i)
                 await c.wait_imm(10 + i, n)
-            times.append(time.monotonic() - t0)
         assert not stuck.done, "the stalled write finished: the test proves nothing"
-        assert max(times) <= 5 * base + 0.5, (times, base)
+        # The stuck peer holds all the NIC TX queue it may: the writes to c
+        # went out beside it (a full queue would have held them to STEP).
+        assert max(inflight(a)) == a.config.peer_pieces, inflight(a)
         assert (target == src[:8 << 20]).all()
         stuck.abort("test is done")
         with trio.fail_after(5), pytest.raises(TransferAborted, match="test is done"):

@@ -27,7 +27,7 @@ import pytest
 import trio
 
 import p2pxfer
-from conftest import engine_config, wait_until
+from conftest import engine_config, stall, wait_until
 from conftest import engine_pair as pair
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.engine._engine import INLINE_NS_PER_KIB
@@ -423,10 +423,14 @@ async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
 
             with trio.fail_after(10):
                 async with trio.open_nursery() as nursery:
+                    stall(b, True)  # no write can finish before aclose
                     for k in range(4):
                         nursery.start_soon(writer, k)
                     await trio.sleep(0.03)
                     assert a.statistics().in_flight[0] > 0, "writes finished too soon"
+                    # Restarted only now: the close's flush of posted pieces
+                    # needs the target to read them.
+                    stall(b, False)
                     t0 = trio.current_time()
                     await a.aclose()
                     await a.aclose()  # idempotent
@@ -472,10 +476,12 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
             async with trio.open_nursery() as nursery, \
                     open_engine(engine_config("tcp;ofi_rxm")) as a:
                 a.register(source)
+                stall(b, True)  # no write can finish before the block ends
                 for k in range(3):
                     nursery.start_soon(writer, a, k)
                 await trio.sleep(0.03)
                 assert a.statistics().in_flight[0] > 0, "writes finished too soon"
+                stall(b, False)  # the close's flush needs the target to read
         assert len(errors) == 3
         assert all(type(e) is EngineClosed for e in errors), errors
 
@@ -504,11 +510,16 @@ async def test_close_fails_writers_waiting_for_a_slot() -> None:
                     errors.append(exc)
 
             with trio.fail_after(10):
+                # Connected first: held, the target would not accept, and
+                # nothing would be posted.
+                await a.write(source, desc, contiguous_pieces(1, 4096), imm=100)
                 async with trio.open_nursery() as nursery:
+                    stall(b, True)  # no write can finish before aclose
                     for k in range(4):
                         nursery.start_soon(writer, k)
                     await trio.sleep(0.02)
                     assert a.statistics().in_flight[0] > 0, "writes finished too soon"
+                    stall(b, False)  # the close's flush needs the target to read
                     await a.aclose()
             nics = a.statistics().nics
             assert sum(n.pieces for n in nics) > 0

@@ -10,6 +10,7 @@ poller runs all along) the destination is still all zeros.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -482,8 +483,10 @@ def write_to_departed(provider: str, node: str | None, desc: bytes | None, workd
             src = np.ones(4096, np.uint8)
             t.register(src)
             try:
+                # A deadline far beyond the stall probe's: the error must
+                # name the departed peer however slowly this child runs.
                 t.write(src, RegionDescriptor.from_bytes(desc), ScatterList.contiguous(16),
-                        imm=1, timeout=1)
+                        imm=1, timeout=30)
             except P2PXferError as exc:
                 results.put(f"{type(exc).__name__}: {exc}")
             else:
@@ -497,14 +500,18 @@ def run_child(ctx: Any, target: Any, *args: Any) -> tuple[int | None, Any]:
     child = ctx.Process(target=target, args=(*args, results))
     child.start()
     got = None
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     try:
         while time.monotonic() < deadline:
             try:
                 got = results.get(timeout=0.2)
                 break
             except queue.Empty:
-                if child.exitcode is not None:  # died without a word: a crash
+                if child.exitcode is not None:
+                    # Its last word may have been queued just before it
+                    # exited; none at all means a crash.
+                    with contextlib.suppress(queue.Empty):
+                        got = results.get(timeout=5)
                     break
     finally:
         child.join(10)
