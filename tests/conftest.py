@@ -12,7 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from daemon_helpers import daemon_pair, free_port
 from p2pxfer.engine import BlockingEngine, Engine, EngineConfig, open_engine
@@ -147,6 +148,26 @@ async def wait_until(cond: Callable[[], bool], timeout: float, what: str, *,
     if cond():  # a stall of this thread may have spanned the deadline
         return trio.current_time() - t0
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+async def returns_without_blocking(fn: Callable[[], Awaitable[object]]) -> None:
+    """Fail unless ``fn()`` ends without parking its task: run in a task of
+    its own, it must be done by the time every task is blocked. A clock
+    would misread a starved machine; a wait that parks (or naps on a timer)
+    is still blocked then."""
+    done = False
+
+    async def run() -> None:
+        nonlocal done
+        await fn()
+        done = True
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await trio.testing.wait_all_tasks_blocked()
+        blocked = not done
+        nursery.cancel_scope.cancel()
+    assert not blocked, f"{fn} blocked"
 
 
 def stall(engine: Engine, on: bool) -> None:

@@ -42,18 +42,20 @@ async def test_a_request_for_a_write_has_the_writes_time(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_peers, "PEER_TIMEOUT_S", 0.3)
     async with silent_peer() as table:
-        with trio.fail_after(20):
+        with trio.fail_after(30):
             t0 = trio.current_time()
             with pytest.raises(RemoteClosed, match="slow"):
                 await table.request("slow", "resolve", region="kv")
             plain = trio.current_time() - t0
             t0 = trio.current_time()
             with pytest.raises(RemoteClosed, match="slow"):
-                await table.request("slow", "resolve", region="kv", until=t0 + 2.0)
+                await table.request("slow", "resolve", region="kv", until=t0 + 8.0)
             for_write = trio.current_time() - t0
-    # Lower bounds decide (late timers on a busy host only add).
-    assert 0.25 <= plain < 1.9, plain
-    assert for_write >= 1.95, for_write
+    # Lower bounds decide (late timers on a busy host only add); the plain
+    # one's upper bound is far from the write's time, so a starved test
+    # still tells them apart.
+    assert 0.25 <= plain < 7.5, plain
+    assert for_write >= 7.95, for_write
 
 
 async def test_a_write_waiting_its_turn_on_a_busy_link_keeps_its_deadline(

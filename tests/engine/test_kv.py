@@ -45,10 +45,11 @@ import numpy.typing as npt
 import pytest
 import trio
 
-from conftest import engine_config, engine_pair, wait_until
+from conftest import engine_config, engine_pair, returns_without_blocking, wait_until
 from p2pxfer._kv_core import LayerArrivals
 from p2pxfer.client import SharedMemory
 from p2pxfer.engine import Engine, open_engine
+from p2pxfer.engine._transfer import DRAIN_S
 from p2pxfer.errors import (
     DescriptorError,
     InvalidArgument,
@@ -274,11 +275,8 @@ async def test_wait_layers_layer_by_layer(provider: str) -> None:
         assert order == ["subset", "all"]
         assert_pool(dst.array, expected_image(src.array, lay, lay, sb, dbl, range(4)), lay)
         # Once landed, every wait returns at once.
-        t0 = time.monotonic()
-        with trio.fail_after(1):
-            for layer in range(4):
-                await dst.wait_layers(5, layer)
-        assert time.monotonic() - t0 < 0.1
+        for layer in range(4):
+            await returns_without_blocking(partial(dst.wait_layers, 5, layer))
 
 
 async def test_first_layer_lands_before_the_whole_push() -> None:
@@ -1149,7 +1147,9 @@ async def test_push_to_dead_receiver_ends() -> None:
 
         async def watchdog() -> None:
             nonlocal watchdog_fired
-            await trio.sleep(3)
+            # Past the cancel, a piece under way may drain: beyond both is a
+            # push that ignored its cancel scope, however slow the machine.
+            await trio.sleep(0.5 + DRAIN_S + 5)
             watchdog_fired = True
             await a.aclose()  # fails the stuck transfers, so the test cannot hang
 
