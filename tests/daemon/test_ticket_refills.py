@@ -10,14 +10,19 @@ stand-in for the peer link below the fabric: nothing here moves bytes
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import trio
 
+from p2pxfer.daemon import _peers
 from p2pxfer.daemon._imms import ImmTable
+from p2pxfer.daemon._peers import PeerTable
 from p2pxfer.daemon._regions import Regions
 from p2pxfer.errors import PeerUnreachable
+from p2pxfer.testing import LOOPBACK
 
 
 class _Link:
@@ -69,3 +74,45 @@ async def test_a_refill_that_failed_is_asked_again_at_once_after_a_reroute(
         assert ticket is not None and ticket >> table.tag_bits == slot >> table.tag_bits
         assert link.asked == 2
         nursery.cancel_scope.cancel()
+
+
+async def test_a_refill_behind_a_held_link_gives_up_within_peer_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another request holds the link until its write's deadline (a settle
+    on a silent peer): the refill waits for its turn at most PEER_TIMEOUT_S,
+    so writes after it ask again rather than wait on it until that deadline.
+    The peer here is a real listener on loopback that accepts and never
+    answers, behind a real ``PeerTable``."""
+    monkeypatch.setattr(_peers, "PEER_TIMEOUT_S", 0.3)
+    table = ImmTable(SimpleNamespace(imm_bits=64, route_imms=lambda *a: None))  # type: ignore[arg-type]
+    slot = 5 << table.tag_bits
+    key = ("slow", "r")
+
+    async def hold(stream: trio.SocketStream) -> None:
+        async with stream:
+            await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, hold, 0, host=LOOPBACK))
+            peers = PeerTable("me", (), auth=None, max_frame=1 << 20)
+            peers.add("slow", f"{LOOPBACK}:{listeners[0].socket.getsockname()[1]}")
+            regions = Regions("me", peers, SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
+                              lambda: table)
+            regions.nursery = nursery
+            regions._slots[key] = slot
+            regions._tickets[key] = (slot, [])  # the batch spent
+
+            async def settle() -> None:  # holds the link for 20 s
+                with pytest.raises(PeerUnreachable):
+                    await peers.request("slow", "notify_settle", ticket=1, imm=1,
+                                        until=trio.current_time() + 20)
+
+            nursery.start_soon(settle)
+            await trio.sleep(0.05)
+            t0 = trio.current_time()
+            assert await regions.ticket_for_write("slow", "r", t0 + 60) is None
+            # The refill gave up: nothing is left waiting for the link's turn.
+            assert key not in regions._refilling
+            assert trio.current_time() - t0 < 5
+            nursery.cancel_scope.cancel()

@@ -27,6 +27,7 @@ from p2pxfer.errors import InvalidArgument, P2PXferError, PeerUnreachable, Unkno
 from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 
+from . import _peers
 from ._exports import Export, Exports
 from ._imms import ImmTable
 from ._peers import PeerTable
@@ -47,8 +48,10 @@ INVALIDATE_GIVE_UP_S = 600.0
 #: notification tickets asked for at once (``_imms``: with ``resolve``, then
 #: ``imm_tickets`` in the background once half of them are spent)
 TICKET_BATCH = 64
-#: the pause after a refill that failed before the next is asked for (the
-#: control link may be cut a while; writes meanwhile go without a ticket)
+#: how long a notify-mode write with no ticket in hand waits for a refill
+#: (within its deadline): a notification without one cannot be settled
+#: when its outcome is unknown. Also the pause after a refill that failed
+#: before the next is asked for (the control link may be cut a while)
 TICKET_WAIT_S = 2.0
 
 
@@ -214,14 +217,11 @@ class Regions:
     async def ticket_for_write(self, peer: str, region: str, until: float) -> int | None:
         """``ticket``, or, with none in hand while a refill is on its way
         (a burst of writes spent the batch, or the control link was cut a
-        while), the refill waited for, within ``until``: a notification
-        without a ticket cannot be settled when its outcome is unknown, and
-        a slow answer (a busy peer) is no reason to risk that. A cut link
-        fails the refill (``PEER_TIMEOUT_S`` at most), and the write goes
-        on without. None if no ticket comes: the peer gives none, the refill
+        while), the refill waited for: at most ``TICKET_WAIT_S`` and within
+        ``until``. None if no ticket comes: the peer gives none, the refill
         failed, or time ran out."""
         key = (peer, region)
-        with trio.move_on_at(until):
+        with trio.move_on_at(min(until, trio.current_time() + TICKET_WAIT_S)):
             while True:
                 ticket = self.ticket(peer, region)
                 refill = self._refilling.get(key)
@@ -235,8 +235,12 @@ class Regions:
     async def _refill(self, peer: str, region: str, slot: int, refill: _Refill) -> None:
         key = (peer, region)
         try:
+            # Bounded whole, the wait for the link included: a settle or
+            # resolve may hold it until its write's deadline, and writes
+            # that find no ticket wait for this refill meanwhile.
             result = await self.peers.request(peer, "imm_tickets", region=region,
-                                              n=TICKET_BATCH)
+                                              n=TICKET_BATCH,
+                                              until=trio.current_time() + _peers.PEER_TIMEOUT_S)
             held = self._tickets.get(key)
             if held is not None and held[0] == slot:  # still that export's
                 fresh = check_tickets(result.get("tickets"), slot, self._imm_slots())
