@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +162,24 @@ async def returns_without_blocking(fn: Callable[[], Awaitable[object]]) -> None:
         await fn()
         done = True
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run)
-        await trio.testing.wait_all_tasks_blocked()
-        blocked = not done
-        nursery.cancel_scope.cancel()
+    # Bounded: a wait that busy-checkpoints never lets every task block.
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            await trio.testing.wait_all_tasks_blocked()
+            blocked = not done
+            nursery.cancel_scope.cancel()
     assert not blocked, f"{fn} blocked"
+
+
+@contextmanager
+def stalled(engine: Engine) -> Iterator[None]:
+    """``stall(engine, ...)`` for the block, restarted however it ends."""
+    stall(engine, True)
+    try:
+        yield
+    finally:
+        stall(engine, False)
 
 
 def stall(engine: Engine, on: bool) -> None:

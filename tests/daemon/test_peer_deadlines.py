@@ -52,9 +52,9 @@ async def test_a_request_for_a_write_has_the_writes_time(
                 await table.request("slow", "resolve", region="kv", until=t0 + 8.0)
             for_write = trio.current_time() - t0
     # Lower bounds decide (late timers on a busy host only add); the plain
-    # one's upper bound is far from the write's time, so a starved test
-    # still tells them apart.
-    assert 0.25 <= plain < 7.5, plain
+    # one's upper bound leaves a starved test seconds, and still fails one
+    # that waited any longer fixed timeout (the real PEER_TIMEOUT_S: 5 s).
+    assert 0.25 <= plain < 3, plain
     assert for_write >= 7.95, for_write
 
 

@@ -27,7 +27,7 @@ import pytest
 import trio
 
 import p2pxfer
-from conftest import engine_config, returns_without_blocking, stall, wait_until
+from conftest import engine_config, returns_without_blocking, stalled, wait_until
 from conftest import engine_pair as pair
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.engine._engine import INLINE_NS_PER_KIB
@@ -404,6 +404,11 @@ async def test_many_cancelled_writers_leave_engine_clean(provider: str) -> None:
 # -- closing with transfers in flight --------------------------------------------
 
 
+def nic_inflight(engine: Engine) -> list[int]:
+    """Pieces posted and not yet completed, per NIC."""
+    return [n.inflight for n in engine.statistics().nics]
+
+
 async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
     size = 256 << 20  # still in flight when aclose comes (tcp: ~3 GB/s here)
     source = random_bytes(8, size)
@@ -422,15 +427,17 @@ async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
                     errors.append(exc)
 
             with trio.fail_after(10):
+                # Connected first: held, the target would not accept, and
+                # no piece would be on the wire when the close comes.
+                await a.write(source, desc, contiguous_pieces(1, 4096), imm=100)
                 async with trio.open_nursery() as nursery:
-                    stall(b, True)  # no write can finish before aclose
-                    for k in range(4):
-                        nursery.start_soon(writer, k)
-                    await trio.sleep(0.03)
-                    assert a.statistics().in_flight[0] > 0, "writes finished too soon"
-                    # Restarted only now: the close's flush of posted pieces
-                    # needs the target to read them.
-                    stall(b, False)
+                    with stalled(b):  # no write can finish before aclose
+                        for k in range(4):
+                            nursery.start_soon(writer, k)
+                        await wait_until(lambda: sum(nic_inflight(a)) > 0, STEP,
+                                         "pieces on the wire")
+                    # The close's flush of posted pieces needs the target to
+                    # read them: restarted right before it.
                     t0 = trio.current_time()
                     await a.aclose()
                     await a.aclose()  # idempotent
@@ -476,12 +483,13 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
             async with trio.open_nursery() as nursery, \
                     open_engine(engine_config("tcp;ofi_rxm")) as a:
                 a.register(source)
-                stall(b, True)  # no write can finish before the block ends
-                for k in range(3):
-                    nursery.start_soon(writer, a, k)
-                await trio.sleep(0.03)
-                assert a.statistics().in_flight[0] > 0, "writes finished too soon"
-                stall(b, False)  # the close's flush needs the target to read
+                await a.write(source, desc, contiguous_pieces(1, 4096), imm=100)  # connected
+                with stalled(b):  # no write can finish before the block ends
+                    for k in range(3):
+                        nursery.start_soon(writer, a, k)
+                    await wait_until(lambda: sum(nic_inflight(a)) > 0, STEP,
+                                     "pieces on the wire")
+                # (restarted: the close's flush needs the target to read)
         assert len(errors) == 3
         assert all(type(e) is EngineClosed for e in errors), errors
 
@@ -513,16 +521,16 @@ async def test_close_fails_writers_waiting_for_a_slot() -> None:
                 # Connected first: held, the target would not accept, and
                 # nothing would be posted.
                 await a.write(source, desc, contiguous_pieces(1, 4096), imm=100)
+                warm = sum(n.pieces for n in a.statistics().nics)
                 async with trio.open_nursery() as nursery:
-                    stall(b, True)  # no write can finish before aclose
-                    for k in range(4):
-                        nursery.start_soon(writer, k)
-                    await trio.sleep(0.02)
-                    assert a.statistics().in_flight[0] > 0, "writes finished too soon"
-                    stall(b, False)  # the close's flush needs the target to read
-                    await a.aclose()
+                    with stalled(b):  # no write can finish before aclose
+                        for k in range(4):
+                            nursery.start_soon(writer, k)
+                        await wait_until(lambda: sum(nic_inflight(a)) > 0, STEP,
+                                         "pieces on the wire")
+                    await a.aclose()  # b restarted: the flush needs it to read
             nics = a.statistics().nics
-            assert sum(n.pieces for n in nics) > 0
+            assert sum(n.pieces for n in nics) > warm
             assert sum(n.inflight for n in nics) == 0, f"posted pieces cut off: {nics}"
         assert len(errors) == 4
         assert [type(e).__name__ for e in errors] == ["EngineClosed"] * 4, errors

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.netns
 TIMEOUT = 60
 
 TARGET = textwrap.dedent("""
-    import hashlib, json, select, sys
+    import hashlib, json, select, sys, time
     import numpy as np
     from p2pxfer.bench._loops import reference_target
     from p2pxfer.fabric import ACCESS_REMOTE_WRITE, ACCESS_WRITE, Rail
@@ -44,8 +44,14 @@ TARGET = textwrap.dedent("""
           flush=True)
     landed = 0
     # Progress (ofi_rxm handles connections only while its CQ is read)
-    # until the writer says it is done.
+    # until the writer says it is done, then until its last write is in
+    # (its completion there said only that it was in the writer's socket).
     while not select.select([sys.stdin], [], [], 0)[0]:
+        landed += reference_target(rail, 1 << 30, 0.05)
+    want = sys.stdin.readline().split()[-1]
+    deadline = time.monotonic() + 20
+    while (hashlib.sha256(region[:256 << 10]).hexdigest() != want
+           and time.monotonic() < deadline):
         landed += reference_target(rail, 1 << 30, 0.05)
     print(json.dumps({"landed": landed,
                       "sha": hashlib.sha256(region[:256 << 10]).hexdigest()}), flush=True)
@@ -143,7 +149,8 @@ def test_disconnecting_a_peer_that_refused_us_as_already_connected() -> None:
             # The case at hand happened: the peer refused us as already connected.
             assert steps["refused"]["refused"], steps
             assert steps["reset again"]["reset"] == [], steps
-            tail, terr = target.communicate("done\n", timeout=TIMEOUT)
+            tail, terr = target.communicate(f"done {steps['written']['sha']}\n",
+                                            timeout=TIMEOUT)
             landed = json.loads(tail.splitlines()[-1])
             assert landed["sha"] == steps["written"]["sha"], (landed, terr[-2000:])
             # The first write's completion said only that its pieces were in
