@@ -12,6 +12,7 @@ the last ones run daemons (and an etcd) in network namespaces, one per "host"
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -298,6 +299,51 @@ def test_embedded_discovery_kill_and_restart(tmp_path: Path, procs: list[Any]) -
     # A graceful stop: the others see "left" promptly.
     assert c.stop() == 0
     wait_for(lambda: states(a).get("node-c") == "left", "a to see c left", timeout=3)
+
+
+def test_a_stopped_member_is_suspect_not_dead_while_its_host_answers(
+        tmp_path: Path, procs: list[Any]) -> None:
+    """A member daemon not scheduled for several suspicion timeouts (SIGSTOP:
+    a starved process) answers no probe, but its kernel still accepts on its
+    control port: the others keep it suspect (``STARVED_GRACE_S``), never
+    dead, and once it runs again it refutes and takes writes as before."""
+    from p2pxfer.daemon._follow import STARVED_GRACE_S
+
+    ports = {n: free_port() for n in ("node-a", "node-b", "node-c")}
+    keys = {"membership": "embedded", "cluster_token": TOKEN,
+            "seeds": [f"{LOOPBACK}:{ports['node-a']}"]}
+    ds = {n: start_member(tmp_path, n, port, **keys) for n, port in ports.items()}
+    procs.extend(ds.values())
+    a, b, c = ds["node-a"], ds["node-b"], ds["node-c"]
+    for d in (a, b, c):
+        wait_for(lambda d=d: states(d) == {n: "alive" for n in ports},
+                 f"{d.name} to see all three alive")
+    plan = Plan(0x5709, pieces=64, min_len=4 << 10, max_len=16 << 10, region=4 << 20)
+    target = Agent("trio", b.socket, "target")
+    initiator = Agent("trio", a.socket, "initiator")
+    procs.extend([target, initiator])
+    assert target.ok("export", "r", plan.region) == plan.region
+    initiator.ok("write", "node-b", "r", plan, 1)
+    inc = members(a)["node-b"]["incarnation"]
+    b.proc.send_signal(signal.SIGSTOP)
+    seen: set[str] = set()
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4.0:  # three suspicion timeouts and more
+            for d in (a, c):
+                seen.add(states(d)["node-b"])
+            time.sleep(0.1)
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    assert "suspect" in seen, seen  # it was missed: the test is not vacuous
+    assert "dead" not in seen, seen
+    assert 4.0 < STARVED_GRACE_S
+    for d in (a, c):
+        wait_for(lambda d=d: states(d).get("node-b") == "alive", f"{d.name} to see b alive")
+        assert members(d)["node-b"]["incarnation"] == inc  # the same life
+    pieces = initiator.ok("write", "node-b", "r", plan, 2)
+    assert target.call("verify", "r", plan, 2, pieces)[0] == "ok"
+    assert "membership.host_checked" in a.log.read_text()
 
 
 def test_wrong_token_cannot_join(tmp_path: Path, procs: list[Any]) -> None:

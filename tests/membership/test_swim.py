@@ -209,6 +209,62 @@ def test_suspicion_is_refuted_by_a_live_member() -> None:
             assert about(c.events[n], "m005", MemberAlive), n
 
 
+# -- starved, not dead (host_check, starved_grace) ------------------------------------
+
+CHECKED = SwimConfig(period=1.0, ack_timeout=0.4, host_check=1.0, starved_grace=10.0)
+
+
+def test_a_starved_member_whose_host_answers_is_not_declared_dead() -> None:
+    """Paused (its process not scheduled) for three suspicion timeouts: the
+    others suspect it, ask its host, hear it answer, and keep it suspect
+    until it runs again and refutes. Without the checks it dies."""
+    c = formed(8, seed=21, config=CHECKED)
+    timeout = c.nodes["m000"].suspicion_timeout()
+    others = [n for n in c.nodes if n != "m003"]
+    c.pause("m003")
+    assert c.run_until(lambda: any(about(c.events[n], "m003", MemberSuspect)
+                                   for n in others), 10) is not None
+    c.run_for(3 * timeout)
+    assert c.all_see("m003", [SUSPECT]), {n: c.nodes[n].member("m003") for n in others}
+    c.resume("m003")
+    assert c.run_until(c.converged, 20) is not None
+    for n in others:
+        assert not about(c.events[n], "m003", MemberDead), n
+
+    plain = formed(8, seed=21)
+    plain.pause("m003")
+    assert plain.run_until(lambda: plain.all_see("m003", [DEAD]), 3 * timeout + 10) \
+        is not None
+
+
+def test_a_starved_member_dies_once_its_grace_is_spent() -> None:
+    c = formed(8, seed=22, config=CHECKED)
+    timeout = c.nodes["m000"].suspicion_timeout()
+    c.pause("m004")
+    took = c.run_until(lambda: c.all_see("m004", [DEAD]), 60)
+    # Its first suspicion, the grace, then a check or two of slack.
+    assert took is not None and 10.0 <= took <= timeout + 10.0 + 6, (took, timeout)
+
+
+def test_a_killed_member_dies_at_once_when_its_host_refuses() -> None:
+    c = formed(8, seed=23, config=CHECKED)
+    timeout = c.nodes["m000"].suspicion_timeout()
+    c.kill("m005")
+    took = c.run_until(lambda: c.all_see("m005", [DEAD]), 30)
+    # As without checks (one period to suspect, the suspicion, spread), plus
+    # the refusal's round trip: never the grace.
+    assert took is not None and took <= timeout + 6, (took, timeout)
+
+
+def test_a_silent_host_costs_one_check_more() -> None:
+    c = formed(8, seed=24, config=CHECKED)
+    timeout = c.nodes["m000"].suspicion_timeout()
+    others = [n for n in c.nodes if n != "m006"]
+    c.partition(["m006"], others)
+    took = c.run_until(lambda: c.all_see("m006", [DEAD]), 30)
+    assert took is not None and took <= timeout + CHECKED.host_check + 6, (took, timeout)
+
+
 def test_local_suspicion_speeds_up_a_death_and_is_refuted_by_the_living() -> None:
     c = formed(16, seed=12)
     timeout = c.nodes["m000"].suspicion_timeout()
@@ -449,6 +505,8 @@ def test_is_current() -> None:
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError):
         SwimConfig(period=1.0, ack_timeout=1.0)
+    with pytest.raises(ValueError, match="grace needs host checks"):
+        SwimConfig(starved_grace=5.0)
     with pytest.raises(ValueError):
         Swim(Member("a", "h:1", 1), "text-token")  # type: ignore[arg-type]
 

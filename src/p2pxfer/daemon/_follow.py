@@ -34,6 +34,7 @@ from p2pxfer.membership import (
     MemberSuspect,
     PeerLost,
     Superseded,
+    SwimConfig,
 )
 from p2pxfer.memory import RegionDescriptor
 
@@ -46,6 +47,12 @@ log = get_logger("p2pxfer.daemon")
 
 EVENT_LOG = 1024  # membership changes kept for watching clients
 WATCH_TIMEOUT_MAX_S = 300.0
+#: SWIM's host check: how long a suspect's host has to accept a connection
+#: on its control port before the verdict, and how long in all a member
+#: whose host keeps accepting (its daemon not scheduled: a busy host) stays
+#: suspect rather than dead
+HOST_CHECK_S = 0.8
+STARVED_GRACE_S = 10.0
 
 _CHANGES = (MemberJoined, MemberAlive, MemberDegraded, MemberSuspect, MemberDead, MemberLeft,
             MemberRestarted)
@@ -154,9 +161,14 @@ class Follower:
         backend: MembershipBackend
         if config.membership == "embedded":
             seeds = [s for s in config.seeds if s != control_address]
+            # The control port shares the membership address: a member whose
+            # suspicion ran out is asked there whether its process is merely
+            # starved (a busy host), not dead.
             backend = EmbeddedBackend(self.node, control_address, token, seeds,
                                       incarnation=incarnation, join_timeout=2.0,
-                                      rails=rails)
+                                      rails=rails, config=SwimConfig(
+                                          host_check=HOST_CHECK_S,
+                                          starved_grace=STARVED_GRACE_S))
         else:
             backend = EtcdBackend(self.node, control_address, token, config.etcd_endpoint,
                                   incarnation=incarnation, ttl=config.etcd_ttl)

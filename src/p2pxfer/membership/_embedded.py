@@ -68,6 +68,7 @@ class EmbeddedBackend(MembershipBackend):
         self._socks: list[trio.socket.SocketType] = []  # [0] is _sock
         self._swim: Swim | None = None
         self._wake = trio.Event()  # the receive side moved the next deadline earlier
+        self._nursery: trio.Nursery | None = None
         self._sleeping_until = 0.0
         self._joined = trio.Event()
         self.address = ""
@@ -92,7 +93,8 @@ class EmbeddedBackend(MembershipBackend):
         # the verdict: with a period of slack for a loaded machine.
         if self._swim is None:
             return 5.0
-        return 4 * self.config.period + self._swim.suspicion_timeout()
+        # A silent host (no answer to the host check) takes one check more.
+        return 4 * self.config.period + self._swim.suspicion_timeout() + self.config.host_check
 
     @property
     def swim(self) -> Swim:
@@ -142,6 +144,7 @@ class EmbeddedBackend(MembershipBackend):
                                  self._token, self.config)
         self.log = self.log.bind(address=self.address)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             for via, s in enumerate(self._socks):
                 nursery.start_soon(self._receive_loop, s, via)
             await self._send(swim.join(list(self._seeds), trio.current_time()))
@@ -213,6 +216,38 @@ class EmbeddedBackend(MembershipBackend):
                 self.log.debug("membership.send_failed", to=o.address, kind=o.kind,
                                error=str(exc))
         self._publish(self._swim.take_events())
+        if self._nursery is not None:
+            for name, incarnation, address in self._swim.take_host_checks():
+                self._nursery.start_soon(self._check_host, name, incarnation, address)
+
+    async def _check_host(self, name: str, incarnation: int, address: str) -> None:
+        """Ask ``name``'s host whether a process still listens on its port
+        (a suspect's suspicion ran out; ``SwimConfig.host_check``): a TCP
+        connection its kernel accepts, made and closed, keeps a starved
+        member suspect; a refusal makes it dead now; no answer, at the end
+        of the check."""
+        swim = self.swim
+        host, port = split_hostport(address)
+        s = trio.socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                               socket.SOCK_STREAM)
+        verdict = "silent"
+        try:
+            with trio.move_on_after(self.config.host_check * 0.8):
+                await s.connect((host, port))
+                verdict = "answered"
+        except ConnectionRefusedError:
+            verdict = "refused"
+        except OSError as exc:  # unreachable and such: no answer
+            verdict = f"silent ({exc.strerror or exc})"
+        finally:
+            s.close()
+        if verdict == "answered":
+            swim.host_answered(name, incarnation)
+        elif verdict == "refused":
+            swim.host_refused(name, incarnation, trio.current_time())
+            if swim.next_deadline() < self._sleeping_until:
+                self._wake.set()
+        self.log.info("membership.host_checked", member=name, verdict=verdict)
 
     async def _say_goodbye(self) -> None:
         if self._swim is None or self._sock is None:

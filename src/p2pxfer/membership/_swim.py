@@ -34,6 +34,15 @@ implementations share):
   Every ``reconnect_interval`` a member pings one random dead member, telling
   it it is considered dead, so two halves of a healed partition find each
   other again.
+- **Starved, not dead** (``host_check``, ``starved_grace``; off by default,
+  on in the daemon). A member whose process is not scheduled for a while
+  (a busy host) answers nothing, so its suspicion runs out like a dead
+  one's. Before the verdict the caller connects to its address (the
+  daemon's control port shares it): a kernel that still accepts for the
+  port means the process is there, and the member stays suspect, checked
+  again each ``host_check``, for up to ``starved_grace``; a refusal (the
+  process is gone) makes it dead at once, no answer (a silent host) at the
+  end of the check.
 - **Join and trust.** Every datagram carries an HMAC tag under the cluster
   token (``_wire.py``), checked before anything is parsed. Joining is a
   challenge-response both ways: the joiner sends a nonce, the seed proves the
@@ -150,6 +159,32 @@ class Swim(_SwimProbing, _SwimReceiving):
         alive = [self._members[n] for n in sorted(self._running)]
         fanout = self._rng.sample(alive, min(self.config.leave_fanout, len(alive)))
         return [self._send_to(e, "swim_leave") for e in fanout]
+
+    def take_host_checks(self) -> list[tuple[str, int, str]]:
+        """``(name, incarnation, address)`` of each suspect whose suspicion
+        ran out (``SwimConfig.host_check``): the caller tries a TCP
+        connection to ``address`` within ``host_check`` and reports
+        ``host_answered`` or ``host_refused`` (no answer: report nothing)."""
+        out = list(self._host_checks)
+        self._host_checks.clear()
+        return out
+
+    def host_answered(self, name: str, incarnation: int) -> None:
+        """``name``'s host accepted a connection on its port: its process is
+        there, if not scheduled. It stays suspect (``starved_grace``)."""
+        r = self._reprieved.get(name)
+        e = self._members.get(name)
+        if r is not None and e is not None and e.incarnation == incarnation:
+            r[1] = True
+
+    def host_refused(self, name: str, incarnation: int, now: float) -> None:
+        """``name``'s host refused the connection: no process listens there
+        any more. It is dead at the next ``tick``."""
+        e = self._members.get(name)
+        if name in self._reprieved and e is not None and e.incarnation == incarnation \
+                and name in self._suspects:
+            self._reprieved[name][1] = False
+            self._suspects[name] = now
 
     def suspect(self, name: str, now: float) -> bool:
         """Local evidence that ``name`` is gone (say, its control port refused

@@ -80,6 +80,9 @@ class _SwimCore:
         self._order: list[str] = []
         self._order_pos = 0
         self._suspects: dict[str, float] = {}  # name -> suspicion deadline
+        # name -> [when its suspicion first ran out, its host answered since]
+        self._reprieved: dict[str, list[Any]] = {}
+        self._host_checks: list[tuple[str, int, str]] = []  # for the caller to make
         # our ping seq -> (requester address, requester name, its seq, target, expiry)
         # (address and via the request came through, ...)
         self._relays: dict[int, tuple[str, int, str, int, str, float]] = {}
@@ -241,6 +244,7 @@ class _SwimCore:
             self._suspects[e.name] = now + self.suspicion_timeout()
         else:
             self._suspects.pop(e.name, None)
+            self._reprieved.pop(e.name, None)
         if state in _RUNNING:
             if e.name not in self._running:
                 self._running.add(e.name)

@@ -72,6 +72,8 @@ class _SwimProbing(_SwimCore):
             for name, deadline in list(self._suspects.items()):
                 if deadline <= now:
                     e = self._members[name]
+                    if self._reprieve(e, now):
+                        continue
                     self._set_state(e, DEAD, e.version, now)
                     self._gossip(e)
                     self._events.append(MemberDead(self._snap(e)))
@@ -91,6 +93,24 @@ class _SwimProbing(_SwimCore):
             self._next_purge = now + min(cfg.tombstone, 10 * cfg.period)
             self._purge(now)
         return out
+
+    def _reprieve(self, e: _Entry, now: float) -> bool:
+        """``e``'s suspicion ran out: ask its host first (``host_check``).
+        True while it stays suspect: its first expiry, then as long as the
+        host answered within each check and ``starved_grace`` lasts."""
+        cfg = self.config
+        if cfg.host_check <= 0:
+            return False
+        r = self._reprieved.get(e.name)
+        if r is None:
+            r = self._reprieved[e.name] = [now, False]
+        elif not r[1] or now - r[0] >= cfg.starved_grace:
+            del self._reprieved[e.name]
+            return False
+        r[1] = False
+        self._suspects[e.name] = now + cfg.host_check
+        self._host_checks.append((e.name, e.incarnation, e.address))
+        return True
 
     def _indirect(self, p: _Probe) -> list[Outgoing]:
         target = self._members.get(p.target)

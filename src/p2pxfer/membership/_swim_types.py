@@ -59,6 +59,15 @@ class SwimConfig:
     #: an address (rail) of an alive member that missed this many of our probes
     #: in a row, while another answered, makes the member *degraded*
     degrade_after: int = 2
+    #: a suspect whose suspicion ran out is first asked about at its host
+    #: (``take_host_checks``: the caller connects to its address's port),
+    #: which has this long to answer; 0: no such check, it is dead at once
+    host_check: float = 0.0
+    #: ... a host that answers for the port (the member's process is there,
+    #: if starved: not scheduled, its datagrams unread) keeps it suspect,
+    #: checked again each ``host_check``, for up to this long in all; a
+    #: refusal, or no answer in time, makes it dead
+    starved_grace: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.ack_timeout < self.period:
@@ -69,6 +78,10 @@ class SwimConfig:
         if self.suspicion_mult <= 0 or self.tombstone <= 0 or self.reconnect_interval <= 0 \
                 or self.join_retry <= 0 or self.sync_interval <= 0 or self.sync_quiet < 0:
             raise InvalidArgument("SwimConfig durations must be > 0")
+        if self.host_check < 0 or self.starved_grace < 0 or (
+                self.starved_grace > 0 and self.host_check <= 0):
+            raise InvalidArgument("SwimConfig needs host_check >= 0 and starved_grace >= 0 "
+                                  "(a grace needs host checks)")
         if self.max_datagram < 512:
             raise InvalidArgument("SwimConfig.max_datagram must be >= 512")
 

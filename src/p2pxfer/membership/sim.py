@@ -21,7 +21,7 @@ from ._swim import Outgoing, Swim, SwimConfig
 
 __all__ = ["FakeNetwork", "SimCluster"]
 
-_DELIVER, _TICK = 0, 1
+_DELIVER, _TICK, _CHECKED = 0, 1, 2
 
 
 @dataclass
@@ -63,11 +63,15 @@ class SimCluster:
         self.nodes: dict[str, Swim] = {}  # running members by name
         self.by_address: dict[str, Swim] = {}
         self.events: dict[str, list[MembershipEvent]] = {}
-        # (time, tie-break, _DELIVER, (dst, data, src)) or (time, tie-break, _TICK, name)
+        # (time, tie-break, _DELIVER, (dst, data, src)), (time, tie-break, _TICK, name)
+        # or (time, tie-break, _CHECKED, (checker, name, incarnation, verdict))
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._scheduled: dict[str, float] = {}
         self._incarnation = 1000
+        # Starved members: what reached them meanwhile, delivered on resume.
+        self.paused: dict[str, list[tuple[str, bytes, str]]] = {}
+        self.gone: set[str] = set()  # addresses of killed members: their hosts refuse
 
     # -- membership of the simulation ------------------------------------------
 
@@ -85,6 +89,7 @@ class SimCluster:
                     self.config, rng=random.Random(self.rng.random()))
         self.nodes[name] = node
         self.by_address[address] = node
+        self.gone.discard(address)
         self.events.setdefault(name, [])
         self._send(node, node.join(list(seeds), self.now))
         self._schedule(node)
@@ -108,7 +113,24 @@ class SimCluster:
         node = self.nodes.pop(name)
         del self.by_address[node.me.address]
         self._scheduled.pop(name, None)
+        self.paused.pop(name, None)
+        self.gone.add(node.me.address)
         return node
+
+    def pause(self, name: str) -> None:
+        """Starve a member: it runs nothing (no timer, no datagram read) until
+        ``resume``; what reaches it waits, and its host still answers."""
+        self.paused.setdefault(name, [])
+
+    def resume(self, name: str) -> None:
+        """It runs again: first its timers (late), then what waited."""
+        waiting = self.paused.pop(name)
+        node = self.nodes[name]
+        self._send(node, node.tick(self.now))
+        for _dst, data, src in waiting:
+            self._send(node, node.receive(data, src, self.now))
+        self._drain(node)
+        self._schedule(node)
 
     def leave(self, name: str, linger: float | None = None) -> None:
         """Graceful leave: say goodbye, keep answering for ``linger`` seconds
@@ -136,10 +158,24 @@ class SimCluster:
         while heap and heap[0][0] <= until:
             t, _, kind, payload = heapq.heappop(heap)
             self.now = t
+            if kind == _CHECKED:
+                checker, name, inc, verdict = payload
+                node = self.nodes.get(checker)
+                if node is None or checker in self.paused:
+                    continue
+                if verdict == "answered":
+                    node.host_answered(name, inc)
+                elif verdict == "refused":
+                    node.host_refused(name, inc, t)
+                self._schedule(node)
+                continue
             if kind == _DELIVER:
                 dst, data, src = payload
                 node = self.by_address.get(dst)
                 if node is None:
+                    continue
+                if node.me.name in self.paused:
+                    self.paused[node.me.name].append(payload)
                     continue
                 self.net.delivered += 1
                 self._send(node, node.receive(data, src, t))
@@ -151,6 +187,9 @@ class SimCluster:
                 node = self.nodes.get(name)
                 if node is None or self._scheduled.get(name) != t:
                     continue  # stale timer
+                if name in self.paused:
+                    del self._scheduled[name]  # runs on resume
+                    continue
                 del self._scheduled[name]
                 self._send(node, node.tick(t))
                 self._drain(node)
@@ -228,6 +267,18 @@ class SimCluster:
 
     def _drain(self, node: Swim) -> None:
         self.events[node.me.name] += node.take_events()
+        src = node.me.address
+        for name, inc, address in node.take_host_checks():
+            # A host that hears us answers for a process there (running or
+            # starved); one whose member was killed refuses; a cut one is silent.
+            if not self.net.passes(src, address):
+                continue
+            verdict = "answered" if address in self.by_address else \
+                "refused" if address in self.gone else None
+            if verdict is not None:
+                self._seq += 1
+                heapq.heappush(self._heap, (self.now + 2 * self.net.latency(), self._seq,
+                                            _CHECKED, (node.me.name, name, inc, verdict)))
 
     def _schedule(self, node: Swim) -> None:
         name = node.me.name
