@@ -337,7 +337,7 @@ def test_a_stopped_member_is_suspect_not_dead_while_its_host_answers(
         b.proc.send_signal(signal.SIGCONT)
     assert "suspect" in seen, seen  # it was missed: the test is not vacuous
     assert "dead" not in seen, seen
-    assert 4.0 < STARVED_GRACE_S
+    assert STARVED_GRACE_S > 4.0  # the stop fell within the grace
     for d in (a, c):
         wait_for(lambda d=d: states(d).get("node-b") == "alive", f"{d.name} to see b alive")
         assert members(d)["node-b"]["incarnation"] == inc  # the same life
