@@ -46,6 +46,7 @@ from ._wire import ClusterAuth
 __all__ = ["EtcdBackend"]
 
 VALUE_VERSION = 1
+KEEPALIVE_RETRY_S = 0.25  # a failed lease keepalive is tried again this soon
 
 
 def _b64(data: str | bytes) -> str:
@@ -175,10 +176,16 @@ class EtcdBackend(MembershipBackend):
             task_status.started()
 
     async def _keepalive_loop(self) -> None:
+        # Renewals are timed from the start of the last one that worked, not
+        # from the end of the last call: a slow answer or a starved turn
+        # must not stretch the gap towards the TTL. A failed one is tried
+        # again soon.
         interval = max(self.ttl / 3, 0.2)
+        next_at = trio.current_time() + interval
         while True:
-            with trio.move_on_after(interval):
+            with trio.move_on_at(next_at):
                 await self._lease_lost.wait()
+            started = trio.current_time()
             try:
                 if self._lease_lost.is_set():
                     self._lease_lost = trio.Event()
@@ -191,8 +198,10 @@ class EtcdBackend(MembershipBackend):
                     else:
                         me = self._view[self.name]
                         self._view[self.name] = replace(me, last_heard=trio.current_time())
+                next_at = started + interval
             except MembershipError as exc:
                 self.log.warning("membership.keepalive_failed", error=str(exc))
+                next_at = trio.current_time() + min(interval, KEEPALIVE_RETRY_S)
             self._purge(trio.current_time())
 
     async def _renew(self) -> None:
