@@ -35,9 +35,8 @@ class EngineConfig:
     #: a write's deadline when its caller gives none (seconds; None: no
     #: deadline). When it passes the write is torn down (``TransferTimeout``)
     write_timeout_s: float | None = 60.0
-    #: a cancelled write waits for its posted pieces; once this long passes
-    #: with none of them completing, its connection is torn down (then
-    #: ``Cancelled`` goes on)
+    #: a cancelled write waits this long for its posted pieces before its
+    #: connection is torn down (then ``Cancelled`` goes on)
     cancel_grace_s: float = 1.0
     #: poller spins this long after activity before sleeping on the CQ wait fd
     spin_ns: int = 20_000

@@ -307,10 +307,9 @@ class Engine:
         silent peer (packets dropped, no reset) fails this way.
 
         Cancellation: a cancelled write stops posting new pieces, then waits,
-        shielded, until the pieces already posted have completed or failed
-        (once ``EngineConfig.cancel_grace_s`` passes with none of them
-        completing, their connections are torn down), and only then raises
-        ``trio.Cancelled``: ``src`` may be
+        shielded, until the pieces already posted have completed or failed (at
+        most ``EngineConfig.cancel_grace_s``; after that their connections are
+        torn down), and only then raises ``trio.Cancelled``: ``src`` may be
         reused once this returns or raises, never earlier.
 
         ``dry_run`` does everything but the provider calls (for measuring the

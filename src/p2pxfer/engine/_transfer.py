@@ -97,34 +97,13 @@ class Transfer:
         known dead (membership's verdict). No-op once done."""
         self._shard.abort(self._tr, reason)
 
-    async def _settle(self, grace: float) -> None:
-        """After a cancel: wait for the posted pieces, tearing the write down
-        once ``grace`` seconds pass with none of them completing. While they
-        keep completing the peer is slow (a busy host), not gone, and a
-        teardown would fail every other write on its connections; the
-        write's deadline still bounds the wait."""
-        tr = self._tr
-        seen = -1
-        while seen != tr.completed and trio.current_time() < tr.deadline:
-            seen = tr.completed
-            with trio.move_on_at(min(trio.current_time() + grace, tr.deadline)):
-                await tr.done.wait()
-            if tr.done.is_set():
-                return
-        self._shard.abort(tr, "was cancelled, and its deadline passed before its posted "
-                              "pieces finished" if trio.current_time() >= tr.deadline else
-                          f"was cancelled and none of its posted pieces finished within "
-                          f"{grace:g} s")
-        await tr.done.wait()
-
     async def wait(self, *, drain: bool = False) -> int:
         """Return the piece count once every piece completed; raise
         ``TransferError``/``EngineClosed`` if one failed, ``TransferTimeout``
         when its deadline passed first (the write is torn down, see
-        :meth:`abort`). Cancellation stops posting, waits (shielded) for
-        what was posted, tears down what is still in flight once
-        ``EngineConfig.cancel_grace_s`` passes with none of it completing,
-        then re-raises: either way nothing of
+        :meth:`abort`). Cancellation stops posting, waits (shielded) up to
+        ``EngineConfig.cancel_grace_s`` for what was posted, tears down what
+        is still in flight after that, then re-raises: either way nothing of
         it is posted any more when this returns or raises. With ``drain``,
         cancellation is :meth:`cancel` ``(drain=True)``: a write under way
         gets up to ``DRAIN_S`` (or the grace, if longer) to end.
@@ -150,7 +129,14 @@ class Transfer:
             except trio.Cancelled:
                 shard.cancel(tr, drain=drain)
                 with trio.CancelScope(shield=True):
-                    await self._settle(max(self._grace_s, DRAIN_S) if drain else self._grace_s)
+                    with trio.move_on_after(max(self._grace_s, DRAIN_S) if drain
+                                            else self._grace_s):
+                        await tr.done.wait()
+                    if not tr.done.is_set():
+                        waited = max(self._grace_s, DRAIN_S) if drain else self._grace_s
+                        shard.abort(tr, f"was cancelled and its posted pieces did not "
+                                        f"finish within {waited:g} s")
+                        await tr.done.wait()
                 raise
             finally:
                 self._clock.mark()

@@ -227,20 +227,25 @@ class EmbeddedBackend(MembershipBackend):
         member suspect; a refusal makes it dead now; no answer, at the end
         of the check."""
         swim = self.swim
-        host, port = split_hostport(address)
-        s = trio.socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                               socket.SOCK_STREAM)
         verdict = "silent"
+        s: trio.socket.SocketType | None = None
         try:
+            # A gossiped address is the member's word (checked for shape
+            # only), and a socket may be refused us (descriptors run out):
+            # either is no answer, never an error out of this task.
+            host, port = split_hostport(address)
+            s = trio.socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                   socket.SOCK_STREAM)
             with trio.move_on_after(self.config.host_check * 0.8):
                 await s.connect((host, port))
                 verdict = "answered"
         except ConnectionRefusedError:
             verdict = "refused"
-        except OSError as exc:  # unreachable and such: no answer
-            verdict = f"silent ({exc.strerror or exc})"
+        except (OSError, MembershipError) as exc:  # unreachable and such: no answer
+            verdict = f"silent ({exc})"
         finally:
-            s.close()
+            if s is not None:
+                s.close()
         if verdict == "answered":
             swim.host_answered(name, incarnation)
         elif verdict == "refused":

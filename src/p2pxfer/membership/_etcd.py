@@ -46,7 +46,7 @@ from ._wire import ClusterAuth
 __all__ = ["EtcdBackend"]
 
 VALUE_VERSION = 1
-KEEPALIVE_RETRY_S = 0.25  # a failed lease keepalive is tried again this soon
+KEEPALIVE_RETRY_S = 0.25  # a failed lease keepalive is tried again this soon, then later
 
 
 def _b64(data: str | bytes) -> str:
@@ -182,26 +182,34 @@ class EtcdBackend(MembershipBackend):
         # again soon.
         interval = max(self.ttl / 3, 0.2)
         next_at = trio.current_time() + interval
+        retry = KEEPALIVE_RETRY_S
+        renew = False  # a new lease (and our key on it) is due
         while True:
             with trio.move_on_at(next_at):
                 await self._lease_lost.wait()
+            if self._lease_lost.is_set():
+                self._lease_lost = trio.Event()
+                renew = True
             started = trio.current_time()
             try:
-                if self._lease_lost.is_set():
-                    self._lease_lost = trio.Event()
-                    await self._renew()
-                else:
+                if not renew:
                     data = await self._call("/v3/lease/keepalive", {"ID": self._lease})
                     if int(data.get("result", {}).get("TTL", 0)) <= 0:
                         self.log.warning("membership.lease_lost", lease=self._lease)
-                        await self._renew()
+                        renew = True
                     else:
                         me = self._view[self.name]
                         self._view[self.name] = replace(me, last_heard=trio.current_time())
-                next_at = started + interval
+                if renew:
+                    # Until both are done: a new lease may hold no key of ours.
+                    await self._renew()
+                    renew = False
+                next_at, retry = started + interval, KEEPALIVE_RETRY_S
             except MembershipError as exc:
-                self.log.warning("membership.keepalive_failed", error=str(exc))
-                next_at = trio.current_time() + min(interval, KEEPALIVE_RETRY_S)
+                self.log.warning("membership.keepalive_failed", error=str(exc),
+                                 retry_s=min(interval, retry))
+                next_at = trio.current_time() + min(interval, retry)
+                retry *= 2  # etcd may be down a while: do not hammer it
             self._purge(trio.current_time())
 
     async def _renew(self) -> None:

@@ -173,17 +173,15 @@ class Swim(_SwimProbing, _SwimReceiving):
         """``name``'s host accepted a connection on its port: its process is
         there, if not scheduled. It stays suspect (``starved_grace``)."""
         r = self._reprieved.get(name)
-        e = self._members.get(name)
-        if r is not None and e is not None and e.incarnation == incarnation:
-            r[1] = True
+        if r is not None and r.of[0] == incarnation:
+            r.answered = True
 
     def host_refused(self, name: str, incarnation: int, now: float) -> None:
         """``name``'s host refused the connection: no process listens there
         any more. It is dead at the next ``tick``."""
-        e = self._members.get(name)
-        if name in self._reprieved and e is not None and e.incarnation == incarnation \
-                and name in self._suspects:
-            self._reprieved[name][1] = False
+        r = self._reprieved.get(name)
+        if r is not None and r.of[0] == incarnation and name in self._suspects:
+            r.answered = False
             self._suspects[name] = now
 
     def suspect(self, name: str, now: float) -> bool:

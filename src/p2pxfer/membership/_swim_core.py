@@ -49,6 +49,7 @@ from ._swim_types import (
     _newer,
     _Probe,
     _rec_size,
+    _Reprieve,
 )
 from ._wire import TAG_SIZE, ClusterAuth, Record, encode
 
@@ -80,8 +81,7 @@ class _SwimCore:
         self._order: list[str] = []
         self._order_pos = 0
         self._suspects: dict[str, float] = {}  # name -> suspicion deadline
-        # name -> [when its suspicion first ran out, its host answered since]
-        self._reprieved: dict[str, list[Any]] = {}
+        self._reprieved: dict[str, _Reprieve] = {}  # suspects whose hosts are asked
         self._host_checks: list[tuple[str, int, str]] = []  # for the caller to make
         # our ping seq -> (requester address, requester name, its seq, target, expiry)
         # (address and via the request came through, ...)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ._member import STATE_RANK, MemberDead
 from ._swim_core import _SwimCore
-from ._swim_types import _RUNNING, ALIVE, DEAD, Outgoing, _Entry, _Probe
+from ._swim_types import _RUNNING, ALIVE, DEAD, Outgoing, _Entry, _Probe, _Reprieve
 
 
 class _SwimProbing(_SwimCore):
@@ -97,18 +97,26 @@ class _SwimProbing(_SwimCore):
     def _reprieve(self, e: _Entry, now: float) -> bool:
         """``e``'s suspicion ran out: ask its host first (``host_check``).
         True while it stays suspect: its first expiry, then as long as the
-        host answered within each check and ``starved_grace`` lasts."""
+        host answered within each check and ``starved_grace`` lasts. The
+        checks come further apart each time (a starved host's accept queue
+        holds every one until its process runs). A suspicion of another
+        life or version of ``e`` starts afresh."""
         cfg = self.config
         if cfg.host_check <= 0:
             return False
         r = self._reprieved.get(e.name)
+        if r is not None and r.of != (e.incarnation, e.version):
+            r = None
         if r is None:
-            r = self._reprieved[e.name] = [now, False]
-        elif not r[1] or now - r[0] >= cfg.starved_grace:
+            r = self._reprieved[e.name] = _Reprieve(now, (e.incarnation, e.version))
+        elif not r.answered or now - r.since >= cfg.starved_grace:
             del self._reprieved[e.name]
             return False
-        r[1] = False
-        self._suspects[e.name] = now + cfg.host_check
+        r.answered = False
+        wait = cfg.host_check * (1 << min(r.checks, 4))
+        r.checks += 1
+        left = r.since + cfg.starved_grace - now
+        self._suspects[e.name] = now + max(cfg.host_check, min(wait, left))
         self._host_checks.append((e.name, e.incarnation, e.address))
         return True
 

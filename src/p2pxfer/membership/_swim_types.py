@@ -131,6 +131,18 @@ class _Counters:
     sent_by_kind: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Reprieve:
+    """A suspect kept from its verdict while its host answers
+    (``SwimConfig.host_check``): since when, for which life and version,
+    whether the last check was answered, how many were made."""
+
+    since: float
+    of: tuple[int, int]
+    answered: bool = False
+    checks: int = 0
+
+
 class _Entry:
     """Our mutable record of one member (snapshots are ``Member``). ``missed``:
     per address, how many of our probes in a row it left unanswered."""

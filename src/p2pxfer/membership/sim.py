@@ -72,6 +72,7 @@ class SimCluster:
         # Starved members: what reached them meanwhile, delivered on resume.
         self.paused: dict[str, list[tuple[str, bytes, str]]] = {}
         self.gone: set[str] = set()  # addresses of killed members: their hosts refuse
+        self.host_checks = 0  # connections members made to ask hosts
 
     # -- membership of the simulation ------------------------------------------
 
@@ -269,6 +270,7 @@ class SimCluster:
         self.events[node.me.name] += node.take_events()
         src = node.me.address
         for name, inc, address in node.take_host_checks():
+            self.host_checks += 1
             # A host that hears us answers for a process there (running or
             # starved); one whose member was killed refuses; a cut one is silent.
             if not self.net.passes(src, address):
