@@ -220,18 +220,28 @@ def procs() -> Iterator[list[Any]]:
     stop_all(out)
 
 
-def test_embedded_discovery_kill_and_restart(tmp_path: Path, procs: list[Any]) -> None:
+def three_members(workdir: Path, procs: list[Any], backend: str, **keys: Any
+                  ) -> tuple[dict[str, int], DaemonProc, DaemonProc, DaemonProc]:
+    """node-a, node-b and node-c (embedded: seeded by node-a), once each
+    sees all three alive; their control ports and the daemons."""
     ports = {n: free_port() for n in ("node-a", "node-b", "node-c")}
-    seed = [f"{LOOPBACK}:{ports['node-a']}"]
-    keys = {"membership": "embedded", "cluster_token": TOKEN, "seeds": seed}
+    keys = {"membership": backend, "cluster_token": TOKEN, **keys}
+    if backend == "embedded":
+        keys["seeds"] = [f"{LOOPBACK}:{ports['node-a']}"]
     ds = {}
     for n, port in ports.items():
-        ds[n] = start_member(tmp_path, n, port, **keys)
+        ds[n] = start_member(workdir, n, port, **keys)
         procs.append(ds[n])
-    a, b, c = ds["node-a"], ds["node-b"], ds["node-c"]
-    for d in (a, b, c):
+    for d in ds.values():
         wait_for(lambda d=d: states(d) == {n: "alive" for n in ports},
                  f"{d.name} to see all three alive")
+    return ports, ds["node-a"], ds["node-b"], ds["node-c"]
+
+
+def test_embedded_discovery_kill_and_restart(tmp_path: Path, procs: list[Any]) -> None:
+    ports, a, b, c = three_members(tmp_path, procs, "embedded")
+    keys = {"membership": "embedded", "cluster_token": TOKEN,
+            "seeds": [f"{LOOPBACK}:{ports['node-a']}"]}
     view = members(a)
     assert view["node-b"]["address"] == f"{LOOPBACK}:{ports['node-b']}"
     assert view["node-a"]["incarnation"] == a.status()["incarnation"]
@@ -309,15 +319,7 @@ def test_a_stopped_member_is_suspect_not_dead_while_its_host_answers(
     dead, and once it runs again it refutes and takes writes as before."""
     from p2pxfer.daemon._follow import STARVED_GRACE_S
 
-    ports = {n: free_port() for n in ("node-a", "node-b", "node-c")}
-    keys = {"membership": "embedded", "cluster_token": TOKEN,
-            "seeds": [f"{LOOPBACK}:{ports['node-a']}"]}
-    ds = {n: start_member(tmp_path, n, port, **keys) for n, port in ports.items()}
-    procs.extend(ds.values())
-    a, b, c = ds["node-a"], ds["node-b"], ds["node-c"]
-    for d in (a, b, c):
-        wait_for(lambda d=d: states(d) == {n: "alive" for n in ports},
-                 f"{d.name} to see all three alive")
+    _, a, b, c = three_members(tmp_path, procs, "embedded")
     plan = Plan(0x5709, pieces=64, min_len=4 << 10, max_len=16 << 10, region=4 << 20)
     target = Agent("trio", b.socket, "target")
     initiator = Agent("trio", a.socket, "initiator")
@@ -365,15 +367,7 @@ def test_wrong_token_cannot_join(tmp_path: Path, procs: list[Any]) -> None:
 
 
 def test_etcd_discovery_and_transfer(etcd: str, tmp_path: Path, procs: list[Any]) -> None:
-    keys = {"membership": "etcd", "cluster_token": TOKEN, "etcd_endpoint": etcd}
-    ds = {}
-    for n in ("node-a", "node-b", "node-c"):
-        ds[n] = start_member(tmp_path, n, free_port(), **keys)
-        procs.append(ds[n])
-    a, b, c = ds["node-a"], ds["node-b"], ds["node-c"]
-    for d in (a, b, c):
-        wait_for(lambda d=d: states(d) == {n: "alive" for n in ds},
-                 f"{d.name} to see all three alive")
+    _, a, b, c = three_members(tmp_path, procs, "etcd", etcd_endpoint=etcd)
     plan = Plan(0xE7CD, pieces=128, min_len=4 << 10, max_len=32 << 10, region=8 << 20)
     target = Agent("trio", b.socket, "target")
     procs.append(target)
