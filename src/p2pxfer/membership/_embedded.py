@@ -4,7 +4,9 @@ One datagram socket per address of the member: its membership address (a
 loopback or namespace address in tests), and one per further rail
 (``rails``), all advertised, so the member is probed on every rail. One task
 per socket receives and answers; one runs the protocol's timers at
-``Swim.next_deadline()``.
+``Swim.next_deadline()``; a short one per host check (a TCP connection to a
+suspect's address, ``SwimConfig.host_check``) reports its answer. All run
+in the trio thread, which owns the ``Swim`` state.
 What must not live here: protocol rules (``_swim*.py``).
 """
 
