@@ -172,6 +172,11 @@ async def returns_without_blocking(fn: Callable[[], Awaitable[object]]) -> None:
     assert not blocked, f"{fn} blocked"
 
 
+def inflight(engine: Engine) -> list[int]:
+    """Pieces posted and not yet completed, per NIC."""
+    return [n.inflight for n in engine.statistics().nics]
+
+
 @contextmanager
 def stalled(engine: Engine) -> Iterator[None]:
     """``stall(engine, ...)`` for the block, restarted however it ends."""

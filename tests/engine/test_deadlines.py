@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import trio
 
-from conftest import engine_config, stall
+from conftest import engine_config, inflight, stall
 from p2pxfer.client import SyncClient, connect
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.errors import (
@@ -57,10 +57,6 @@ async def engines(n: int, **kw: Any) -> AsyncIterator[list[Engine]]:
     async with AsyncExitStack() as stack:
         yield [await stack.enter_async_context(open_engine(engine_config(PROVIDER, **kw)))
                for _ in range(n)]
-
-
-def inflight(engine: Engine) -> list[int]:
-    return [n.inflight for n in engine.statistics().nics]
 
 
 async def test_a_write_to_a_stalled_peer_times_out_and_the_peer_works_again() -> None:

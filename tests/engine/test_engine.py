@@ -27,7 +27,7 @@ import pytest
 import trio
 
 import p2pxfer
-from conftest import engine_config, returns_without_blocking, stalled, wait_until
+from conftest import engine_config, inflight, returns_without_blocking, stalled, wait_until
 from conftest import engine_pair as pair
 from p2pxfer.engine import Engine, open_engine
 from p2pxfer.engine._engine import INLINE_NS_PER_KIB
@@ -404,11 +404,6 @@ async def test_many_cancelled_writers_leave_engine_clean(provider: str) -> None:
 # -- closing with transfers in flight --------------------------------------------
 
 
-def nic_inflight(engine: Engine) -> list[int]:
-    """Pieces posted and not yet completed, per NIC."""
-    return [n.inflight for n in engine.statistics().nics]
-
-
 async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
     size = 256 << 20  # still in flight when aclose comes (tcp: ~3 GB/s here)
     source = random_bytes(8, size)
@@ -434,7 +429,7 @@ async def test_aclose_fails_inflight_writers_with_engine_closed() -> None:
                     with stalled(b):  # no write can finish before aclose
                         for k in range(4):
                             nursery.start_soon(writer, k)
-                        await wait_until(lambda: sum(nic_inflight(a)) > 0, STEP,
+                        await wait_until(lambda: sum(inflight(a)) > 0, STEP,
                                          "pieces on the wire")
                     # The close's flush of posted pieces needs the target to
                     # read them: restarted right before it.
@@ -487,7 +482,7 @@ async def test_leaving_engine_block_fails_writers_in_outer_nursery() -> None:
                 with stalled(b):  # no write can finish before the block ends
                     for k in range(3):
                         nursery.start_soon(writer, a, k)
-                    await wait_until(lambda: sum(nic_inflight(a)) > 0, STEP,
+                    await wait_until(lambda: sum(inflight(a)) > 0, STEP,
                                      "pieces on the wire")
                 # (restarted: the close's flush needs the target to read)
         assert len(errors) == 3
@@ -526,7 +521,7 @@ async def test_close_fails_writers_waiting_for_a_slot() -> None:
                     with stalled(b):  # no write can finish before aclose
                         for k in range(4):
                             nursery.start_soon(writer, k)
-                        await wait_until(lambda: sum(nic_inflight(a)) > 0, STEP,
+                        await wait_until(lambda: sum(inflight(a)) > 0, STEP,
                                          "pieces on the wire")
                     await a.aclose()  # b restarted: the flush needs it to read
             nics = a.statistics().nics

@@ -165,9 +165,8 @@ class PollerLoop:
                 # Drained: only a write none of which went out stops here; one
                 # under way goes on to its end (its notification too), so what
                 # it posted lands before it ends (``Shard.cancel``).
-                if what == "drain" and any(tr.w.batch.posted_by_cursor()):
-                    pass
-                elif s._queues.remove(tr):
+                under_way = what == "drain" and any(tr.w.batch.posted_by_cursor())
+                if not under_way and s._queues.remove(tr):
                     tr.cancel_requested = True
                     never = tr.w.batch.cancel()
                     tr.w.batch.unposted_at_cancel = never

@@ -40,7 +40,8 @@ implementations share):
   one's. Before the verdict the caller connects to its address (the
   daemon's control port shares it): a kernel that still accepts for the
   port means the process is there, and the member stays suspect, checked
-  again each ``host_check``, for up to ``starved_grace``; a refusal (the
+  again (``host_check``, then twice, four times... that apart), for up to
+  ``starved_grace``; a refusal (the
   process is gone) makes it dead at once, no answer (a silent host) at the
   end of the check.
 - **Join and trust.** Every datagram carries an HMAC tag under the cluster
@@ -181,7 +182,7 @@ class Swim(_SwimProbing, _SwimReceiving):
         any more. It is dead at the next ``tick``."""
         r = self._reprieved.get(name)
         if r is not None and r.of[0] == incarnation and name in self._suspects:
-            r.answered = False
+            r.answered = False  # whatever an earlier check said
             self._suspects[name] = now
 
     def suspect(self, name: str, now: float) -> bool:

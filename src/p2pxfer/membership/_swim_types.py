@@ -65,7 +65,7 @@ class SwimConfig:
     host_check: float = 0.0
     #: ... a host that answers for the port (the member's process is there,
     #: if starved: not scheduled, its datagrams unread) keeps it suspect,
-    #: checked again each ``host_check``, for up to this long in all; a
+    #: checked again further apart each time, for up to this long in all; a
     #: refusal, or no answer in time, makes it dead
     starved_grace: float = 0.0
 
