@@ -15,6 +15,13 @@ from test_membership_daemon import PEER_LOST_WITHIN, lan_members, start_in, stat
 
 from daemon_helpers import Agent, Plan, wait_for
 from netns import ip
+from p2pxfer.daemon._follow import HOST_CHECK_S
+from p2pxfer.engine import EngineConfig
+
+#: h1 cut off is dead at h0 within what a killed member takes (its host
+#: refuses the check at once) plus the check a silent host gets to answer
+SILENT_DEAD_WITHIN = PEER_LOST_WITHIN["embedded"] + HOST_CHECK_S + 2.0
+CANCEL_GRACE_S = EngineConfig().cancel_grace_s
 
 
 @pytest.mark.netns
@@ -54,12 +61,17 @@ def test_membership_ends_a_write_to_a_silent_peer_and_others_go_on(tmp_path: Pat
                 t0 = time.monotonic()
                 agents["other"].ok("write", "h2", "r2", plan, 3 + i)
                 times.append(time.monotonic() - t0)
+            wait_for(lambda: states(ds["h0"]).get("h1") == "dead", "h0 to see h1 dead",
+                     timeout=30, interval=0.02)
+            verdict = time.monotonic() - t_cut
             reply = agents["loop"].wait_reply("the write to the silent h1 to fail",
                                               timeout=30)
-            took = time.monotonic() - t_cut
+            ended = time.monotonic() - t_cut - verdict
             assert reply[:3] == ("raised", "PeerLost", "peer_lost"), reply
-            # The verdict, then at most the engine's cancel grace (1 s), then slack.
-            assert took < PEER_LOST_WITHIN["embedded"] + 1.0 + 2.0, took
+            assert verdict < SILENT_DEAD_WITHIN, verdict
+            # The verdict ends the write: at most the engine's cancel grace (its
+            # posted pieces never complete), then slack.
+            assert ended < CANCEL_GRACE_S + 2.0, (verdict, ended)
             assert max(times) < 3 * base + 1.0, (times, base)
         finally:
             # The cut-off host is killed, not stopped: its daemon, closing its
