@@ -131,6 +131,11 @@ def scenario_rows(doc: dict[str, Any]) -> list[str]:
                             f"{r['ratio']:.1f}x", "-", "-",
                             f"p99 {r['p99_us']:.0f} us; round p50s {min(rounds):.0f}-"
                             f"{max(rounds):.0f} us"))
+        elif "gap_ms" in r:  # latency after the target idled
+            out.append(_row(p, name, f"{r['p50_us']:.0f} us p50",
+                            f"{r['baseline_p50_us']:.0f} us p50", f"{r['ratio']:.1f}x", "-", "-",
+                            f"each after {r['gap_ms']:g} ms idle; p99 {r['p99_us']:.0f} us "
+                            f"(C {r['baseline_p99_us']:.0f} us)"))
         elif "pingpong_rtt_p50_us" in r:  # latency
             out.append(_row(p, name, f"{r['p50_us']:.0f} us p50",
                             f"{r['baseline_p50_us']:.0f} us p50", f"{r['ratio']:.1f}x", "-", "-",

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <sys/socket.h>
@@ -20,11 +21,49 @@
  * wake-ups take a core's share from the writer and the target. */
 #define P2P_HOLD_NAP_NS 250000
 
+/* A bell rung this recently is not rung again: its target, woken by it, spins
+ * its bell_spin_ns (and on after each completion it reads meanwhile), so a
+ * stream of small writes sends a datagram every few writes, not each one. */
+#define P2P_RING_GAP_NS 200000
+/* Datagrams read off a doorbell per wake-up at most: all that queued (the
+ * kernel keeps a few, net.unix.max_dgram_qlen), yet a flood cannot keep the
+ * poller draining. */
+#define P2P_BELL_DRAIN 1024
+
 int64_t p2p_now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen)
+{
+    if (namelen <= 0 || (size_t)namelen > sizeof(b->addr.sun_path))
+        return -FI_EINVAL;
+    memset(b, 0, sizeof(*b));
+    b->fd = fd;
+    b->addr.sun_family = AF_UNIX;
+    memcpy(b->addr.sun_path, name, (size_t)namelen);
+    b->len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + (size_t)namelen);
+    b->last_ns = INT64_MIN / 2;
+    return 0;
+}
+
+/* One datagram to the target's doorbell, unless rung within P2P_RING_GAP_NS.
+ * Never blocks; a target that is gone or not listening (another network
+ * namespace, an older p2pxfer) makes it fail silently: the target's own
+ * back-off still bounds the wait. */
+static void ring(struct p2p_bell *b)
+{
+    int64_t now = p2p_now_ns();
+
+    if (now - __atomic_load_n(&b->last_ns, __ATOMIC_RELAXED) < P2P_RING_GAP_NS)
+        return;
+    __atomic_store_n(&b->last_ns, now, __ATOMIC_RELAXED);
+    if (sendto(b->fd, "", 1, MSG_DONTWAIT | MSG_NOSIGNAL, (const struct sockaddr *)&b->addr,
+               b->len) == 1)
+        __atomic_add_fetch(&b->rings, 1, __ATOMIC_RELAXED);
 }
 
 /* Post pieces [start, end) as RMA writes. Returns the index of the first piece
@@ -126,6 +165,9 @@ int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns)
     p->backoff_max_ns = backoff_max_ns;
     p->entries = 0;
     p->hold = 0;
+    p->nbell = 0;
+    p->bell_spin_ns = 0;
+    p->bells = 0;
     return 0;
 }
 
@@ -137,6 +179,14 @@ int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fi
     p->cq[p->ncq] = cq;
     p->fd[p->ncq] = fd;
     p->ncq++;
+    return 0;
+}
+
+int p2p_poller_add_bell(struct p2p_poller *p, int fd)
+{
+    if (p->nbell >= P2P_MAX_CQ)
+        return -FI_ENOMEM;
+    p->bell_fd[p->nbell++] = fd;
     return 0;
 }
 
@@ -238,6 +288,9 @@ static int post_pass(struct p2p_cursor *cur, int ncur)
                                       c->context, &c->err);
         for (i = from; i < c->next; i++)
             c->bytes_posted += c->len[i];
+        /* Posted a piece whose completion waits for the target: wake it. */
+        if (c->bell && c->next > from && (c->with_imm || c->next > c->dc_from))
+            ring(c->bell);
         pending |= c->next < c->end && !c->err;
     }
     return pending;
@@ -256,7 +309,7 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
                     const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                     int64_t start, int64_t end, uint64_t src_base, void *src_desc,
                     uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
-                    uint64_t context, int64_t dc_from)
+                    uint64_t context, int64_t dc_from, struct p2p_bell *bell)
 {
     struct p2p_cursor *c = &cur[i];
     c->ep = ep;
@@ -276,6 +329,7 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
     c->err = 0;
     c->bytes_posted = 0;
     c->dc_from = dc_from;
+    c->bell = bell;
 }
 
 /* Post every cursor's pieces, draining the CQs into the run table whenever a
@@ -314,15 +368,27 @@ static void drain_wake_fd(int fd)
     (void)r;
 }
 
-/* Block until a CQ or the wake fd is readable, or timeout_ns passes. Where
- * every CQ has a wait fd, fi_trywait makes sure nothing is left unread before
- * we sleep; otherwise we sleep a growing back-off (capped), which keeps an idle
- * shm poller near 0% CPU at the cost of up to backoff_max_ns of latency. */
+static void drain_bell(int fd)
+{
+    char buf[16];
+    int k;
+
+    for (k = 0; k < P2P_BELL_DRAIN; k++)
+        if (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) < 0)
+            break;
+}
+
+/* Block until a CQ, a doorbell or the wake fd is readable, or timeout_ns
+ * passes. Where every CQ has a wait fd, fi_trywait makes sure nothing is left
+ * unread before we sleep; otherwise we sleep a growing back-off (capped),
+ * which keeps an idle shm poller near 0% CPU, and a peer about to need our
+ * progress rings a doorbell. Returns 1 if the wake fd fired, 2 if a doorbell
+ * rang, else 0. */
 static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
 {
-    struct pollfd pfd[P2P_MAX_CQ + 1];
+    struct pollfd pfd[2 * P2P_MAX_CQ + 1];
     struct timespec ts;
-    int n = 0, c, rc;
+    int n = 0, c, rc, first_bell, rung = 0;
     int blockable = all_have_fds(p);
     int64_t sleep_ns = timeout_ns;
 
@@ -342,6 +408,12 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
         if (sleep_ns < 0 || sleep_ns > p->backoff_ns)
             sleep_ns = p->backoff_ns;
     }
+    first_bell = n;
+    for (c = 0; c < p->nbell; c++) {
+        pfd[n].fd = p->bell_fd[c];
+        pfd[n].events = POLLIN;
+        n++;
+    }
     if (p->wake_fd >= 0) {
         pfd[n].fd = p->wake_fd;
         pfd[n].events = POLLIN;
@@ -352,9 +424,27 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
         ts.tv_nsec = sleep_ns % 1000000000LL;
     }
     rc = ppoll(pfd, (nfds_t)n, sleep_ns >= 0 ? &ts : NULL, NULL);
-    if (rc > 0 && p->wake_fd >= 0 && (pfd[n - 1].revents & POLLIN)) {
+    if (rc <= 0)
+        return 0;
+    if (p->wake_fd >= 0 && (pfd[n - 1].revents & POLLIN)) {
         drain_wake_fd(p->wake_fd);
         return 1;
+    }
+    for (c = p->nbell - 1; c >= 0; c--) {
+        short ev = pfd[first_bell + c].revents;
+        if (ev & POLLIN) {
+            drain_bell(p->bell_fd[c]);
+            rung = 1;
+        } else if (ev & (POLLERR | POLLNVAL)) {
+            /* Not a socket we can read any more: never poll it again (it
+             * would wake every ppoll at once). */
+            p->bell_fd[c] = p->bell_fd[--p->nbell];
+        }
+    }
+    if (rung) {
+        p->bells++;
+        p->backoff_ns = 0;
+        return 2;
     }
     return 0;
 }
@@ -388,6 +478,7 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
                             int64_t spin_ns, int64_t timeout_ns)
 {
     int64_t nruns = 0, start = p->entries, t0 = p2p_now_ns(), active = t0;
+    int woke;
 
     p->err_cq = -1;
     if (min_entries < 1)
@@ -424,7 +515,16 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
         left = timeout_ns < 0 ? -1 : timeout_ns - (now - t0);
         if (timeout_ns > 0 && left <= 0)
             break;
-        if (wait_for_work(p, left)) {
+        woke = wait_for_work(p, left);
+        if (woke == 2) {
+            /* Rung: a peer just posted what needs our progress. Spin for it
+             * (reading progresses the provider) instead of napping on. */
+            active = p2p_now_ns();
+            if (spin_ns < p->bell_spin_ns)
+                spin_ns = p->bell_spin_ns;
+            continue;
+        }
+        if (woke) {
             /* Woken on purpose: report what is there, unless a holder polls
              * these CQs for its own completion right now. */
             if (!__atomic_load_n(&p->hold, __ATOMIC_ACQUIRE))

@@ -7,6 +7,8 @@
 #define P2P_H
 
 #include <stdint.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
@@ -14,6 +16,21 @@
 #include <rdma/fi_eq.h>
 
 #define P2P_MAX_CQ 16
+
+/* A shm target's doorbell, as an initiator sees it: the target's abstract
+ * unix datagram socket (its name) and this process's sending socket. shm CQs
+ * have no wait fd, so an idle shm target naps between looks at its CQ; a
+ * piece whose completion needs the target's progress (delivery-complete, or
+ * one carrying an immediate) rings it right after it is posted, at most once
+ * per P2P_RING_GAP_NS per bell (a target rung that recently still spins). */
+struct p2p_bell {
+    int fd;
+    socklen_t len;
+    int64_t last_ns;             /* when it was last rung (read and written by
+                                  * whichever thread posts: a lost race rings twice) */
+    int64_t rings;               /* datagrams sent, lifetime */
+    struct sockaddr_un addr;
+};
 
 /* What one drain produced: runs of consecutive completions that share
  * (cq, context, flags, data), so a batch of thousands of pieces reaches Python
@@ -37,6 +54,10 @@ struct p2p_poller {
     int64_t entries;             /* completions seen, lifetime */
     int32_t hold;                /* nonzero: another thread is polling these CQs for a
                                   * small write; progress keeps its hands off them */
+    int nbell;
+    int bell_fd[P2P_MAX_CQ];     /* our shm rails' doorbells, slept on with the wake fd */
+    int64_t bell_spin_ns;        /* once rung, spin at least this long: a piece is due */
+    int64_t bells;               /* times a doorbell woke this poller, lifetime */
 };
 
 /* One rail's share of a transfer, for p2p_post_cursors: pieces [next, end)
@@ -60,6 +81,7 @@ struct p2p_cursor {
     int64_t bytes_posted;
     int64_t dc_from;             /* pieces from this index on are posted with
                                   * FI_DELIVERY_COMPLETE (INT64_MAX: none) */
+    struct p2p_bell *bell;       /* the peer's doorbell, or NULL (not shm) */
 };
 
 int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
@@ -81,6 +103,8 @@ int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
 
 int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
 int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq, int fd);
+int p2p_poller_add_bell(struct p2p_poller *p, int fd);
+int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen);
 int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
                             int64_t spin_ns, int64_t timeout_ns);
 
@@ -90,7 +114,7 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
                     const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                     int64_t start, int64_t end, uint64_t src_base, void *src_desc,
                     uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
-                    uint64_t context, int64_t dc_from);
+                    uint64_t context, int64_t dc_from, struct p2p_bell *bell);
 int p2p_tcp_reset(int fd);
 
 int p2p_mr_reg_hmem(struct fid_domain *domain, uint64_t address, size_t len, uint64_t access,

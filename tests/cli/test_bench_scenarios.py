@@ -39,6 +39,18 @@ def test_latency_against_the_c_write_and_ping_pong(provider: str) -> None:
         assert r["ratio"] == pytest.approx(r["p50_us"] / r["baseline_p50_us"])
 
 
+@pytest.mark.parametrize("provider", [TCP, "shm"])
+def test_latency_after_the_target_idled(provider: str) -> None:
+    recs = run_scenario("latency", provider=provider, sizes=(65536,), iters=5,
+                        gaps_ms=(2.0,), gap_iters=4)
+    gap = [r for r in recs if "gap_ms" in r]
+    assert [(r["bytes"], r["gap_ms"], r["iterations"]) for r in gap] == [(65536, 2.0, 4)]
+    (r,) = gap
+    assert r["pattern"] == "one 64KiB write after 2 ms idle"
+    assert 0 < r["p50_us"] <= r["p99_us"] and 0 < r["baseline_p50_us"] <= r["baseline_p99_us"]
+    assert r["ratio"] == pytest.approx(r["p50_us"] / r["baseline_p50_us"])
+
+
 def test_idle_engine_cpu() -> None:
     (rec,) = run_scenario("idle", provider=TCP, seconds=0.3)
     assert 0 <= rec["cpu_fraction_of_core"] < 0.5

@@ -130,11 +130,15 @@ def dry_run(providers: tuple[str, ...], json_path: str | None, pages: int, page_
 @click.option("--size", "sizes", multiple=True, callback=_size,
               help="bytes per write; repeat [4KiB, 64KiB, 1MiB]")
 @click.option("--iterations", type=click.IntRange(1), default=400, show_default=True)
+@click.option("--gap-ms", "gaps_ms", multiple=True, type=click.FloatRange(min=0.0),
+              help="also each size once after the target idled this long; repeat")
+@click.option("--gap-iterations", type=click.IntRange(1), default=50, show_default=True)
 def latency(providers: tuple[str, ...], json_path: str | None, sizes: tuple[int, ...],
-            iterations: int) -> None:
-    """One write at a time: ours, the C reference's, and a C ping-pong."""
+            iterations: int, gaps_ms: tuple[float, ...], gap_iterations: int) -> None:
+    """One write at a time: ours, the C reference's, and a C ping-pong; with
+    --gap-ms, single writes after the target idled."""
     _per_provider("latency", providers, json_path, sizes=sizes or (4 << 10, 64 << 10, 1 << 20),
-                  iters=iterations)
+                  iters=iterations, gaps_ms=gaps_ms, gap_iters=gap_iterations)
 
 
 @main.command()

@@ -131,12 +131,20 @@ async def dry_run(provider: str, pages: int = 4096, page_size: int = 64 << 10,
 
 
 async def latency(provider: str, sizes: tuple[int, ...] = (4 << 10, 64 << 10, 1 << 20),
-                  iters: int = 400) -> list[Record]:
+                  iters: int = 400, gaps_ms: tuple[float, ...] = (),
+                  gap_iters: int = 50) -> list[Record]:
     """One write of one piece at a time: ours and the C reference's write
-    (post to local completion), and the C ping-pong round trip."""
+    (post to local completion), and the C ping-pong round trip. For each of
+    ``gaps_ms``, also each size written once after the target idled that
+    long, ``gap_iters`` times (ours and the C reference alternating): what a
+    napping target costs the first write of a burst."""
     out: list[Record] = []
     async with _setup(provider, max(sizes)) as (engine, src, dst, _pid, base):
         assert base is not None
+        for gap in gaps_ms:
+            for size in sizes:
+                out.append(await _after_idle(provider, engine, src, dst, base, size, gap,
+                                             gap_iters))
         for size in sizes:
             sl = ScatterList.contiguous(size)
             plan = base.plan(sl)
@@ -160,6 +168,29 @@ async def latency(provider: str, sizes: tuple[int, ...] = (4 << 10, 64 << 10, 1 
                         "ratio": p50 / c50, "ratio_to_pingpong": p50 / r50,
                         "reference": "c-to-c"})
     return out
+
+
+async def _after_idle(provider: str, engine: Engine, src: np.ndarray, dst: RegionDescriptor,
+                      base: Reference, size: int, gap_ms: float, iters: int) -> Record:
+    """``iters`` single writes of ``size`` bytes, each after ``gap_ms`` of
+    nothing to its target; ours and the C reference's in turn."""
+    sl = ScatterList.contiguous(size)
+    plan = base.plan(sl)
+    await engine.write(src, dst, sl, imm=1)
+    base.block([plan], 1, TIMEOUT)
+    ours, ref = [], []
+    for _ in range(iters):
+        await trio.sleep(gap_ms / 1e3)
+        t0 = time.perf_counter()
+        await engine.write(src, dst, sl, imm=1)
+        ours.append(time.perf_counter() - t0)
+        time.sleep(gap_ms / 1e3)
+        ref.append(base.block([plan], 1, TIMEOUT)[1][0])
+    p50, c50 = _us(ours, 50), _us(ref, 50)
+    return {"provider": provider, "pattern": f"one {format_size(size)} write after "
+            f"{gap_ms:g} ms idle", "bytes": size, "iterations": iters, "gap_ms": gap_ms,
+            "p50_us": p50, "p99_us": _us(ours, 99), "baseline_p50_us": c50,
+            "baseline_p99_us": _us(ref, 99), "ratio": p50 / c50, "reference": "c-to-c"}
 
 
 async def idle(provider: str, seconds: float = 10.0) -> list[Record]:

@@ -91,7 +91,7 @@ class Express:
                 # (``abort``) must never be posted to.
                 left = self._cursor.post(t.rail, t.rail.peer(t.address), scatter.src,
                                          scatter.dst, scatter.length, base, t.src_desc,
-                                         t.dst_base, t.dst_key, imm, tid)
+                                         t.dst_base, t.dst_key, imm, tid, t.address)
             if not left:
                 end = time.perf_counter_ns() + budget_of(scatter.nbytes)
                 while True:

@@ -104,7 +104,7 @@ class WriteBatch:
         lib.p2p_cursor_set(self._c, i, rail.endpoint.handle, dest, *ptrs, start, end,
                            src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
                            self.context | (i << CURSOR_SHIFT),
-                           _NO_DC if dc_from is None else dc_from)
+                           _NO_DC if dc_from is None else dc_from, rail.bell_of(address))
         self.rails.append(rail_index)
         self.starts.append(start)
         self.ends.append(end)
@@ -223,14 +223,15 @@ class ExpressCursor:
 
     def post(self, rail: Rail, dest: int, src_off: I64, dst_off: I64, length: I64,
              src_base: int, src_desc: Any, dst_base: int, dst_key: int, imm: int | None,
-             context: int) -> bool:
+             context: int, address: bytes = b"") -> bool:
         """Post every piece; True if some are left (a full TX queue) or one
-        failed to post (``failed``)."""
+        failed to post (``failed``). ``address``: the peer endpoint's (its
+        doorbell is rung after a piece that needs its progress)."""
         ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in (src_off, dst_off, length))
         self._keep = ptrs  # the C cursor points into them until the next write
         lib.p2p_cursor_set(self._c, 0, rail.endpoint.handle, dest, *ptrs, 0, len(length),
                            src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
-                           context, _NO_DC)
+                           context, _NO_DC, rail.bell_of(address))
         return bool(lib.p2p_post_once(self._c, 1)) or bool(self._c[0].err)
 
     def hand_to(self, batch: WriteBatch) -> None:

@@ -23,6 +23,7 @@ from p2pxfer.errors import FabricError
 from p2pxfer.log import get_logger
 
 from ._batch import WriteBatch
+from ._bell import Bells, Doorbell
 from ._binding import ffi, lib, raise_fabric_error
 from ._info import FabricInfo, getinfo
 from ._objects import (
@@ -69,6 +70,10 @@ class Rail:
         self._mrs: set[MemoryRegion] = set()
         self._knocks = Knocks()
         self.address: bytes = self.endpoint.address
+        # shm targets nap (no CQ wait fd): peers ring this to wake our poller,
+        # and we ring theirs (``_bell.py``).
+        self.doorbell = Doorbell(self.address) if self.av.is_shm else None
+        self._bells = Bells() if self.av.is_shm else None
         self.imm_bytes = info.cq_data_size
         #: writes to one peer are placed in order (``FabricInfo.ordered_writes``)
         self.ordered = info.ordered_writes
@@ -160,6 +165,19 @@ class Rail:
             check_shm_peer(address)
         return self.av.insert(address)
 
+    def bell_of(self, address: bytes) -> Any:
+        """The doorbell to ring after posting to the peer at ``address``
+        what needs its progress (a ``struct p2p_bell *``); NULL where peers
+        have none (not shm)."""
+        if self._bells is None or not address:
+            return ffi.NULL
+        return self._bells.of(address)
+
+    @property
+    def rings(self) -> int:
+        """Doorbell datagrams sent to this rail's peers, lifetime."""
+        return self._bells.rings() if self._bells is not None else 0
+
     def disconnect(self, address: bytes) -> list[str]:
         """Forget the peer endpoint at ``address`` and drop what is queued
         for it: on an IP provider, this process's TCP connections to it are
@@ -225,6 +243,9 @@ class Rail:
         lands in our memory meanwhile."""
         if hasattr(self, "_knocks"):
             self._knocks.close()
+        bell = getattr(self, "doorbell", None)
+        if bell is not None:
+            bell.close()
         for mr in list(getattr(self, "_mrs", ())):
             mr.close()
         if process_exits and getattr(self, "_rxm_over_tcp", False):
@@ -322,8 +343,10 @@ class Poller:
 
     ``progress`` spins briefly, then sleeps on the CQs' wait fds (plus an
     optional wake-up eventfd), so an idle poller costs ~0% CPU. Where a CQ has
-    no wait fd (shm) it sleeps a growing back-off capped at ``backoff_max_ns``.
-    Not thread-safe: one thread calls ``progress``.
+    no wait fd (shm) it sleeps a growing back-off capped at ``backoff_max_ns``;
+    with ``bell_spin_ns`` it also sleeps on the rails' doorbells, and once
+    rung spins at least that long. Not thread-safe: one thread calls
+    ``progress``.
     """
 
     def __init__(
@@ -333,10 +356,18 @@ class Poller:
         max_runs: int = 1024,
         wake_fd: int = -1,
         backoff_max_ns: int = 200_000,
+        bell_spin_ns: int = 0,
     ) -> None:
         self.rails = list(rails)
         self._p = ffi.new("struct p2p_poller *")
         lib.p2p_poller_init(self._p, wake_fd, backoff_max_ns)
+        if bell_spin_ns > 0:
+            self._p.bell_spin_ns = bell_spin_ns
+            for rail in self.rails:
+                fd = rail.doorbell.fd if rail.doorbell is not None else -1
+                if fd >= 0 and lib.p2p_poller_add_bell(self._p, fd) < 0:
+                    raise_fabric_error("p2p_poller_add_bell", -int(lib.FI_ENOMEM),
+                                       "too many rails for one poller")
         self._rail = np.zeros(max_runs, np.int32)
         self._ctx = np.zeros(max_runs, np.uint64)
         self._flags = np.zeros(max_runs, np.uint64)
@@ -380,6 +411,11 @@ class Poller:
     def entries(self) -> int:
         """Completions seen over the poller's life."""
         return int(self._p.entries)
+
+    @property
+    def bells(self) -> int:
+        """Times a peer's ring woke this poller, over its life."""
+        return int(self._p.bells)
 
     def post(self, batch: WriteBatch, budget_ns: int = 2_000_000) -> Completions:
         """Post the batch's pieces; whenever a TX queue is full, drain

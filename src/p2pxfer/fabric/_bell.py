@@ -1,0 +1,117 @@
+"""Doorbells: an initiator wakes a shm target that naps.
+
+shm's CQs have no wait fd (``FI_WAIT_FD`` fails at ``fi_cq_open``), so an
+idle shm target's poller naps a growing back-off between looks at its CQ (up
+to ``EngineConfig.backoff_max_ns``, longer in deep idle) to stay near 0% CPU.
+A piece whose completion needs the target's progress (the delivery-complete
+tail of a write, or any piece carrying an immediate) waited out that nap: the
+first write after a pause took milliseconds where the provider needs
+microseconds. So each shm rail listens on an abstract unix datagram socket
+named after its endpoint address (``Doorbell``), and its poller sleeps on it
+too; an initiator rings it right after posting such a piece (in C,
+``native/src/p2p.c``: at most once per ``P2P_RING_GAP_NS`` per peer). A woken
+target spins while the piece arrives.
+
+A bell that cannot be rung (the peer in another network namespace, or gone)
+costs nothing and changes nothing: the target's back-off still bounds the
+wait. The datagrams carry nothing; whoever can reach the name (a local
+process in the same network namespace) can only make the target spin a
+while, which a local process can cost it anyway.
+
+What must not live here: posting, polling (C), the back-off policy
+(``engine/_poller_loop.py``).
+Threads: a ``Doorbell`` is made and closed with its rail; ``Bells`` hands out
+one C bell per peer address to whichever thread posts (the trio thread's
+express path, the poller thread), and never frees one while its rail lives.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import socket
+from typing import Any
+
+from p2pxfer.log import get_logger
+
+from ._binding import ffi, lib
+
+__all__ = ["Bells", "Doorbell", "bell_name"]
+
+log = get_logger("p2pxfer.fabric")
+
+#: a rail keeps this many peers' bells at most (never freed while it lives:
+#: a cursor in flight points at one); peers beyond it are not rung
+MAX_BELLS = 4096
+_PREFIX = b"\0p2pxfer-bell-"
+
+
+
+def bell_name(address: bytes) -> bytes:
+    """The abstract socket name of the doorbell of the shm endpoint at
+    ``address`` (its raw endpoint address, as exchanged in descriptors)."""
+    return _PREFIX + hashlib.blake2b(address.rstrip(b"\0"), digest_size=16).hexdigest().encode()
+
+
+@functools.cache
+def _sending_socket() -> socket.socket:
+    """This process's socket for ringing (unbound, non-blocking, never
+    closed: a C bell may hold its descriptor as long as the process lives)."""
+    return socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
+                         | socket.SOCK_CLOEXEC)
+
+
+class Doorbell:
+    """A shm rail's doorbell: the socket its poller sleeps on. ``fd`` is -1
+    where the name could not be bound (taken: logged, and the rail naps as
+    before)."""
+
+    def __init__(self, address: bytes) -> None:
+        self._sock: socket.socket | None = None
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
+                                 | socket.SOCK_CLOEXEC)
+        except OSError as exc:  # out of descriptors: no doorbell, naps as before
+            log.warning("rail.doorbell_unavailable", error=str(exc))
+            return
+        try:
+            sock.bind(bell_name(address))
+        except OSError as exc:  # the name is taken
+            log.warning("rail.doorbell_unavailable", error=str(exc))
+            sock.close()
+            return
+        self._sock = sock
+
+    @property
+    def fd(self) -> int:
+        return self._sock.fileno() if self._sock is not None else -1
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class Bells:
+    """The C bells of one rail's peers, by endpoint address."""
+
+    def __init__(self) -> None:
+        self._bells: dict[bytes, Any] = {}
+
+    def of(self, address: bytes) -> Any:
+        """The C bell (``struct p2p_bell *``) to ring after posting to the
+        shm peer at ``address``; NULL once ``MAX_BELLS`` peers have one."""
+        bell = self._bells.get(address)
+        if bell is not None:
+            return bell
+        if len(self._bells) >= MAX_BELLS:
+            return ffi.NULL
+        bell = ffi.new("struct p2p_bell *")
+        name = bell_name(address)
+        lib.p2p_bell_init(bell, _sending_socket().fileno(), name, len(name))
+        # Two threads may get here for one peer: both use the one stored.
+        return self._bells.setdefault(address, bell)
+
+    def rings(self) -> int:
+        """Datagrams sent to this rail's peers, lifetime."""
+        return sum(int(b.rings) for b in list(self._bells.values()))

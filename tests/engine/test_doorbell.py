@@ -1,0 +1,108 @@
+"""Doorbells (``fabric/_bell.py``): a shm target's poller naps (shm CQs have
+no wait fd), and a write whose completion needs the target's progress rings
+it awake instead of waiting out the nap.
+
+Two engines in this process over ``shm``; the target's nap is forced to 30 s
+(its back-off cap and idle timeout, and its back-off set near the cap), so a
+write that did not wake it could not finish within the 10 s it is given.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from conftest import engine_pair as pair
+from conftest import wait_until
+from p2pxfer.fabric import Poller, Rail
+from p2pxfer.fabric._bell import Bells, Doorbell, bell_name
+from p2pxfer.loopback import loopback_node
+from p2pxfer.scatter import ScatterList
+
+SIZE = 1 << 20
+NAP_NS = 30_000_000_000
+WITHIN_S = 10.0  # a third of the nap: only a woken target finishes in time
+
+
+@pytest.mark.parametrize("path", ["express", "regular"])
+async def test_a_write_to_a_napping_shm_target_rings_it_awake(path: str) -> None:
+    writer: dict[str, Any] = {"inline_poll_ns": 0} if path == "regular" else {}
+    napper = {"backoff_max_ns": NAP_NS, "idle_timeout_ns": NAP_NS}
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, SIZE, dtype=np.uint8)
+    region = np.zeros(SIZE, np.uint8)
+    async with pair("shm", receiver=napper, **writer) as (a, b):
+        desc = b.export(region, "r")
+        a.register(src)
+        with trio.fail_after(WITHIN_S):  # connects while b's naps are still short
+            await a.write(src, desc, ScatterList.contiguous(4096), imm=1)
+            await b.wait_imm(1, 1)
+        poller = b.shards[0]._poller
+        rung = poller.bells
+        # Test-only reach: b's back-off at half the cap, so its next nap
+        # lasts the whole 30 s; wait until it has begun.
+        poller._p.backoff_ns = NAP_NS // 2
+        await wait_until(lambda: poller._p.backoff_ns == NAP_NS, WITHIN_S, "b's long nap")
+        sl = ScatterList.contiguous(64 << 10, 4096, 4096)  # past shm's inject size
+        with trio.fail_after(WITHIN_S):
+            await a.write(src, desc, sl, imm=2)
+            await b.wait_imm(2, 1)
+        assert poller.bells > rung
+        assert sum(r.rings for r in a.shards[0]._group.rails) > 0
+        st = a.statistics()
+        # Posted by the trio thread (done there, or handed to the poller
+        # thread once its budget ran out), or by the poller thread.
+        assert (st.express + st.express_handed_over >= 1) == (path == "express")
+    np.testing.assert_array_equal(region[:4096 + (64 << 10)], src[:4096 + (64 << 10)])
+
+
+def test_a_datagram_to_a_rails_doorbell_wakes_its_poller() -> None:
+    """Any local datagram to the name wakes it (the bell carries nothing);
+    the poller goes on napping afterwards, nothing read."""
+    with Rail.open("shm", node=loopback_node("shm")) as rail:
+        assert rail.doorbell is not None and rail.doorbell.fd >= 0
+        poller = Poller([rail], backoff_max_ns=1_000_000, bell_spin_ns=1000)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            for payload in (b"", b"x" * 4000):
+                s.sendto(payload, bell_name(rail.address))
+        c = poller.progress(timeout_ns=50_000_000)
+        assert len(c) == 0
+        assert poller.bells == 1  # both drained in the one wake-up
+        poller.progress(timeout_ns=5_000_000)
+        assert poller.bells == 1
+
+
+async def test_a_peer_without_a_doorbell_is_written_to_as_before() -> None:
+    """A bell nobody listens on (an older p2pxfer, another network namespace,
+    a name someone else took): ringing fails silently, writes go on."""
+    src = np.arange(SIZE, dtype=np.uint8)
+    region = np.zeros(SIZE, np.uint8)
+    async with pair("shm") as (a, b):
+        desc = b.export(region, "r")
+        a.register(src)
+        # Test-only reach: a's bell for b rings a name nobody listens on.
+        rail = a.shards[0]._group.rails[0]
+        address = b.shards[0]._group.rails[0].address
+        bell = Bells().of(b"fi_shm://nobody-listens")
+        rail._bells._bells[address] = bell
+        with trio.fail_after(WITHIN_S):
+            for k in range(3):
+                await a.write(src, desc, ScatterList.contiguous(64 << 10, k << 16, k << 16),
+                              imm=3)
+            await b.wait_imm(3, 3)
+        assert bell.rings == 0
+    np.testing.assert_array_equal(region[:3 << 16], src[:3 << 16])
+
+
+def test_a_name_taken_leaves_the_rail_without_a_doorbell() -> None:
+    """Someone bound the name first: no doorbell (logged); the rail naps as
+    before."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as squatter:
+        squatter.bind(bell_name(b"fi_shm://squatted"))
+        bell = Doorbell(b"fi_shm://squatted")
+        assert bell.fd == -1
+        bell.close()
