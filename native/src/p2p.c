@@ -167,6 +167,7 @@ int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns)
     p->hold = 0;
     p->nbell = 0;
     p->bell_spin_ns = 0;
+    p->arrival_spin_ns = 0;
     p->bells = 0;
     return 0;
 }
@@ -383,7 +384,7 @@ static void drain_bell(int fd)
  * unread before we sleep; otherwise we sleep a growing back-off (capped),
  * which keeps an idle shm poller near 0% CPU, and a peer about to need our
  * progress rings a doorbell. Returns 1 if the wake fd fired, 2 if a doorbell
- * rang, else 0. */
+ * rang, 3 if a CQ's wait fd did (bytes arrived), else 0. */
 static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
 {
     struct pollfd pfd[2 * P2P_MAX_CQ + 1];
@@ -430,23 +431,26 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
         drain_wake_fd(p->wake_fd);
         return 1;
     }
+    for (c = 0; c < first_bell; c++)
+        if (pfd[c].revents & POLLIN)
+            rung = 3;
     for (c = p->nbell - 1; c >= 0; c--) {
         short ev = pfd[first_bell + c].revents;
         if (ev & POLLIN) {
             drain_bell(p->bell_fd[c]);
-            rung = 1;
+            rung = 1;  /* a doorbell outranks an arrival: both mean "spin" */
         } else if (ev & (POLLERR | POLLNVAL)) {
             /* Not a socket we can read any more: never poll it again (it
              * would wake every ppoll at once). */
             p->bell_fd[c] = p->bell_fd[--p->nbell];
         }
     }
-    if (rung) {
+    if (rung == 1) {
         p->bells++;
         p->backoff_ns = 0;
         return 2;
     }
-    return 0;
+    return rung;  /* 3: bytes arrived on a CQ's connection, 0: nothing to say */
 }
 
 /* While another thread holds the CQs (p->hold), sleep on the wake fd alone
@@ -516,12 +520,15 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
         if (timeout_ns > 0 && left <= 0)
             break;
         woke = wait_for_work(p, left);
-        if (woke == 2) {
-            /* Rung: a peer just posted what needs our progress. Spin for it
-             * (reading progresses the provider) instead of napping on. */
+        if (woke == 2 || woke == 3) {
+            /* Rung (a peer just posted what needs our progress), or bytes of
+             * a message arrived (tcp: the rest follows, and each ppoll
+             * wake-up costs tens of microseconds): spin for it (reading
+             * progresses the provider) instead of sleeping again at once. */
+            int64_t at_least = woke == 2 ? p->bell_spin_ns : p->arrival_spin_ns;
             active = p2p_now_ns();
-            if (spin_ns < p->bell_spin_ns)
-                spin_ns = p->bell_spin_ns;
+            if (spin_ns < at_least)
+                spin_ns = at_least;
             continue;
         }
         if (woke) {
