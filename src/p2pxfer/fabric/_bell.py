@@ -97,6 +97,9 @@ class Bells:
 
     def __init__(self) -> None:
         self._bells: dict[bytes, Any] = {}
+        # Made with the first shm rail, not at the first ring: what a process
+        # holds is settled once its rails are open.
+        self._fd = _sending_socket().fileno()
 
     def of(self, address: bytes) -> Any:
         """The C bell (``struct p2p_bell *``) to ring after posting to the
@@ -108,7 +111,7 @@ class Bells:
             return ffi.NULL
         bell = ffi.new("struct p2p_bell *")
         name = bell_name(address)
-        lib.p2p_bell_init(bell, _sending_socket().fileno(), name, len(name))
+        lib.p2p_bell_init(bell, self._fd, name, len(name))
         # Two threads may get here for one peer: both use the one stored.
         return self._bells.setdefault(address, bell)
 
