@@ -21,6 +21,7 @@ struct p2p_poller {
     int64_t bell_spin_ns;
     int64_t arrival_spin_ns;
     int64_t bells;
+    int64_t bells_dropped;
     ...;
 };
 struct p2p_cursor {
@@ -54,7 +55,7 @@ int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
 int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq,
                       int fd);
 int p2p_poller_add_bell(struct p2p_poller *p, int fd);
-int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen);
+int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen, int every);
 int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
                             int64_t spin_ns, int64_t timeout_ns);
 int64_t p2p_now_ns(void);

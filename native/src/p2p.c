@@ -37,12 +37,13 @@ int64_t p2p_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen)
+int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen, int every)
 {
-    if (namelen <= 0 || (size_t)namelen > sizeof(b->addr.sun_path))
+    if (fd < 0 || namelen <= 0 || (size_t)namelen > sizeof(b->addr.sun_path))
         return -FI_EINVAL;
     memset(b, 0, sizeof(*b));
     b->fd = fd;
+    b->every = every;
     b->addr.sun_family = AF_UNIX;
     memcpy(b->addr.sun_path, name, (size_t)namelen);
     b->len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + (size_t)namelen);
@@ -169,6 +170,7 @@ int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns)
     p->bell_spin_ns = 0;
     p->arrival_spin_ns = 0;
     p->bells = 0;
+    p->bells_dropped = 0;
     return 0;
 }
 
@@ -289,8 +291,11 @@ static int post_pass(struct p2p_cursor *cur, int ncur)
                                       c->context, &c->err);
         for (i = from; i < c->next; i++)
             c->bytes_posted += c->len[i];
-        /* Posted a piece whose completion waits for the target: wake it. */
-        if (c->bell && c->next > from && (c->with_imm || c->next > c->dc_from))
+        /* Posted a piece whose completion waits for the target, or found
+         * its queue full (only its progress empties it): wake it. */
+        if (c->bell && ((c->next > from && (c->with_imm || c->bell->every ||
+                                            c->next > c->dc_from)) ||
+                        (c->next < c->end && !c->err)))
             ring(c->bell);
         pending |= c->next < c->end && !c->err;
     }
@@ -369,14 +374,45 @@ static void drain_wake_fd(int fd)
     (void)r;
 }
 
-static void drain_bell(int fd)
+/* Read what queued on a doorbell: 1 if anything, 0 if nothing, -1 if the
+ * fd is no socket of ours any more (never poll it again). */
+static int drain_bell(int fd)
 {
     char buf[16];
     int k;
 
-    for (k = 0; k < P2P_BELL_DRAIN; k++)
-        if (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) < 0)
-            break;
+    for (k = 0; k < P2P_BELL_DRAIN; k++) {
+        if (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) >= 0)
+            continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+            return k > 0;
+        return -1;
+    }
+    return 1;
+}
+
+static void drop_bell(struct p2p_poller *p, int c)
+{
+    p->bell_fd[c] = p->bell_fd[--p->nbell];
+    p->bells_dropped++;
+}
+
+/* Read rings that queued while we were not asleep (spinning, or in Python):
+ * stale, or a piece just posted. Either way the caller reads the CQs once
+ * more before sleeping (ring comes after post) and spins no longer. 1 if
+ * any were there. */
+static int drain_bells_quietly(struct p2p_poller *p)
+{
+    int c, any = 0, r;
+
+    for (c = p->nbell - 1; c >= 0; c--) {
+        r = drain_bell(p->bell_fd[c]);
+        if (r < 0)
+            drop_bell(p, c);
+        else
+            any |= r;
+    }
+    return any;
 }
 
 /* Block until a CQ, a doorbell or the wake fd is readable, or timeout_ns
@@ -393,6 +429,8 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
     int blockable = all_have_fds(p);
     int64_t sleep_ns = timeout_ns;
 
+    if (p->nbell && drain_bells_quietly(p))
+        return 0;           /* go read the CQs once more before sleeping */
     if (blockable) {
         for (c = 0; c < p->ncq; c++) {
             struct fid *f = &p->cq[c]->fid;
@@ -436,13 +474,15 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
             rung = 3;
     for (c = p->nbell - 1; c >= 0; c--) {
         short ev = pfd[first_bell + c].revents;
-        if (ev & POLLIN) {
-            drain_bell(p->bell_fd[c]);
-            rung = 1;  /* a doorbell outranks an arrival: both mean "spin" */
-        } else if (ev & (POLLERR | POLLNVAL)) {
+        int r = 0;
+        if (ev & POLLIN)
+            r = drain_bell(p->bell_fd[c]);
+        if (r < 0 || (ev & (POLLERR | POLLNVAL))) {
             /* Not a socket we can read any more: never poll it again (it
              * would wake every ppoll at once). */
-            p->bell_fd[c] = p->bell_fd[--p->nbell];
+            drop_bell(p, c);
+        } else if (r > 0) {
+            rung = 1;  /* a doorbell outranks an arrival: both mean "spin" */
         }
     }
     if (rung == 1) {
@@ -526,9 +566,12 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
              * wake-up costs tens of microseconds): spin for it (reading
              * progresses the provider) instead of sleeping again at once. */
             int64_t at_least = woke == 2 ? p->bell_spin_ns : p->arrival_spin_ns;
-            active = p2p_now_ns();
-            if (spin_ns < at_least)
-                spin_ns = at_least;
+            if (at_least > 0) {
+                /* For the rest of this call: a message under way keeps it busy. */
+                active = p2p_now_ns();
+                if (spin_ns < at_least)
+                    spin_ns = at_least;
+            }
             continue;
         }
         if (woke) {

@@ -20,11 +20,15 @@
 /* A shm target's doorbell, as an initiator sees it: the target's abstract
  * unix datagram socket (its name) and this process's sending socket. shm CQs
  * have no wait fd, so an idle shm target naps between looks at its CQ; a
- * piece whose completion needs the target's progress (delivery-complete, or
- * one carrying an immediate) rings it right after it is posted, at most once
- * per P2P_RING_GAP_NS per bell (a target rung that recently still spins). */
+ * pass that posted a piece whose completion needs the target's progress
+ * (delivery-complete, or one carrying an immediate; any piece with `every`)
+ * or that stopped on a full queue (only the target's progress empties it)
+ * rings it, at most once per P2P_RING_GAP_NS per bell (a target rung that
+ * recently still spins). */
 struct p2p_bell {
     int fd;
+    int every;                   /* every piece needs the target (delivery-complete
+                                  * on every transmit) */
     socklen_t len;
     int64_t last_ns;             /* when it was last rung (read and written by
                                   * whichever thread posts: a lost race rings twice) */
@@ -59,6 +63,7 @@ struct p2p_poller {
     int64_t bell_spin_ns;        /* once rung, spin at least this long: a piece is due */
     int64_t arrival_spin_ns;     /* once a CQ's wait fd fired, spin at least this long */
     int64_t bells;               /* times a doorbell woke this poller, lifetime */
+    int64_t bells_dropped;       /* doorbell fds found unreadable and no longer polled */
 };
 
 /* One rail's share of a transfer, for p2p_post_cursors: pieces [next, end)
@@ -105,7 +110,7 @@ int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
 int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
 int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq, int fd);
 int p2p_poller_add_bell(struct p2p_poller *p, int fd);
-int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen);
+int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen, int every);
 int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
                             int64_t spin_ns, int64_t timeout_ns);
 

@@ -10,6 +10,8 @@ write that did not wake it could not finish within the 10 s it is given.
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -28,14 +30,22 @@ NAP_NS = 30_000_000_000
 WITHIN_S = 10.0  # a third of the nap: only a woken target finishes in time
 
 
-@pytest.mark.parametrize("path", ["express", "regular"])
+WRITERS: dict[str, dict[str, Any]] = {
+    "express": {},  # the trio thread posts and polls (a small write on a quiet shard)
+    "regular": {"inline_poll_ns": 0},  # the poller thread posts
+    # no immediate: delivery-complete on every transmit is what needs b
+    "delivery_complete": {"delivery_complete": True},
+}
+
+
+@pytest.mark.parametrize("path", list(WRITERS))
 async def test_a_write_to_a_napping_shm_target_rings_it_awake(path: str) -> None:
-    writer: dict[str, Any] = {"inline_poll_ns": 0} if path == "regular" else {}
     napper = {"backoff_max_ns": NAP_NS, "idle_timeout_ns": NAP_NS}
+    imm = None if path == "delivery_complete" else 2
     rng = np.random.default_rng(7)
     src = rng.integers(0, 256, SIZE, dtype=np.uint8)
     region = np.zeros(SIZE, np.uint8)
-    async with pair("shm", receiver=napper, **writer) as (a, b):
+    async with pair("shm", receiver=napper, **WRITERS[path]) as (a, b):
         desc = b.export(region, "r")
         a.register(src)
         with trio.fail_after(WITHIN_S):  # connects while b's naps are still short
@@ -49,31 +59,40 @@ async def test_a_write_to_a_napping_shm_target_rings_it_awake(path: str) -> None
         await wait_until(lambda: poller._p.backoff_ns == NAP_NS, WITHIN_S, "b's long nap")
         sl = ScatterList.contiguous(64 << 10, 4096, 4096)  # past shm's inject size
         with trio.fail_after(WITHIN_S):
-            await a.write(src, desc, sl, imm=2)
-            await b.wait_imm(2, 1)
+            await a.write(src, desc, sl, imm=imm)
+            if imm is not None:
+                await b.wait_imm(imm, 1)
         assert poller.bells > rung
         assert sum(r.rings for r in a.shards[0]._group.rails) > 0
         st = a.statistics()
         # Posted by the trio thread (done there, or handed to the poller
         # thread once its budget ran out), or by the poller thread.
-        assert (st.express + st.express_handed_over >= 1) == (path == "express")
+        assert (st.express + st.express_handed_over >= 1) == (path != "regular")
     np.testing.assert_array_equal(region[:4096 + (64 << 10)], src[:4096 + (64 << 10)])
 
 
 def test_a_datagram_to_a_rails_doorbell_wakes_its_poller() -> None:
-    """Any local datagram to the name wakes it (the bell carries nothing);
-    the poller goes on napping afterwards, nothing read."""
+    """Any local datagram to the name wakes a sleeping poller (the bell
+    carries nothing); rings queued while it was awake are read without
+    counting as a wake-up (it reads its CQs once more instead)."""
     with Rail.open("shm", node=loopback_node("shm")) as rail:
         assert rail.doorbell is not None and rail.doorbell.fd >= 0
-        poller = Poller([rail], backoff_max_ns=1_000_000, bell_spin_ns=1000)
+        poller = Poller([rail], backoff_max_ns=1_000_000_000, bell_spin_ns=1000)
+        name = bell_name(rail.address)
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
             for payload in (b"", b"x" * 4000):
-                s.sendto(payload, bell_name(rail.address))
-        c = poller.progress(timeout_ns=50_000_000)
-        assert len(c) == 0
-        assert poller.bells == 1  # both drained in the one wake-up
-        poller.progress(timeout_ns=5_000_000)
+                s.sendto(payload, name)  # while no one sleeps on it
+            assert len(poller.progress(timeout_ns=20_000_000)) == 0
+            assert poller.bells == 0
+            sleeper = threading.Thread(target=poller.progress,
+                                       kwargs={"timeout_ns": 300_000_000})
+            sleeper.start()
+            time.sleep(0.05)
+            s.sendto(b"", name)
+            sleeper.join(10)
+            assert not sleeper.is_alive()
         assert poller.bells == 1
+        assert poller._p.bells_dropped == 0  # test-only reach
 
 
 async def test_a_peer_without_a_doorbell_is_written_to_as_before() -> None:
@@ -89,12 +108,15 @@ async def test_a_peer_without_a_doorbell_is_written_to_as_before() -> None:
         address = b.shards[0]._group.rails[0].address
         bell = Bells().of(b"fi_shm://nobody-listens")
         rail._bells._bells[address] = bell
+        heard = b.shards[0]._poller.bells
         with trio.fail_after(WITHIN_S):
             for k in range(3):
                 await a.write(src, desc, ScatterList.contiguous(64 << 10, k << 16, k << 16),
                               imm=3)
             await b.wait_imm(3, 3)
-        assert bell.rings == 0
+        assert rail._bells._bells[address] is bell  # the one the writes rang
+        assert bell.rings == 0 and rail.rings == 0
+        assert b.shards[0]._poller.bells == heard
     np.testing.assert_array_equal(region[:3 << 16], src[:3 << 16])
 
 

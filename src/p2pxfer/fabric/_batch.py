@@ -101,10 +101,13 @@ class WriteBatch:
             self._keep.extend((*arrays, *ptrs))
         if imm is None:
             imm = self.imm
+        bell = rail.bell_of(address)
+        if bell != ffi.NULL:
+            self._keep.append(bell)  # C points at it while this batch lives
         lib.p2p_cursor_set(self._c, i, rail.endpoint.handle, dest, *ptrs, start, end,
                            src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
                            self.context | (i << CURSOR_SHIFT),
-                           _NO_DC if dc_from is None else dc_from, rail.bell_of(address))
+                           _NO_DC if dc_from is None else dc_from, bell)
         self.rails.append(rail_index)
         self.starts.append(start)
         self.ends.append(end)
@@ -228,10 +231,11 @@ class ExpressCursor:
         failed to post (``failed``). ``address``: the peer endpoint's (its
         doorbell is rung after a piece that needs its progress)."""
         ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in (src_off, dst_off, length))
-        self._keep = ptrs  # the C cursor points into them until the next write
+        bell = rail.bell_of(address)
+        self._keep = (*ptrs, bell)  # the C cursor points at them until the next write
         lib.p2p_cursor_set(self._c, 0, rail.endpoint.handle, dest, *ptrs, 0, len(length),
                            src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
-                           context, _NO_DC, rail.bell_of(address))
+                           context, _NO_DC, bell)
         return bool(lib.p2p_post_once(self._c, 1)) or bool(self._c[0].err)
 
     def hand_to(self, batch: WriteBatch) -> None:

@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import socket
 from typing import Any
 
 from p2pxfer.log import get_logger
 
 from ._binding import ffi, lib
+from ._objects import shm_segment
 
 __all__ = ["Bells", "Doorbell", "bell_name"]
 
 log = get_logger("p2pxfer.fabric")
 
-#: a rail keeps this many peers' bells at most (never freed while it lives:
-#: a cursor in flight points at one); peers beyond it are not rung
+#: a rail keeps this many peers' bells, then starts over (a cursor keeps
+#: the bell it points at alive itself)
 MAX_BELLS = 4096
 _PREFIX = b"\0p2pxfer-bell-"
 
@@ -49,8 +51,19 @@ _PREFIX = b"\0p2pxfer-bell-"
 
 def bell_name(address: bytes) -> bytes:
     """The abstract socket name of the doorbell of the shm endpoint at
-    ``address`` (its raw endpoint address, as exchanged in descriptors)."""
-    return _PREFIX + hashlib.blake2b(address.rstrip(b"\0"), digest_size=16).hexdigest().encode()
+    ``address`` (its raw endpoint address, as exchanged in descriptors).
+    Its segment file's identity is in it too: shm addresses are made of
+    process ids, and two containers that share a network namespace but not
+    /dev/shm (nor process ids) could hold the same address."""
+    h = hashlib.blake2b(address.rstrip(b"\0"), digest_size=16)
+    path = shm_segment(address)
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        st = None
+    if st is not None:
+        h.update(f"{st.st_dev}:{st.st_ino}".encode())
+    return _PREFIX + h.hexdigest().encode()
 
 
 @functools.cache
@@ -93,27 +106,36 @@ class Doorbell:
 
 
 class Bells:
-    """The C bells of one rail's peers, by endpoint address."""
+    """The C bells of one rail's peers, by endpoint address. ``every``: every
+    piece needs the target's progress (delivery-complete on every transmit),
+    so any post rings."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, every: bool = False) -> None:
         self._bells: dict[bytes, Any] = {}
+        self._every = every
         # Made with the first shm rail, not at the first ring: what a process
         # holds is settled once its rails are open.
         self._fd = _sending_socket().fileno()
 
     def of(self, address: bytes) -> Any:
         """The C bell (``struct p2p_bell *``) to ring after posting to the
-        shm peer at ``address``; NULL once ``MAX_BELLS`` peers have one."""
+        shm peer at ``address``. Whoever hands it to C keeps this object
+        alive as long as C may use it (``WriteBatch``, ``ExpressCursor``)."""
         bell = self._bells.get(address)
         if bell is not None:
             return bell
         if len(self._bells) >= MAX_BELLS:
-            return ffi.NULL
+            self._bells.clear()  # many peers came and went: start over
         bell = ffi.new("struct p2p_bell *")
         name = bell_name(address)
-        lib.p2p_bell_init(bell, self._fd, name, len(name))
+        if lib.p2p_bell_init(bell, self._fd, name, len(name), int(self._every)) < 0:
+            return ffi.NULL
         # Two threads may get here for one peer: both use the one stored.
         return self._bells.setdefault(address, bell)
+
+    def forget(self, address: bytes) -> None:
+        """The peer left (its address out of the AV)."""
+        self._bells.pop(address, None)
 
     def rings(self) -> int:
         """Datagrams sent to this rail's peers, lifetime."""

@@ -221,10 +221,10 @@ _SHM_PATHS: dict[bytes, str] = {}
 _SHM_PATHS_MAX = 4096
 
 
-def check_shm_peer(address: bytes) -> None:
-    """libfabric 1.17's shm segfaults in fi_av_insert when the peer's segment is
-    gone; its segment lives at /dev/shm/<name>, so look before inserting. One
-    ``stat`` per call: the path is worked out once per peer."""
+def shm_segment(address: bytes) -> str:
+    """Where the shm endpoint at ``address`` keeps its segment
+    (/dev/shm/<name>; "" for a name that is no plain file name). Worked out
+    once per peer."""
     path = _SHM_PATHS.get(address)
     if path is None:
         name = address.rstrip(b"\0").decode(errors="replace").removeprefix("fi_shm://")
@@ -232,6 +232,14 @@ def check_shm_peer(address: bytes) -> None:
         if len(_SHM_PATHS) >= _SHM_PATHS_MAX:
             _SHM_PATHS.clear()  # many peers came and went: start over
         _SHM_PATHS[address] = path
+    return path
+
+
+def check_shm_peer(address: bytes) -> None:
+    """libfabric 1.17's shm segfaults in fi_av_insert when the peer's segment is
+    gone; its segment lives at /dev/shm/<name>, so look before inserting. One
+    ``stat`` per call."""
+    path = shm_segment(address)
     if path:
         try:
             os.stat(path)

@@ -25,7 +25,7 @@ from p2pxfer.log import get_logger
 from ._batch import WriteBatch
 from ._bell import Bells, Doorbell
 from ._binding import ffi, lib, raise_fabric_error
-from ._info import FabricInfo, getinfo
+from ._info import DELIVERY_COMPLETE, FabricInfo, getinfo
 from ._objects import (
     AddressVector,
     CompletionQueue,
@@ -58,22 +58,25 @@ class Rail:
     def __init__(self, info: FabricInfo, *, cq_size: int = 0) -> None:
         self.info = info
         self._closing: list[Any] = []
+        self.doorbell: Doorbell | None = None
         try:
             self.fabric = self._own(Fabric(info))
             self.domain = self._own(Domain(self.fabric, info))
             self.cq = self._own(CompletionQueue(self.domain, cq_size))
             self.av = self._own(AddressVector(self.domain))
             self.endpoint = self._own(self._enabled_endpoint(info))
+            self.address: bytes = self.endpoint.address
+            # shm targets nap (no CQ wait fd): peers ring this to wake our
+            # poller, and we ring theirs (``_bell.py``).
+            if self.av.is_shm:
+                self.doorbell = Doorbell(self.address)
+            self._bells = Bells(every=bool(info.tx_op_flags & DELIVERY_COMPLETE)) \
+                if self.av.is_shm else None
         except BaseException:
             self.close()
             raise
         self._mrs: set[MemoryRegion] = set()
         self._knocks = Knocks()
-        self.address: bytes = self.endpoint.address
-        # shm targets nap (no CQ wait fd): peers ring this to wake our poller,
-        # and we ring theirs (``_bell.py``).
-        self.doorbell = Doorbell(self.address) if self.av.is_shm else None
-        self._bells = Bells() if self.av.is_shm else None
         self.imm_bytes = info.cq_data_size
         #: writes to one peer are placed in order (``FabricInfo.ordered_writes``)
         self.ordered = info.ordered_writes
@@ -211,6 +214,8 @@ class Rail:
                     remove = dialed(ours, conns) or not self._rxm_over_tcp
             if remove:
                 self.av.remove(address)
+        if self._bells is not None:
+            self._bells.forget(address)
         return reset
 
     def link_carries(self, address: bytes, quiet_s: float) -> bool | None:
