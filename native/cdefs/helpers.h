@@ -19,7 +19,6 @@ struct p2p_poller {
     int64_t entries;
     int32_t hold;
     int64_t bell_spin_ns;
-    int64_t arrival_spin_ns;
     int64_t bells;
     int64_t bells_dropped;
     ...;

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stddef.h>
 #include <string.h>
 #include <sys/uio.h>
@@ -20,6 +21,10 @@
  * express writes the poller is held nearly all the time, and frequent
  * wake-ups take a core's share from the writer and the target. */
 #define P2P_HOLD_NAP_NS 250000
+
+/* A spinning thread yields its CPU this often (sched_yield): each time costs
+ * a system call, so not at every look at the CQs. */
+#define P2P_YIELD_EVERY_NS 20000
 
 /* A bell rung this recently is not rung again: its target, woken by it, spins
  * its bell_spin_ns (and on after each completion it reads meanwhile), so a
@@ -168,7 +173,6 @@ int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns)
     p->hold = 0;
     p->nbell = 0;
     p->bell_spin_ns = 0;
-    p->arrival_spin_ns = 0;
     p->bells = 0;
     p->bells_dropped = 0;
     return 0;
@@ -349,12 +353,16 @@ int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
 
     p->err_cq = -1;
     for (;;) {
+        int64_t before = p->entries;
+
         if (!post_pass(cur, ncur))
             return nruns;
         nruns = drain_into(p, nruns, 1 << 20);
         if (nruns < 0 || p->err_cq >= 0 || nruns > p->max_runs - P2P_RUN_LOOKBACK ||
             p2p_now_ns() - t0 > budget_ns)
             return nruns;
+        if (p->entries == before)
+            sched_yield();  /* the queue drains as the peer progresses: let it run */
     }
 }
 
@@ -420,7 +428,7 @@ static int drain_bells_quietly(struct p2p_poller *p)
  * unread before we sleep; otherwise we sleep a growing back-off (capped),
  * which keeps an idle shm poller near 0% CPU, and a peer about to need our
  * progress rings a doorbell. Returns 1 if the wake fd fired, 2 if a doorbell
- * rang, 3 if a CQ's wait fd did (bytes arrived), else 0. */
+ * rang, else 0. */
 static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
 {
     struct pollfd pfd[2 * P2P_MAX_CQ + 1];
@@ -469,9 +477,6 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
         drain_wake_fd(p->wake_fd);
         return 1;
     }
-    for (c = 0; c < first_bell; c++)
-        if (pfd[c].revents & POLLIN)
-            rung = 3;
     for (c = p->nbell - 1; c >= 0; c--) {
         short ev = pfd[first_bell + c].revents;
         int r = 0;
@@ -482,15 +487,15 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
              * would wake every ppoll at once). */
             drop_bell(p, c);
         } else if (r > 0) {
-            rung = 1;  /* a doorbell outranks an arrival: both mean "spin" */
+            rung = 1;
         }
     }
-    if (rung == 1) {
+    if (rung) {
         p->bells++;
         p->backoff_ns = 0;
         return 2;
     }
-    return rung;  /* 3: bytes arrived on a CQ's connection, 0: nothing to say */
+    return 0;
 }
 
 /* While another thread holds the CQs (p->hold), sleep on the wake fd alone
@@ -521,7 +526,7 @@ static int wait_while_held(struct p2p_poller *p, int64_t nap_ns)
 int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
                             int64_t spin_ns, int64_t timeout_ns)
 {
-    int64_t nruns = 0, start = p->entries, t0 = p2p_now_ns(), active = t0;
+    int64_t nruns = 0, start = p->entries, t0 = p2p_now_ns(), active = t0, yielded = t0;
     int woke;
 
     p->err_cq = -1;
@@ -552,26 +557,29 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
         /* timeout_ns == 0 (never sleep) also caps the spin at spin_ns from
          * the call: such a caller (the trio thread) must not stay longer,
          * however often completions keep it active. */
-        if (now - active < spin_ns && (timeout_ns != 0 || now - t0 < spin_ns))
+        if (now - active < spin_ns && (timeout_ns != 0 || now - t0 < spin_ns)) {
+            /* Spin politely: a thread that shares this CPU (the peer whose
+             * progress we wait for, woken onto our CPU) gets it within
+             * P2P_YIELD_EVERY_NS, not when the scheduler's slice ends. */
+            if (now - yielded >= P2P_YIELD_EVERY_NS) {
+                sched_yield();
+                yielded = now;
+            }
             continue;
+        }
         if (timeout_ns == 0)
             break;
         left = timeout_ns < 0 ? -1 : timeout_ns - (now - t0);
         if (timeout_ns > 0 && left <= 0)
             break;
         woke = wait_for_work(p, left);
-        if (woke == 2 || woke == 3) {
-            /* Rung (a peer just posted what needs our progress), or bytes of
-             * a message arrived (tcp: the rest follows, and each ppoll
-             * wake-up costs tens of microseconds): spin for it (reading
-             * progresses the provider) instead of sleeping again at once. */
-            int64_t at_least = woke == 2 ? p->bell_spin_ns : p->arrival_spin_ns;
-            if (at_least > 0) {
-                /* For the rest of this call: a message under way keeps it busy. */
-                active = p2p_now_ns();
-                if (spin_ns < at_least)
-                    spin_ns = at_least;
-            }
+        if (woke == 2) {
+            /* Rung: a peer just posted what needs our progress. Spin for it
+             * (reading progresses the provider) instead of napping on, at
+             * least bell_spin_ns for the rest of this call. */
+            active = p2p_now_ns();
+            if (spin_ns < p->bell_spin_ns)
+                spin_ns = p->bell_spin_ns;
             continue;
         }
         if (woke) {

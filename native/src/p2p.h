@@ -61,7 +61,6 @@ struct p2p_poller {
     int nbell;
     int bell_fd[P2P_MAX_CQ];     /* our shm rails' doorbells, slept on with the wake fd */
     int64_t bell_spin_ns;        /* once rung, spin at least this long: a piece is due */
-    int64_t arrival_spin_ns;     /* once a CQ's wait fd fired, spin at least this long */
     int64_t bells;               /* times a doorbell woke this poller, lifetime */
     int64_t bells_dropped;       /* doorbell fds found unreadable and no longer polled */
 };

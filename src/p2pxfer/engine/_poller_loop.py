@@ -30,10 +30,6 @@ __all__ = ["PollerLoop"]
 INFLIGHT_SPIN_NS = 500_000  # with transfers in flight, spin this long on CQs without fds
 LINGER_S = 0.005  # ... and this long after the last completion read, in flight or not
 FD_LINGER_SPIN_NS = 200_000  # where CQs have wait fds: spin this long after each, meanwhile
-# Woken by a CQ's wait fd (tcp: bytes of a message arrived, often not all of
-# it), spin at least this long before sleeping again: the rest follows within
-# microseconds, and each ppoll wake-up costs tens of them.
-ARRIVAL_SPIN_NS = 100_000
 # With transfers in flight, never sleep longer than this even on CQ wait fds:
 # tcp's wait fd signals arrivals, not that a half-sent message may go on (the
 # socket became writable): a large write could sit out the whole idle timeout.

@@ -44,7 +44,7 @@ from ._failover import Failover
 from ._health import RailHealth
 from ._owner import ShardLock, ThreadOwner
 from ._plan import RailGroup
-from ._poller_loop import ARRIVAL_SPIN_NS, INFLIGHT_SPIN_NS, PollerLoop
+from ._poller_loop import INFLIGHT_SPIN_NS, PollerLoop
 from ._queues import DestQueues
 from ._shard_memory import ShardMemory
 from ._state import NicStats, TransferState
@@ -77,8 +77,7 @@ class Shard:
             # Rung (a peer posted what needs our progress), spin as with
             # transfers in flight.
             self._poller = Poller(rails, wake_fd=self.wake_fd, backoff_max_ns=backoff_max_ns,
-                                  bell_spin_ns=INFLIGHT_SPIN_NS,
-                                  arrival_spin_ns=ARRIVAL_SPIN_NS)
+                                  bell_spin_ns=INFLIGHT_SPIN_NS)
             self._inline_poller = Poller(rails, max_runs=64)
         except BaseException:
             os.close(self.wake_fd)

@@ -350,9 +350,8 @@ class Poller:
     optional wake-up eventfd), so an idle poller costs ~0% CPU. Where a CQ has
     no wait fd (shm) it sleeps a growing back-off capped at ``backoff_max_ns``;
     with ``bell_spin_ns`` it also sleeps on the rails' doorbells, and once
-    rung spins at least that long; woken by a CQ's wait fd (bytes of a
-    message arrived) it spins at least ``arrival_spin_ns``. Not thread-safe:
-    one thread calls ``progress``.
+    rung spins at least that long. Not thread-safe: one thread calls
+    ``progress``.
     """
 
     def __init__(
@@ -363,12 +362,10 @@ class Poller:
         wake_fd: int = -1,
         backoff_max_ns: int = 200_000,
         bell_spin_ns: int = 0,
-        arrival_spin_ns: int = 0,
     ) -> None:
         self.rails = list(rails)
         self._p = ffi.new("struct p2p_poller *")
         lib.p2p_poller_init(self._p, wake_fd, backoff_max_ns)
-        self._p.arrival_spin_ns = arrival_spin_ns
         if bell_spin_ns > 0:
             self._p.bell_spin_ns = bell_spin_ns
             for rail in self.rails:
