@@ -116,9 +116,10 @@ class Reference:
         return self.ini.plan(sl)
 
     def block(self, plans: list[list[RefStripe]], imm: int | None,
-              timeout: float) -> tuple[int, list[float], float | None]:
-        """Run the planned rounds back to back; (pieces, seconds per round,
-        target CPU seconds or None where unknown)."""
+              timeout: float, gap_s: float = 0.0) -> tuple[int, list[float], float | None]:
+        """Run the planned rounds back to back (``gap_s`` apart, untimed; the
+        C target busy-polls meanwhile); (pieces, seconds per round, target
+        CPU seconds or None where unknown)."""
         cpu0 = None
         if self.target is not None:
             counts = [0] * self.nrails
@@ -130,6 +131,8 @@ class Reference:
             cpu0 = process_cpu_seconds(self.target_pid)
         n, dts = 0, []
         for plan in plans:
+            if gap_s:
+                time.sleep(gap_s)
             t0 = time.perf_counter()
             n += self.ini.round(plan, imm, timeout)
             dts.append(time.perf_counter() - t0)
