@@ -9,6 +9,7 @@ write that did not wake it could not finish within the 10 s it is given.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -77,22 +78,50 @@ def test_a_datagram_to_a_rails_doorbell_wakes_its_poller() -> None:
     counting as a wake-up (it reads its CQs once more instead)."""
     with Rail.open("shm", node=loopback_node("shm")) as rail:
         assert rail.doorbell is not None and rail.doorbell.fd >= 0
-        poller = Poller([rail], backoff_max_ns=1_000_000_000, bell_spin_ns=1000)
+        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        poller = Poller([rail], wake_fd=wake, backoff_max_ns=10_000_000_000,
+                        bell_spin_ns=1000)
         name = bell_name(rail.address)
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
             for payload in (b"", b"x" * 4000):
                 s.sendto(payload, name)  # while no one sleeps on it
             assert len(poller.progress(timeout_ns=20_000_000)) == 0
             assert poller.bells == 0
-            sleeper = threading.Thread(target=poller.progress,
-                                       kwargs={"timeout_ns": 300_000_000})
+            tid: list[int] = []
+
+            def sleep_on_it() -> None:
+                tid.append(threading.get_native_id())
+                poller.progress(timeout_ns=10_000_000_000)
+
+            # Test-only reach: its first nap is long, so once it is in ppoll
+            # it stays there until the ring.
+            poller._p.backoff_ns = 5_000_000_000
+            sleeper = threading.Thread(target=sleep_on_it)
             sleeper.start()
-            time.sleep(0.05)
+            deadline = time.monotonic() + 10
+            while not (tid and in_poll(tid[0])):
+                assert time.monotonic() < deadline, "the poller never slept"
+                time.sleep(0.001)
             s.sendto(b"", name)
+            deadline = time.monotonic() + 10
+            while poller.bells == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            os.eventfd_write(wake, 1)  # done: end its wait
             sleeper.join(10)
             assert not sleeper.is_alive()
+            os.close(wake)
         assert poller.bells == 1
         assert poller._p.bells_dropped == 0  # test-only reach
+
+
+def in_poll(tid: int) -> bool:
+    """Thread ``tid`` of this process sleeps in ppoll (its kernel wait
+    channel says so)."""
+    try:
+        with open(f"/proc/self/task/{tid}/wchan") as f:
+            return "poll" in f.read()
+    except OSError:
+        return False
 
 
 async def test_a_peer_without_a_doorbell_is_written_to_as_before() -> None:
