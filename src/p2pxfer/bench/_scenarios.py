@@ -58,7 +58,7 @@ from ._reference import (
 )
 from ._rtt import measure_control_rtt
 from ._run import loopback_server, unwrap_group
-from ._server import connect_server, pick_interfaces
+from ._server import ServerConfig, connect_server, pick_interfaces
 
 __all__ = ["SCENARIOS", "c_to_c", "control_rtt", "dry_run", "idle", "kv", "latency",
            "run_scenario"]
@@ -73,19 +73,18 @@ def _us(xs: list[float] | np.ndarray, q: float) -> float:
 
 @asynccontextmanager
 async def _setup(provider: str, size: int, *, reference: bool = True,
-                 target_backoff_ns: int | None = None
+                 target_backoff_ns: int = ServerConfig.backoff_max_ns
                  ) -> AsyncIterator[tuple[Engine, np.ndarray, RegionDescriptor, int,
                                           Reference | None]]:
     """Our engine and a ``size``-byte source, a bench server's region (our
     target, its process id), and the C-to-C reference over the same provider.
-    ``target_backoff_ns``: the target's longest nap (default: the bench
+    ``target_backoff_ns``: the target's longest nap (by default the bench
     server's short one)."""
     node = loopback_node(provider)
     names = pick_interfaces(provider, node, 1, None)
     async with AsyncExitStack() as stack:
         port, pid = await stack.enter_async_context(
-            loopback_server() if target_backoff_ns is None
-            else loopback_server(backoff_max_ns=target_backoff_ns))
+            loopback_server(backoff_max_ns=target_backoff_ns))
         link = await stack.enter_async_context(connect_server("127.0.0.1", port,
                                                               timeout=TIMEOUT))
         dst = await stack.enter_async_context(link.region(provider, size, 1))
@@ -141,9 +140,8 @@ async def latency(provider: str, sizes: tuple[int, ...] = (4 << 10, 64 << 10, 1 
     """One write of one piece at a time: ours and the C reference's write
     (post to local completion), and the C ping-pong round trip. For each of
     ``gaps_ms``, also each size written once after the target idled that
-    long, ``gap_iters`` times (ours and the C reference alternating), into a
-    target that naps as a daemon's does: what the first write of a burst
-    meets."""
+    long, ``gap_iters`` times (``_after_idle``), into a target that naps as a
+    daemon's does: what the first write of a burst meets."""
     out: list[Record] = []
     if gaps_ms:
         # A target that naps as a daemon's does (the bench server's naps are

@@ -22,7 +22,8 @@ What must not live here: posting, polling (C), the back-off policy
 (``engine/_poller_loop.py``).
 Threads: a ``Doorbell`` is made and closed with its rail; ``Bells`` hands out
 one C bell per peer address to whichever thread posts (the trio thread's
-express path, the poller thread), and never frees one while its rail lives.
+express path, the poller thread); whoever hands a bell to C keeps it alive
+(``WriteBatch``, ``ExpressCursor``), so ``Bells`` may forget one at any time.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ log = get_logger("p2pxfer.fabric")
 #: the bell it points at alive itself)
 MAX_BELLS = 4096
 _PREFIX = b"\0p2pxfer-bell-"
-
 
 
 def bell_name(address: bytes) -> bytes:
@@ -81,17 +81,15 @@ class Doorbell:
 
     def __init__(self, address: bytes) -> None:
         self._sock: socket.socket | None = None
+        sock = None
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
                                  | socket.SOCK_CLOEXEC)
-        except OSError as exc:  # out of descriptors: no doorbell, naps as before
-            log.warning("rail.doorbell_unavailable", error=str(exc))
-            return
-        try:
             sock.bind(bell_name(address))
-        except OSError as exc:  # the name is taken
+        except OSError as exc:  # out of descriptors, or the name is taken
             log.warning("rail.doorbell_unavailable", error=str(exc))
-            sock.close()
+            if sock is not None:
+                sock.close()
             return
         self._sock = sock
 

@@ -59,6 +59,7 @@ class Rail:
         self.info = info
         self._closing: list[Any] = []
         self.doorbell: Doorbell | None = None
+        self._bells: Bells | None = None
         try:
             self.fabric = self._own(Fabric(info))
             self.domain = self._own(Domain(self.fabric, info))
@@ -70,8 +71,7 @@ class Rail:
             # poller, and we ring theirs (``_bell.py``).
             if self.av.is_shm:
                 self.doorbell = Doorbell(self.address)
-            self._bells = Bells(every=bool(info.tx_op_flags & DELIVERY_COMPLETE)) \
-                if self.av.is_shm else None
+                self._bells = Bells(every=bool(info.tx_op_flags & DELIVERY_COMPLETE))
         except BaseException:
             self.close()
             raise
