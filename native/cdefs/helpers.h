@@ -58,6 +58,8 @@ int p2p_bell_init(struct p2p_bell *b, int fd, const char *name, int namelen, int
 int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t min_entries,
                             int64_t spin_ns, int64_t timeout_ns);
 int64_t p2p_now_ns(void);
+int64_t p2p_poller_take(struct p2p_poller *p, int64_t nruns, uint64_t ctx,
+                        uint64_t data_flag, int64_t *kept);
 int64_t p2p_post_once(struct p2p_cursor *cur, int ncur);
 void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t dest,
                     const int64_t *src_off, const int64_t *dst_off, const int64_t *len,

@@ -595,6 +595,35 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
     return nruns;
 }
 
+/* Of a poll's nruns runs: the count of completions with context ctx (an
+ * express write's own pieces), and the runs carrying remote CQ data (peers'
+ * arrivals) moved to the front, their number in *kept. Runs of any other
+ * context are dropped: writes given up earlier, as the shard drops them.
+ * One call instead of five arrays turned into Python lists per poll. */
+int64_t p2p_poller_take(struct p2p_poller *p, int64_t nruns, uint64_t ctx,
+                        uint64_t data_flag, int64_t *kept)
+{
+    int64_t got = 0, k = 0;
+
+    for (int64_t i = 0; i < nruns; i++) {
+        if (p->run_flags[i] & data_flag) {
+            if (k != i) {
+                p->run_cq[k] = p->run_cq[i];
+                p->run_ctx[k] = p->run_ctx[i];
+                p->run_flags[k] = p->run_flags[i];
+                p->run_data[k] = p->run_data[i];
+                p->run_count[k] = p->run_count[i];
+                p->run_bytes[k] = p->run_bytes[i];
+            }
+            k++;
+        } else if (p->run_ctx[i] == ctx) {
+            got += p->run_count[i];
+        }
+    }
+    *kept = k;
+    return got;
+}
+
 /* Abort the TCP connection on socket fd (a provider's, found by the caller):
  * connect() to an AF_UNSPEC address runs the kernel's tcp_disconnect, which
  * drops the send queue (bytes never go out, even once a cut link is back),

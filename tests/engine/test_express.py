@@ -18,7 +18,7 @@ import trio.testing
 
 from conftest import engine_pair as pair
 from p2pxfer.engine import EngineStats
-from p2pxfer.errors import TransferError
+from p2pxfer.errors import TransferError, UnregisteredMemory
 from p2pxfer.fabric import CompletionError, Completions
 from p2pxfer.scatter import ScatterList
 
@@ -185,3 +185,99 @@ async def test_completions_the_poller_thread_reads_first_are_kept() -> None:
             shard.piece_error(other)  # nobody's: dropped, as before
             assert ex.stolen_error is err
         ex.tid = -1
+
+
+async def test_express_plans_follow_what_changes_under_them(provider: str) -> None:
+    """A plan (registration, route, peer) is kept per source array and
+    destination; a write must still see the source deregistered, a
+    registration made anew, and a peer address the rail dropped (a
+    teardown moves the AV's epoch: the peer is inserted again, with its
+    doorbell on shm)."""
+    src = np.arange(SIZE, dtype=np.uint64).view(np.uint8)[:SIZE].copy()
+    region = np.zeros(SIZE, np.uint8)
+    sl = ScatterList.contiguous(4096)
+    async with pair(provider) as (a, b):
+        desc = b.export(region, "r")
+        a.register(src)
+        with trio.fail_after(STEP):
+            for _ in range(3):
+                await a.write(src, desc, sl, imm=1)
+            express = a.statistics().express
+            assert express >= 2
+            a.deregister(src)
+            with pytest.raises(UnregisteredMemory):
+                await a.write(src, desc, sl, imm=1)
+            src[:4096] = 7
+            a.register(src)
+            await a.write(src, desc, sl, imm=1)
+            await b.wait_imm(1, 4)
+            assert (region[:4096] == 7).all()
+            rail = a.shards[0]._group.rails[0]  # test-only reach: a teardown
+            epoch = rail.av.epoch
+            rail.disconnect(desc.rails[0].address)
+            assert rail.av.epoch != epoch
+            src[:4096] = 9
+            await a.write(src, desc, sl, imm=1)
+            await b.wait_imm(1, 1)
+            assert (region[:4096] == 9).all()
+        assert a.statistics().express >= express + 1
+
+
+def write_after_the_peer_closed(results: Any) -> None:
+    """Child (shm crashes a process that posts to a peer whose segment is
+    gone): express writes to a peer, the peer closes, one more write."""
+    from p2pxfer import BlockingEngine
+    from p2pxfer.errors import P2PXferError
+
+    try:
+        with BlockingEngine.open("shm") as a:
+            src = np.ones(4096, np.uint8)
+            a.register(src)
+            b = BlockingEngine.open("shm")
+            try:
+                desc = b.export(np.zeros(4096, np.uint8), "r")
+                for _ in range(3):
+                    a.write(src, desc, ScatterList.contiguous(4096), imm=1)
+                express = a.statistics().express
+            finally:
+                b.close()
+            try:
+                a.write(src, desc, ScatterList.contiguous(4096), imm=1, timeout=30)
+            except P2PXferError as exc:
+                results.put((express, f"{type(exc).__name__}: {exc}"))
+            else:
+                results.put((express, "no error"))
+    except BaseException:
+        import traceback
+
+        results.put((0, traceback.format_exc()))
+
+
+def test_an_express_write_to_a_shm_peer_that_closed_raises() -> None:
+    """The peer's segment is looked at on every express write, plan or no
+    plan: gone, the write raises ``PeerUnreachable`` naming it, and the
+    writer lives on."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=write_after_the_peer_closed, args=(results,))
+    child.start()
+    express, got = 0, "nothing"
+    try:
+        for _ in range(600):  # a minute, unless it died first
+            try:
+                express, got = results.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if child.exitcode is not None:
+                    break
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+    assert child.exitcode == 0, f"writer died with exit code {child.exitcode}: {got}"
+    assert express >= 2, got
+    assert got.startswith("PeerUnreachable") and "is gone" in got, got

@@ -233,14 +233,18 @@ class Engine:
     def _deadline(self, timeout: float | None) -> float:
         """The trio time a write must be done by: ``timeout`` from now, else
         ``EngineConfig.write_timeout_s`` from now, else never."""
+        return trio.current_time() + self._timeout(timeout)
+
+    def _timeout(self, timeout: float | None) -> float:
+        """A write's time limit in seconds, checked: ``timeout``, else
+        ``EngineConfig.write_timeout_s``, else inf."""
         if timeout is None:
             timeout = self.config.write_timeout_s
-            if timeout is None:
-                return float("inf")
-        elif (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-              or not timeout > 0):
+            return float("inf") if timeout is None else timeout
+        if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                or not timeout > 0):
             raise InvalidArgument(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        return trio.current_time() + timeout
+        return timeout
 
     async def _submit(self, src: Any, dst: RegionDescriptor, scatter: ScatterList,
                       imm: int | Callable[[int], int] | None, dry_run: bool, *,
@@ -325,11 +329,11 @@ class Engine:
             # The express path (``_express.py``): a small write on a quiet shard.
             self._check_open()
             capped = self._capped(imm)
-            deadline = self._deadline(timeout)
+            limit = self._timeout(timeout)  # a deadline is made only if it is handed over
             await trio.lowlevel.checkpoint_if_cancelled()
             shard = self.shards[0]
             if not callable(capped):
-                out = shard.express.write(src, dst, scatter, capped, deadline,
+                out = shard.express.write(src, dst, scatter, capped, limit,
                                           self._express_budget)
                 if isinstance(out, int):
                     await self._clock.maybe_yield()

@@ -28,19 +28,48 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from p2pxfer.fabric import FLAG_REMOTE_CQ_DATA, CompletionError, Completions, ExpressCursor
+import numpy as np
+import trio
+
+from p2pxfer.fabric import CompletionError, Completions, ExpressCursor, shm_segment
 from p2pxfer.scatter import ScatterList
 
 if TYPE_CHECKING:
-    from p2pxfer.memory import RegionDescriptor
+    from p2pxfer.memory import LocalRegion, RegionDescriptor
 
+    from ._plan import Target
     from ._shard import Shard
     from ._state import TransferState
 
 __all__ = ["Express"]
+
+#: plans kept per shard (``Express._plan``); past this many, start over
+MAX_PLANS = 64
+
+
+class _Plan:
+    """What every express write from one source array to one destination
+    shares (``Express._plan``): its registration and route, and the peer's
+    address, doorbell and shm segment as the rail's AV had them at ``epoch``.
+    Holds the array weakly: a plan must never keep a buffer alive."""
+
+    __slots__ = ("base", "bell", "dest", "dst", "ep", "epoch", "region", "segment", "size",
+                 "src", "target")
+
+    def __init__(self, src: Any, dst: RegionDescriptor, region: LocalRegion, base: int,
+                 size: int, target: Target) -> None:
+        self.src = weakref.ref(src)
+        self.dst = dst
+        self.region, self.base, self.size, self.target = region, base, size, target
+        self.ep = target.rail.endpoint.handle
+        self.epoch = -1  # looked up at first use (``_peer``)
+        self.dest = 0
+        self.bell: Any = None
+        self.segment = ""
 
 
 class Express:
@@ -50,6 +79,8 @@ class Express:
         self._shard = shard
         self._max_pieces = max_pieces
         self._cursor = ExpressCursor()
+        #: (id(src), id(dst)) -> the plan of writes between them
+        self._plans: dict[tuple[int, int], _Plan] = {}
         #: the express write being polled for (-1: none), and what the poller
         #: thread read of it meanwhile; written under the shard's lock
         self.tid = -1
@@ -58,28 +89,72 @@ class Express:
         #: writes that completed on this path, and that became regular ones
         self.completed = self.handed_over = 0
 
+    def _plan(self, src: Any, dst: RegionDescriptor) -> _Plan | None:
+        """The plan of a write from ``src`` to ``dst``, or None when it cannot
+        go this way (more than one rail pair). Cached for numpy arrays,
+        which keep their address while they live: the array is registered
+        (its registration holds it, so it cannot be resized), and a plan
+        whose registration was closed is made anew, which raises."""
+        key = (id(src), id(dst))
+        plan = self._plans.get(key)
+        if (plan is not None and plan.src() is src and plan.dst is dst
+                and not plan.region.closed):
+            return plan
+        g = self._shard._group
+        region, base, size = g.source(src)
+        route = g.route(dst, region)
+        if len(route.targets) != 1:
+            return None
+        plan = _Plan(src, dst, region, base, size, route.targets[0])
+        if type(src) is np.ndarray:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()  # many buffers or peers came and went: start over
+            self._plans[key] = plan
+        return plan
+
+    def _peer(self, plan: _Plan) -> int:
+        """The peer's ``fi_addr_t`` (under the shard's lock). On shm, the
+        peer's segment is looked at on every write, as ``Rail.peer`` does:
+        libfabric 1.17's shm crashes the process that posts to a peer whose
+        segment is gone."""
+        t = plan.target
+        rail = t.rail
+        if plan.epoch != rail.av.epoch:
+            plan.epoch = rail.av.epoch
+            plan.dest = rail.peer(t.address)  # checks a shm peer's segment too
+            plan.bell = rail.bell_of(t.address)
+            plan.segment = shm_segment(t.address) if rail.av.is_shm else ""
+        elif plan.segment:
+            try:
+                os.stat(plan.segment)
+            except OSError:
+                plan.epoch = -1
+                return rail.peer(t.address)  # raises, naming the peer
+        return plan.dest
+
     def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, imm: int | None,
-              deadline: float, budget_of: Callable[[int], int]) -> int | TransferState | None:
+              limit: float, budget_of: Callable[[int], int]) -> int | TransferState | None:
         """Write ``scatter`` if it can go the express way: the piece count
         once it completed, else its ``TransferState`` (a regular transfer now,
         in flight: wait for it as usual). None when it cannot go this way;
-        then nothing was posted. ``budget_of(nbytes)``: how long to poll."""
+        then nothing was posted. ``limit``: seconds from now it must be done
+        in (inf: no limit); ``budget_of(nbytes)``: how long to poll."""
         s = self._shard
-        if (s._inflight or s._inbox or not isinstance(scatter, ScatterList)
-                or len(scatter) > self._max_pieces):
+        if s._inflight or s._inbox or type(scatter) is not ScatterList:
             return None
-        g = s._group
-        region, base, size = g.source(src)
-        route = g.route(dst, region)
-        if len(route.targets) != 1 or scatter.max_length > g.max_msg:
-            return None
-        scatter.check_bounds(size, dst.length)
-        if imm is not None:
-            g.check_imm(imm)
-        t = route.targets[0]
-        tid = s.new_tid()
         n = len(scatter)
+        if n > self._max_pieces:
+            return None
+        plan = self._plan(src, dst)
+        if plan is None or scatter.max_length > s._group.max_msg:
+            return None
+        scatter.check_bounds(plan.size, dst.length)
+        if imm is not None:
+            s._group.check_imm(imm)
+        t = plan.target
+        tid = s.new_tid()
         poller = s._inline_poller
+        start = time.perf_counter_ns()
         received: list[tuple[int, int]] = []
         imms: list[tuple[int, int]] = []
         got, failed = 0, None  # failed: the poll that met an error entry
@@ -89,25 +164,21 @@ class Express:
                 self.tid, self.stolen, self.stolen_error = tid, 0, None
                 # Under the lock: a peer address the poller thread removes
                 # (``abort``) must never be posted to.
-                left = self._cursor.post(t.rail, t.rail.peer(t.address), scatter.src,
-                                         scatter.dst, scatter.length, base, t.src_desc,
-                                         t.dst_base, t.dst_key, imm, tid, t.address)
+                left = self._cursor.post(plan.ep, self._peer(plan), scatter.src, scatter.dst,
+                                         scatter.length, plan.base, t.src_desc, t.dst_base,
+                                         t.dst_key, imm, tid, plan.bell)
             if not left:
                 end = time.perf_counter_ns() + budget_of(scatter.nbytes)
                 while True:
                     with s._cq_guard:
-                        k = poller.poll(max(end - time.perf_counter_ns(), 0), n - got)
-                        if poller.failed:
-                            failed = poller.completions(k)  # counted once it is regular
+                        mine, arrivals, failed = poller.poll_for(
+                            max(end - time.perf_counter_ns(), 0), n - got, tid)
                     if failed is not None:
-                        break
-                    for rail, ctx, flags, data, cnt in poller.runs(k):
-                        if flags & FLAG_REMOTE_CQ_DATA:
-                            received.append((rail, cnt))
-                            imms.append((data, cnt))
-                        elif ctx == tid:
-                            got += cnt
-                        # else: a write given up earlier (``_absorb`` drops those too)
+                        break  # its runs are counted once it is regular
+                    got += mine
+                    for rail, _ctx, _flags, data, cnt in arrivals:
+                        received.append((rail, cnt))
+                        imms.append((data, cnt))
                     if got >= n or time.perf_counter_ns() >= end:
                         break
             if got >= n:
@@ -115,7 +186,8 @@ class Express:
                 with s._lock:
                     self.tid = -1
                     s.count_pieces(t.key, n, now)
-                    self._count_received(received)
+                    if received:
+                        self._count_received(received)
                 s.count_delivered(t.ours, n, scatter.nbytes)
                 s.completed += 1
                 self.completed += 1
@@ -123,6 +195,7 @@ class Express:
                     s._imm_batches.append(imms)
                     s._deliver()
                 return n
+            deadline = trio.current_time() + limit - (time.perf_counter_ns() - start) / 1e9
             return self._hand_over(src, dst, scatter, imm, tid, deadline, got, left, failed,
                                    received, imms)
         finally:

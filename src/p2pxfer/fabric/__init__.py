@@ -28,6 +28,7 @@ from ._objects import Domain as Domain
 from ._objects import Endpoint as Endpoint
 from ._objects import Fabric as Fabric
 from ._objects import MemoryRegion as MemoryRegion
+from ._objects import shm_segment as shm_segment
 from ._rail import FLAG_REMOTE_CQ_DATA as FLAG_REMOTE_CQ_DATA
 from ._rail import CompletionError as CompletionError
 from ._rail import Completions as Completions

@@ -224,19 +224,21 @@ class ExpressCursor:
         self._c = ffi.new("struct p2p_cursor[1]")
         self._keep: tuple[Any, ...] = ()
 
-    def post(self, rail: Rail, dest: int, src_off: I64, dst_off: I64, length: I64,
+    def post(self, ep: Any, dest: int, src_off: I64, dst_off: I64, length: I64,
              src_base: int, src_desc: Any, dst_base: int, dst_key: int, imm: int | None,
-             context: int, address: bytes = b"") -> bool:
-        """Post every piece; True if some are left (a full TX queue) or one
-        failed to post (``failed``). ``address``: the peer endpoint's (its
-        doorbell is rung after a piece that needs its progress)."""
-        ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in (src_off, dst_off, length))
-        bell = rail.bell_of(address)
+             context: int, bell: Any) -> bool:
+        """Post every piece from endpoint ``ep`` (``Rail.endpoint.handle``);
+        True if some are left (a full TX queue) or one failed to post
+        (``failed``). ``bell``: the peer's doorbell (``Rail.bell_of``), rung
+        after a piece that needs its progress."""
+        ptrs = (ffi.from_buffer("int64_t[]", src_off), ffi.from_buffer("int64_t[]", dst_off),
+                ffi.from_buffer("int64_t[]", length))
         self._keep = (*ptrs, bell)  # the C cursor points at them until the next write
-        lib.p2p_cursor_set(self._c, 0, rail.endpoint.handle, dest, *ptrs, 0, len(length),
+        c = self._c
+        lib.p2p_cursor_set(c, 0, ep, dest, *ptrs, 0, len(length),
                            src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
                            context, _NO_DC, bell)
-        return bool(lib.p2p_post_once(self._c, 1)) or bool(self._c[0].err)
+        return bool(lib.p2p_post_once(c, 1)) or bool(c[0].err)
 
     def hand_to(self, batch: WriteBatch) -> None:
         """Carry how far posting got into ``batch``'s cursor 0, which covers

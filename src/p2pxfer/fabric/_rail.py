@@ -387,6 +387,7 @@ class Poller:
         p.run_data = ffi.cast("uint64_t *", self._data.ctypes.data)
         p.run_count = ffi.cast("int64_t *", self._count.ctypes.data)
         p.run_bytes = ffi.cast("int64_t *", self._bytes.ctypes.data)
+        self._kept = ffi.new("int64_t *")
         for rail in self.rails:
             rc = lib.p2p_poller_add_cq(p, rail.fabric.handle, rail.cq.handle, rail.cq.wait_fd)
             if rc < 0:
@@ -458,6 +459,21 @@ class Poller:
         return list(zip(self._rail[:n].tolist(), self._ctx[:n].tolist(),
                         self._flags[:n].tolist(), self._data[:n].tolist(),
                         self._count[:n].tolist(), strict=True))
+
+    def poll_for(self, spin_ns: int, min_entries: int, context: int
+                 ) -> tuple[int, list[tuple[int, int, int, int, int]], Completions | None]:
+        """``poll`` for one write's completions: how many of those read carry
+        ``context`` (its own pieces), the runs of peers' writes with
+        immediates (as ``runs``), and, where the poll stopped at an error
+        entry, everything it read as ``Completions`` (then nothing is
+        counted: the caller absorbs those). Runs of any other context are
+        dropped."""
+        n = self.poll(spin_ns, min_entries)
+        if self._p.err_cq >= 0:
+            return 0, [], self._completions(n)
+        got = lib.p2p_poller_take(self._p, n, context, FLAG_REMOTE_CQ_DATA, self._kept)
+        kept = self._kept[0]
+        return got, (self.runs(kept) if kept else []), None
 
     def completions(self, n: int) -> Completions:
         """The last poll's ``n`` runs (and its error entry) as ``Completions``."""
