@@ -11,7 +11,9 @@ engine's shards'). A ``RegistrationCache`` belongs to the thread that made it
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +198,11 @@ class RegistrationCache:
                 self._lru.move_to_end(key)
                 return region
         return None
+
+    def toucher(self, region: LocalRegion) -> Callable[[], None]:
+        """A call that counts a use of ``region`` (registered here, open) as
+        a lookup does, for a caller that kept it instead of looking it up."""
+        return functools.partial(self._lru.move_to_end, id(region))
 
     def register(self, obj: Any, *, writable: bool = False, pin: bool = False) -> LocalRegion:
         """The registration covering ``obj`` (registering it on a miss)."""

@@ -223,6 +223,119 @@ async def test_express_plans_follow_what_changes_under_them(provider: str) -> No
         assert a.statistics().express >= express + 1
 
 
+async def test_express_plans_hold_nothing_alive_and_count_as_uses() -> None:
+    """A plan holds its array and registration weakly; a write through a
+    plan is a use of the registration (the least recently used one is
+    evicted, not the one written all along); a source that cannot be kept
+    (a bytearray) still goes the express way."""
+    import gc
+    import weakref
+
+    sl = ScatterList.contiguous(4096)
+    async with pair("tcp;ofi_rxm", cache_entries=2) as (a, b):
+        desc = b.export(np.zeros(SIZE, np.uint8), "r")
+        with trio.fail_after(STEP):
+            hot, other, third = (np.full(SIZE, i, np.uint8) for i in (1, 2, 3))
+            a.register(hot)
+            await a.write(hot, desc, sl, imm=1)
+            a.register(other)  # entries: hot, other
+            await a.write(hot, desc, sl, imm=1)  # through its plan: hot is the last used
+            a.register(third)  # evicts the least recently used: other
+            await a.write(hot, desc, sl, imm=1)
+            with pytest.raises(UnregisteredMemory):
+                await a.write(other, desc, sl, imm=1)
+
+            gone = np.ones(SIZE, np.uint8)
+            a.register(gone)
+            await a.write(gone, desc, sl, imm=1)
+            ref = weakref.ref(gone)
+            a.deregister(gone)
+            del gone
+            gc.collect()
+            assert ref() is None, "an express plan kept a deregistered buffer alive"
+
+            raw = bytearray(b"\x05" * 8192)
+            a.register(raw)
+            express = a.statistics().express
+            await a.write(raw, desc, sl, imm=1)
+            assert a.statistics().express == express + 1
+            await b.wait_imm(1, 5)
+
+
+def write_again_to_a_peer_gone_before_the_first(results: Any) -> None:
+    """Child: a writes to c (c's address is the first a's rail inserts),
+    then twice to b, which closed before a's first write to it."""
+    from p2pxfer import BlockingEngine
+    from p2pxfer.errors import P2PXferError
+
+    got = []
+    try:
+        with BlockingEngine.open("shm") as a, BlockingEngine.open("shm") as c:
+            src = np.ones(4096, np.uint8)
+            a.register(src)
+            c_region = np.zeros(1 << 20, np.uint8)
+            a.write(src, c.export(c_region, "c"), ScatterList.contiguous(4096), imm=1)
+            c.wait_imm(1, 1)
+            b = BlockingEngine.open("shm")
+            try:
+                desc = b.export(np.zeros(4096, np.uint8), "b")
+            finally:
+                b.close()
+            for _ in range(2):
+                try:
+                    a.write(src, desc, ScatterList.contiguous(4096), imm=2, timeout=30)
+                    got.append("no error")
+                except P2PXferError as exc:
+                    got.append(f"{type(exc).__name__}: {exc}")
+            landed = int(np.count_nonzero(c_region))
+            results.put((got, landed))
+    except BaseException:
+        import traceback
+
+        results.put((got, traceback.format_exc()))
+
+
+def run_in_child(target: Any) -> Any:
+    """``target(results)`` in a spawned process (shm crashes a process that
+    posts to a peer whose segment is gone): what it put, after its exit
+    code was checked."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=target, args=(results,))
+    child.start()
+    got: Any = None
+    try:
+        for _ in range(600):  # a minute, unless it died first
+            try:
+                got = results.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if child.exitcode is not None:
+                    break
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+    assert child.exitcode == 0, f"the child died with exit code {child.exitcode}: {got}"
+    return got
+
+
+def test_a_write_retried_to_a_shm_peer_that_was_never_reached_raises_again() -> None:
+    """A failed first look-up of a peer leaves the plan to look again: the
+    retry raises too, and posts nothing anywhere (not to the rail's first
+    peer, whose address a plan that took the failed look-up's epoch would
+    have posted to)."""
+    got, landed = run_in_child(write_again_to_a_peer_gone_before_the_first)
+    assert len(got) == 2, got
+    for g in got:
+        assert g.startswith("PeerUnreachable") and "is gone" in g, got
+    assert landed == 4096, f"the other peer's region changed: {landed} bytes set"
+
+
 def write_after_the_peer_closed(results: Any) -> None:
     """Child (shm crashes a process that posts to a peer whose segment is
     gone): express writes to a peer, the peer closes, one more write."""
@@ -257,27 +370,6 @@ def test_an_express_write_to_a_shm_peer_that_closed_raises() -> None:
     """The peer's segment is looked at on every express write, plan or no
     plan: gone, the write raises ``PeerUnreachable`` naming it, and the
     writer lives on."""
-    import multiprocessing as mp
-    import queue
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=write_after_the_peer_closed, args=(results,))
-    child.start()
-    express, got = 0, "nothing"
-    try:
-        for _ in range(600):  # a minute, unless it died first
-            try:
-                express, got = results.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if child.exitcode is not None:
-                    break
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
-            child.join(5)
-    assert child.exitcode == 0, f"writer died with exit code {child.exitcode}: {got}"
+    express, got = run_in_child(write_after_the_peer_closed)
     assert express >= 2, got
     assert got.startswith("PeerUnreachable") and "is gone" in got, got

@@ -55,16 +55,19 @@ class _Plan:
     """What every express write from one source array to one destination
     shares (``Express._plan``): its registration and route, and the peer's
     address, doorbell and shm segment as the rail's AV had them at ``epoch``.
-    Holds the array weakly: a plan must never keep a buffer alive."""
+    Holds the array and its registration weakly: a plan must never keep a
+    buffer alive."""
 
     __slots__ = ("base", "bell", "dest", "dst", "ep", "epoch", "region", "segment", "size",
-                 "src", "target")
+                 "src", "target", "touch")
 
-    def __init__(self, src: Any, dst: RegionDescriptor, region: LocalRegion, base: int,
-                 size: int, target: Target) -> None:
-        self.src = weakref.ref(src)
+    def __init__(self, src: weakref.ref[Any] | None, dst: RegionDescriptor,
+                 region: LocalRegion, base: int, size: int, target: Target,
+                 touch: Callable[[], None]) -> None:
+        self.src = src  # None: not kept (``Express._plan``)
         self.dst = dst
-        self.region, self.base, self.size, self.target = region, base, size, target
+        self.region = weakref.ref(region)
+        self.base, self.size, self.target, self.touch = base, size, target, touch
         self.ep = target.rail.endpoint.handle
         self.epoch = -1  # looked up at first use (``_peer``)
         self.dest = 0
@@ -91,22 +94,27 @@ class Express:
 
     def _plan(self, src: Any, dst: RegionDescriptor) -> _Plan | None:
         """The plan of a write from ``src`` to ``dst``, or None when it cannot
-        go this way (more than one rail pair). Cached for numpy arrays,
-        which keep their address while they live: the array is registered
-        (its registration holds it, so it cannot be resized), and a plan
-        whose registration was closed is made anew, which raises."""
+        go this way (more than one rail pair). Kept for numpy arrays, which
+        keep their address while they live: a registered array is held by
+        its registration, so it cannot be resized; a plan whose registration
+        is gone or closed is made anew (which raises). A hit counts as a use
+        of the registration (the cache evicts the least recently used)."""
         key = (id(src), id(dst))
         plan = self._plans.get(key)
-        if (plan is not None and plan.src() is src and plan.dst is dst
-                and not plan.region.closed):
-            return plan
+        if plan is not None and plan.src is not None and plan.src() is src and plan.dst is dst:
+            region = plan.region()
+            if region is not None and not region.closed:
+                plan.touch()
+                return plan
         g = self._shard._group
         region, base, size = g.source(src)
         route = g.route(dst, region)
         if len(route.targets) != 1:
             return None
-        plan = _Plan(src, dst, region, base, size, route.targets[0])
-        if type(src) is np.ndarray:
+        kept = type(src) is np.ndarray
+        plan = _Plan(weakref.ref(src) if kept else None, dst, region, base, size,
+                     route.targets[0], g.cache.toucher(region))
+        if kept:
             if len(self._plans) >= MAX_PLANS:
                 self._plans.clear()  # many buffers or peers came and went: start over
             self._plans[key] = plan
@@ -116,14 +124,16 @@ class Express:
         """The peer's ``fi_addr_t`` (under the shard's lock). On shm, the
         peer's segment is looked at on every write, as ``Rail.peer`` does:
         libfabric 1.17's shm crashes the process that posts to a peer whose
-        segment is gone."""
+        segment is gone. A failed look-up leaves the plan to look again."""
         t = plan.target
         rail = t.rail
-        if plan.epoch != rail.av.epoch:
-            plan.epoch = rail.av.epoch
-            plan.dest = rail.peer(t.address)  # checks a shm peer's segment too
+        av = rail.av
+        if plan.epoch != av.epoch:
+            epoch = av.epoch
+            dest = rail.peer(t.address)  # checks a shm peer's segment too
             plan.bell = rail.bell_of(t.address)
-            plan.segment = shm_segment(t.address) if rail.av.is_shm else ""
+            plan.segment = shm_segment(t.address) if av.is_shm else ""
+            plan.dest, plan.epoch = dest, epoch
         elif plan.segment:
             try:
                 os.stat(plan.segment)
