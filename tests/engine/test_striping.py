@@ -270,3 +270,29 @@ async def _write_to_unreachable() -> None:
             RailDescriptor("tcp;ofi_rxm", addr, 1, 0)
             for addr in (sockaddr(LOOPBACK), sockaddr("203.0.113.9"))))
         await a.write(src, desc, ScatterList.contiguous(16))
+
+
+async def test_a_shard_that_fails_to_start_stops_the_started_ones_before_closing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poller thread that cannot start (no threads left) fails the open;
+    the shards started before it have their pollers stopped before their
+    CQs and fds are closed, never under a running poller."""
+    from p2pxfer.engine._shard import Shard
+
+    seen: list[Shard] = []
+    start = Shard.start
+
+    def start_once(self: Shard) -> None:
+        seen.append(self)
+        if len(seen) > 1:
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(Shard, "start", start_once)
+    config = EngineConfig(provider="tcp;ofi_rxm", node=LOOPBACK)
+    with trio.fail_after(STEP), pytest.raises(RuntimeError, match="can't start new thread"):
+        async with open_engine_on(two_node_topology(), config):
+            raise AssertionError("opened")
+    assert len(seen) == 2
+    assert seen[0].thread_done.is_set(), "the started poller was still running"
+    assert seen[0].thread_error is None

@@ -43,6 +43,7 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
     token = trio.lowlevel.current_trio_token()
     engine = Engine(config, topo)
     shards = engine.shards
+    started = 0
     try:
         for st in topo.shards:
             rails: list[Rail] = []
@@ -60,9 +61,16 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
             engine.add_shard(st, rails, token)
         for shard in shards:
             shard.start()
+            started += 1
         log.info("engine.open", provider=config.provider, shards=len(shards),
                  nics=[n.domain_name for n in topo.nics])
     except BaseException:
+        # Pollers already running read these CQs and fds: stopped first.
+        with trio.CancelScope(shield=True):
+            for shard in shards[:started]:
+                shard.stop()
+            for shard in shards[:started]:
+                await shard.thread_done.wait()
         for shard in shards:
             shard.close()
         raise
