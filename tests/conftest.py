@@ -7,7 +7,9 @@ fabric objects and closes them afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -210,3 +212,33 @@ def daemons() -> Iterator[list[DaemonProc]]:
     yield started
     for d in started:
         d.stop()
+
+
+def run_child(ctx: Any, target: Any, *args: Any) -> tuple[int | None, Any]:
+    """``target(*args, results)`` in a child process of ``ctx`` (a process
+    that may crash: shm kills one that posts to a peer whose segment is
+    gone): its exit code, and the first thing it put in ``results`` (None
+    if nothing: a crash)."""
+    results = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, results))
+    child.start()
+    got = None
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            try:
+                got = results.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if child.exitcode is not None:
+                    # Its last word may have been queued just before it
+                    # exited; none at all means a crash.
+                    with contextlib.suppress(queue.Empty):
+                        got = results.get(timeout=5)
+                    break
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+    return child.exitcode, got

@@ -17,6 +17,7 @@ import trio
 import trio.testing
 
 from conftest import engine_pair as pair
+from conftest import run_child
 from p2pxfer.engine import EngineStats
 from p2pxfer.errors import TransferError, UnregisteredMemory
 from p2pxfer.fabric import CompletionError, Completions
@@ -296,31 +297,12 @@ def write_again_to_a_peer_gone_before_the_first(results: Any) -> None:
 
 
 def run_in_child(target: Any) -> Any:
-    """``target(results)`` in a spawned process (shm crashes a process that
-    posts to a peer whose segment is gone): what it put, after its exit
+    """``target(results)`` in a spawned process: what it put, once its exit
     code was checked."""
     import multiprocessing as mp
-    import queue
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=target, args=(results,))
-    child.start()
-    got: Any = None
-    try:
-        for _ in range(600):  # a minute, unless it died first
-            try:
-                got = results.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if child.exitcode is not None:
-                    break
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
-            child.join(5)
-    assert child.exitcode == 0, f"the child died with exit code {child.exitcode}: {got}"
+    code, got = run_child(mp.get_context("spawn"), target)
+    assert code == 0, f"the child died with exit code {code}: {got}"
     return got
 
 

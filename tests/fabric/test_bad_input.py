@@ -10,11 +10,9 @@ poller runs all along) the destination is still all zeros.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
-import queue
 import re
 import time
 import traceback
@@ -27,7 +25,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import posted, posted_bytes
+from conftest import posted, posted_bytes, run_child
 from p2pxfer.buffers import DESCRIPTOR_VERSION, RegionDescriptor
 from p2pxfer.engine import BlockingEngine
 from p2pxfer.errors import (
@@ -493,32 +491,6 @@ def write_to_departed(provider: str, node: str | None, desc: bytes | None, workd
                 results.put("no error")
     except BaseException:
         results.put(traceback.format_exc())
-
-
-def run_child(ctx: Any, target: Any, *args: Any) -> tuple[int | None, Any]:
-    results = ctx.Queue()
-    child = ctx.Process(target=target, args=(*args, results))
-    child.start()
-    got = None
-    deadline = time.monotonic() + 60
-    try:
-        while time.monotonic() < deadline:
-            try:
-                got = results.get(timeout=0.2)
-                break
-            except queue.Empty:
-                if child.exitcode is not None:
-                    # Its last word may have been queued just before it
-                    # exited; none at all means a crash.
-                    with contextlib.suppress(queue.Empty):
-                        got = results.get(timeout=5)
-                    break
-    finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
-            child.join(5)
-    return child.exitcode, got
 
 
 def test_write_to_a_peer_that_left_raises_remote_closed(
