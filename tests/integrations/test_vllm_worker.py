@@ -160,12 +160,13 @@ def test_with_its_daemon_gone_a_worker_fails_loads_and_releases_holds(
                     d.proc.wait(10)
                 else:
                     w.bridge.close()
-            prefill.hold([Send("orphan", 4, (1, 2))])
-            decode.load([Load("stranded", "node-a", "P", 5, "r", 0, (3, 4))])
-            wait_finished(prefill, sent={"orphan"})
-            wait_finished(decode, received={"stranded"})
-            assert decode.load_errors() == {3, 4}
-            assert "stranded#0" not in decode._slots
+            prefill.hold([Send("orphan", 4, (1, 2)), Send("widow", 6, (5,))])
+            decode.load([Load("stranded", "node-a", "P", 5, "r", 0, (3, 4)),
+                         Load("marooned", "node-a", "P", 7, "r", 0, (6,))])
+            wait_finished(prefill, sent={"orphan", "widow"})
+            wait_finished(decode, received={"stranded", "marooned"})
+            assert decode.load_errors() == {3, 4, 6}
+            assert len(decode._slots) == len(decode._msg_slots) == 0  # every slot back
         finally:
             decode.close()
             prefill.close()

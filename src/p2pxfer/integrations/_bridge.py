@@ -9,6 +9,8 @@ happen here, concurrently, not in the caller's loop.
 - :meth:`Bridge.spawn` starts one and returns at once (loads, pushes,
   lease timers); its failures are the task's to report (it must catch
   them: an escaping exception is logged and ends only that task);
+  :meth:`Bridge.spawn_each` starts one per item of a batch (a step's
+  loads or holds) in a single hop to the bridge and back;
 - :meth:`Bridge.on_close` hooks run in the bridge when it ends, after its
   tasks and before its client (and the memory the client maps) closes.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -127,9 +129,20 @@ class Bridge:
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Start ``fn(*args)`` in the bridge and return."""
+        self._spawn(self._start, fn, *args)
+
+    def spawn_each(self, fn: Callable[[T], Awaitable[Any]], items: Sequence[T]) -> None:
+        """Start ``fn(item)`` for each of ``items`` in the bridge and return:
+        all of them or (``ConnectionLost``) none. One hop to the bridge
+        thread and back however many there are: each hop is a wake-up of
+        the bridge and a wait of the caller's (a serving engine's step)."""
+        if items:
+            self._spawn(self._start_each, fn, items)
+
+    def _spawn(self, start: Callable[..., None], *args: Any) -> None:
         assert self._nursery is not None
         try:
-            trio.from_thread.run_sync(self._start, fn, *args, trio_token=self._live_token())
+            trio.from_thread.run_sync(start, *args, trio_token=self._live_token())
         except trio.RunFinishedError as exc:
             raise ConnectionLost(f"the client to the p2pxfer daemon at {self.socket} "
                                  "closed") from exc
@@ -145,6 +158,14 @@ class Bridge:
                                  "closed") from exc
 
     def _start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        self._open_nursery().start_soon(self._guard, fn, *args)
+
+    def _start_each(self, fn: Callable[[T], Awaitable[Any]], items: Sequence[T]) -> None:
+        nursery = self._open_nursery()
+        for item in items:
+            nursery.start_soon(self._guard, fn, item)
+
+    def _open_nursery(self) -> trio.Nursery:
         # In the bridge's thread: once its nursery has closed (the close
         # hooks and the client's close may still run), nothing starts.
         with self._hooks_lock:
@@ -153,7 +174,7 @@ class Bridge:
             raise ConnectionLost(f"the client to the p2pxfer daemon at {self.socket} is "
                                  "closing")
         assert self._nursery is not None
-        self._nursery.start_soon(self._guard, fn, *args)
+        return self._nursery
 
     @staticmethod
     async def _guard(fn: Callable[..., Awaitable[Any]], *args: Any) -> None:

@@ -79,11 +79,13 @@ class _Part:
 
 class DecodeSide(WorkerState):
     def load(self, loads: Iterable[Load]) -> None:
-        """Start each load (pulls, then per-layer waits) and return. A load
-        of no blocks only releases the prefill's hold (its pulls ask for
-        nothing), and is not reported back."""
+        """Start each load (pulls, then per-layer waits) and return: all of
+        them in one hop to the bridge. A load of no blocks only releases the
+        prefill's hold (its pulls ask for nothing), and is not reported
+        back."""
         o = self.opts
         routes = pull_routes(o.tp_size, o.rank, o.peer_tp, replicated=self.replicated)
+        starting: list[tuple[Load, list[_Part], trio.CancelScope]] = []
         for job in loads:
             blocks = np.asarray(job.blocks, np.int64)
             parts: list[_Part] = []
@@ -104,19 +106,23 @@ class DecodeSide(WorkerState):
                     # Too many loads at once: this one fails (vLLM recomputes).
                     self._fail_unstarted(job, parts, exc)
                     continue
-            # Its scope is known before it starts: a cancel behind it finds it.
-            scope = trio.CancelScope()
-            with self._lock:
+                # Its scope is known before it starts: a cancel behind it finds it.
+                scope = trio.CancelScope()
                 self._running[job.request] = scope
-            try:
-                self.bridge.spawn(self._load, job, parts, scope)
-            except ConnectionLost as exc:
-                # The daemon is gone: a load error, not an exception out of
-                # vLLM's step (it recomputes the blocks and goes on).
-                with self._lock:
+            starting.append((job, parts, scope))
+        try:
+            self.bridge.spawn_each(self._start_load, starting)
+        except ConnectionLost as exc:
+            # The daemon is gone: load errors, not an exception out of vLLM's
+            # step (it recomputes the blocks and goes on).
+            with self._lock:
+                for job, parts, scope in starting:
                     if self._running.get(job.request) is scope:
                         del self._running[job.request]
                     self._fail_unstarted(job, parts, exc)
+
+    async def _start_load(self, start: tuple[Load, list[_Part], trio.CancelScope]) -> None:
+        await self._load(*start)
 
     def _fail_unstarted(self, job: Load, parts: list[_Part], exc: P2PXferError) -> None:
         """End a load that never started: its slots back, its blocks load

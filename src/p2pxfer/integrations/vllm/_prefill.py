@@ -37,17 +37,21 @@ log = get_logger("p2pxfer.vllm")
 
 class PrefillSide(WorkerState):
     def hold(self, sends: Iterable[Send]) -> None:
-        """Serve the pulls of these finished requests (in the bridge) and return."""
+        """Serve the pulls of these finished requests (in the bridge) and
+        return; a key out of range refuses them all."""
+        sends = list(sends)
         for s in sends:
             if not 1 <= s.key <= self.opts.max_held:
                 raise InvalidArgument(f"key {s.key} is outside 1..{self.opts.max_held}")
-            try:
-                self.bridge.spawn(self._serve, s)
-            except ConnectionLost as exc:
-                # The daemon is gone: nobody can pull it, so vLLM frees its
-                # blocks now instead of an exception out of its step.
-                log.warning("vllm.hold_failed", request=s.request, key=s.key, error=str(exc))
-                with self._lock:
+        try:
+            self.bridge.spawn_each(self._serve, sends)
+        except ConnectionLost as exc:
+            # The daemon is gone: nobody can pull them, so vLLM frees their
+            # blocks now instead of an exception out of its step.
+            with self._lock:
+                for s in sends:
+                    log.warning("vllm.hold_failed", request=s.request, key=s.key,
+                                error=str(exc))
                     self._sent.add(s.request)
 
     async def _serve(self, s: Send) -> None:

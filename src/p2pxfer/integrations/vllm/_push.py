@@ -148,30 +148,31 @@ class PushSide(PrefillSide):
         self._early: dict[str, _Early] = {}  # under ``_lock``
 
     def open(self, opens: Iterable[Open]) -> None:
-        """Take pulls for these requests as they are computed (in the bridge)."""
+        """Take pulls for these requests as they are computed (in the
+        bridge); a key out of range refuses them all."""
         assert self.layout is not None
+        opens = list(opens)
         for o in opens:
             if not 1 <= o.key <= self.opts.max_held:
                 raise InvalidArgument(f"key {o.key} is outside 1..{self.opts.max_held}")
-            e = _Early(o, self.layout.num_layers, lease_s=self.opts.lease_s)
+        early = [_Early(o, self.layout.num_layers, lease_s=self.opts.lease_s) for o in opens]
+        with self._lock:
+            for e in early:
+                self._early[e.open.request] = e
+        try:
+            self.bridge.spawn_each(self._serve_early, early)
+        except ConnectionLost as exc:
             with self._lock:
-                self._early[o.request] = e
-            try:
-                self.bridge.spawn(self._serve_early, e)
-            except ConnectionLost as exc:
-                log.warning("vllm.open_failed", request=o.request, error=str(exc))
-                with self._lock:
-                    if self._early.get(o.request) is e:
-                        del self._early[o.request]
+                for e in early:
+                    log.warning("vllm.open_failed", request=e.open.request, error=str(exc))
+                    if self._early.get(e.open.request) is e:
+                        del self._early[e.open.request]
 
     def withdraw(self, items: Iterable[Withdraw]) -> None:
         """These transfers will never be opened: a decode's pull for one
         hears why (in the bridge)."""
-        for w in items:
-            try:
-                self.bridge.spawn(self._withdraw, w)
-            except ConnectionLost:
-                return  # the bridge ended: decodes fail at their deadline
+        with contextlib.suppress(ConnectionLost):  # ended: decodes fail at their deadline
+            self.bridge.spawn_each(self._withdraw, list(items))
 
     async def _withdraw(self, w: Withdraw) -> None:
         name = pull_region(self.opts.engine, self.opts.rank, w.transfer_id)
