@@ -5,11 +5,13 @@ A write of at most ``DIRECT_POST_MAX`` pieces over the one rail pair its
 destination has, while nothing else is in flight or queued on its shard,
 needs none of what ordering, back-pressure, failover and the hand-off to the
 poller thread exist for. It is posted from the shard's ``ExpressCursor``,
-and the trio thread spins on the CQs (``Poller.poll``; the poller thread is
-held off them) until its completions are in; then it is counted and done.
+and the trio thread spins on the CQs (``Poller.poll_for``; the poller thread
+is held off them) until its completions are in; then it is counted and done.
 Making the ``PreparedWrite``, ``WriteBatch``, ``TransferState`` and
 ``Transfer`` of a regular write, and taking them apart again, was most of a
-small write's cost here (Python on these VMs: ~1 us per dozen lines).
+small write's cost here (Python on these VMs: ~1 us per dozen lines); so is
+looking up a source's registration, route and peer on every write, which a
+``_Plan`` per (numpy array, destination) does once.
 
 A write that outlives its budget, finds the TX queue full or has a piece
 fail becomes a regular transfer on the spot (``_hand_over``): its state is
@@ -18,6 +20,11 @@ so far, and it finishes the usual way (deadline, cancellation, errors). The
 poller thread can read one of its completions before the hold takes effect
 (it may be inside a CQ read as the flag goes up): ``Shard._absorb`` keeps
 those for the express write in progress (``stolen``), never drops them.
+
+State: ``Express`` and its plans are the trio thread's; ``tid``, ``stolen``
+and ``stolen_error`` are written under the shard's lock (the poller thread
+reads them in ``_absorb``), and a plan's peer fields are read and refreshed
+under it too (the poller thread removes addresses under it).
 
 What must not live here: validation beyond choosing this path (``RailGroup``
 validates), a second way to finish a transfer (one that leaves this path is
