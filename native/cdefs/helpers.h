@@ -21,6 +21,7 @@ struct p2p_poller {
     int64_t bell_spin_ns;
     int64_t bells;
     int64_t bells_dropped;
+    int64_t bells_refused;
     ...;
 };
 struct p2p_cursor {

@@ -175,6 +175,7 @@ int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns)
     p->bell_spin_ns = 0;
     p->bells = 0;
     p->bells_dropped = 0;
+    p->bells_refused = 0;
     return 0;
 }
 
@@ -382,21 +383,60 @@ static void drain_wake_fd(int fd)
     (void)r;
 }
 
-/* Read what queued on a doorbell: 1 if anything, 0 if nothing, -1 if the
- * fd is no socket of ours any more (never poll it again). */
-static int drain_bell(int fd)
+/* Whether a datagram came from a process that may ring us: our own user
+ * or root (a shm peer maps our segment, which only they can: it is 0600).
+ * Credentials ride on every datagram (SO_PASSCRED on the bell); one
+ * without them (a bell made without it) counts as before. */
+static int ring_allowed(struct msghdr *m, uid_t me)
 {
-    char buf[16];
-    int k;
+    struct cmsghdr *c;
 
-    for (k = 0; k < P2P_BELL_DRAIN; k++) {
-        if (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) >= 0)
-            continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
-            return k > 0;
-        return -1;
+    for (c = CMSG_FIRSTHDR(m); c; c = CMSG_NXTHDR(m, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS &&
+            c->cmsg_len >= CMSG_LEN(sizeof(struct ucred))) {
+            struct ucred cred;
+            memcpy(&cred, CMSG_DATA(c), sizeof(cred));
+            return cred.uid == me || cred.uid == 0;
+        }
     }
     return 1;
+}
+
+/* Read what queued on a doorbell: 1 if a ring we take was there, 0 if
+ * none, -1 if the fd is no socket of ours any more (never poll it again).
+ * Rings from other users are read and counted (bells_refused), never
+ * taken: a local process could otherwise keep this poller spinning for
+ * the price of a datagram every bell_spin_ns. */
+static int drain_bell(struct p2p_poller *p, int fd)
+{
+    char buf[16];
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(struct ucred))];
+    } ctl;
+    struct iovec iov = { buf, sizeof(buf) };
+    struct msghdr m;
+    uid_t me = getuid();
+    int k, rung = 0;
+
+    for (k = 0; k < P2P_BELL_DRAIN; k++) {
+        memset(&m, 0, sizeof(m));
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = ctl.b;
+        m.msg_controllen = sizeof(ctl.b);
+        if (recvmsg(fd, &m, MSG_DONTWAIT) >= 0) {
+            if (ring_allowed(&m, me))
+                rung = 1;
+            else
+                p->bells_refused++;
+            continue;
+        }
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+            return rung;
+        return -1;
+    }
+    return rung;
 }
 
 static void drop_bell(struct p2p_poller *p, int c)
@@ -414,7 +454,7 @@ static int drain_bells_quietly(struct p2p_poller *p)
     int c, any = 0, r;
 
     for (c = p->nbell - 1; c >= 0; c--) {
-        r = drain_bell(p->bell_fd[c]);
+        r = drain_bell(p, p->bell_fd[c]);
         if (r < 0)
             drop_bell(p, c);
         else
@@ -481,7 +521,7 @@ static int wait_for_work(struct p2p_poller *p, int64_t timeout_ns)
         short ev = pfd[first_bell + c].revents;
         int r = 0;
         if (ev & POLLIN)
-            r = drain_bell(p->bell_fd[c]);
+            r = drain_bell(p, p->bell_fd[c]);
         if (r < 0 || (ev & (POLLERR | POLLNVAL))) {
             /* Not a socket we can read any more: never poll it again (it
              * would wake every ppoll at once). */

@@ -63,6 +63,7 @@ struct p2p_poller {
     int64_t bell_spin_ns;        /* once rung, spin at least this long: a piece is due */
     int64_t bells;               /* times a doorbell woke this poller, lifetime */
     int64_t bells_dropped;       /* doorbell fds found unreadable and no longer polled */
+    int64_t bells_refused;       /* rings from other users, read and ignored */
 };
 
 /* One rail's share of a transfer, for p2p_post_cursors: pieces [next, end)

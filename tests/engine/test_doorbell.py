@@ -114,6 +114,63 @@ def test_a_datagram_to_a_rails_doorbell_wakes_its_poller() -> None:
         assert poller._p.bells_dropped == 0  # test-only reach
 
 
+#: sends one empty datagram to the abstract name given in hex (run as
+#: another user by the system's python3: the test's may sit under /root)
+RING = ("import socket, sys; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)"
+        ".sendto(b'', bytes.fromhex(sys.argv[1]))")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
+                    reason="sends as another user: needs root and /usr/bin/python3")
+def test_a_ring_from_another_user_is_read_and_not_taken() -> None:
+    """Only our own user and root can be shm peers (segments are 0600): a
+    ring from anyone else is read and dropped (``bells_refused``) and the
+    poller sleeps on; ours wakes it."""
+    import subprocess
+
+    with Rail.open("shm", node=loopback_node("shm")) as rail:
+        assert rail.doorbell is not None and rail.doorbell.fd >= 0
+        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        poller = Poller([rail], wake_fd=wake, backoff_max_ns=10_000_000_000,
+                        bell_spin_ns=1000)
+        name = bell_name(rail.address)
+        tid: list[int] = []
+
+        def sleep_on_it() -> None:
+            tid.append(threading.get_native_id())
+            poller.progress(timeout_ns=20_000_000_000)
+
+        poller._p.backoff_ns = 10_000_000_000  # test-only reach: one long nap
+        sleeper = threading.Thread(target=sleep_on_it)
+        sleeper.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not (tid and in_poll(tid[0])):
+                assert time.monotonic() < deadline, "the poller never slept"
+                time.sleep(0.001)
+            for _ in range(3):
+                subprocess.run(["/usr/bin/python3", "-c", RING, name.hex()], user=65534,
+                               group=65534, check=True, timeout=30, env={})
+            deadline = time.monotonic() + 10
+            while poller.bells_refused < 3:
+                assert time.monotonic() < deadline, "the foreign rings were never read"
+                time.sleep(0.001)
+            assert poller.bells == 0
+            assert sleeper.is_alive(), "a foreign ring ended the poller's wait"
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.sendto(b"", name)
+            deadline = time.monotonic() + 10
+            while poller.bells == 0:
+                assert time.monotonic() < deadline, "our own ring was not taken"
+                time.sleep(0.001)
+        finally:
+            os.eventfd_write(wake, 1)  # done: end its wait
+            sleeper.join(10)
+            os.close(wake)
+        assert not sleeper.is_alive()
+        assert poller.bells == 1 and poller.bells_refused == 3
+
+
 def in_poll(tid: int) -> bool:
     """Thread ``tid`` of this process sleeps in ppoll (its kernel wait
     channel says so)."""

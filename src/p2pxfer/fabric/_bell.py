@@ -14,9 +14,12 @@ target spins while the piece arrives.
 
 A bell that cannot be rung (the peer in another network namespace, or gone)
 costs nothing and changes nothing: the target's back-off still bounds the
-wait. The datagrams carry nothing; whoever can reach the name (a local
-process in the same network namespace) can only make the target spin a
-while, which a local process can cost it anyway.
+wait. The datagrams carry nothing but their sender's credentials
+(``SO_PASSCRED``): the poller takes a ring only from our own user or root,
+the only ones who can be shm peers (segments are 0600). Anyone else who can
+reach the name (a local process in the same network namespace) only makes
+the poller read and drop datagrams, one read per datagram sent, instead of
+a spin of ``bell_spin_ns`` per ring (``Poller.bells_refused`` counts them).
 
 What must not live here: posting, polling (C), the back-off policy
 (``engine/_poller_loop.py``).
@@ -85,6 +88,9 @@ class Doorbell:
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
                                  | socket.SOCK_CLOEXEC)
+            # Each ring says who sent it: the poller takes only our user's
+            # and root's (a shm peer is one of them: segments are 0600).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             sock.bind(bell_name(address))
         except OSError as exc:  # out of descriptors, or the name is taken
             log.warning("rail.doorbell_unavailable", error=str(exc))

@@ -423,6 +423,12 @@ class Poller:
         """Times a peer's ring woke this poller, over its life."""
         return int(self._p.bells)
 
+    @property
+    def bells_refused(self) -> int:
+        """Rings from another user's processes, read and ignored, over its
+        life (no shm peer is another user's: segments are 0600)."""
+        return int(self._p.bells_refused)
+
     def post(self, batch: WriteBatch, budget_ns: int = 2_000_000) -> Completions:
         """Post the batch's pieces; whenever a TX queue is full, drain
         completions (returned) instead of returning to Python."""
