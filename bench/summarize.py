@@ -140,7 +140,9 @@ def scenario_rows(doc: dict[str, Any]) -> list[str]:
             out.append(_row(p, name, f"{r['p50_us']:.0f} us p50",
                             f"{r['baseline_p50_us']:.0f} us p50", f"{r['ratio']:.1f}x", "-", "-",
                             f"C ping-pong RTT {r['pingpong_rtt_p50_us']:.0f} us "
-                            f"({r['ratio_to_pingpong']:.1f}x); p99 {r['p99_us']:.0f} us"))
+                            f"({r['ratio_to_pingpong']:.1f}x); p99 {r['p99_us']:.0f} us"
+                            + (f"; ours into the C target {r['into_c_target_p50_us']:.0f} us"
+                               if "into_c_target_p50_us" in r else "")))
         elif "ns_per_page" in r:
             out.append(_row(p, name, f"{r['ns_per_page']:.0f} ns/page", "-", "-", "-", "-",
                             f"{r['pages_per_s'] / 1e6:.1f} M pages/s (no provider calls)"))

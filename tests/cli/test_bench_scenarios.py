@@ -37,6 +37,10 @@ def test_latency_against_the_c_write_and_ping_pong(provider: str) -> None:
         assert 0 < r["baseline_p50_us"] <= r["baseline_p99_us"]
         assert r["pingpong_rtt_p50_us"] > 0
         assert r["ratio"] == pytest.approx(r["p50_us"] / r["baseline_p50_us"])
+        # Ours into the busy-polling C target (which counted every arrival).
+        assert r["into_c_target_p50_us"] > 0
+        assert r["into_c_target_ratio"] == pytest.approx(r["into_c_target_p50_us"]
+                                                         / r["baseline_p50_us"])
 
 
 @pytest.mark.parametrize("provider", [TCP, "shm"])

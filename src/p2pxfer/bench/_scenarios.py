@@ -168,17 +168,36 @@ async def latency(provider: str, sizes: tuple[int, ...] = (4 << 10, 64 << 10, 1 
                 ours.append(time.perf_counter() - t0)
             _, ref, _ = base.block([plan] * iters, 1, TIMEOUT)
             assert base.target is not None
+            into_c = await _into_c_target(engine, src, base.target, sl, iters)
             base.target.pong(size, iters, base.ini.descriptor(), TIMEOUT)
             rtt = base.ini.pingpong(size, iters, TIMEOUT) / 1e9
             base.target.pong_done(TIMEOUT)
             p50, c50, r50 = _us(ours, 50), _us(ref, 50), _us(rtt, 50)
+            i50 = _us(into_c, 50)
             out.append({"provider": provider, "pattern": f"one {format_size(size)} write",
                         "bytes": size, "iterations": iters, "p50_us": p50,
                         "p99_us": _us(ours, 99), "baseline_p50_us": c50,
                         "baseline_p99_us": _us(ref, 99), "pingpong_rtt_p50_us": r50,
                         "ratio": p50 / c50, "ratio_to_pingpong": p50 / r50,
+                        "into_c_target_p50_us": i50, "into_c_target_ratio": i50 / c50,
                         "reference": "c-to-c"})
     return out
+
+
+async def _into_c_target(engine: Engine, src: np.ndarray, target: ReferenceTarget,
+                         sl: ScatterList, iters: int) -> list[float]:
+    """``iters`` of our single writes into the busy-polling C target (after
+    one untimed): beside ours into our target and C into C, it says which
+    end a gap comes from."""
+    target.expect([iters + 1], TIMEOUT * (iters + 1))
+    await engine.write(src, target.descriptor, sl, imm=1)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        await engine.write(src, target.descriptor, sl, imm=1)
+        times.append(time.perf_counter() - t0)
+    target.collect(TIMEOUT * (iters + 1))
+    return times
 
 
 async def _after_idle(provider: str, engine: Engine, src: np.ndarray, dst: RegionDescriptor,
