@@ -18,8 +18,11 @@ vLLM allocates them on CPU), moved three ways, round after round, in turn:
   holds the requests; the decode loads them (pull, push by the prefill's
   daemon, per-layer waits, copies into the decode's engine tensors), timed
   from ``load`` to the last request received;
-- ``shared``: the same with ``kv_memory = "shared"``: the engine tensors
-  live in the daemon-shared pools (no copy on either side);
+- ``placed``: the connector's default (``kv_memory = "auto"``) on a CPU
+  engine: each side's engine tensors are allocated as vLLM allocates them
+  (one buffer, a view per layer) inside the worker's allocation context
+  (vLLM's ``get_mem_pool_context``), so they are the daemon-shared pools
+  (no copy on either side);
 - ``...+checksum``: each with checksums on.
 
 ``--device cuda``: the engine tensors are on the GPU (staging only): the
@@ -31,7 +34,7 @@ stay in host memory, so the ratio is what GPU caches cost over host ones.
 Each round runs every mode right after a plain run of its own, the modes
 in an order that rotates from round to round: a mode's ratio is against
 the plain runs beside it. (Run in a fixed order after one plain run, the
-mode that came first looked best whichever it was: shared 1.06 of plain
+mode that came first looked best whichever it was: zero copy 1.06 of plain
 right after it, 0.89 third, behind the checksum modes.)
 
 Reported (medians over rounds): seconds and GB/s of each, CPU seconds
@@ -41,7 +44,7 @@ medians, and paired, the median of each round's ratio, which a host whose
 load changes between rounds skews less), the checksum's
 cost (seconds with / without), and CPU milliseconds per request in vLLM's
 thread: describe and post (``hold`` + ``load``), and staging
-(``stage_layer`` over every layer and ``end_step``; 0 when shared), with
+(``stage_layer`` over every layer and ``end_step``; 0 when placed), with
 staging's wall time beside it (a device's copies are queued there, and
 waited for by the pull server inside the timed window). The decode's
 tensors are zeroed before the last round, whose bytes are then checked.
@@ -66,7 +69,7 @@ import trio
 
 from p2pxfer.bench import write_document
 
-MODES = ("staging", "staging+checksum", "shared", "shared+checksum")
+MODES = ("staging", "staging+checksum", "placed", "placed+checksum")
 
 
 def cpu_of(pid: int) -> float:
@@ -97,6 +100,23 @@ def engine_tensors(args: Any, blocks: int, seed: int | None) -> dict[str, Any]:
             for name, a in host_tensors(args, blocks, seed).items()}
 
 
+def placed_tensors(args: Any, blocks: int, seed: int | None, context: Any) -> dict[str, Any]:
+    """``host_tensors`` allocated as vLLM's worker allocates its KV cache
+    (one int8 buffer, a view per layer), inside ``context``."""
+    import torch
+
+    host = host_tensors(args, blocks, seed)
+    per = next(iter(host.values())).nbytes
+    with context:
+        buf = torch.zeros(per * len(host), dtype=torch.int8)
+    out = {}
+    for i, (name, a) in enumerate(host.items()):
+        t = buf[i * per:(i + 1) * per].view(torch.float16).view(a.shape)
+        t.copy_(torch.from_numpy(a))
+        out[name] = t
+    return out
+
+
 def two_daemons(tmp: Path) -> tuple[Any, Any]:
     """Daemons "node-a" (prefill) and "node-b" (decode), peers on loopback."""
     from p2pxfer.testing import free_port, start_daemon
@@ -123,7 +143,7 @@ def shape_args(ap: argparse.ArgumentParser) -> None:
 def modes_of(args: Any) -> tuple[str, ...]:
     """The connector's modes that exist for ``args.device`` (GPU caches are
     staged only)."""
-    return MODES if args.device == "cpu" else tuple(m for m in MODES if "shared" not in m)
+    return MODES if args.device == "cpu" else tuple(m for m in MODES if "placed" not in m)
 
 
 async def measure(tmp: Path, args: Any) -> dict[str, Any]:
@@ -147,14 +167,17 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
                                   "max_blocks": per_req + 1, "max_held": 4 * args.requests,
                                   "max_loads": 4 * args.requests,
                                   "checksum": "checksum" in mode,
-                                  "memory": "shared" if "shared" in mode else "staging"}
+                                  "memory": "auto" if "placed" in mode else "staging"}
         p = Worker(WorkerOptions(socket=a.socket, engine=f"P{mode}", send=True, receive=False,
                                  **common))
         d = Worker(WorkerOptions(socket=b.socket, engine=f"D{mode}", send=False, receive=True,
                                  **common))
-        # Each pair its own engine tensors: shared mode moves them into its pool.
-        p.register(engine_tensors(args, n_blocks, 7))
-        d.register(engine_tensors(args, n_blocks, None))
+        # Each pair its own engine tensors: placed ones are its pools.
+        for w, seed in ((p, 7), (d, None)):
+            ctx = w.allocation_context()
+            w.register(engine_tensors(args, n_blocks, seed) if ctx is None else
+                       placed_tensors(args, n_blocks, seed, ctx))
+            assert w.memory == ("placed" if "placed" in mode else "staging"), w.memory
         return p, d
 
     # Blocking calls (vLLM's worker thread makes them), so not from this trio thread.
@@ -286,7 +309,7 @@ async def measure(tmp: Path, args: Any) -> dict[str, Any]:
             p / m for p, m in zip(plain_before[mode], times[mode], strict=True))
             for mode in modes},
         "checksum_cost_ratio": {m: med[f"{m}+checksum"] / med[m]
-                                for m in ("staging", "shared") if m in modes},
+                                for m in ("staging", "placed") if m in modes},
         "cpu_ms_per_request": {mode: {"describe_and_post": statistics.median(post_ms[mode]),
                                       "stage_all_layers": statistics.median(stage_ms[mode])}
                                for mode in modes},

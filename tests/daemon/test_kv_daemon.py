@@ -435,6 +435,55 @@ def test_sync_client_push(pair: tuple[DaemonProc, DaemonProc]) -> None:
         assert np.array_equal(pool_view(dst.array, lay)[:, :, dst_blocks], want)
 
 
+async def test_a_pool_over_memory_the_client_has(pair: tuple[DaemonProc, DaemonProc]
+                                                ) -> None:
+    """``kv_pool(memory=...)`` lays the pool over shared memory allocated
+    before (an engine's own KV tensors): pushed from there and into there,
+    no copy, from blocking, trio and asyncio callers. Memory that is too
+    small or another client's is refused by name and stays usable."""
+    a, b = pair
+    lay = KVLayout(4, 32, 8192)
+    src_blocks, dst_blocks = tables(12, lay, 20)
+    want = request_kv(12, lay, 20)
+
+    async def decode_into(request: int) -> U8:
+        async with p2pxfer.connect(b.socket) as decode:
+            mem = await decode.alloc(lay.nbytes + 4096, "kv-over-dst-mem")
+            with pytest.raises(InvalidArgument, match=f"needs {lay.nbytes} bytes"):
+                await decode.kv_pool("kv-over-small", lay,
+                                     memory=await decode.alloc(4096, "small"))
+            dst = await decode.kv_pool("kv-over-dst", lay, memory=mem)
+            assert dst.mem is mem
+            await trio.to_thread.run_sync(push, request)
+            await dst.wait_layers(request, 3, timeout=20)
+            return mem.array[:lay.nbytes].copy()
+
+    def push(request: int) -> None:
+        with p2pxfer.SyncClient(a.socket) as prefill, p2pxfer.SyncClient(a.socket) as other:
+            mem = prefill.alloc(lay.nbytes, "kv-over-src-mem")
+            with pytest.raises(InvalidArgument, match="this client allocated"):
+                other.kv_pool("kv-over-other", lay, receive=False, memory=mem)
+            pool_view(mem.array, lay)[:, :, src_blocks] = want  # written before the pool
+            src = prefill.kv_pool("kv-over-src", lay, receive=False, memory=mem)
+            with pytest.raises(P2PXferError, match="kv-over-src"):  # the name is taken
+                prefill.kv_pool("kv-over-src", lay, receive=False, memory=mem)
+            mem.array[0]  # still mapped: a failed pool leaves the caller's memory alone
+            result = prefill.kv_push("node-b", "kv-over-dst", src, src_blocks, dst_blocks,
+                                     request=request)
+            assert result.nbytes == 4 * 20 * 8192
+
+    got = await decode_into(5)
+    assert np.array_equal(pool_view(got, lay)[:, :, dst_blocks], want)
+
+    async def asyncio_pool() -> bool:
+        async with p2pxfer.connect(a.socket) as c:
+            mem = await c.alloc(lay.nbytes, "kv-over-asyncio")
+            pool = await c.kv_pool("kv-over-asyncio", lay, memory=mem)
+            return pool.mem is mem and pool.array.ctypes.data == mem.array.ctypes.data
+
+    assert await trio.to_thread.run_sync(asyncio.run, asyncio_pool())
+
+
 def test_a_sender_asks_whether_a_layer_was_notified(pair: tuple[DaemonProc, DaemonProc]
                                                     ) -> None:
     """``kv_arrived``: what a sender whose notification's outcome is unknown

@@ -277,6 +277,94 @@ def test_heterogeneous_tp_through_vllm(pair: tuple[DaemonProc, DaemonProc], tmp_
         close(p, d)
 
 
+def fill_blocks(seed: int) -> Any:
+    """"Attention" for vLLM's own per-layer views: random bytes into every
+    block of the step's new requests, whatever the layout's strides."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fill(name: str, t: torch.Tensor, out: Any) -> None:
+        b = h.blocks(t)
+        for new in out.scheduled_new_reqs:
+            ids = new.block_ids[0]
+            b[ids] = torch.randn(b[ids].shape, generator=g).half()
+    return fill
+
+
+def in_pool(e: h.Engine, rank: int = 0) -> bool:
+    """Every layer's KV tensor (its whole storage) is inside the rank's
+    daemon-shared pool memory."""
+    pool = e.workers[rank].worker.pool.mem.array
+    lo, hi = pool.ctypes.data, pool.ctypes.data + pool.nbytes
+    return all(lo <= (s := t.untyped_storage()).data_ptr() and s.data_ptr() + s.nbytes() <= hi
+               for t in e.kvs[rank].values())
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_vllms_own_kv_cache_is_the_pool_by_default(pair: tuple[DaemonProc, DaemonProc],
+                                                   tmp_path: Path, layout: str) -> None:
+    """With no ``kv_memory`` set, vLLM allocates its KV cache (its own
+    ``allocate_kv_cache``: one backing allocation, a view per layer, layers
+    or blocks outermost) in the connector's ``get_mem_pool_context``: the
+    pool is laid over it, nothing is copied on either side (``save_kv_layer``
+    stages nothing), and the decode's views hold the prefill's bytes."""
+    a, b = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", vllm_alloc=layout)
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine", vllm_alloc=layout)
+    try:
+        for e in (p, d):
+            assert e.worker.worker.memory == "placed"
+            assert in_pool(e)
+        p.scheduler.add_request(h.request("p1", PROMPT, 1, {"do_remote_decode": True}))
+        p.step(fill_blocks(7))
+        (done,) = [o for o in p.outputs if o.request_id == "p1"]
+        params = dict(done.kv_transfer_params)
+        assert p.worker.worker.stage_layer(h.layer_names()[0], []) == 0
+        occupy(d, 40)
+        src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
+        assert src_ids != dst_ids
+        for name in h.layer_names():
+            sent, got = h.blocks(p.kv[name])[src_ids], h.blocks(d.kv[name])[dst_ids]
+            assert sent.abs().sum() > 0, name
+            assert torch.equal(sent.view(torch.int16), got.view(torch.int16)), name
+    finally:
+        close(p, d)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "layout"),
+                         [(1, 2, "LBNHC"), (2, 1, "LBHNC")], ids=["1to2-NHD", "2to1-HND"])
+def test_heterogeneous_tp_on_vllms_own_kv_cache(pair: tuple[DaemonProc, DaemonProc],
+                                                tmp_path: Path, prefill_tp: int,
+                                                decode_tp: int, layout: str) -> None:
+    """vLLM's per-layer views (``[blocks, heads, tokens, K|V]``, K and V in
+    one plane): head slices are read from their strides (NHD or HND) and
+    the KV cache spec says the plane is not MLA's replicated latent, so each
+    decode rank gets its own heads. The side whose ranks hold more heads
+    stages (``auto``), the other is zero copy."""
+    a, b = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", tp=prefill_tp,
+                 peer_tp_size=decode_tp, checksum=True, vllm_alloc=layout)
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine", tp=decode_tp,
+                 peer_tp_size=prefill_tp, checksum=True, vllm_alloc=layout)
+    try:
+        more = p if prefill_tp < decode_tp else d
+        fewer = d if more is p else p
+        assert {w.worker.memory for w in more.workers} == {"staging"}
+        assert {w.worker.memory for w in fewer.workers} == {"placed"}
+        p.scheduler.add_request(h.request("p1", PROMPT, 1, {"do_remote_decode": True}))
+        p.step(fill_blocks(9))
+        (done,) = [o for o in p.outputs if o.request_id == "p1"]
+        params = dict(done.kv_transfer_params)
+        occupy(d, 40)
+        src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
+        for name in h.layer_names():  # heads are dimension 1 of every view
+            whole_p = torch.cat([h.blocks(kv[name])[src_ids] for kv in p.kvs], dim=1)
+            whole_d = torch.cat([h.blocks(kv[name])[dst_ids] for kv in d.kvs], dim=1)
+            assert whole_p.abs().sum() > 0, name
+            assert torch.equal(whole_p.view(torch.int16), whole_d.view(torch.int16)), name
+    finally:
+        close(p, d)
+
+
 def test_a_chunked_prefill_stages_each_chunk(pair: tuple[DaemonProc, DaemonProc],
                                              tmp_path: Path) -> None:
     """A 300-token prompt prefilled 64 tokens a step: each step stages the

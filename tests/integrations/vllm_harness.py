@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,13 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheLayout,
+    KVCacheTensor,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
 
 import p2pxfer.integrations.vllm._connector as connector_module
 
@@ -152,13 +156,41 @@ class Engine:
         return out
 
 
+def blocks(t: torch.Tensor) -> torch.Tensor:
+    """A layer's KV tensor indexed by block first: vLLM's own per-layer
+    views (``[blocks, heads, tokens, K|V]``) as they are, the
+    ``(2, blocks, ...)`` tensors this harness makes by default with the
+    planes moved inside."""
+    return t if t.dim() == 4 else t.transpose(0, 1)
+
+
+def vllm_kv_cache(kv_cache_config: KVCacheConfig, spec: FullAttentionSpec, layout: str,
+                  context: Any) -> dict[str, torch.Tensor]:
+    """The KV cache as vLLM's worker allocates it (``allocate_kv_cache``:
+    one backing allocation, a view per layer), inside the connector's
+    ``get_mem_pool_context`` as vLLM's worker enters it; ``layout`` a
+    ``KVCacheLayout`` name (layers outermost ``L...``, or blocks ``B...``)."""
+    page, names = spec.page_size_bytes, layer_names()
+    layer_stride, block_stride = (page * NUM_BLOCKS, page) if layout.startswith("L") else \
+        (page, page * len(names))
+    kv_cache_config.kv_cache_tensors = [KVCacheTensor(
+        size=page * NUM_BLOCKS * len(names), layers=names, layer_stride=layer_stride,
+        block_stride=block_stride)]
+    with context if context is not None else nullcontext():
+        return allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout])
+
+
 def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
-           chunk: int = MAX_LEN, async_scheduling: bool = False, **extra: Any) -> Engine:
+           chunk: int = MAX_LEN, async_scheduling: bool = False, vllm_alloc: str | None = None,
+           **extra: Any) -> Engine:
     """An engine of ``tp`` ranks (their worker connectors made here, rank by
     rank, as vLLM's workers would make theirs); each rank holds
     ``KV_HEADS / tp`` heads. ``chunk``: tokens per step (chunked prefill).
     ``async_scheduling``: vLLM's ``AsyncScheduler`` (``step`` still runs
-    each step's output before the next is scheduled)."""
+    each step's output before the next is scheduled). ``vllm_alloc``: the
+    KV cache allocated by vLLM's own code in that ``KVCacheLayout`` (see
+    :func:`vllm_kv_cache`), else a ``(2, blocks, tokens, heads, head)``
+    tensor per layer."""
     kv = KVTransferConfig(kv_connector="P2PXferConnector",
                           kv_connector_module_path="p2pxfer.integrations.vllm", kv_role=role,
                           engine_id=engine_id, kv_load_failure_policy="recompute",
@@ -192,8 +224,12 @@ def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
         with mock.patch.object(connector_module, "_rank", lambda rank=rank: rank):
             worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
                                                          kv_cache_config)
-        tensors = {name: torch.zeros((2, NUM_BLOCKS, BLOCK_SIZE, heads, HEAD),
-                                     dtype=torch.float16) for name in layer_names()}
+        if vllm_alloc is not None:
+            tensors = vllm_kv_cache(kv_cache_config, spec, vllm_alloc,
+                                    worker.get_mem_pool_context())
+        else:
+            tensors = {name: torch.zeros((2, NUM_BLOCKS, BLOCK_SIZE, heads, HEAD),
+                                         dtype=torch.float16) for name in layer_names()}
         worker.register_kv_caches(tensors)
         workers.append(worker)
         kvs.append(tensors)

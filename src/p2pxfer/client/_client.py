@@ -229,7 +229,8 @@ class Client:
                                    timeout=None)
 
     async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
-                      writers: Iterable[int] | None = None, device: Any = None) -> KVPool:
+                      writers: Iterable[int] | None = None, device: Any = None,
+                      memory: SharedMemory | None = None) -> KVPool:
         """A paged KV pool of ``layout`` in memory shared with the daemon.
         ``receive``: exported as ``name`` so peers can push into it (the
         decode side); otherwise only a source to push from (prefill).
@@ -237,8 +238,11 @@ class Client:
         ``device``: the pool is this device memory (a CUDA tensor,
         ``__cuda_array_interface__`` or DLPack object laid out as
         ``layout``), staged through the shared memory (``p2pxfer.devmem``);
-        its waits then take ``blocks=``."""
-        return await open_pool(self, name, layout, receive, writers, device)
+        its waits then take ``blocks=``. ``memory``: lay the pool over shared
+        memory this client allocated already (``alloc``; e.g. where an
+        engine placed its KV tensors) instead of allocating its own; it
+        stays the caller's if the pool cannot be opened."""
+        return await open_pool(self, name, layout, receive, writers, device, memory)
 
     async def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any,
                       dst_blocks: Any, *, request: int, layers: Iterable[int] | None = None,

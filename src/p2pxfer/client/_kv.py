@@ -264,11 +264,29 @@ def pool_stage(layout: KVLayout, device: Any, mem: SharedMemory) -> DeviceStage 
     return DeviceStage(dev, mem.array, layout)
 
 
+def pool_memory(layout: KVLayout, device: Any, memory: SharedMemory,
+                mems: list[SharedMemory]) -> SharedMemory:
+    """``kv_pool(memory=...)`` checked: shared memory of this client, large
+    enough for ``layout``, for a host pool (a device pool's mirror is its own)."""
+    if not any(memory is m for m in mems):
+        raise InvalidArgument("memory= must be shared memory this client allocated (alloc), "
+                              f"got {type(memory).__name__}")
+    if device is not None:
+        raise InvalidArgument("a device pool stages through memory of its own: leave memory= "
+                              "out")
+    if memory.nbytes < layout.nbytes:
+        raise InvalidArgument(f"the pool's layout needs {layout.nbytes} bytes, memory= has "
+                              f"{memory.nbytes}")
+    return memory
+
+
 async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
-                    writers: Iterable[int] | None = None, device: Any = None) -> KVPool:
+                    writers: Iterable[int] | None = None, device: Any = None,
+                    memory: SharedMemory | None = None) -> KVPool:
     if not isinstance(layout, KVLayout):
         raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
-    mem = await client.alloc(layout.nbytes, name)
+    mem = await client.alloc(layout.nbytes, name) if memory is None else \
+        pool_memory(layout, device, memory, client._mems)
     stage = None
     try:
         stage = pool_stage(layout, device, mem)
@@ -282,7 +300,8 @@ async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
             if stage is not None:
                 stage.close()
         finally:
-            await client.free(mem)
+            if memory is None:  # the caller's memory stays the caller's
+                await client.free(mem)
         raise
     mem.stage = stage
     desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None

@@ -34,6 +34,7 @@ from ._kv import (
     KVPool,
     KVPushResult,
     combine,
+    pool_memory,
     pool_stage,
     push_fields,
     push_layer_list,
@@ -139,11 +140,13 @@ class SyncClient:
         return self._c.request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)))
 
     def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
-                writers: Iterable[int] | None = None, device: Any = None) -> KVPool:
+                writers: Iterable[int] | None = None, device: Any = None,
+                memory: SharedMemory | None = None) -> KVPool:
         """See :meth:`Client.kv_pool`; wait on it with :meth:`wait_layers`."""
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
-        mem = self.alloc(layout.nbytes, name)
+        mem = self.alloc(layout.nbytes, name) if memory is None else \
+            pool_memory(layout, device, memory, self._mems)
         stage = None
         try:
             stage = pool_stage(layout, device, mem)
@@ -157,7 +160,8 @@ class SyncClient:
                 if stage is not None:
                     stage.close()
             finally:
-                self.free(mem)
+                if memory is None:  # the caller's memory stays the caller's
+                    self.free(mem)
             raise
         mem.stage = stage
         desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None

@@ -37,7 +37,7 @@ import importlib
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -47,8 +47,12 @@ from p2pxfer.errors import InvalidArgument
 from p2pxfer.kv_plan import KVLayout, expand_pages
 from p2pxfer.pages import CopyStop, copy_scatter
 
+if TYPE_CHECKING:
+    from p2pxfer.client import SharedMemory
+
 __all__ = ["ARRANGEMENTS", "DeviceCopies", "HeadSlices", "LayerTensor", "checksum_blocks",
-           "copy_blocks", "layer_tensor", "move_into", "shared_layout", "staging_layout"]
+           "copy_blocks", "head_layout_of", "layer_tensor", "move_into", "placed_layout",
+           "shared_layout", "staging_layout"]
 
 ARRANGEMENTS = ("planes_first", "blocks_first", "single")
 
@@ -208,6 +212,51 @@ def shared_layout(layers: list[LayerTensor]) -> KVLayout:
     return KVLayout(len(layers), lay.num_blocks, lay.block_bytes, lay.planes, "layer_major",
                     layer_stride=-(-span // 4096) * 4096, block_stride=lay.block_stride,
                     plane_stride=lay.plane_stride)
+
+
+def head_layout_of(lt: LayerTensor) -> str | None:
+    """Where the heads sit in ``lt``'s blocks, when its strides say: a
+    one-plane 4-D tensor is read as vLLM's per-layer view ``[blocks, heads,
+    tokens, K|V]``, HND when its heads step over more bytes than its
+    tokens, else NHD. None for any other shape (the caller says)."""
+    shape, strides = _shape_strides(lt.owner)[:2]
+    if lt.arrangement != "single" or len(shape) != 4 or shape[1] < 2 or shape[2] < 2:
+        return None
+    return "HND" if strides[1] > strides[2] else "NHD"
+
+
+def placed_layout(layers: list[LayerTensor], mems: list[SharedMemory]
+                  ) -> tuple[KVLayout, SharedMemory] | str:
+    """A pool layout over the shared memory in ``mems`` that already holds
+    every layer's tensor (the engine allocated them there), and that
+    memory; or why there is none: the tensors are elsewhere, or not at
+    one layer stride from the memory's first byte, or strided unlike each
+    other."""
+    for mem in mems:
+        base = int(mem.array.ctypes.data)
+        if all(base <= lt.address and lt.address + lt.span <= base + mem.nbytes
+               for lt in layers):
+            break
+    else:
+        return "the KV tensors are not all in one allocation the allocation context placed"
+    offsets = [lt.address - base for lt in layers]
+    stride = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    if offsets != [i * stride for i in range(len(offsets))] or (len(offsets) > 1 and stride <= 0):
+        return (f"the KV layers do not start one stride apart from the placed memory's first "
+                f"byte (offsets {offsets[:4]}...)")
+    first = layers[0].layout
+    if any((lt.layout.block_stride, lt.layout.plane_stride) !=
+           (first.block_stride, first.plane_stride) for lt in layers):
+        return "the KV tensors' strides differ from layer to layer"
+    try:
+        layout = KVLayout(len(layers), first.num_blocks, first.block_bytes, first.planes,
+                          "layer_major", layer_stride=stride, block_stride=first.block_stride,
+                          plane_stride=first.plane_stride)
+    except InvalidArgument as exc:
+        return f"the placed KV tensors are no pool layout: {exc}"
+    if layout.nbytes > mem.nbytes:
+        return f"the pool layout needs {layout.nbytes} bytes, the placed memory has {mem.nbytes}"
+    return layout, mem
 
 
 def move_into(lt: LayerTensor, memory: U8, offset: int) -> LayerTensor:

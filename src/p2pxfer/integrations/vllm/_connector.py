@@ -14,13 +14,20 @@ request, checked on decode before a layer reaches the engine), ``lease_s``
 long a prefill request aborted before its decode pulled still answers the
 pull with the abort), ``max_held``, ``max_loads``,
 ``arrangement`` (``planes_first`` / ``blocks_first`` / ``single``; guessed
-from the tensors' shape by default), ``kv_memory`` (``staging``, the
-default: a pool mirroring the KV tensors; ``shared``: vLLM's CPU KV
-tensors are moved into the daemon-shared pool, zero copy),
+from the tensors' shape by default), ``kv_memory`` (``auto``, the
+default: on a CPU engine vLLM allocates its KV cache in daemon-shared
+memory through ``get_mem_pool_context`` and the pool is laid over it,
+zero copy; where that cannot be (a GPU, tensor parallel sizes that
+differ, tensors placed elsewhere), ``staging``: a pool mirroring the KV
+tensors, a copy of the blocks moved on each side; ``shared``: zero copy
+or an error, the tensors moved into the pool if vLLM did not allocate
+them there),
 ``peer_tp_size`` (the other side's tensor parallel size, when it differs:
 the decode's on a prefill, the prefill's on a decode), ``head_layout``
-(``NHD``, the default, or ``HND``: where the heads sit in a block, for
-head slices across TP sizes).
+(``NHD`` or ``HND``: where the heads sit in a block, for head slices across
+TP sizes; by default read from the tensors' strides, else ``NHD``). Whether
+the cache is MLA's one latent plane (whole on every rank) comes from vLLM's
+KV cache spec.
 
 This module is the only one of the package that imports vLLM (and it is
 loaded only when vLLM asks for the class: ``p2pxfer.integrations.vllm``
@@ -34,6 +41,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from contextlib import AbstractContextManager
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -83,6 +91,34 @@ def _daemon_node(socket: str) -> str:
     return got
 
 
+def _spec(kv_cache_config: Any) -> Any:
+    """vLLM's KV cache spec of the first group (None where there is none)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return None
+    spec = groups[0].kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    return next(iter(specs.values())) if specs else spec
+
+
+def _replicated(kv_cache_config: Any) -> bool | None:
+    """Whether the KV cache is one latent plane, whole on every rank (MLA),
+    from vLLM's KV cache spec; None where there is none to ask."""
+    spec = _spec(kv_cache_config)
+    if type(spec).__name__ == "MLAAttentionSpec":
+        return True
+    return False if hasattr(spec, "num_kv_heads") else None
+
+
+def _packed(kv_cache_config: Any) -> tuple[int, int, int] | None:
+    """The shape past the blocks of vLLM's per-layer views of an attention
+    KV cache (``[blocks, heads, tokens, K|V]``), from its spec."""
+    spec = _spec(kv_cache_config)
+    if type(spec).__name__ == "MLAAttentionSpec" or not hasattr(spec, "num_kv_heads"):
+        return None
+    return int(spec.num_kv_heads), int(spec.block_size), 2 * int(spec.head_size)
+
+
 def _rank() -> int:
     from vllm.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
@@ -110,6 +146,7 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         peer_tp = int(extra.get("peer_tp_size", tp))
         self._scheduler: SchedulerSide | None = None
         self._worker: Worker | None = None
+        self._host = False  # a worker whose engine keeps its KV cache in host memory
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(_daemon_node(socket), str(kv.engine_id), block_size,
                                             max_held, send, receive, tp, peer_tp)
@@ -123,8 +160,10 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 load_timeout_s=float(extra.get("load_timeout_s", 120.0)),
                 poll_s=float(extra.get("poll_s", 0.5)), arrangement=extra.get("arrangement"),
                 abort_grace_s=float(extra.get("abort_grace_s", 2.0)),
-                memory=str(extra.get("kv_memory", "staging")), tp_size=tp, peer_tp_size=peer_tp,
-                head_layout=str(extra.get("head_layout", "NHD"))))
+                memory=str(extra.get("kv_memory", "auto")), tp_size=tp, peer_tp_size=peer_tp,
+                head_layout=extra.get("head_layout"), replicated=_replicated(kv_cache_config),
+                packed=_packed(kv_cache_config)))
+            self._host = str(getattr(vllm_config.device_config, "device_type", "")) == "cpu"
         else:
             raise InvalidArgument(f"unknown connector role {role!r}")
         log.info("vllm.connector", role=str(role), socket=socket, producer=send, consumer=receive,
@@ -148,6 +187,14 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta.plan
 
     # -- worker side -------------------------------------------------------------------
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        """Where vLLM allocates the KV cache: on a host-memory engine, in
+        memory the daemon shares (``kv_memory`` ``auto`` or ``shared``), so
+        the tensors are the pool. A GPU engine keeps vLLM's own pool."""
+        if self._worker is None or not self._host:
+            return None
+        return self._worker.allocation_context()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register(kv_caches)

@@ -34,9 +34,10 @@ from p2pxfer.kv_plan import MAX_REQUEST, KVLayout
 from ._device import DeviceSide
 from ._plan import pull_slot_bytes, region_names, split
 
-__all__ = ["SUM_BYTES", "WorkerOptions", "WorkerState"]
+__all__ = ["MEMORY_MODES", "SUM_BYTES", "WorkerOptions", "WorkerState"]
 
 SUM_BYTES = 8  # one little-endian uint64 (a CRC-32) per layer
+MEMORY_MODES = ("auto", "staging", "shared")
 #: a push's longest deadline, seconds (the daemon's ``MAX_DEADLINE_MS``):
 #: ``lease_s`` is the deadline of the prefill's push
 MAX_LEASE_S = 600.0
@@ -62,15 +63,28 @@ class WorkerOptions:
     #: is retried at least every 0.25 s)
     abort_grace_s: float = 2.0
     arrangement: str | None = None
+    #: "auto": zero copy where the engine allocated its host KV cache in the
+    #: worker's allocation context (the pool is laid over it), else staging;
     #: "staging": the pool mirrors the engine's tensors (a copy per layer per
-    #: request on each side); "shared": the engine's torch tensors are moved
-    #: into the pool (zero copy)
-    memory: str = "staging"
+    #: request on each side); "shared": zero copy always (placed, or the
+    #: engine's torch tensors are moved into the pool)
+    memory: str = "auto"
     tp_size: int = 1  # this engine's tensor parallel size
     #: the other side's (decode's for a prefill, prefill's for a decode);
     #: None: the same as ours
     peer_tp_size: int | None = None
-    head_layout: str = "NHD"  # where the heads sit in a block: NHD or HND
+    #: where the heads sit in a block, NHD or HND; None: from the tensors'
+    #: strides where they say (vLLM's [blocks, heads, tokens, K|V] views), else NHD
+    head_layout: str | None = None
+    #: one latent plane whole on every rank (MLA); None: guessed from the
+    #: tensors' shape (one plane), which packed K|V blocks share: vLLM's
+    #: connector says it from the KV cache spec
+    replicated: bool | None = None
+    #: the shape past the block dimension of vLLM's own per-layer views,
+    #: ``(heads, tokens, 2 * head_size)`` (K and V side by side in the last):
+    #: tensors of ``(blocks, *packed)`` are one plane (arrangement ``single``)
+    #: whatever their head count (two heads are not two planes)
+    packed: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.abort_grace_s <= MAX_LEASE_S:

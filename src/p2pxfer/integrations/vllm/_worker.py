@@ -27,23 +27,27 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
 
+from p2pxfer.client import SharedMemory
 from p2pxfer.errors import ConnectionLost, InvalidArgument
+from p2pxfer.integrations._placement import Placement
 from p2pxfer.integrations._tensors import (
     HeadSlices,
     copy_blocks,
+    head_layout_of,
     layer_tensor,
     move_into,
+    placed_layout,
     shared_layout,
     staging_layout,
 )
-from p2pxfer.kv_plan import MAX_REQUEST
+from p2pxfer.kv_plan import MAX_REQUEST, KVLayout
 from p2pxfer.log import get_logger
 
 from ._decode import DecodeSide, LoadCorrupted
 from ._device import DeviceSide
 from ._plan import Save, Send
 from ._push import PushSide
-from ._state import SUM_BYTES, WorkerOptions
+from ._state import MEMORY_MODES, SUM_BYTES, WorkerOptions
 
 __all__ = ["LoadCorrupted", "Worker", "WorkerOptions"]
 
@@ -56,6 +60,9 @@ class Worker(PushSide, DecodeSide):
     def __init__(self, opts: WorkerOptions) -> None:
         super().__init__(opts)
         self._staged_layers: set[int] = set()
+        #: the engine's KV allocation, if it ran in ``allocation_context``
+        self.placement: Placement | None = None
+        self.memory = opts.memory  # then where the pool went: placed, moved or staging
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -65,7 +72,11 @@ class Worker(PushSide, DecodeSide):
         o = self.opts
         if not kv_caches:
             raise InvalidArgument("register_kv_caches got no KV tensors")
-        self.layers = [layer_tensor(t, o.arrangement) for t in kv_caches.values()]
+        arrangement = o.arrangement
+        if arrangement is None and o.packed is not None and all(
+                tuple(t.shape[1:]) == o.packed for t in kv_caches.values()):
+            arrangement = "single"
+        self.layers = [layer_tensor(t, arrangement) for t in kv_caches.values()]
         self.index = {name: i for i, name in enumerate(kv_caches)}
         first = self.layers[0].layout
         for name, lt in zip(kv_caches, self.layers, strict=True):
@@ -74,28 +85,22 @@ class Worker(PushSide, DecodeSide):
                     (first.num_blocks, first.block_bytes, first.planes):
                 raise InvalidArgument(f"KV layer {name!r} is shaped unlike the first ({lay} vs "
                                       f"{first}): one staging pool needs one block shape")
-        if o.memory not in ("staging", "shared"):
-            raise InvalidArgument(f"kv memory must be 'staging' or 'shared', got {o.memory!r}")
-        self.shared = o.memory == "shared"
-        if self.shared and not all(type(lt.owner).__module__.startswith("torch")
-                                   for lt in self.layers):
-            raise InvalidArgument("kv_memory 'shared' moves torch tensors into the daemon's "
-                                  "memory; these KV tensors are not torch tensors: use staging")
-        self.replicated = self.layers[0].arrangement == "single"
+        if o.memory not in MEMORY_MODES:
+            raise InvalidArgument(f"kv_memory must be one of {MEMORY_MODES}, got {o.memory!r}")
+        self.replicated = self.layers[0].arrangement == "single" if o.replicated is None \
+            else o.replicated
         if self.replicated:
             self.k = 1  # MLA: the latent is whole on every rank
-        if self.shared and self.k > 1:
-            raise InvalidArgument(f"kv_memory 'shared' needs equal tensor parallel sizes (here "
-                                  f"{o.tp_size} and {o.peer_tp}): use staging")
-        self.slices = HeadSlices.of(first.block_bytes, self.k, o.head_layout, o.block_size)
+        head_layout = o.head_layout or head_layout_of(self.layers[0]) or "NHD"
+        self.slices = HeadSlices.of(first.block_bytes, self.k, head_layout, o.block_size)
         devices = {lt.device for lt in self.layers}
         if len(devices) > 1:
             raise InvalidArgument(f"the KV tensors are on different devices ({devices}): one "
                                   "worker moves one device's (or host memory's)")
         self.device = devices.pop()
-        self.layout = shared_layout(self.layers) if self.shared else \
-            staging_layout(self.layers[0], len(self.layers), self.k)
-        self.bridge.call(self._open)
+        memory, layout, placed = self._memory()
+        self.layout, self.shared, self.memory = layout, memory != "staging", memory
+        self.bridge.call(self._open, placed)
         if self.device is not None:
             assert self.pool is not None
             gpu = DeviceSide(self.device, self.pool.array, o.receive)
@@ -104,20 +109,70 @@ class Worker(PushSide, DecodeSide):
                 raise ConnectionLost(f"the client to the p2pxfer daemon at {o.socket} "
                                      "closed while the KV caches were registered")
             self.gpu = gpu
-        if self.shared:
+        if memory == "moved":
             assert self.pool is not None
-            self.layers = [move_into(lt, self.pool.mem.array, i * self.layout.layer_stride)
+            self.layers = [move_into(lt, self.pool.mem.array, i * layout.layer_stride)
                            for i, lt in enumerate(self.layers)]
         log.info("vllm.registered", engine=o.engine, rank=o.rank, layers=len(self.layers),
                  blocks=first.num_blocks, block_bytes=first.block_bytes, planes=first.planes,
-                 arrangement=self.layers[0].arrangement, memory=o.memory, head_slices=self.k,
-                 pool_bytes=self.layout.nbytes, node=self.node,
+                 arrangement=self.layers[0].arrangement, memory=self.memory, head_slices=self.k,
+                 head_layout=head_layout, replicated=self.replicated,
+                 pool_bytes=layout.nbytes, node=self.node,
                  device="host" if self.device is None else f"cuda:{self.device}")
 
-    async def _open(self) -> None:
+    def _memory(self) -> tuple[str, KVLayout, SharedMemory | None]:
+        """Where the pool lives, and its layout: ``"placed"`` (the
+        engine allocated its tensors in shared memory through
+        :meth:`allocation_context`: the pool is laid over them),
+        ``"moved"`` (``kv_memory`` ``shared`` without that: the tensors are
+        moved into the pool) or ``"staging"`` (a mirror, copied per layer):
+        ``auto`` is placed or else staging, ``shared`` placed or else
+        moved. The third item is the pool's shared memory, if placed."""
+        o = self.opts
+        why = self._no_zero_copy()
+        if o.memory == "shared" and why is not None:
+            raise InvalidArgument(f"kv_memory 'shared': {why}: use staging")
+        if why is None and self.placement is not None:
+            placed = placed_layout(self.layers, [m for m, _ in self.placement.placed])
+            if not isinstance(placed, str):
+                return "placed", *placed
+            why = placed
+        if o.memory == "shared":  # the tensors move into a pool of their own
+            return "moved", shared_layout(self.layers), None
+        if o.memory == "auto":
+            log.info("vllm.staging", engine=o.engine, rank=o.rank,
+                     why=why or "the engine did not allocate its KV cache in the "
+                     "connector's allocation context")
+        return "staging", staging_layout(self.layers[0], len(self.layers), self.k), None
+
+    def _no_zero_copy(self) -> str | None:
+        """Why the engine's tensors cannot be the pool (None: they can)."""
+        if self.device is not None:
+            return f"the KV tensors are on CUDA device {self.device}"
+        if self.k > 1:
+            return (f"tensor parallel sizes differ ({self.opts.tp_size} here, "
+                    f"{self.opts.peer_tp} there): blocks move as head slices")
+        if not all(type(lt.owner).__module__.startswith("torch") for lt in self.layers):
+            return "the KV tensors are not torch tensors"
+        return None
+
+    def allocation_context(self) -> Placement | None:
+        """The context the engine allocates its KV cache in (vLLM's
+        ``get_mem_pool_context``): host allocations land in memory the
+        daemon shares, so the tensors need no copy and no move (None for
+        ``kv_memory`` ``staging``)."""
+        if self.opts.memory == "staging":
+            return None
+        self.placement = Placement(lambda n: self.bridge.call(self._alloc_placed, n))
+        return self.placement
+
+    async def _alloc_placed(self, nbytes: int) -> SharedMemory:
+        return await self.bridge.client.alloc(nbytes, f"{self.pool_name}-kv")
+
+    async def _open(self, placed: SharedMemory | None) -> None:
         c, o, lay = self.bridge.client, self.opts, self.layout
         assert lay is not None
-        self.pool = await c.kv_pool(self.pool_name, lay, receive=o.receive)
+        self.pool = await c.kv_pool(self.pool_name, lay, receive=o.receive, memory=placed)
         n_layers = lay.num_layers
         if o.send:
             slots = (o.max_held + 1) * self.fanout  # a slot per key and decode rank
