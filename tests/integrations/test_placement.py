@@ -5,6 +5,7 @@ daemon and torch tensors; vLLM's own allocator is driven in
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 
 import p2pxfer
 from daemon_helpers import DaemonProc, start_daemon
+from p2pxfer.errors import InvalidArgument, LimitExceeded
 from p2pxfer.integrations._placement import Placement
 from p2pxfer.integrations._tensors import layer_tensor, placed_layout
 from p2pxfer.integrations.vllm._plan import Load, Save, Send
@@ -92,18 +94,20 @@ def test_workers_on_placed_tensors_move_every_byte_with_no_copy(
     laid over the tensors (``memory`` ``placed``), staging copies nothing,
     and the decode's tensors hold the prefill's blocks."""
     a, b = daemon_sockets
-    packed = (HEADS, BLOCK_SIZE, HEAD * 2)  # vLLM's views: [blocks, heads, tokens, K|V]
+    # vLLM's views, [blocks, heads, tokens, K|V], with the spec's heads
     prefill = Worker(worker_options(a, "P", send=True, receive=False, block_size=BLOCK_SIZE,
-                                    max_blocks=BLOCKS, packed=packed))
+                                    max_blocks=BLOCKS, view_heads=HEADS))
     decode = Worker(worker_options(b, "D", send=False, receive=True, block_size=BLOCK_SIZE,
-                                   max_blocks=BLOCKS, packed=packed))
+                                   max_blocks=BLOCKS, view_heads=HEADS))
     try:
         kv = []
         for w in (prefill, decode):
-            ctx = w.allocation_context()
+            ctx = w.allocation_context({LAYERS * BLOCKS * BLOCK})
             assert ctx is not None
             with ctx:
                 buf = torch.zeros(LAYERS * BLOCKS * BLOCK, dtype=torch.int8)
+                other = torch.zeros(1 << 20, dtype=torch.int8)  # not the KV cache's size
+            assert len(ctx.placed) == 1 and not any(inside(other, m) for m, _ in ctx.placed)
             per = BLOCKS * BLOCK
             tensors = {f"l{i}": buf[i * per:(i + 1) * per].view(torch.float16)
                        .view(BLOCKS, HEADS, BLOCK_SIZE, HEAD * 2) for i in range(LAYERS)}
@@ -130,6 +134,57 @@ def test_workers_on_placed_tensors_move_every_byte_with_no_copy(
     finally:
         decode.close()
         prefill.close()
+
+
+def test_memory_the_daemon_refuses_is_left_to_torch_unless_required(
+        daemon: DaemonProc) -> None:
+    """A daemon's limit (or a lost connection) on the KV cache's memory:
+    ``auto`` leaves the allocation to torch (and then stages); ``shared``
+    raises it."""
+    def refuse(n: int) -> Any:
+        raise LimitExceeded(f"{n} bytes would pass this client's mapped-memory limit")
+
+    with Placement(refuse) as p:
+        t = torch.zeros(1 << 20, dtype=torch.int8)
+    assert p.placed == [] and t.shape == (1 << 20,) and not t.any()
+    with Placement(refuse, required=True), pytest.raises(LimitExceeded, match="limit"):
+        torch.zeros(1 << 20, dtype=torch.int8)
+
+
+def test_heads_decide_head_slices(daemon_sockets: tuple[str, str]) -> None:
+    """With vLLM's views and TP sizes that differ: heads split into head
+    slices; fewer heads per rank than slices are replicas on the other
+    side (whole blocks, as MLA's: placed, no staging); heads that do not
+    split are refused by name."""
+    a, _ = daemon_sockets
+
+    def worker(heads: int, name: str) -> Worker:
+        return Worker(worker_options(a, name, send=True, receive=False, block_size=BLOCK_SIZE,
+                                     max_blocks=BLOCKS, tp_size=1, peer_tp_size=2,
+                                     view_heads=heads))
+
+    def views(w: Worker, heads: int) -> dict[str, Any]:
+        ctx = w.allocation_context()
+        per = BLOCKS * heads * BLOCK_SIZE * HEAD * 2
+        with ctx if ctx is not None else contextlib.nullcontext():
+            buf = torch.zeros(LAYERS * per, dtype=torch.float16)
+        return {f"l{i}": buf[i * per:(i + 1) * per].view(BLOCKS, heads, BLOCK_SIZE, HEAD * 2)
+                for i in range(LAYERS)}
+
+    for heads, replicated, memory in ((4, False, "staging"), (1, True, "placed")):
+        w = worker(heads, f"P{heads}")
+        try:
+            assert (w.allocation_context() is None) == (not replicated)
+            w.register(views(w, heads))
+            assert (w.replicated, w.k, w.memory) == (replicated, 1 if replicated else 2, memory)
+        finally:
+            w.close()
+    w = worker(3, "P3")
+    try:
+        with pytest.raises(InvalidArgument, match="3 KV heads per rank do not split into 2"):
+            w.register(views(w, 3))
+    finally:
+        w.close()
 
 
 def test_auto_stages_what_cannot_be_the_pool(daemon_sockets: tuple[str, str]) -> None:

@@ -27,6 +27,7 @@ import vllm_harness as h
 
 from daemon_helpers import LOOPBACK, DaemonProc, daemon_pair, free_port, start_daemon
 from p2pxfer.integrations.vllm import P2PXferConnector
+from p2pxfer.integrations.vllm._plan import Save
 
 DEADLINE_S = 120.0
 PROMPT = list(range(1, 101))  # 100 tokens: 7 blocks of 16, the last one partial
@@ -318,7 +319,8 @@ def test_vllms_own_kv_cache_is_the_pool_by_default(pair: tuple[DaemonProc, Daemo
         p.step(fill_blocks(7))
         (done,) = [o for o in p.outputs if o.request_id == "p1"]
         params = dict(done.kv_transfer_params)
-        assert p.worker.worker.stage_layer(h.layer_names()[0], []) == 0
+        # Nothing to copy for a request's blocks: they are the pool.
+        assert p.worker.worker.stage_layer(h.layer_names()[0], [Save("x", tuple(range(8)))]) == 0
         occupy(d, 40)
         src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
         assert src_ids != dst_ids

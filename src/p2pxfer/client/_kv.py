@@ -271,9 +271,9 @@ def pool_memory(layout: KVLayout, device: Any, memory: SharedMemory,
     if not any(memory is m for m in mems):
         raise InvalidArgument("memory= must be shared memory this client allocated (alloc), "
                               f"got {type(memory).__name__}")
-    if device is not None:
+    if device is not None or memory.stage is not None:
         raise InvalidArgument("a device pool stages through memory of its own: leave memory= "
-                              "out")
+                              "out, and give no device pool's memory")
     if memory.nbytes < layout.nbytes:
         raise InvalidArgument(f"the pool's layout needs {layout.nbytes} bytes, memory= has "
                               f"{memory.nbytes}")

@@ -101,22 +101,30 @@ def _spec(kv_cache_config: Any) -> Any:
     return next(iter(specs.values())) if specs else spec
 
 
+def _mla(spec: Any) -> bool:
+    """One latent plane (MLA and its variants: no V head, or an MLA spec)."""
+    return getattr(spec, "head_size_v", None) == 0 or \
+        any("MLA" in c.__name__ for c in type(spec).__mro__)
+
+
 def _replicated(kv_cache_config: Any) -> bool | None:
     """Whether the KV cache is one latent plane, whole on every rank (MLA),
     from vLLM's KV cache spec; None where there is none to ask."""
     spec = _spec(kv_cache_config)
-    if type(spec).__name__ == "MLAAttentionSpec":
+    if spec is None:
+        return None
+    if _mla(spec):
         return True
     return False if hasattr(spec, "num_kv_heads") else None
 
 
-def _packed(kv_cache_config: Any) -> tuple[int, int, int] | None:
-    """The shape past the blocks of vLLM's per-layer views of an attention
-    KV cache (``[blocks, heads, tokens, K|V]``), from its spec."""
+def _view_heads(kv_cache_config: Any) -> int | None:
+    """Heads per rank in vLLM's per-layer views of an attention KV cache
+    (``[blocks, heads, tokens, K|V]``), from its spec."""
     spec = _spec(kv_cache_config)
-    if type(spec).__name__ == "MLAAttentionSpec" or not hasattr(spec, "num_kv_heads"):
+    if spec is None or _mla(spec) or not hasattr(spec, "num_heads"):
         return None
-    return int(spec.num_kv_heads), int(spec.block_size), 2 * int(spec.head_size)
+    return int(spec.num_heads)
 
 
 def _rank() -> int:
@@ -147,6 +155,7 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._worker: Worker | None = None
         self._host = False  # a worker whose engine keeps its KV cache in host memory
+        self._kv_config = kv_cache_config
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(_daemon_node(socket), str(kv.engine_id), block_size,
                                             max_held, send, receive, tp, peer_tp)
@@ -162,7 +171,7 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 abort_grace_s=float(extra.get("abort_grace_s", 2.0)),
                 memory=str(extra.get("kv_memory", "auto")), tp_size=tp, peer_tp_size=peer_tp,
                 head_layout=extra.get("head_layout"), replicated=_replicated(kv_cache_config),
-                packed=_packed(kv_cache_config)))
+                view_heads=_view_heads(kv_cache_config)))
             self._host = str(getattr(vllm_config.device_config, "device_type", "")) == "cpu"
         else:
             raise InvalidArgument(f"unknown connector role {role!r}")
@@ -194,7 +203,8 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         the tensors are the pool. A GPU engine keeps vLLM's own pool."""
         if self._worker is None or not self._host:
             return None
-        return self._worker.allocation_context()
+        sizes = {int(t.size) for t in getattr(self._kv_config, "kv_cache_tensors", None) or ()}
+        return self._worker.allocation_context(sizes)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register(kv_caches)

@@ -80,11 +80,12 @@ class WorkerOptions:
     #: tensors' shape (one plane), which packed K|V blocks share: vLLM's
     #: connector says it from the KV cache spec
     replicated: bool | None = None
-    #: the shape past the block dimension of vLLM's own per-layer views,
-    #: ``(heads, tokens, 2 * head_size)`` (K and V side by side in the last):
-    #: tensors of ``(blocks, *packed)`` are one plane (arrangement ``single``)
-    #: whatever their head count (two heads are not two planes)
-    packed: tuple[int, ...] | None = None
+    #: vLLM's own per-layer views are ``[blocks, heads, tokens, K|V]``: a
+    #: 4-D tensor of this many heads per rank (the KV cache spec's) is one
+    #: plane (arrangement ``single``), however many heads (two are not K and
+    #: V planes); fewer heads than head slices means the larger TP size
+    #: holds replicas (whole blocks move, as MLA's)
+    view_heads: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.abort_grace_s <= MAX_LEASE_S:

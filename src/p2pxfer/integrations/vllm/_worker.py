@@ -23,7 +23,7 @@ shared (zero-copy) memory mode needs equal sizes. Threads: see ``_state``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -72,10 +72,10 @@ class Worker(PushSide, DecodeSide):
         o = self.opts
         if not kv_caches:
             raise InvalidArgument("register_kv_caches got no KV tensors")
-        arrangement = o.arrangement
-        if arrangement is None and o.packed is not None and all(
-                tuple(t.shape[1:]) == o.packed for t in kv_caches.values()):
-            arrangement = "single"
+        arrangement, heads = o.arrangement, None
+        if arrangement is None and o.view_heads is not None and all(
+                len(t.shape) == 4 and t.shape[1] == o.view_heads for t in kv_caches.values()):
+            arrangement, heads = "single", o.view_heads
         self.layers = [layer_tensor(t, arrangement) for t in kv_caches.values()]
         self.index = {name: i for i, name in enumerate(kv_caches)}
         first = self.layers[0].layout
@@ -87,8 +87,15 @@ class Worker(PushSide, DecodeSide):
                                       f"{first}): one staging pool needs one block shape")
         if o.memory not in MEMORY_MODES:
             raise InvalidArgument(f"kv_memory must be one of {MEMORY_MODES}, got {o.memory!r}")
-        self.replicated = self.layers[0].arrangement == "single" if o.replicated is None \
-            else o.replicated
+        # One plane is MLA's latent, unless the views are an attention cache's.
+        self.replicated = o.replicated if o.replicated is not None else \
+            heads is None and self.layers[0].arrangement == "single"
+        if not self.replicated and heads is not None and self.k > 1:
+            if heads < self.k:
+                self.replicated = True  # the other side's ranks hold replicas of ours
+            elif heads % self.k:
+                raise InvalidArgument(f"{heads} KV heads per rank do not split into {self.k} "
+                                      f"head slices (TP {o.tp_size} here, {o.peer_tp} there)")
         if self.replicated:
             self.k = 1  # MLA: the latent is whole on every rank
         head_layout = o.head_layout or head_layout_of(self.layers[0]) or "NHD"
@@ -156,14 +163,19 @@ class Worker(PushSide, DecodeSide):
             return "the KV tensors are not torch tensors"
         return None
 
-    def allocation_context(self) -> Placement | None:
+    def allocation_context(self, sizes: Collection[int] = ()) -> Placement | None:
         """The context the engine allocates its KV cache in (vLLM's
-        ``get_mem_pool_context``): host allocations land in memory the
-        daemon shares, so the tensors need no copy and no move (None for
-        ``kv_memory`` ``staging``)."""
-        if self.opts.memory == "staging":
+        ``get_mem_pool_context``): host allocations of ``sizes`` (the KV
+        cache's backing allocations; none given: any large one) land in
+        memory the daemon shares, so the tensors need no copy and no move.
+        None for ``kv_memory`` ``staging``, or where blocks will move as
+        head slices (staged: placing them would map the cache twice)."""
+        o = self.opts
+        whole = o.replicated or (o.view_heads is not None and o.view_heads < self.k)
+        if o.memory == "staging" or (self.k > 1 and not whole):
             return None
-        self.placement = Placement(lambda n: self.bridge.call(self._alloc_placed, n))
+        self.placement = Placement(lambda n: self.bridge.call(self._alloc_placed, n),
+                                   sizes=sizes, required=o.memory == "shared")
         return self.placement
 
     async def _alloc_placed(self, nbytes: int) -> SharedMemory:
