@@ -9,10 +9,12 @@ write that did not wake it could not finish within the 10 s it is given.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -72,44 +74,62 @@ async def test_a_write_to_a_napping_shm_target_rings_it_awake(path: str) -> None
     np.testing.assert_array_equal(region[:4096 + (64 << 10)], src[:4096 + (64 << 10)])
 
 
+@contextlib.contextmanager
+def shm_poller() -> Iterator[tuple[Poller, bytes, int]]:
+    """An shm rail's poller (naps up to 10 s, a ring spins 1 us), its
+    bell's name and the poller's wake fd."""
+    with Rail.open("shm", node=loopback_node("shm")) as rail:
+        assert rail.doorbell is not None and rail.doorbell.fd >= 0
+        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            yield Poller([rail], wake_fd=wake, backoff_max_ns=10_000_000_000,
+                         bell_spin_ns=1000), bell_name(rail.address), wake
+        finally:
+            os.close(wake)
+
+
+@contextlib.contextmanager
+def asleep(poller: Poller, wake: int) -> Iterator[threading.Thread]:
+    """A thread in ``poller.progress`` until the block ends, asleep in
+    ppoll when the block starts (its first nap long enough to stay there
+    until rung: a ring between two short naps would be read as a stale one
+    and not counted); the thread, to ask whether it still waits."""
+    tid: list[int] = []
+
+    def sleep_on_it() -> None:
+        tid.append(threading.get_native_id())
+        poller.progress(timeout_ns=20_000_000_000)
+
+    poller._p.backoff_ns = 10_000_000_000  # test-only reach: one long nap
+    sleeper = threading.Thread(target=sleep_on_it)
+    sleeper.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (tid and in_poll(tid[0])):
+            assert time.monotonic() < deadline, "the poller never slept"
+            time.sleep(0.001)
+        yield sleeper
+    finally:
+        os.eventfd_write(wake, 1)  # done: end its wait
+        sleeper.join(10)
+    assert not sleeper.is_alive()
+
+
 def test_a_datagram_to_a_rails_doorbell_wakes_its_poller() -> None:
     """Any local datagram to the name wakes a sleeping poller (the bell
     carries nothing); rings queued while it was awake are read without
     counting as a wake-up (it reads its CQs once more instead)."""
-    with Rail.open("shm", node=loopback_node("shm")) as rail:
-        assert rail.doorbell is not None and rail.doorbell.fd >= 0
-        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        poller = Poller([rail], wake_fd=wake, backoff_max_ns=10_000_000_000,
-                        bell_spin_ns=1000)
-        name = bell_name(rail.address)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            for payload in (b"", b"x" * 4000):
-                s.sendto(payload, name)  # while no one sleeps on it
-            assert len(poller.progress(timeout_ns=20_000_000)) == 0
-            assert poller.bells == 0
-            tid: list[int] = []
-
-            def sleep_on_it() -> None:
-                tid.append(threading.get_native_id())
-                poller.progress(timeout_ns=10_000_000_000)
-
-            # Test-only reach: its first nap is long, so once it is in ppoll
-            # it stays there until the ring.
-            poller._p.backoff_ns = 5_000_000_000
-            sleeper = threading.Thread(target=sleep_on_it)
-            sleeper.start()
-            deadline = time.monotonic() + 10
-            while not (tid and in_poll(tid[0])):
-                assert time.monotonic() < deadline, "the poller never slept"
-                time.sleep(0.001)
+    with shm_poller() as (poller, name, wake), \
+            socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        for payload in (b"", b"x" * 4000):
+            s.sendto(payload, name)  # while no one sleeps on it
+        assert len(poller.progress(timeout_ns=20_000_000)) == 0
+        assert poller.bells == 0
+        with asleep(poller, wake):
             s.sendto(b"", name)
             deadline = time.monotonic() + 10
             while poller.bells == 0 and time.monotonic() < deadline:
                 time.sleep(0.001)
-            os.eventfd_write(wake, 1)  # done: end its wait
-            sleeper.join(10)
-            assert not sleeper.is_alive()
-            os.close(wake)
         assert poller.bells == 1
         assert poller._p.bells_dropped == 0  # test-only reach
 
@@ -128,26 +148,8 @@ def test_a_ring_from_another_user_is_read_and_not_taken() -> None:
     poller sleeps on; ours wakes it."""
     import subprocess
 
-    with Rail.open("shm", node=loopback_node("shm")) as rail:
-        assert rail.doorbell is not None and rail.doorbell.fd >= 0
-        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        poller = Poller([rail], wake_fd=wake, backoff_max_ns=10_000_000_000,
-                        bell_spin_ns=1000)
-        name = bell_name(rail.address)
-        tid: list[int] = []
-
-        def sleep_on_it() -> None:
-            tid.append(threading.get_native_id())
-            poller.progress(timeout_ns=20_000_000_000)
-
-        poller._p.backoff_ns = 10_000_000_000  # test-only reach: one long nap
-        sleeper = threading.Thread(target=sleep_on_it)
-        sleeper.start()
-        try:
-            deadline = time.monotonic() + 10
-            while not (tid and in_poll(tid[0])):
-                assert time.monotonic() < deadline, "the poller never slept"
-                time.sleep(0.001)
+    with shm_poller() as (poller, name, wake):
+        with asleep(poller, wake) as sleeper:
             for _ in range(3):
                 subprocess.run(["/usr/bin/python3", "-c", RING, name.hex()], user=65534,
                                group=65534, check=True, timeout=30, env={})
@@ -163,11 +165,6 @@ def test_a_ring_from_another_user_is_read_and_not_taken() -> None:
             while poller.bells == 0:
                 assert time.monotonic() < deadline, "our own ring was not taken"
                 time.sleep(0.001)
-        finally:
-            os.eventfd_write(wake, 1)  # done: end its wait
-            sleeper.join(10)
-            os.close(wake)
-        assert not sleeper.is_alive()
         assert poller.bells == 1 and poller.bells_refused == 3
 
 
