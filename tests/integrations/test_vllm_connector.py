@@ -367,6 +367,36 @@ def test_heterogeneous_tp_on_vllms_own_kv_cache(pair: tuple[DaemonProc, DaemonPr
         close(p, d)
 
 
+@pytest.mark.parametrize("decode_tp", [1, 2], ids=["1to1", "1to2-HND"])
+def test_kernel_blocks_smaller_than_vllms_blocks(pair: tuple[DaemonProc, DaemonProc],
+                                                 tmp_path: Path, decode_tp: int) -> None:
+    """Attention kernels of 8-token blocks under a scheduler of 16: vLLM's
+    views hold two kernel blocks per scheduled block. The connector moves
+    scheduled blocks (two rows each), whole or as head slices (HND: one
+    piece per kernel block), never a kernel block by the scheduler's id."""
+    a, b = pair
+    p = h.engine(tmp_path, "kv_producer", a.socket, "prefill-engine", peer_tp_size=decode_tp,
+                 vllm_alloc="LBHNC", kernel_block=8)
+    d = h.engine(tmp_path, "kv_consumer", b.socket, "decode-engine", tp=decode_tp,
+                 peer_tp_size=1, vllm_alloc="LBHNC", kernel_block=8)
+    try:
+        assert next(iter(p.kv.values())).shape[0] == 2 * h.NUM_BLOCKS  # kernel rows
+        assert p.worker.worker.layers[0].layout.num_blocks == h.NUM_BLOCKS  # scheduled blocks
+        p.scheduler.add_request(h.request("p1", PROMPT, 1, {"do_remote_decode": True}))
+        p.step(fill_blocks(11))
+        (done,) = [o for o in p.outputs if o.request_id == "p1"]
+        params = dict(done.kv_transfer_params)
+        occupy(d, 40)
+        src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
+        for name in h.layer_names():  # [block, kernel block, heads, tokens, K|V]
+            whole_p = torch.cat([h.blocks(kv[name])[src_ids] for kv in p.kvs], dim=2)
+            whole_d = torch.cat([h.blocks(kv[name])[dst_ids] for kv in d.kvs], dim=2)
+            assert whole_p.abs().sum() > 0, name
+            assert torch.equal(whole_p.view(torch.int16), whole_d.view(torch.int16)), name
+    finally:
+        close(p, d)
+
+
 def test_a_chunked_prefill_stages_each_chunk(pair: tuple[DaemonProc, DaemonProc],
                                              tmp_path: Path) -> None:
     """A 300-token prompt prefilled 64 tokens a step: each step stages the

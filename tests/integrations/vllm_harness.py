@@ -157,19 +157,24 @@ class Engine:
 
 
 def blocks(t: torch.Tensor) -> torch.Tensor:
-    """A layer's KV tensor indexed by block first: vLLM's own per-layer
-    views (``[blocks, heads, tokens, K|V]``) as they are, the
-    ``(2, blocks, ...)`` tensors this harness makes by default with the
-    planes moved inside."""
-    return t if t.dim() == 4 else t.transpose(0, 1)
+    """A layer's KV tensor indexed by the scheduler's block first: vLLM's
+    own per-layer views (``[blocks, heads, tokens, K|V]``) as they are, or,
+    when their rows are kernel blocks (``r`` to a block), as ``[blocks, r,
+    heads, tokens, K|V]``; the ``(2, blocks, ...)`` tensors this harness
+    makes by default with the planes moved inside."""
+    if t.dim() == 4:
+        return t if t.shape[0] == NUM_BLOCKS else t.view(NUM_BLOCKS, -1, *t.shape[1:])
+    return t.transpose(0, 1)
 
 
 def vllm_kv_cache(kv_cache_config: KVCacheConfig, spec: FullAttentionSpec, layout: str,
-                  context: Any) -> dict[str, torch.Tensor]:
+                  context: Any, kernel_block: int | None = None) -> dict[str, torch.Tensor]:
     """The KV cache as vLLM's worker allocates it (``allocate_kv_cache``:
     one backing allocation, a view per layer), inside the connector's
     ``get_mem_pool_context`` as vLLM's worker enters it; ``layout`` a
-    ``KVCacheLayout`` name (layers outermost ``L...``, or blocks ``B...``)."""
+    ``KVCacheLayout`` name (layers outermost ``L...``, or blocks ``B...``);
+    ``kernel_block``: the attention kernels' block size in tokens, when
+    smaller than the scheduler's (the views' rows are then kernel blocks)."""
     page, names = spec.page_size_bytes, layer_names()
     layer_stride, block_stride = (page * NUM_BLOCKS, page) if layout.startswith("L") else \
         (page, page * len(names))
@@ -177,12 +182,13 @@ def vllm_kv_cache(kv_cache_config: KVCacheConfig, spec: FullAttentionSpec, layou
         size=page * NUM_BLOCKS * len(names), layers=names, layer_stride=layer_stride,
         block_stride=block_stride)]
     with context if context is not None else nullcontext():
-        return allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout])
+        return allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[layout],
+                                 None if kernel_block is None else [kernel_block])
 
 
 def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
            chunk: int = MAX_LEN, async_scheduling: bool = False, vllm_alloc: str | None = None,
-           **extra: Any) -> Engine:
+           kernel_block: int | None = None, **extra: Any) -> Engine:
     """An engine of ``tp`` ranks (their worker connectors made here, rank by
     rank, as vLLM's workers would make theirs); each rank holds
     ``KV_HEADS / tp`` heads. ``chunk``: tokens per step (chunked prefill).
@@ -226,7 +232,7 @@ def engine(root: Path, role: str, socket: str, engine_id: str, *, tp: int = 1,
                                                          kv_cache_config)
         if vllm_alloc is not None:
             tensors = vllm_kv_cache(kv_cache_config, spec, vllm_alloc,
-                                    worker.get_mem_pool_context())
+                                    worker.get_mem_pool_context(), kernel_block)
         else:
             tensors = {name: torch.zeros((2, NUM_BLOCKS, BLOCK_SIZE, heads, HEAD),
                                          dtype=torch.float16) for name in layer_names()}

@@ -36,7 +36,7 @@ import ctypes
 import importlib
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from p2pxfer.client import SharedMemory
 
 __all__ = ["ARRANGEMENTS", "DeviceCopies", "HeadSlices", "LayerTensor", "checksum_blocks",
-           "copy_blocks", "head_layout_of", "layer_tensor", "move_into", "placed_layout",
-           "shared_layout", "staging_layout"]
+           "copy_blocks", "head_layout_of", "kernel_regrouped", "layer_tensor", "move_into",
+           "placed_layout", "shared_layout", "staging_layout"]
 
 ARRANGEMENTS = ("planes_first", "blocks_first", "single")
 
@@ -171,13 +171,18 @@ class HeadSlices:
     run_stride: int
 
     @classmethod
-    def of(cls, block_bytes: int, k: int, head_layout: str, block_size: int) -> HeadSlices:
+    def of(cls, block_bytes: int, k: int, head_layout: str, block_size: int,
+           kernel_blocks: int = 1) -> HeadSlices:
+        """``kernel_blocks``: the block is that many kernel blocks one after
+        another, each laid out alike (in HND a slice is then one piece per
+        kernel block)."""
         if k == 1:
             return cls(1, 1, block_bytes, 0)
         if head_layout == "HND":
-            if block_bytes % k:
-                raise InvalidArgument(f"a {block_bytes}-byte block does not split in {k}")
-            return cls(k, 1, block_bytes // k, 0)
+            kernel = block_bytes // kernel_blocks
+            if block_bytes % kernel_blocks or kernel % k:
+                raise InvalidArgument(f"a {kernel}-byte kernel block does not split in {k}")
+            return cls(k, kernel_blocks, kernel // k, kernel)
         if head_layout == "NHD":
             row = block_bytes // block_size
             if block_bytes % block_size or row % k:
@@ -212,6 +217,24 @@ def shared_layout(layers: list[LayerTensor]) -> KVLayout:
     return KVLayout(len(layers), lay.num_blocks, lay.block_bytes, lay.planes, "layer_major",
                     layer_stride=-(-span // 4096) * 4096, block_stride=lay.block_stride,
                     plane_stride=lay.plane_stride)
+
+
+def kernel_regrouped(lt: LayerTensor, num_blocks: int) -> LayerTensor:
+    """``lt`` with its rows read as ``num_blocks`` blocks: an engine whose
+    kernels take smaller blocks than its scheduler hands out views of
+    ``ratio`` kernel blocks per block (vLLM: ``num_blocks * ratio`` rows,
+    dense). A block is then ``ratio`` adjacent rows, one run of bytes."""
+    lay = lt.layout
+    if lay.num_blocks == num_blocks:
+        return lt
+    ratio = lay.num_blocks // num_blocks
+    if ratio < 2 or lay.num_blocks != ratio * num_blocks or lay.planes != 1 \
+            or lay.block_stride != lay.block_bytes:
+        raise InvalidArgument(f"the KV tensor has {lay.num_blocks} blocks where the engine "
+                              f"schedules {num_blocks}, and they are not {num_blocks} runs of "
+                              "whole kernel blocks")
+    return replace(lt, layout=KVLayout(1, num_blocks, lay.block_bytes * ratio, 1, "layer_major",
+                                       block_stride=lay.block_stride * ratio))
 
 
 def head_layout_of(lt: LayerTensor) -> str | None:

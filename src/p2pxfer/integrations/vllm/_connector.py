@@ -171,7 +171,8 @@ class P2PXferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 abort_grace_s=float(extra.get("abort_grace_s", 2.0)),
                 memory=str(extra.get("kv_memory", "auto")), tp_size=tp, peer_tp_size=peer_tp,
                 head_layout=extra.get("head_layout"), replicated=_replicated(kv_cache_config),
-                view_heads=_view_heads(kv_cache_config)))
+                view_heads=_view_heads(kv_cache_config),
+                num_blocks=getattr(kv_cache_config, "num_blocks", None) or None))
             self._host = str(getattr(vllm_config.device_config, "device_type", "")) == "cpu"
         else:
             raise InvalidArgument(f"unknown connector role {role!r}")

@@ -86,6 +86,9 @@ class WorkerOptions:
     #: V planes); fewer heads than head slices means the larger TP size
     #: holds replicas (whole blocks move, as MLA's)
     view_heads: int | None = None
+    #: the blocks the engine schedules (vLLM's ``KVCacheConfig.num_blocks``):
+    #: tensors with a multiple of it hold kernel blocks, that many to a block
+    num_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.abort_grace_s <= MAX_LEASE_S:

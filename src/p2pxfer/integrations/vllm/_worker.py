@@ -34,6 +34,7 @@ from p2pxfer.integrations._tensors import (
     HeadSlices,
     copy_blocks,
     head_layout_of,
+    kernel_regrouped,
     layer_tensor,
     move_into,
     placed_layout,
@@ -77,6 +78,10 @@ class Worker(PushSide, DecodeSide):
                 len(t.shape) == 4 and t.shape[1] == o.view_heads for t in kv_caches.values()):
             arrangement, heads = "single", o.view_heads
         self.layers = [layer_tensor(t, arrangement) for t in kv_caches.values()]
+        kernel_blocks = 1
+        if o.num_blocks is not None:  # rows may be kernel blocks, several to a block
+            kernel_blocks = self.layers[0].layout.num_blocks // o.num_blocks
+            self.layers = [kernel_regrouped(lt, o.num_blocks) for lt in self.layers]
         self.index = {name: i for i, name in enumerate(kv_caches)}
         first = self.layers[0].layout
         for name, lt in zip(kv_caches, self.layers, strict=True):
@@ -99,7 +104,8 @@ class Worker(PushSide, DecodeSide):
         if self.replicated:
             self.k = 1  # MLA: the latent is whole on every rank
         head_layout = o.head_layout or head_layout_of(self.layers[0]) or "NHD"
-        self.slices = HeadSlices.of(first.block_bytes, self.k, head_layout, o.block_size)
+        self.slices = HeadSlices.of(first.block_bytes, self.k, head_layout, o.block_size,
+                                    kernel_blocks)
         devices = {lt.device for lt in self.layers}
         if len(devices) > 1:
             raise InvalidArgument(f"the KV tensors are on different devices ({devices}): one "
