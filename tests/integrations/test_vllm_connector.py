@@ -51,10 +51,11 @@ def fill_new(seed: int) -> Any:
     return fill
 
 
-def prefill(p: h.Engine, rid: str, prompt: list[int]) -> dict[str, Any]:
-    """One prefill of ``prompt`` to be pulled; its kv_transfer_params."""
+def prefill(p: h.Engine, rid: str, prompt: list[int], fill: Any = None) -> dict[str, Any]:
+    """One prefill of ``prompt`` to be pulled (its layers written by
+    ``fill``, else ``fill_new``); its kv_transfer_params."""
     p.scheduler.add_request(h.request(rid, prompt, 1, {"do_remote_decode": True}))
-    p.step(fill_new(len(rid)))
+    p.step(fill or fill_new(len(rid)))
     (done,) = [o for o in p.outputs if o.request_id == rid]
     assert done.kv_transfer_params is not None
     return dict(done.kv_transfer_params)
@@ -315,10 +316,7 @@ def test_vllms_own_kv_cache_is_the_pool_by_default(pair: tuple[DaemonProc, Daemo
         for e in (p, d):
             assert e.worker.worker.memory == "placed"
             assert in_pool(e)
-        p.scheduler.add_request(h.request("p1", PROMPT, 1, {"do_remote_decode": True}))
-        p.step(fill_blocks(7))
-        (done,) = [o for o in p.outputs if o.request_id == "p1"]
-        params = dict(done.kv_transfer_params)
+        params = prefill(p, "p1", PROMPT, fill_blocks(7))
         # Nothing to copy for a request's blocks: they are the pool.
         assert p.worker.worker.stage_layer(h.layer_names()[0], [Save("x", tuple(range(8)))]) == 0
         occupy(d, 40)
@@ -352,10 +350,7 @@ def test_heterogeneous_tp_on_vllms_own_kv_cache(pair: tuple[DaemonProc, DaemonPr
         fewer = d if more is p else p
         assert {w.worker.memory for w in more.workers} == {"staging"}
         assert {w.worker.memory for w in fewer.workers} == {"placed"}
-        p.scheduler.add_request(h.request("p1", PROMPT, 1, {"do_remote_decode": True}))
-        p.step(fill_blocks(9))
-        (done,) = [o for o in p.outputs if o.request_id == "p1"]
-        params = dict(done.kv_transfer_params)
+        params = prefill(p, "p1", PROMPT, fill_blocks(9))
         occupy(d, 40)
         src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
         for name in h.layer_names():  # heads are dimension 1 of every view
@@ -382,10 +377,7 @@ def test_kernel_blocks_smaller_than_vllms_blocks(pair: tuple[DaemonProc, DaemonP
     try:
         assert next(iter(p.kv.values())).shape[0] == 2 * h.NUM_BLOCKS  # kernel rows
         assert p.worker.worker.layers[0].layout.num_blocks == h.NUM_BLOCKS  # scheduled blocks
-        p.scheduler.add_request(h.request("p1", PROMPT, 1, {"do_remote_decode": True}))
-        p.step(fill_blocks(11))
-        (done,) = [o for o in p.outputs if o.request_id == "p1"]
-        params = dict(done.kv_transfer_params)
+        params = prefill(p, "p1", PROMPT, fill_blocks(11))
         occupy(d, 40)
         src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
         for name in h.layer_names():  # [block, kernel block, heads, tokens, K|V]
