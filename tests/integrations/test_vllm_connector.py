@@ -279,6 +279,17 @@ def test_heterogeneous_tp_through_vllm(pair: tuple[DaemonProc, DaemonProc], tmp_
         close(p, d)
 
 
+def same_heads(p: h.Engine, d: h.Engine, src_ids: list[int], dst_ids: list[int], *,
+               heads_dim: int) -> None:
+    """Every layer's blocks, every rank's heads side by side (``heads_dim``
+    of ``h.blocks``' view), are written and equal on both sides."""
+    for name in h.layer_names():
+        whole_p = torch.cat([h.blocks(kv[name])[src_ids] for kv in p.kvs], dim=heads_dim)
+        whole_d = torch.cat([h.blocks(kv[name])[dst_ids] for kv in d.kvs], dim=heads_dim)
+        assert whole_p.abs().sum() > 0, name
+        assert torch.equal(whole_p.view(torch.int16), whole_d.view(torch.int16)), name
+
+
 def fill_blocks(seed: int) -> Any:
     """"Attention" for vLLM's own per-layer views: random bytes into every
     block of the step's new requests, whatever the layout's strides."""
@@ -353,11 +364,7 @@ def test_heterogeneous_tp_on_vllms_own_kv_cache(pair: tuple[DaemonProc, DaemonPr
         params = prefill(p, "p1", PROMPT, fill_blocks(9))
         occupy(d, 40)
         src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
-        for name in h.layer_names():  # heads are dimension 1 of every view
-            whole_p = torch.cat([h.blocks(kv[name])[src_ids] for kv in p.kvs], dim=1)
-            whole_d = torch.cat([h.blocks(kv[name])[dst_ids] for kv in d.kvs], dim=1)
-            assert whole_p.abs().sum() > 0, name
-            assert torch.equal(whole_p.view(torch.int16), whole_d.view(torch.int16)), name
+        same_heads(p, d, src_ids, dst_ids, heads_dim=1)  # heads are dimension 1 of every view
     finally:
         close(p, d)
 
@@ -380,11 +387,7 @@ def test_kernel_blocks_smaller_than_vllms_blocks(pair: tuple[DaemonProc, DaemonP
         params = prefill(p, "p1", PROMPT, fill_blocks(11))
         occupy(d, 40)
         src_ids, dst_ids, _ = load_d1(p, d, PROMPT, params)
-        for name in h.layer_names():  # [block, kernel block, heads, tokens, K|V]
-            whole_p = torch.cat([h.blocks(kv[name])[src_ids] for kv in p.kvs], dim=2)
-            whole_d = torch.cat([h.blocks(kv[name])[dst_ids] for kv in d.kvs], dim=2)
-            assert whole_p.abs().sum() > 0, name
-            assert torch.equal(whole_p.view(torch.int16), whole_d.view(torch.int16)), name
+        same_heads(p, d, src_ids, dst_ids, heads_dim=2)  # [block, kernel block, heads, tokens, K|V]
     finally:
         close(p, d)
 
