@@ -2,9 +2,10 @@
 (``KV.abandon``) before anyone waited for them or pushed them: kept for
 the first wait, which hears it, and forgotten after ``ABANDONED_KEEP_S``
 otherwise, so a word that came late (the receiver had already forgotten
-the request) cannot fail a later request of that number. In-process, on
-trio's autojump clock: nothing here moves bytes (``test_kv_daemon.py``
-abandons through two daemons)."""
+the request) cannot fail a later request of that number; and an abandon
+that overtook notifications its sender saw land (its ``landed``) does not
+end a request they complete. In-process, on trio's autojump clock: nothing
+here moves bytes (``test_kv_daemon.py`` abandons through two daemons)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import Any
 import pytest
 import trio
 
-from p2pxfer.daemon._kv import ABANDONED_KEEP_S, KV, Pool
-from p2pxfer.errors import TransferAborted
-from p2pxfer.kv_plan import KVLayout
+from p2pxfer.daemon._imms import ImmTable
+from p2pxfer.daemon._kv import ABANDONED_KEEP_S, KV, Pool, pack_i64
+from p2pxfer.errors import InvalidArgument, TransferAborted
+from p2pxfer.kv_plan import KVLayout, layer_imm
 
 
 class _Exports:
@@ -23,9 +25,19 @@ class _Exports:
         self.on_remove: list[Any] = []
 
 
-def receiver() -> tuple[KV, object]:
+class _Routes:
+    """What ``ImmTable`` asks of the engine: its immediates' width (arrivals
+    come through ``ImmTable.deliver`` here, not from a CQ)."""
+
+    imm_bits = 64
+
+    def route_imms(self, *_: Any) -> None:
+        pass
+
+
+def receiver(imms: ImmTable | None = None) -> tuple[KV, object]:
     """A KV with one receiving pool ``kv``, owned by the returned session."""
-    kv = KV("node-b", _Exports(), imm_slots=lambda: None)  # type: ignore[arg-type,return-value]
+    kv = KV("node-b", _Exports(), imm_slots=lambda: imms)  # type: ignore[arg-type,return-value]
     owner = object()
     lay = KVLayout(4, 8, 4096)
     kv.pools["kv"] = Pool("kv", owner, 1, lay, memoryview(bytearray(lay.nbytes)),  # type: ignore[arg-type]
@@ -60,3 +72,47 @@ async def test_an_abandon_is_kept_for_the_first_wait_then_forgotten(
             await trio.sleep(2 * ABANDONED_KEEP_S)
             assert kv.abandon("node-a", "kv", 7, "gone") == {"ended": True}
         nursery.cancel_scope.cancel()
+
+
+async def test_an_abandon_that_overtook_landed_notifications_ends_nothing_they_complete(
+        autojump_clock: trio.testing.MockClock) -> None:
+    imms = ImmTable(_Routes())  # type: ignore[arg-type]
+    kv, owner = receiver(imms)
+
+    def push(request: int, layers: list[int]) -> int:
+        slot = kv.begin("node-a", "kv", request, pack_i64(layers), 60_000)["slot"]
+        kv.expect("node-a", slot, pack_i64([1] * len(layers)))
+        return imms.compose(slot, 0)
+
+    def land(base: int, *layers: int) -> None:
+        for layer in layers:
+            imms.deliver(layer_imm(base, layer), 1)
+
+    every = pack_i64([x for layer in range(4) for x in (layer, 1)])
+    # All four layers landed at the sender; two are counted here so far.
+    base = push(1, [0, 1, 2, 3])
+    land(base, 0, 1)
+    assert kv.abandon("node-a", "kv", 1, "late", every) == {"ended": False}
+    land(base, 2, 3)
+    assert await kv.wait(owner, "kv", 1, 0, 3, 1.0) == {"done": 4}  # type: ignore[arg-type]
+    # Without the sender's word the same overtaking ends it (as before).
+    base = push(2, [0, 1, 2, 3])
+    land(base, 0, 1)
+    assert kv.abandon("node-a", "kv", 2, "late") == {"ended": True}
+    land(base, 2, 3)
+    with pytest.raises(TransferAborted, match="late"):
+        await kv.wait(owner, "kv", 2, 0, 3, 1.0)  # type: ignore[arg-type]
+    # What landed does not complete the request: it ends.
+    base = push(3, [0, 1, 2, 3])
+    land(base, 0)
+    assert kv.abandon("node-a", "kv", 3, "gave up", pack_i64([0, 1, 1, 1])) == {"ended": True}
+    with pytest.raises(TransferAborted, match="gave up"):
+        await kv.wait(owner, "kv", 3, 0, 1, 1.0)  # type: ignore[arg-type]
+    # A hostile landed is refused by name, and ends nothing.
+    push(4, [0, 1])
+    for bad, why in ((b"\x00" * 7, "whole number of int64"), (pack_i64([0]), "pairs"),
+                     (pack_i64([4, 1]), "within 0..3"), (pack_i64([0, 0]), "counts > 0"),
+                     (pack_i64([-1, 1]), "within 0..3")):
+        with pytest.raises(InvalidArgument, match=why):
+            kv.abandon("node-a", "kv", 4, "bad", bad)
+    assert kv.arrived("node-a", "kv", 4, 0) == {"arrived": 0, "expected": 1}

@@ -345,17 +345,15 @@ async def test_a_request_its_sender_abandons_ends_its_waits_at_once(
             assert await prefill.kv_abandon("node-b", "kv-abandon", 5, reason="push failed")
             with pytest.raises(TransferAborted, match="push failed"):
                 await dst.wait_layers(5, 0, timeout=TIMEOUT)
-            # Every layer landed (the receiver has seen them all): nothing to
-            # end. (The sender's push.wait() alone does not say so: the last
-            # notifications may still be on their way when an abandon
-            # overtakes them on the control connection, which then ends the
-            # request. Not yet closed: the receiver decides on what it saw.)
+            # Every layer landed: nothing to end, even when the abandon
+            # overtakes the last notifications on their way to the receiver
+            # (the sender's push.wait() says they landed, not that the
+            # receiving daemon counted them: the abandon says what it saw).
             push = await prefill.kv_push("node-b", "kv-abandon", src, src_blocks, dst_blocks,
                                          request=6)
             await push.wait()
-            await dst.wait_layers(6, 7, timeout=TIMEOUT)
             assert not await prefill.kv_abandon("node-b", "kv-abandon", 6)
-            await dst.wait_layers(6, 7, timeout=TIMEOUT)  # still landed, not ended
+            await dst.wait_layers(6, 7, timeout=TIMEOUT)  # landed, not ended
             for r in (4, 5, 6):
                 await dst.forget(r)
             # Once a push began, only its sender may say so (node-b is not).

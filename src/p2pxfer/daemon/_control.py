@@ -115,7 +115,8 @@ HANDLERS: dict[str, Handler] = {
     "kv_arrived": lambda d, caller, msg: d.kv.arrived(caller.name, msg["pool"], msg["request"],
                                                       msg["layer"]),
     "kv_abandoned": lambda d, caller, msg: d.kv.abandon(caller.name, msg["pool"],
-                                                        msg["request"], msg.get("reason", "")),
+                                                        msg["request"], msg.get("reason", ""),
+                                                        msg.get("landed", b"")),
     "imm_tickets": _imm_tickets,
     "notify_settle": lambda d, caller, msg: {
         "arrived": d.imm_slots.settle(msg["ticket"], caller.name, msg["imm"])},

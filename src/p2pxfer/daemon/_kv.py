@@ -260,20 +260,28 @@ class KV:
                                   f"{len(recv.arrived) - 1}")
         return {"arrived": int(recv.arrived[layer]), "expected": int(recv.expected[layer])}
 
-    def abandon(self, sender: str, pool: str, request: int, reason: str) -> dict[str, Any]:
+    def abandon(self, sender: str, pool: str, request: int, reason: str,
+                landed: bytes = b"") -> dict[str, Any]:
         """``sender`` pushes no more of ``request`` into ``pool``: unless it
-        is over already (every layer landed, given up, ended), it ends now,
-        its waits raising ``TransferAborted`` instead of waiting for the
-        push's deadline, and ``begin`` refuses it while it is remembered
-        (until it is forgotten; nothing of it pushed: until a wait heard it).
-        Only a sender of the request may say so once a push of it began; a
-        request nobody pushed or waited for yet is remembered ended for its
-        first wait, at most ``ABANDONED_KEEP_S``."""
+        is over already (every layer landed, given up, ended), it ends, its
+        waits raising ``TransferAborted`` instead of waiting for the push's
+        deadline, and ``begin`` refuses it while it is remembered (until it
+        is forgotten; nothing of it pushed: until a wait heard it). Only a
+        sender of the request may say so once a push of it began; a request
+        nobody pushed or waited for yet is remembered ended for its first
+        wait, at most ``ABANDONED_KEEP_S``.
+
+        ``landed`` (int64 pairs: layer, notifications) is what the sender
+        knows landed here. Its abandon can overtake those notifications (it
+        comes on the control connection, they through the fabric, and the
+        sender's completion says they landed, not that this daemon counted
+        them yet): a request they complete is over, not ended."""
         p = self.pools.get(pool)
         if p is None:
             raise UnknownRegion(f"no KV pool named {pool!r} on {self.node}")
         if request < 0:
             raise InvalidArgument(f"kv_abandoned: request must be >= 0, got {request}")
+        owed = self._owed(landed, p.layout.num_layers)
         if request in self._refused.get(pool, ()):
             return {"ended": False}
         known = self._recv.get((pool, request))
@@ -286,11 +294,30 @@ class KV:
         recv = known or self._request(pool, request, p.layout.num_layers)
         if known is None:
             recv.abandoned_at = trio.current_time()
+        elif len(layers := owed[0]):
+            arrived = recv.arrived.copy()
+            np.maximum.at(arrived, layers, owed[1])
+            if ((recv.expected >= 0) & (arrived >= recv.expected)).all():
+                return {"ended": False}  # what is still on its way completes it
         log.warning("kv.abandoned", pool=pool, request=request, sender=sender,
                     reason=reason[:MAX_REASON])
         self._end(recv, TransferAborted(f"request {request} into {pool!r}: its sender {sender} "
                                         f"gave it up: {reason[:MAX_REASON] or 'no reason given'}"))
         return {"ended": True}
+
+    @staticmethod
+    def _owed(landed: bytes, num_layers: int) -> tuple[I64, I64]:
+        """``kv_abandoned``'s ``landed``: (layers, notifications), checked."""
+        pairs = unpack_i64(landed, "kv_abandoned landed")
+        if len(pairs) % 2:
+            raise InvalidArgument("kv_abandoned: landed must be (layer, count) pairs, got "
+                                  f"{len(pairs)} numbers")
+        layers, counts = pairs[0::2], pairs[1::2]
+        if len(layers) and (int(layers.min()) < 0 or int(layers.max()) >= num_layers
+                            or int(counts.min()) <= 0):
+            raise InvalidArgument(f"kv_abandoned: landed wants layers within "
+                                  f"0..{num_layers - 1} and counts > 0")
+        return layers, counts
 
     def _arrival(self, recv: _Recv, slot: int, layer: int, count: int) -> None:
         """Notifications of ``layer`` landed (the slot's sink, in trio)."""

@@ -15,6 +15,7 @@ settling an unknown notification (``_kv_settle``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -66,6 +67,9 @@ DEFAULT_DEADLINE_MS = 30_000
 #: that do not come (a sender that went away): the node's slots are few (4095)
 #: and shared, so a push may not ask to hold one for ever
 MAX_DEADLINE_MS = 600_000
+#: requests whose landed layers a daemon remembers for a later abandon (the
+#: oldest go first; each is kept at most until its receiver's deadline)
+MAX_LANDED = 4096
 
 
 def pack_i64(values: Any) -> bytes:
@@ -76,6 +80,33 @@ def unpack_i64(data: bytes, what: str) -> I64:
     if len(data) % 8:
         raise InvalidArgument(f"{what}: {len(data)} bytes is not a whole number of int64")
     return np.frombuffer(data, dtype="<i8").astype(np.int64)
+
+
+@dataclass(eq=False)
+class _Counted:
+    """A layer on its way whose notifications, once they are known to have
+    landed, are counted into the request's ``landed`` (what a later
+    ``kv_abandon`` tells the receiver to wait for)."""
+
+    send: LayerSend
+    layer: int
+    landed: dict[int, int]
+
+    @property
+    def pieces(self) -> int:
+        return self.send.pieces
+
+    @property
+    def imms(self) -> int:
+        return self.send.imms
+
+    def cancel(self, *, drain: bool = False) -> None:
+        self.send.cancel(drain=drain)
+
+    async def wait(self, *, drain: bool = False) -> int:
+        pieces = await self.send.wait(drain=drain)
+        self.landed[self.layer] = self.send.imms
+        return pieces
 
 
 @dataclass(eq=False)
@@ -119,6 +150,15 @@ class Pushes:
         self.write_timeout_s = write_timeout_s
         #: pushes under way, by (peer, pool, request): what ``abandon`` stops
         self._live: dict[tuple[str, str, int], dict[trio.CancelScope, trio.Event]] = {}
+        #: per (peer, pool, request), the layers whose notifications this
+        #: daemon knows landed (layer -> how many), and until when that is
+        #: worth keeping (the receiver's deadline for the request). A push's
+        #: completion here does not mean its receiver has counted them yet:
+        #: an abandon, on the control connection, can overtake them, so it
+        #: says what the receiver must count before it ends anything.
+        self._landed: collections.OrderedDict[tuple[str, str, int],
+                                              tuple[float, dict[int, int]]] = \
+            collections.OrderedDict()
 
     async def _ask(self, peer: str, kind: str, until: float,
                    **fields: Any) -> dict[str, Any]:
@@ -188,10 +228,11 @@ class Pushes:
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
             copied = self.writes.copies(desc)
+            landed = self._landing((peer, pool, request), deadline_ms)
             try:
                 with self.writes.accounted():
                     pieces, first = await self._post(s, src, desc, peer, slot, plan, until,
-                                                     pool, request, copied)
+                                                     pool, request, copied, landed)
             except (trio.Cancelled, P2PXferError):
                 # As for a failed write: the pool (or its owner's life) may be
                 # what went; the next push resolves it afresh.
@@ -206,22 +247,24 @@ class Pushes:
 
     async def _post(self, s: ClientSession, src: Pool, desc: RegionDescriptor, peer: str,
                     slot: int, plan: PushPlan, until: float, pool: str, request: int,
-                    copied: bool) -> tuple[list[int], float]:
+                    copied: bool, landed: dict[int, int]) -> tuple[list[int], float]:
         """The layers, by ``push_layers``: through the engine, or ``copied``
         (the pool is this daemon's: ``Writes.copies``). The
         receiver hears each layer's count (``kv_expect``) as ``push_layers``
         announces it; a layer whose notification is unknown is settled
-        (``_kv_settle``)."""
+        (``_kv_settle``). Each layer known landed is counted into ``landed``."""
         local = self.writes.local
         base = self._imm_slots().compose(slot, 0)
 
         async def copy(layer: int, sl: ScatterList) -> LayerSend:
-            return _LayerCopy(functools.partial(local.write, s, src.view, sl, desc.name, layer,
-                                                notify=True, slot=slot), len(sl))
+            return _Counted(_LayerCopy(functools.partial(local.write, s, src.view, sl,
+                                                         desc.name, layer, notify=True,
+                                                         slot=slot), len(sl)), layer, landed)
 
         async def send(layer: int, sl: ScatterList) -> LayerSend:
-            return await self.engine.submit(src.view, desc, sl, imm=layer_imm(base, layer),
-                                         notify=True, timeout=seconds_left(until))
+            return _Counted(await self.engine.submit(
+                src.view, desc, sl, imm=layer_imm(base, layer), notify=True,
+                timeout=seconds_left(until)), layer, landed)
 
         async def announce(first: int, sends: list[LayerSend]) -> None:
             await self._ask(peer, "kv_expect", until, slot=slot, first=first,
@@ -235,6 +278,7 @@ class Pushes:
                                                layer_imm(base, layer)),
                 src.view, desc, (plan.src[one], plan.dst[one], plan.length[one]), until,
                 unknown)
+            landed.setdefault(layer, 1)  # the one the receiver answered for
 
         return await push_layers(plan, copy if copied else send, announce=announce,
                                  settle=settle)
@@ -259,13 +303,26 @@ class Pushes:
         for _, done in pushes:
             await done.wait()
         until = deadline_after(self.write_timeout_s)  # after the pushes' drain
+        known = self._landed.pop((peer, pool, request), (0.0, {}))[1]
+        landed = pack_i64([x for item in sorted(known.items()) for x in item])
         if peer == self.node:
-            return self.kv.abandon(peer, pool, request, reason)
+            return self.kv.abandon(peer, pool, request, reason, landed)
         r = await self.peers.request(peer, "kv_abandoned", until=until, pool=pool,
-                                     request=request, reason=reason)
+                                     request=request, reason=reason, landed=landed)
         log.info("kv.push_abandoned", client=s.label, peer=peer, pool=pool, request=request,
                  ended=bool(r.get("ended")))
         return {"ended": bool(r.get("ended"))}
+
+    def _landing(self, key: tuple[str, str, int], deadline_ms: int) -> dict[int, int]:
+        """The request's record of landed layers, kept until its receiver's
+        deadline (at most ``MAX_LANDED`` requests: the oldest go first)."""
+        now = trio.current_time()
+        while self._landed and (len(self._landed) >= MAX_LANDED
+                                or next(iter(self._landed.values()))[0] < now):
+            self._landed.popitem(last=False)
+        _, landed = self._landed.pop(key, (0.0, {}))
+        self._landed[key] = (now + deadline_ms / 1000, landed)
+        return landed
 
     @contextlib.contextmanager
     def _tracked(self, peer: str) -> Iterator[None]:

@@ -111,7 +111,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "kv_arrived": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
                    "layer": (_INT, True)},
     "kv_abandoned": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
-                     "reason": (_STR, False)},
+                     "reason": (_STR, False), "landed": (_BIN, False)},
     # notification tickets (daemon -> daemon): a notify-mode write's one
     # notification made identifiable, and settled when its outcome is unknown
     "imm_tickets": {"id": (_INT, True), "region": (_STR, True), "n": (_INT, True)},
