@@ -635,17 +635,17 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
     return nruns;
 }
 
-/* Of a poll's nruns runs: the count of completions with context ctx (an
+/* Of the runs [from, nruns): the count of completions with context ctx (an
  * express write's own pieces), and the runs carrying remote CQ data (peers'
- * arrivals) moved to the front, their number in *kept. Runs of any other
- * context are dropped: writes given up earlier, as the shard drops them.
- * One call instead of five arrays turned into Python lists per poll. */
-int64_t p2p_poller_take(struct p2p_poller *p, int64_t nruns, uint64_t ctx,
-                        uint64_t data_flag, int64_t *kept)
+ * arrivals) moved down to follow the first `from` (kept before), the number
+ * kept in all in *kept. Runs of any other context are dropped: writes given
+ * up earlier, as the shard drops them. */
+static int64_t take_runs(struct p2p_poller *p, int64_t from, int64_t nruns, uint64_t ctx,
+                         uint64_t data_flag, int64_t *kept)
 {
-    int64_t got = 0, k = 0;
+    int64_t got = 0, k = from;
 
-    for (int64_t i = 0; i < nruns; i++) {
+    for (int64_t i = from; i < nruns; i++) {
         if (p->run_flags[i] & data_flag) {
             if (k != i) {
                 p->run_cq[k] = p->run_cq[i];
@@ -661,6 +661,67 @@ int64_t p2p_poller_take(struct p2p_poller *p, int64_t nruns, uint64_t ctx,
         }
     }
     *kept = k;
+    return got;
+}
+
+/* An express write (engine/_express.py), posting half: hold the CQs (the
+ * poller thread keeps off them until the caller lets go), give cursor c
+ * (its peer, memory and bell set with p2p_cursor_set for this plan) this
+ * write's pieces, immediate and context, and post them. Returns 1 if pieces
+ * are left (a full TX queue) or a post failed (c->err), else 0. With the
+ * polling half, what was five crossings into C and back is two. */
+int64_t p2p_express_post(struct p2p_poller *p, struct p2p_cursor *c, const int64_t *src_off,
+                         const int64_t *dst_off, const int64_t *len, int64_t n, uint64_t imm,
+                         int with_imm, uint64_t context)
+{
+    __atomic_store_n(&p->hold, 1, __ATOMIC_RELEASE);
+    c->src_off = src_off;
+    c->dst_off = dst_off;
+    c->len = len;
+    c->next = 0;
+    c->end = n;
+    c->imm = imm;
+    c->with_imm = with_imm;
+    c->context = context;
+    c->err = 0;
+    c->bytes_posted = 0;
+    return post_pass(c, 1) || c->err;
+}
+
+/* An express write, polling half (the CQs held): spin on them until `want`
+ * completions of `ctx` are read or budget_ns passed, yielding the CPU every
+ * P2P_YIELD_EVERY_NS (the target may share it). Peers' arrivals read on the
+ * way are kept at the front of the run table (*kept of them:
+ * take_runs), other contexts dropped. Returns the completions of ctx
+ * read. Where a read stops at an error entry (p->err_cq >= 0) nothing of
+ * that read is taken: *kept is then the runs in the table, all of them for
+ * the caller to absorb. Negative: a CQ read failed. */
+int64_t p2p_express_poll(struct p2p_poller *p, int64_t want, uint64_t ctx, int64_t budget_ns,
+                         uint64_t data_flag, int64_t *kept)
+{
+    int64_t got = 0, nkept = 0, t0 = p2p_now_ns(), yielded = t0;
+
+    p->err_cq = -1;
+    *kept = 0;
+    for (;;) {
+        int64_t nruns = drain_into(p, nkept, (int64_t)1 << 16), now;
+
+        if (nruns < 0)
+            return nruns;
+        if (p->err_cq >= 0) {
+            *kept = nruns;
+            return got;
+        }
+        got += take_runs(p, nkept, nruns, ctx, data_flag, &nkept);
+        now = p2p_now_ns();
+        if (got >= want || now - t0 >= budget_ns || nkept > p->max_runs - P2P_RUN_LOOKBACK)
+            break;
+        if (now - yielded >= P2P_YIELD_EVERY_NS) {
+            sched_yield();
+            yielded = now;
+        }
+    }
+    *kept = nkept;
     return got;
 }
 

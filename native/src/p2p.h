@@ -115,9 +115,12 @@ int64_t p2p_poller_progress(struct p2p_poller *p, int64_t max_entries, int64_t m
                             int64_t spin_ns, int64_t timeout_ns);
 
 int64_t p2p_now_ns(void);
-int64_t p2p_poller_take(struct p2p_poller *p, int64_t nruns, uint64_t ctx,
-                        uint64_t data_flag, int64_t *kept);
 int64_t p2p_post_once(struct p2p_cursor *cur, int ncur);
+int64_t p2p_express_post(struct p2p_poller *p, struct p2p_cursor *c, const int64_t *src_off,
+                         const int64_t *dst_off, const int64_t *len, int64_t n, uint64_t imm,
+                         int with_imm, uint64_t context);
+int64_t p2p_express_poll(struct p2p_poller *p, int64_t want, uint64_t ctx, int64_t budget_ns,
+                         uint64_t data_flag, int64_t *kept);
 void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t dest,
                     const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                     int64_t start, int64_t end, uint64_t src_base, void *src_desc,

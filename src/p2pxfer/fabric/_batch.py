@@ -217,28 +217,39 @@ class WriteBatch:
 
 class ExpressCursor:
     """The one cursor a shard's express writes (``engine/_express.py``) are
-    posted from: filled and posted in two C calls, no ``WriteBatch`` made.
-    Used by the trio thread only, one write at a time."""
+    posted from: aimed at a plan's peer and memory once (``aim``), then
+    posted with one C call per write, no ``WriteBatch`` made. Used by the
+    trio thread only, one write at a time."""
 
     def __init__(self) -> None:
         self._c = ffi.new("struct p2p_cursor[1]")
         self._keep: tuple[Any, ...] = ()
+        self._bell: Any = None
+        #: what the cursor is aimed at (``aim``'s caller's key), or None
+        self.aimed: Any = None
 
-    def post(self, ep: Any, dest: int, src_off: I64, dst_off: I64, length: I64,
-             src_base: int, src_desc: Any, dst_base: int, dst_key: int, imm: int | None,
-             context: int, bell: Any) -> bool:
-        """Post every piece from endpoint ``ep`` (``Rail.endpoint.handle``);
-        True if some are left (a full TX queue) or one failed to post
-        (``failed``). ``bell``: the peer's doorbell (``Rail.bell_of``), rung
-        after a piece that needs its progress."""
+    def aim(self, key: Any, ep: Any, dest: int, src_base: int, src_desc: Any, dst_base: int,
+            dst_key: int, bell: Any) -> None:
+        """Point the cursor at endpoint ``ep`` (``Rail.endpoint.handle``),
+        peer ``dest`` and the memory at both ends: what every write of one
+        plan shares. ``bell``: the peer's doorbell (``Rail.bell_of``), rung
+        after a piece that needs its progress. ``key`` is remembered as
+        ``aimed``."""
+        self._bell = bell  # the C cursor points at it until aimed elsewhere
+        lib.p2p_cursor_set(self._c, 0, ep, dest, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0,
+                           src_base, src_desc, dst_base, dst_key, 0, 0, 0, _NO_DC, bell)
+        self.aimed = key
+
+    def post(self, poller: Any, src_off: I64, dst_off: I64, length: I64, imm: int | None,
+             context: int) -> bool:
+        """Hold ``poller``'s CQs (``Poller.handle``; the caller lets go) and
+        post every piece where ``aim`` pointed; True if some are left (a full
+        TX queue) or one failed to post (``failed``)."""
         ptrs = (ffi.from_buffer("int64_t[]", src_off), ffi.from_buffer("int64_t[]", dst_off),
                 ffi.from_buffer("int64_t[]", length))
-        self._keep = (*ptrs, bell)  # the C cursor points at them until the next write
-        c = self._c
-        lib.p2p_cursor_set(c, 0, ep, dest, *ptrs, 0, len(length),
-                           src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
-                           context, _NO_DC, bell)
-        return bool(lib.p2p_post_once(c, 1)) or bool(c[0].err)
+        self._keep = ptrs  # the C cursor points at them until the next write
+        return bool(lib.p2p_express_post(poller, self._c, *ptrs, len(length), imm or 0,
+                                         imm is not None, context))
 
     def hand_to(self, batch: WriteBatch) -> None:
         """Carry how far posting got into ``batch``'s cursor 0, which covers

@@ -446,15 +446,6 @@ class Poller:
         return self._completions(lib.p2p_poller_progress(self._p, max_entries, min_entries,
                                                          spin_ns, timeout_ns))
 
-    def poll(self, spin_ns: int, min_entries: int) -> int:
-        """``progress(spin_ns=..., min_entries=...)`` that builds nothing: how
-        many runs it found, read with ``runs``; where ``failed``, read them
-        with ``completions`` instead (it fetches the error entry)."""
-        n = lib.p2p_poller_progress(self._p, 1 << 16, min_entries, spin_ns, 0)
-        if n < 0:
-            raise_fabric_error("fi_cq_read", n, "poller")
-        return int(n)
-
     @property
     def failed(self) -> bool:
         """The last poll stopped at an error entry."""
@@ -466,19 +457,27 @@ class Poller:
                         self._flags[:n].tolist(), self._data[:n].tolist(),
                         self._count[:n].tolist(), strict=True))
 
-    def poll_for(self, spin_ns: int, min_entries: int, context: int
-                 ) -> tuple[int, list[tuple[int, int, int, int, int]], Completions | None]:
-        """``poll`` for one write's completions: how many of those read carry
-        ``context`` (its own pieces), the runs of peers' writes with
-        immediates (as ``runs``), and, where the poll stopped at an error
-        entry, everything it read as ``Completions`` (then nothing is
-        counted: the caller absorbs those). Runs of any other context are
-        dropped."""
-        n = self.poll(spin_ns, min_entries)
-        if self._p.err_cq >= 0:
-            return 0, [], self._completions(n)
-        got = lib.p2p_poller_take(self._p, n, context, FLAG_REMOTE_CQ_DATA, self._kept)
+    @property
+    def handle(self) -> Any:
+        """The C poller, for ``ExpressCursor.post`` (which holds its CQs)."""
+        return self._p
+
+    def express_poll(self, want: int, context: int, budget_ns: int
+                     ) -> tuple[int, list[tuple[int, int, int, int, int]], Completions | None]:
+        """Spin on the (held) CQs until ``want`` completions of ``context`` (an
+        express write's own pieces) are read or ``budget_ns`` passed: how
+        many were, the runs of peers' writes with immediates read meanwhile
+        (as ``runs``), and, where a read stopped at an error entry, every run
+        still in the table as ``Completions`` instead (that read's and the
+        arrivals before it: not counted, the caller absorbs them). Runs of
+        any other context are dropped."""
+        got = lib.p2p_express_poll(self._p, want, context, budget_ns, FLAG_REMOTE_CQ_DATA,
+                                   self._kept)
+        if got < 0:
+            raise_fabric_error("fi_cq_read", got, "poller")
         kept = self._kept[0]
+        if self._p.err_cq >= 0:
+            return got, [], self._completions(kept)
         return got, (self.runs(kept) if kept else []), None
 
     def completions(self, n: int) -> Completions:
