@@ -314,6 +314,24 @@ int64_t p2p_post_once(struct p2p_cursor *cur, int ncur)
     return post_pass(cur, ncur);
 }
 
+/* What a cursor posts: pieces [start, end) of the arrays, their immediate
+ * and completion context; err and bytes_posted start at 0. */
+static void set_pieces(struct p2p_cursor *c, const int64_t *src_off, const int64_t *dst_off,
+                       const int64_t *len, int64_t start, int64_t end, uint64_t imm,
+                       int with_imm, uint64_t context)
+{
+    c->src_off = src_off;
+    c->dst_off = dst_off;
+    c->len = len;
+    c->next = start;
+    c->end = end;
+    c->imm = imm;
+    c->with_imm = with_imm;
+    c->context = context;
+    c->err = 0;
+    c->bytes_posted = 0;
+}
+
 /* Fill cursor i in one call (a Python attribute store per field cost a
  * small write microseconds); err and bytes_posted start at 0. */
 void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t dest,
@@ -325,22 +343,13 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
     struct p2p_cursor *c = &cur[i];
     c->ep = ep;
     c->dest = dest;
-    c->src_off = src_off;
-    c->dst_off = dst_off;
-    c->len = len;
-    c->next = start;
-    c->end = end;
     c->src_base = src_base;
     c->src_desc = src_desc;
     c->dst_base = dst_base;
     c->dst_key = dst_key;
-    c->imm = imm;
-    c->with_imm = with_imm;
-    c->context = context;
-    c->err = 0;
-    c->bytes_posted = 0;
     c->dc_from = dc_from;
     c->bell = bell;
+    set_pieces(c, src_off, dst_off, len, start, end, imm, with_imm, context);
 }
 
 /* Post every cursor's pieces, draining the CQs into the run table whenever a
@@ -675,16 +684,7 @@ int64_t p2p_express_post(struct p2p_poller *p, struct p2p_cursor *c, const int64
                          int with_imm, uint64_t context)
 {
     __atomic_store_n(&p->hold, 1, __ATOMIC_RELEASE);
-    c->src_off = src_off;
-    c->dst_off = dst_off;
-    c->len = len;
-    c->next = 0;
-    c->end = n;
-    c->imm = imm;
-    c->with_imm = with_imm;
-    c->context = context;
-    c->err = 0;
-    c->bytes_posted = 0;
+    set_pieces(c, src_off, dst_off, len, 0, n, imm, with_imm, context);
     return post_pass(c, 1) || c->err;
 }
 
