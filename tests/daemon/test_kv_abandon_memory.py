@@ -116,3 +116,17 @@ async def test_an_abandon_that_overtook_landed_notifications_ends_nothing_they_c
         with pytest.raises(InvalidArgument, match=why):
             kv.abandon("node-a", "kv", 4, "bad", bad)
     assert kv.arrived("node-a", "kv", 4, 0) == {"arrived": 0, "expected": 1}
+
+
+async def test_kv_begin_says_whether_a_request_number_starts_afresh(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """``kv_begin``'s ``first``: no layer of the request was pushed before.
+    A sender starts its record of landed layers (``kv_abandoned``'s
+    ``landed``) afresh on it, so a number used again after its receiver
+    forgot it cannot carry the old request's layers into an abandon."""
+    imms = ImmTable(_Routes())  # type: ignore[arg-type]
+    kv, owner = receiver(imms)
+    assert kv.begin("node-a", "kv", 3, pack_i64([0, 1]), 60_000)["first"] is True
+    assert kv.begin("node-a", "kv", 3, pack_i64([2]), 60_000)["first"] is False
+    await kv.forget(owner, "kv", 3)  # type: ignore[arg-type]
+    assert kv.begin("node-a", "kv", 3, pack_i64([0]), 60_000)["first"] is True

@@ -214,6 +214,7 @@ class KV:
         if recv.claimed[lays].any():
             raise InvalidArgument(f"request {request}: layers "
                                   f"{lays[recv.claimed[lays]].tolist()[:8]} are pushed already")
+        first = not recv.claimed.any()
         holder: list[int] = []
         slot = self._imm_slots().allocate(
             lambda layer, count: self._arrival(recv, holder[0], layer, count))
@@ -226,7 +227,7 @@ class KV:
         self._slots[slot] = (recv, lays, [len(lays)])
         log.debug("kv.begin", pool=pool, request=request, sender=sender, slot=slot,
                   layers=len(lays))
-        return {"slot": slot}
+        return {"slot": slot, "first": first}
 
     def expect(self, sender: str, slot: int, pieces: bytes, first: int = 0
                ) -> dict[str, Any]:

@@ -228,7 +228,10 @@ class Pushes:
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
             copied = self.writes.copies(desc)
-            landed = self._landing((peer, pool, request), deadline_ms)
+            # Into this daemon's own pool nothing can overtake anything (the
+            # copy counts its notifications as it goes): nothing to record.
+            landed = {} if copied else self._landing(
+                (peer, pool, request), deadline_ms, fresh=begun.get("first") is True)
             try:
                 with self.writes.accounted():
                     pieces, first = await self._post(s, src, desc, peer, slot, plan, until,
@@ -257,9 +260,8 @@ class Pushes:
         base = self._imm_slots().compose(slot, 0)
 
         async def copy(layer: int, sl: ScatterList) -> LayerSend:
-            return _Counted(_LayerCopy(functools.partial(local.write, s, src.view, sl,
-                                                         desc.name, layer, notify=True,
-                                                         slot=slot), len(sl)), layer, landed)
+            return _LayerCopy(functools.partial(local.write, s, src.view, sl, desc.name, layer,
+                                                notify=True, slot=slot), len(sl))
 
         async def send(layer: int, sl: ScatterList) -> LayerSend:
             return _Counted(await self.engine.submit(
@@ -303,24 +305,30 @@ class Pushes:
         for _, done in pushes:
             await done.wait()
         until = deadline_after(self.write_timeout_s)  # after the pushes' drain
-        known = self._landed.pop((peer, pool, request), (0.0, {}))[1]
-        landed = pack_i64([x for item in sorted(known.items()) for x in item])
         if peer == self.node:
-            return self.kv.abandon(peer, pool, request, reason, landed)
+            return self.kv.abandon(peer, pool, request, reason)
+        known = self._landed.get((peer, pool, request), (0.0, {}))[1]
+        landed = pack_i64([x for item in sorted(known.items()) for x in item])
         r = await self.peers.request(peer, "kv_abandoned", until=until, pool=pool,
                                      request=request, reason=reason, landed=landed)
+        self._landed.pop((peer, pool, request), None)  # kept for a retry until it is heard
         log.info("kv.push_abandoned", client=s.label, peer=peer, pool=pool, request=request,
                  ended=bool(r.get("ended")))
         return {"ended": bool(r.get("ended"))}
 
-    def _landing(self, key: tuple[str, str, int], deadline_ms: int) -> dict[int, int]:
+    def _landing(self, key: tuple[str, str, int], deadline_ms: int, *,
+                 fresh: bool) -> dict[int, int]:
         """The request's record of landed layers, kept until its receiver's
-        deadline (at most ``MAX_LANDED`` requests: the oldest go first)."""
+        deadline (at most ``MAX_LANDED`` requests: the oldest go first).
+        ``fresh``: the receiver had no layer of it pushed yet (``kv_begin``'s
+        ``first``): a request number used again starts a new record."""
         now = trio.current_time()
         while self._landed and (len(self._landed) >= MAX_LANDED
                                 or next(iter(self._landed.values()))[0] < now):
             self._landed.popitem(last=False)
         _, landed = self._landed.pop(key, (0.0, {}))
+        if fresh:
+            landed = {}
         self._landed[key] = (now + deadline_ms / 1000, landed)
         return landed
 
