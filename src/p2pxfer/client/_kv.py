@@ -289,6 +289,8 @@ async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
         pool_memory(layout, device, memory, client._mems)
     stage = None
     try:
+        if memory is None:  # the pool is used whole: its pages are ours, mapped by the daemon
+            await anyio.to_thread.run_sync(mem.buffer.commit)
         stage = pool_stage(layout, device, mem)
         fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
         if stage is not None:  # a daemon that predates the field still takes host pools

@@ -149,6 +149,8 @@ class SyncClient:
             pool_memory(layout, device, memory, self._mems)
         stage = None
         try:
+            if memory is None:  # as Client.kv_pool: allocated here, mapped whole there
+                mem.buffer.commit()
             stage = pool_stage(layout, device, mem)
             fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
             if stage is not None:  # a daemon that predates the field still takes host pools

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2pxfer.errors import Forbidden, InvalidArgument, UnknownRegion
+from p2pxfer.log import get_logger
 from p2pxfer.protocol import (
     CLIENT_REQUESTS,
     Message,
@@ -26,11 +27,14 @@ from p2pxfer.protocol import (
 from p2pxfer.scatter import ScatterList
 
 from ._follow import WATCH_TIMEOUT_MAX_S
+from ._shared import populate
 
 if TYPE_CHECKING:
     from ._sessions import ClientSession
 
 __all__ = ["HANDLERS"]
+
+log = get_logger("p2pxfer.daemon")
 
 Handler = Callable[["ClientSession", Message], Awaitable[dict[str, Any]]]
 
@@ -119,9 +123,24 @@ async def _watch(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
     await s.name_freed(msg["name"])
-    return s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
-                                msg.get("receive", True), msg.get("writers"),
-                                msg.get("memory", "host"))
+    result = s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
+                                  msg.get("receive", True), msg.get("writers"),
+                                  msg.get("memory", "host"))
+    # A pool is registered once and pushed from (or into) for its life: its
+    # pages are mapped here now (pushes read its mapping; the export's own,
+    # a receiving pool's, is where peers' writes land), not one fault at a
+    # time on the pushes.
+    views = [s.kv_pools[msg["name"]].view]
+    export = s.daemon.exports.get(msg["name"]) if msg.get("receive", True) else None
+    if export is not None:
+        views.append(export.own.view)
+    for view in views:
+        err = await trio.to_thread.run_sync(populate, view, abandon_on_cancel=True)
+        if err:
+            log.info("kv.pool_not_populated", client=s.label, pool=msg["name"],
+                     error=os.strerror(err))
+            break
+    return result
 
 
 async def _kv_push(s: ClientSession, msg: Message) -> dict[str, Any]:
