@@ -182,8 +182,10 @@ class LayerArrivals:
             self.error = error
         self.wake()
 
-    def complete(self) -> npt.NDArray[np.bool_]:
-        return (self.expected >= 0) & (self.arrived >= self.expected)
+    def complete(self, arrived: I64 | None = None) -> npt.NDArray[np.bool_]:
+        """The layers complete (with ``arrived`` instead of what arrived)."""
+        got = self.arrived if arrived is None else arrived
+        return (self.expected >= 0) & (got >= self.expected)
 
     def prefix(self, first: int) -> int:
         """The first layer from ``first`` on that is not complete."""

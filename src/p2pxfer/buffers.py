@@ -3,7 +3,8 @@ engine need, and nothing that touches the fabric.
 
 What lives here: turning buffer-protocol objects (bytearray, numpy arrays,
 mmap, memfd-backed shared memory) into address ranges (``buffer_span``),
-memfd-backed ``SharedBuffer``, finding the NUMA node of a page, and the
+memfd-backed ``SharedBuffer``, faulting pages in ahead of use
+(``populate_write``, ``populate_resident``), finding the NUMA node of a page, and the
 ``RegionDescriptor`` a peer needs to write into a region (it round-trips
 through msgpack). What must not: registration with a rail (``p2pxfer.memory``)
 or anything else that loads libfabric. No shared mutable state.
@@ -132,6 +133,28 @@ def populate_write(address: int, nbytes: int) -> int:
                        _MADV_POPULATE_WRITE) == 0:
         return 0
     return ctypes.get_errno()
+
+
+def populate_resident(obj: Any) -> int:
+    """``populate_write`` over the pages of ``obj`` (a mapping of shared
+    memory) that exist already (``mincore``), leaving holes alone: mapped
+    here, pages another process allocated cost this one no fault on first
+    touch, and none is allocated (charged) here. 0, or the errno."""
+    span = buffer_span(obj)
+    page = mmap.PAGESIZE
+    start = span.address - span.address % page
+    npages = -(-(span.address + span.nbytes - start) // page)
+    resident = np.zeros(npages, np.uint8)
+    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(npages * page),
+                       ctypes.c_void_p(resident.ctypes.data)) != 0:
+        return ctypes.get_errno()
+    # Runs of resident pages: [begin, end) in pages.
+    edges = np.diff(np.concatenate(([0], resident & 1, [0])).astype(np.int8))
+    for begin, end in zip(np.flatnonzero(edges == 1).tolist(),
+                          np.flatnonzero(edges == -1).tolist(), strict=True):
+        if err := populate_write(start + begin * page, (end - begin) * page):
+            return err
+    return 0
 
 
 # move_pages(2) by syscall number: glibc has no wrapper (libnuma does, but is

@@ -26,13 +26,13 @@ class _Exports:
 
 
 class _Routes:
-    """What ``ImmTable`` asks of the engine: its immediates' width (arrivals
-    come through ``ImmTable.deliver`` here, not from a CQ)."""
+    """What ``ImmTable`` asks of the engine: its immediates' width."""
 
     imm_bits = 64
 
     def route_imms(self, *_: Any) -> None:
-        pass
+        """Nothing to route: arrivals come through ``ImmTable.deliver`` here,
+        not from a CQ."""
 
 
 def receiver(imms: ImmTable | None = None) -> tuple[KV, object]:

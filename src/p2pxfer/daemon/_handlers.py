@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from p2pxfer.buffers import populate_resident
 from p2pxfer.errors import Forbidden, InvalidArgument, UnknownRegion
 from p2pxfer.log import get_logger
 from p2pxfer.protocol import (
@@ -27,7 +28,6 @@ from p2pxfer.protocol import (
 from p2pxfer.scatter import ScatterList
 
 from ._follow import WATCH_TIMEOUT_MAX_S
-from ._shared import populate
 
 if TYPE_CHECKING:
     from ._sessions import ClientSession
@@ -126,16 +126,16 @@ async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
     result = s.daemon.kv.add_pool(s, msg["name"], msg["mem"], msg["layout"],
                                   msg.get("receive", True), msg.get("writers"),
                                   msg.get("memory", "host"))
-    # A pool is registered once and pushed from (or into) for its life: its
-    # pages are mapped here now (pushes read its mapping; the export's own,
-    # a receiving pool's, is where peers' writes land), not one fault at a
-    # time on the pushes.
+    # A pool is registered once and pushed from (or into) for its life: the
+    # pages its client has are mapped here now (pushes read its mapping; the
+    # export's own, a receiving pool's, is where peers' writes land), in a
+    # worker thread, not one fault at a time on the pushes.
     views = [s.kv_pools[msg["name"]].view]
     export = s.daemon.exports.get(msg["name"]) if msg.get("receive", True) else None
     if export is not None:
         views.append(export.own.view)
     for view in views:
-        err = await trio.to_thread.run_sync(populate, view, abandon_on_cancel=True)
+        err = await trio.to_thread.run_sync(populate_resident, view, abandon_on_cancel=True)
         if err:
             log.info("kv.pool_not_populated", client=s.label, pool=msg["name"],
                      error=os.strerror(err))

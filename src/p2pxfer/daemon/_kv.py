@@ -298,7 +298,7 @@ class KV:
         elif len(layers := owed[0]):
             arrived = recv.arrived.copy()
             np.maximum.at(arrived, layers, owed[1])
-            if ((recv.expected >= 0) & (arrived >= recv.expected)).all():
+            if recv.complete(arrived).all():
                 return {"ended": False}  # what is still on its way completes it
         log.warning("kv.abandoned", pool=pool, request=request, sender=sender,
                     reason=reason[:MAX_REASON])

@@ -10,50 +10,15 @@ engine's) or sessions.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import mmap
 import os
 
-import numpy as np
-
-from p2pxfer.buffers import buffer_span, populate_write
 from p2pxfer.errors import InvalidArgument, ScatterError
 
 from ._retire import retire
 
-__all__ = ["ExportMap", "SharedMap", "populate", "seal_shared"]
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.restype = ctypes.c_int
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
-def populate(view: memoryview) -> int:
-    """Map into this process now every page of ``view`` (client memory
-    mapped here) that its client has (written or allocated): 0, or the
-    errno where the kernel would not (older than 5.14: ``EINVAL``). A page
-    the daemon maps only when a write first reads or fills it costs a page
-    fault then, on the write's path: a push from a KV pool new to the
-    daemon took twice as long. Pages the client has not allocated stay
-    holes: allocated here they would be charged to the daemon, not to the
-    client that uses them. Blocks (a GiB: a fraction of a second) and
-    releases the GIL: run it in a worker thread."""
-    span = buffer_span(view)
-    page = mmap.PAGESIZE
-    start = span.address - span.address % page
-    npages = -(-(span.address + span.nbytes - start) // page)
-    resident = np.zeros(npages, np.uint8)
-    if _libc.mincore(start, npages * page, resident.ctypes.data) != 0:
-        return ctypes.get_errno()
-    # Runs of resident pages: [begin, end) in pages.
-    edges = np.diff(np.concatenate(([0], resident & 1, [0])).astype(np.int8))
-    for begin, end in zip(np.flatnonzero(edges == 1).tolist(),
-                          np.flatnonzero(edges == -1).tolist(), strict=True):
-        if err := populate_write(start + begin * page, (end - begin) * page):
-            return err
-    return 0
-
+__all__ = ["ExportMap", "SharedMap", "seal_shared"]
 
 def seal_shared(fd: int) -> None:
     """Make sure the client can never shrink the file under our mapping (a

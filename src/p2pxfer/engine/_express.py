@@ -6,7 +6,8 @@ destination has, while nothing else is in flight or queued on its shard,
 needs none of what ordering, back-pressure, failover and the hand-off to the
 poller thread exist for. It is posted from the shard's ``ExpressCursor``,
 and the trio thread spins on the CQs (``Poller.express_poll``; the poller
-thread is held off them) until its completions are in; then it is counted and done.
+thread is held off them) until its completions are in; then it is counted
+and done.
 Making the ``PreparedWrite``, ``WriteBatch``, ``TransferState`` and
 ``Transfer`` of a regular write, and taking them apart again, was most of a
 small write's cost here (Python on these VMs: ~1 us per dozen lines); so is
@@ -65,8 +66,8 @@ class _Plan:
     Holds the array and its registration weakly: a plan must never keep a
     buffer alive."""
 
-    __slots__ = ("aimed_at", "base", "bell", "dest", "dst", "ep", "epoch", "region", "segment",
-                 "size", "src", "target", "touch")
+    __slots__ = ("base", "bell", "dest", "dst", "ep", "epoch", "region", "segment", "size",
+                 "src", "target", "touch")
 
     def __init__(self, src: weakref.ref[Any] | None, dst: RegionDescriptor,
                  region: LocalRegion, base: int, size: int, target: Target,
@@ -80,7 +81,6 @@ class _Plan:
         self.dest = 0
         self.bell: Any = None
         self.segment = ""
-        self.aimed_at = -1  # the dest the express cursor was aimed at for this plan
 
 
 class Express:
@@ -142,7 +142,6 @@ class Express:
             plan.bell = rail.bell_of(t.address)
             plan.segment = shm_segment(t.address) if av.is_shm else ""
             plan.dest, plan.epoch = dest, epoch
-            plan.aimed_at = -1  # its bell may be another: aim the cursor anew
         elif plan.segment:
             try:
                 os.stat(plan.segment)
@@ -173,9 +172,8 @@ class Express:
         t = plan.target
         tid = s.new_tid()
         start = time.perf_counter_ns()
-        received: list[tuple[int, int]] = []
-        imms: list[tuple[int, int]] = []
         got, failed = 0, None  # failed: the poll that met an error entry
+        arrivals: list[tuple[int, int, int, int, int]] = []
         cursor = self._cursor
         try:
             with s._lock:
@@ -183,10 +181,10 @@ class Express:
                 # Under the lock: a peer address the poller thread removes
                 # (``abort``) must never be posted to.
                 dest = self._peer(plan)
-                if cursor.aimed is not plan or plan.aimed_at != dest:
-                    cursor.aim(plan, plan.ep, dest, plan.base, t.src_desc, t.dst_base,
+                aim = (plan, dest, plan.bell)  # a new peer address or doorbell: aim anew
+                if cursor.aimed != aim:
+                    cursor.aim(aim, plan.ep, dest, plan.base, t.src_desc, t.dst_base,
                                t.dst_key, plan.bell)
-                    plan.aimed_at = dest
                 # Holds the CQs first: the poller thread keeps off them.
                 left = cursor.post(s._poller.handle, scatter.src, scatter.dst, scatter.length,
                                    imm, tid)
@@ -194,9 +192,8 @@ class Express:
                 with s._cq_guard:
                     got, arrivals, failed = s._inline_poller.express_poll(
                         n, tid, budget_of(scatter.nbytes))
-                for rail, _ctx, _flags, data, cnt in arrivals:
-                    received.append((rail, cnt))
-                    imms.append((data, cnt))
+            received = [(rail, cnt) for rail, _ctx, _flags, _data, cnt in arrivals]
+            imms = [(data, cnt) for _rail, _ctx, _flags, data, cnt in arrivals]
             if got >= n:
                 now = time.monotonic()
                 with s._lock:

@@ -446,13 +446,8 @@ class Poller:
         return self._completions(lib.p2p_poller_progress(self._p, max_entries, min_entries,
                                                          spin_ns, timeout_ns))
 
-    @property
-    def failed(self) -> bool:
-        """The last poll stopped at an error entry."""
-        return bool(self._p.err_cq >= 0)
-
     def runs(self, n: int) -> list[tuple[int, int, int, int, int]]:
-        """The last poll's ``n`` runs: (rail, context, flags, data, count)."""
+        """The first ``n`` runs of the table: (rail, context, flags, data, count)."""
         return list(zip(self._rail[:n].tolist(), self._ctx[:n].tolist(),
                         self._flags[:n].tolist(), self._data[:n].tolist(),
                         self._count[:n].tolist(), strict=True))
