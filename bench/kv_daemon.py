@@ -12,7 +12,8 @@ call, into a busy-polling C target in its own process). ``--push-blocks N``
 pushes N random blocks of the pool each time (the shape a serving engine
 sends: 64 blocks of 16 KiB x 32 layers) instead of all of them.
 
-Reported: seconds per push (client-observed, median) and the ratio; time to
+Reported: seconds per push (client-observed, median) and the ratio, with
+what ``p2pxfer plan`` predicted for the push where a profile was saved; time to
 first layer (``kv_push`` call -> decode's ``wait_layers(request, 0)``
 returning); CPU of describing and posting a 112,000-piece request (32 layers
 x 3,500 blocks): the client's, plus the sending daemon's cost before the
@@ -54,6 +55,7 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
     from p2pxfer.kv import KVLayout, KVPool, KVPoolDescriptor, plan_push, push_pages
     from p2pxfer.kv_plan import expand_pages
     from p2pxfer.loopback import loopback_node
+    from p2pxfer.plan import find_profile, predict_kv
     from p2pxfer.scatter import ScatterList
     from p2pxfer.testing import free_port, start_daemon
 
@@ -77,7 +79,8 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
             # which shared memory does not, and the copy would not compare.
             local = KVPool(eng, "bench-local", lay, buffer=src.mem)
             target = KVPoolDescriptor(dst.descriptor, lay)  # type: ignore[arg-type]
-            daemon_s, engine_s, c_s, ttfl = [], [], [], []
+            daemon_s, engine_s, c_s, ttfl, plan_s = [], [], [], [], []
+            profile = find_profile(provider)
             n = args.push_blocks or lay.num_blocks
             with c_to_c(provider, src.array, lay.nbytes) as base:
                 for i in range(args.repeat + 1):  # the first of each warms up
@@ -104,6 +107,8 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
                     engine_s.append(time.perf_counter() - t0)
                     so, do, ln, _ = expand_pages(lay, lay, sb, db, range(lay.num_layers))
                     c_s.append(base.block([base.plan(ScatterList(so, do, ln))], 7, 60)[1][0])
+                    if profile is not None:
+                        plan_s.append(predict_kv(profile, lay, sb, db).seconds)
             nbytes = lay.num_layers * n * lay.block_bytes
             d, e = statistics.median(daemon_s[1:]), statistics.median(engine_s[1:])
             c = statistics.median(c_s[1:])
@@ -112,7 +117,9 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
                         "daemon_s": d, "engine_s": e, "c_s": c, "daemon_GBps": nbytes / d / 1e9,
                         "engine_GBps": nbytes / e / 1e9, "c_GBps": nbytes / c / 1e9,
                         "ratio_daemon_over_engine": e / d, "ratio_daemon_over_c": c / d,
-                        "ttfl_ms_median": statistics.median(ttfl[1:]) * 1e3})
+                        "ttfl_ms_median": statistics.median(ttfl[1:]) * 1e3,
+                        # ``p2pxfer plan``'s prediction of one push (None: no profile)
+                        "predicted_s": statistics.median(plan_s[1:]) if plan_s else None})
 
             # Describe + post of 112,000 pieces (32 layers x 3,500 blocks).
             small = KVLayout(32, 3500, 64)

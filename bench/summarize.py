@@ -88,11 +88,55 @@ def bench_rows(records: list[dict[str, Any]]) -> list[str]:
         if r.get("mooncake_p50_us") is not None:
             notes += f"; Mooncake p50 {r['mooncake_p50_us']:.0f} us per round"
         if r.get("predicted_us") is not None:
-            notes += f"; plan {r['predicted_us']:.0f} us"
+            notes += "; " + _plan_note(r["predicted_us"] / 1e6, r["p50_us"] / 1e6)
         out.append(_row(r["provider"], f"{r['mode']}: {shape(r)}", _gb(r["gbps"]), ref, ratio,
                         _gb(r.get("mooncake_gbps")), _cpu(r), notes,
                         _gb(r.get("nixl_gbps"))))
     return out
+
+
+def _plan_note(predicted_s: float, measured_s: float) -> str:
+    return f"plan {_duration(predicted_s)} ({100 * (predicted_s / measured_s - 1):+.0f}%)"
+
+
+def _duration(s: float) -> str:
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1e3:.1f} ms"
+
+
+#: how close ``p2pxfer plan`` must come to a measurement (issue 26's goal)
+PLAN_TOLERANCE = 0.25
+
+
+def plan_cases(paths: list[str]) -> list[tuple[str, float, float]]:
+    """Every measurement with ``p2pxfer plan``'s prediction beside it:
+    (what, predicted seconds, measured seconds)."""
+    out = []
+    for path in paths:
+        doc = load(path)
+        if isinstance(doc, list):
+            out += [(f"{r['provider']} {r['mode']}: {shape(r)}", r["predicted_us"] / 1e6,
+                     r["p50_us"] / 1e6) for r in doc if r.get("predicted_us") is not None]
+            continue
+        for r in doc["results"]:
+            name = f"{r.get('provider', '')} {doc['benchmark']}: {r['pattern']}"
+            if r.get("predicted_seconds") is not None:
+                out.append((name, r["predicted_seconds"], r["seconds"]))
+            if r.get("predicted_s") is not None:
+                out.append((f"{name} (in-process engine)", r["predicted_s"], r["engine_s"]))
+    return out
+
+
+def plan_accuracy(paths: list[str]) -> list[str]:
+    """One paragraph: how close the plan came, case by case, in this run."""
+    cases = plan_cases(paths)
+    if not cases:
+        return []
+    errs = sorted(((p / m - 1, what) for what, p, m in cases), key=lambda e: -abs(e[0]))
+    within = sum(abs(e) <= PLAN_TOLERANCE for e, _ in errs)
+    worst = "; ".join(f"{what} {100 * e:+.0f}%" for e, what in errs[:3])
+    return ["", f"`p2pxfer plan` against each measurement, from profiles calibrated at the "
+            f"start of the same run: within {PLAN_TOLERANCE:.0%} on {within} of {len(errs)} "
+            f"cases; furthest: {worst}."]
 
 
 def scenario_rows(doc: dict[str, Any]) -> list[str]:
@@ -119,11 +163,16 @@ def scenario_rows(doc: dict[str, Any]) -> list[str]:
                             f"**{r['ratio_daemon_over_c']:.2f}**", "-", "-",
                             f"in-process engine {_gb(r['engine_GBps'])} (daemons / engine "
                             f"**{r['ratio_daemon_over_engine']:.2f}**); first layer after "
-                            f"{r['ttfl_ms_median']:.1f} ms"))
+                            f"{r['ttfl_ms_median']:.1f} ms" + (
+                                "" if r.get("predicted_s") is None else
+                                "; " + _plan_note(r["predicted_s"], r["engine_s"])
+                                + " of the engine's push")))
         elif "gbps" in r:  # kv push
             out.append(_row(p, name, _gb(r["gbps"]), _gb(r["baseline_gbps"]),
                             f"**{r['gbps'] / r['baseline_gbps']:.2f}**", "-", _cpu(r),
-                            f"first layer after {r['time_to_first_layer_ms']:.1f} ms"))
+                            f"first layer after {r['time_to_first_layer_ms']:.1f} ms" + (
+                                "" if r.get("predicted_seconds") is None else
+                                "; " + _plan_note(r["predicted_seconds"], r["seconds"]))))
         elif "client" in r:  # control round trip, against a raw socket to the daemon
             rounds = r["round_p50_us"]
             out.append(_row(p, name, f"{r['p50_us']:.0f} us p50",
@@ -325,7 +374,7 @@ INTRO = ("Every number stands next to a C reference measured in the same run ove
 def summary(paths: list[str], command: str) -> list[str]:
     return ["# p2pxfer benchmark summary", "", f"Machine: {machine()}.", "",
             f"Reproduce: `{command}` (every benchmark once, one after another). {INTRO}", "",
-            *table(paths), *sweeps(paths, "##")]
+            *table(paths), *plan_accuracy(paths), *sweeps(paths, "##")]
 
 
 def rewrite_readme(readme: Path, paths: list[str], command: str) -> None:
@@ -335,7 +384,7 @@ def rewrite_readme(readme: Path, paths: list[str], command: str) -> None:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     body = [f"Measured with `{command}` on {machine()}. {INTRO}", "", *table(paths),
-            *sweeps(paths, "###", readme.parent)]
+            *plan_accuracy(paths), *sweeps(paths, "###", readme.parent)]
     readme.write_text(head + BEGIN + "\n" + "\n".join(body) + "\n" + END + tail)
 
 

@@ -1,22 +1,31 @@
-"""How long will a write or a KV push take? A cost model, fitted on this
+"""How long will a write or a KV push take? A cost model, measured on this
 machine, asked before the transfer.
 
-A *profile* (``Profile``) holds, per provider and NICs, three costs measured
-by ``p2pxfer bench --calibrate`` (``p2pxfer.bench.calibrate``) and fitted by
-least squares in relative error over a handful of shapes (one piece of 4 KiB
-to 32 MiB, thousands of 4-64 KiB random pages):
+A *profile* (``Profile``) holds, per provider and NICs, two cost curves over
+the size of a piece, measured by ``p2pxfer bench --calibrate``
+(``p2pxfer.bench.calibrate``):
 
-    seconds = latency + pieces_per_rail * per_piece + bytes_per_rail * per_byte
+- ``single``: how long a transfer of one lone piece of that size takes (the
+  fixed cost of a transfer, its round trip, and that piece's bytes unhidden);
+- ``stream``: what each further piece of that size adds to a transfer of
+  many, pieces in flight together (the provider's per-message work and the
+  bytes at the rate a stream of such pieces moves).
 
-``latency`` is what one transfer costs whatever its size (posting, the
-completion's round trip, waking the caller); ``per_piece`` what each piece
-adds (descriptors, the provider's per-message work); ``per_byte`` the
-inverse of one rail's bandwidth. ``predict`` applies it to a scatter list
-(pieces as posted: the engine cuts pieces larger than a rail's share and
-stripes them over the rails by bytes) or a KV push (``predict_kv``: pieces
-after the same coalescing as the push, one transfer per layer, layers
-pipelined, so the fixed cost is paid once), and names what bounds it: the
-largest of the three terms.
+A transfer of pieces ``s_1 >= s_2 >= ...`` over ``rails`` rails is predicted as
+
+    seconds = single(s_1) + (stream(s_2) + stream(s_3) + ...) / rails
+
+Between measured sizes a curve is linear in the size (a cost per message
+plus a cost per byte within one protocol regime); past the largest it goes
+on at the last segment's cost per byte. Curves rather than three constants,
+because the providers' costs are not one line: ``ofi_rxm`` changes protocol
+at its eager limit, and a lone large piece moves slower than a stream of
+them. ``predict`` applies the model to a scatter list (pieces as posted: the
+engine cuts pieces larger than a rail's share and stripes them over the
+rails by bytes) or a KV push (``predict_kv``: pieces after the push's own
+coalescing, one transfer per layer submitted back to back, so the fixed cost
+is paid once), and names what bounds it: the largest of its terms (the
+fixed cost, the cost of the pieces as messages, the bytes at the peak rate).
 
 No fabric here, no I/O but the profile file. What must not live here:
 measuring (``p2pxfer.bench``), the push's planning itself (``kv_plan``).
@@ -39,11 +48,15 @@ from p2pxfer.errors import InvalidArgument, P2PXferError
 from p2pxfer.kv_plan import KVLayout, plan_push
 from p2pxfer.scatter import ScatterList
 
-__all__ = ["PROFILE_VERSION", "Point", "Prediction", "Profile", "ProfileMissing", "fit",
-           "load_profile", "predict", "predict_kv", "profile_path", "save_profile"]
+__all__ = ["PROFILE_VERSION", "Point", "Prediction", "Profile", "ProfileMissing", "find_profile",
+           "fit", "load_profile", "predict", "predict_kv", "profile_path", "save_profile"]
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 BOUNDS = ("latency", "pieces", "bandwidth")
+#: a knot's cost is never taken below this (a curve of zeros predicts nothing)
+MIN_COST_S = 1e-9
+
+Knots = tuple[tuple[int, float], ...]
 
 
 class ProfileMissing(P2PXferError):
@@ -54,8 +67,8 @@ class ProfileMissing(P2PXferError):
 
 @dataclass(frozen=True)
 class Point:
-    """One calibration measurement: a transfer of ``pieces`` pieces and
-    ``nbytes`` bytes over ``rails`` rails took ``seconds`` (median)."""
+    """One calibration measurement: a transfer of ``pieces`` pieces of equal
+    size, ``nbytes`` in all, over ``rails`` rails took ``seconds`` (median)."""
 
     pieces: int
     nbytes: int
@@ -63,15 +76,54 @@ class Point:
     rails: int = 1
     label: str = ""
 
+    @property
+    def piece_size(self) -> int:
+        return max(1, self.nbytes // max(1, self.pieces))
+
+
+def _curve(knots: Knots, sizes: np.ndarray) -> np.ndarray:
+    """The cost of pieces of ``sizes`` on a curve of (size, seconds) knots:
+    linear between knots, flat below the first, on at the last segment's
+    cost per byte past the last."""
+    xs = np.array([k[0] for k in knots], dtype=np.float64)
+    ys = np.array([k[1] for k in knots], dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.float64)
+    out: np.ndarray = np.interp(sizes, xs, ys)
+    past = sizes > xs[-1]
+    out[past] = ys[-1] + (sizes[past] - xs[-1]) * _tail_slope(knots)
+    return out
+
+
+def _tail_slope(knots: Knots) -> float:
+    """A curve's cost per byte past its last knot: its last segment's slope,
+    or where that is flat (one knot, or two pooled equal) the last knot's
+    average cost per byte."""
+    (x1, y1), (x0, y0) = knots[-1], knots[-2] if len(knots) >= 2 else (0, 0.0)
+    slope = (y1 - y0) / (x1 - x0) if len(knots) >= 2 else 0.0
+    return slope if slope > 0 else y1 / x1
+
+
+def _check_knots(obj: Any, name: str) -> Knots:
+    knots = tuple((int(size), float(cost)) for size, cost in obj)
+    if not knots:
+        raise ValueError(f"{name} has no measurements")
+    sizes = [k[0] for k in knots]
+    if sizes != sorted(set(sizes)) or sizes[0] < 1:
+        raise ValueError(f"{name}'s sizes are not positive and increasing")
+    if not all(cost > 0 for _, cost in knots):
+        raise ValueError(f"{name} has a cost <= 0")
+    return knots
+
 
 @dataclass(frozen=True)
 class Profile:
-    """The fitted costs of one provider on this machine's NICs."""
+    """The measured costs of one provider on this machine's NICs: two curves
+    over piece size (see the module's docstring), each a tuple of
+    (bytes, seconds) knots in increasing size."""
 
     provider: str
-    latency_s: float
-    per_piece_s: float
-    per_byte_s: float
+    single: Knots
+    stream: Knots
     nics: tuple[str, ...] = ()
     host: str = field(default_factory=platform.node)
     created: float = field(default_factory=time.time)
@@ -80,14 +132,47 @@ class Profile:
     #: CPU seconds per GB of both ends, as the bench measured it (None: unknown)
     cpu_s_per_gb: float | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "single", _check_knots(self.single, "single"))
+        object.__setattr__(self, "stream", _check_knots(self.stream, "stream"))
+
+    @property
+    def latency_s(self) -> float:
+        """The fixed cost of a transfer: one lone piece of the smallest size measured."""
+        return self.single[0][1]
+
+    @property
+    def per_piece_s(self) -> float:
+        """What each further piece of the smallest size measured adds."""
+        return self.stream[0][1]
+
+    @property
+    def per_byte_s(self) -> float:
+        """The cost of a byte at the peak rate: the stream curve's slope past
+        its last knot (its inverse is one rail's bandwidth)."""
+        return _tail_slope(self.stream)
+
     @property
     def gbps(self) -> float:
         """One rail's bandwidth the model assumes (GB/s)."""
         return 1e-9 / self.per_byte_s if self.per_byte_s > 0 else float("inf")
 
-    def seconds(self, pieces: float, nbytes: float, rails: int = 1) -> float:
-        return self.latency_s + pieces / rails * self.per_piece_s \
-            + nbytes / rails * self.per_byte_s
+    def transfer_seconds(self, lengths: np.ndarray, rails: int = 1) -> float:
+        """A transfer of pieces of ``lengths`` bytes spread over ``rails``."""
+        if len(lengths) == 0:
+            return self.latency_s
+        lengths = np.asarray(lengths)
+        big = int(np.argmax(lengths))
+        stream = float(_curve(self.stream, lengths).sum()
+                       - _curve(self.stream, lengths[big:big + 1])[0])
+        return float(_curve(self.single, lengths[big:big + 1])[0]) + stream / rails
+
+    def seconds(self, pieces: int, nbytes: int, rails: int = 1) -> float:
+        """A transfer of ``pieces`` equal pieces, ``nbytes`` in all."""
+        size = max(1, nbytes // max(1, pieces))
+        lone = float(_curve(self.single, np.array([size]))[0])
+        each = float(_curve(self.stream, np.array([size]))[0])
+        return lone + max(0, pieces - 1) * each / rails
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -96,13 +181,11 @@ class Profile:
     def from_json(cls, obj: Any, where: str = "profile") -> Profile:
         try:
             if obj.get("version") != PROFILE_VERSION:
-                raise ValueError(f"version {obj.get('version')!r}, not {PROFILE_VERSION}")
-            lat, piece, byte = (float(obj[k]) for k in ("latency_s", "per_piece_s",
-                                                         "per_byte_s"))
-            if not min(lat, piece, byte) >= 0:
-                raise ValueError("a cost is negative")
-            return cls(str(obj["provider"]), lat, piece, byte, nics=tuple(obj.get("nics", ())),
-                       host=str(obj.get("host", "")), created=float(obj.get("created", 0)),
+                raise ValueError(f"version {obj.get('version')!r}, not {PROFILE_VERSION} "
+                                 f"(calibrate again)")
+            return cls(str(obj["provider"]), obj["single"], obj["stream"],
+                       nics=tuple(obj.get("nics", ())), host=str(obj.get("host", "")),
+                       created=float(obj.get("created", 0)),
                        points=tuple(obj.get("points", ())),
                        cpu_s_per_gb=obj.get("cpu_s_per_gb"))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
@@ -118,7 +201,7 @@ class Prediction:
     nbytes: int
     rails: int
     bound: str  # "latency", "pieces" or "bandwidth": the largest term
-    terms: dict[str, float]  # seconds of each term
+    terms: dict[str, float]  # seconds of each term; they add up to ``seconds``
     transfers: int = 1  # a KV push: one per layer
 
     @property
@@ -129,60 +212,92 @@ class Prediction:
         return {**asdict(self), "gbps": self.gbps}
 
 
+def _monotone(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): a
+    larger piece never costs less, whatever the noise of one measurement."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
+def _knots(pairs: dict[int, list[float]]) -> Knots:
+    sizes = sorted(pairs)
+    costs = _monotone([float(np.median(pairs[s])) for s in sizes])
+    return tuple((s, max(MIN_COST_S, c)) for s, c in zip(sizes, costs, strict=True))
+
+
 def fit(provider: str, points: Sequence[Point], *, nics: Sequence[str] = (),
         cpu_s_per_gb: float | None = None) -> Profile:
-    """Least squares in relative error (every shape counts alike, a 4 KiB
-    write as much as a 1 GiB one), the three costs kept >= 0: a cost that
-    comes out negative is dropped and the others fitted again."""
-    if len(points) < 3:
-        raise InvalidArgument(f"a fit needs at least 3 measurements, got {len(points)}")
-    a = np.array([[1.0, p.pieces / p.rails, p.nbytes / p.rails] for p in points])
-    t = np.array([p.seconds for p in points])
-    if not (t > 0).all():
-        raise InvalidArgument("every measurement must have taken > 0 s")
-    keep = [0, 1, 2]
-    coef = np.zeros(3)
-    while keep:
-        sol, *_ = np.linalg.lstsq(a[:, keep] / t[:, None], np.ones(len(t)), rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[keep] = sol
-            break
-        keep.pop(int(np.argmin(sol)))
-    prof = Profile(provider, float(coef[0]), float(coef[1]), float(coef[2]), nics=tuple(nics),
-                   cpu_s_per_gb=cpu_s_per_gb)
+    """The curves through ``points``: transfers of one piece make the
+    ``single`` curve; transfers of many equal pieces the ``stream`` curve, as
+    what each piece past the first added to a lone one of its size. Each
+    curve is made non-decreasing in size (a larger piece never costs less)."""
+    if not all(p.seconds > 0 and p.pieces >= 1 and p.nbytes >= 1 and p.rails >= 1
+               for p in points):
+        raise InvalidArgument("every measurement must be of >= 1 piece and byte and have "
+                              "taken > 0 s")
+    lone: dict[int, list[float]] = {}
+    many: list[Point] = []
+    for p in points:
+        if p.pieces == 1:
+            lone.setdefault(p.nbytes, []).append(p.seconds)
+        else:
+            many.append(p)
+    if not lone or not many:
+        raise InvalidArgument(f"a fit needs transfers of one piece and of many pieces, got "
+                              f"{len(lone)} sizes of one piece and {len(many)} of many")
+    single = _knots(lone)
+    each: dict[int, list[float]] = {}
+    for p in many:
+        first = float(_curve(single, np.array([p.piece_size]))[0])
+        each.setdefault(p.piece_size, []).append(
+            max(0.0, p.seconds - first) * p.rails / (p.pieces - 1))
+    prof = Profile(provider, single, _knots(each), nics=tuple(nics), cpu_s_per_gb=cpu_s_per_gb)
     fitted = tuple({**asdict(p), "model_s": prof.seconds(p.pieces, p.nbytes, p.rails)}
                    for p in points)
-    return Profile(prof.provider, prof.latency_s, prof.per_piece_s, prof.per_byte_s,
-                   nics=prof.nics, points=fitted, cpu_s_per_gb=cpu_s_per_gb)
+    return Profile(provider, prof.single, prof.stream, nics=prof.nics, points=fitted,
+                   cpu_s_per_gb=cpu_s_per_gb)
 
 
-def _terms(profile: Profile, pieces: float, nbytes: float,
-           rails: int) -> tuple[float, dict[str, float], str]:
-    terms = {"latency": profile.latency_s,
-             "pieces": pieces / rails * profile.per_piece_s,
-             "bandwidth": nbytes / rails * profile.per_byte_s}
+def _prediction(profile: Profile, lengths: np.ndarray, rails: int,
+                transfers: int = 1) -> Prediction:
+    """The model on pieces of ``lengths``, with its terms: the fixed cost
+    (a lone smallest piece), the bytes at the peak rate, and what the pieces
+    cost as messages beyond both (what is left)."""
+    nbytes = int(lengths.sum())
+    seconds = profile.transfer_seconds(lengths, rails)
+    fixed = min(profile.latency_s, seconds)
+    wire = min(nbytes / rails * profile.per_byte_s, seconds - fixed)
+    terms = {"latency": fixed, "pieces": seconds - fixed - wire, "bandwidth": wire}
     bound = max(BOUNDS, key=lambda k: terms[k])
-    return sum(terms.values()), terms, bound
+    return Prediction(seconds, len(lengths), nbytes, rails, bound, terms, transfers)
+
+
+def _posted(scatter: ScatterList, rails: int) -> np.ndarray:
+    """The lengths of the pieces a write of ``scatter`` posts over
+    ``rails`` rails: as the engine stripes it (by bytes, cutting pieces that
+    straddle a rail's share)."""
+    if rails <= 1 or len(scatter) == 0:
+        return np.asarray(scatter.length)
+    sl, _ = scatter.stripe(rails)
+    return np.asarray(sl.length)
 
 
 def rail_pieces(scatter: ScatterList, rails: int) -> int:
-    """The pieces a write of ``scatter`` posts over ``rails`` rails: as the
-    engine stripes it (by bytes, cutting pieces that straddle a rail's
-    share)."""
-    if rails <= 1 or len(scatter) == 0:
-        return len(scatter)
-    sl, _ = scatter.stripe(rails)
-    return len(sl)
+    """How many pieces a write of ``scatter`` posts over ``rails`` rails."""
+    return len(_posted(scatter, rails))
 
 
 def predict(profile: Profile, scatter: ScatterList, *, rails: int = 1) -> Prediction:
     """One write of ``scatter`` over ``rails`` rails."""
     if rails < 1:
         raise InvalidArgument(f"rails must be >= 1, got {rails}")
-    pieces = rail_pieces(scatter, rails)
-    seconds, terms, bound = _terms(profile, pieces, scatter.nbytes, rails)
-    return Prediction(seconds, pieces, scatter.nbytes, rails, bound, terms)
+    return _prediction(profile, _posted(scatter, rails), rails)
 
 
 def predict_kv(profile: Profile, layout: KVLayout, src_blocks: Any, dst_blocks: Any, *,
@@ -191,16 +306,17 @@ def predict_kv(profile: Profile, layout: KVLayout, src_blocks: Any, dst_blocks: 
     sides), every layer or ``layers``: pieces after coalescing as the push
     does them, one transfer per layer submitted back to back (their fixed
     costs overlap: paid once)."""
+    if rails < 1:
+        raise InvalidArgument(f"rails must be >= 1, got {rails}")
     lays, so, do, ln, counts = plan_push(layout, layout, src_blocks, dst_blocks, layers,
                                          src_size=layout.nbytes, dst_size=layout.nbytes)
-    pieces = len(ln)
+    lengths = np.asarray(ln)
     if rails > 1:  # each layer is striped on its own
         ends = np.cumsum(counts)
-        pieces = sum(rail_pieces(ScatterList(so[e - c:e], do[e - c:e], ln[e - c:e]), rails)
-                     for e, c in zip(ends.tolist(), counts.tolist(), strict=True))
-    nbytes = int(ln.sum())
-    seconds, terms, bound = _terms(profile, pieces, nbytes, rails)
-    return Prediction(seconds, pieces, nbytes, rails, bound, terms, transfers=len(lays))
+        lengths = np.concatenate([
+            _posted(ScatterList(so[e - c:e], do[e - c:e], ln[e - c:e]), rails)
+            for e, c in zip(ends.tolist(), counts.tolist(), strict=True)])
+    return _prediction(profile, lengths, rails, transfers=len(lays))
 
 
 # -- the profile file ------------------------------------------------------------------
@@ -243,3 +359,12 @@ def load_profile(provider: str, path: str | os.PathLike[str] | None = None) -> P
         raise InvalidArgument(f"{source} is the profile of {profile.provider!r}, not "
                               f"{provider!r}")
     return profile
+
+
+def find_profile(provider: str) -> Profile | None:
+    """The saved profile of ``provider``, or None where none was saved (the
+    bench's predictions: a missing profile is no error there)."""
+    try:
+        return load_profile(provider)
+    except ProfileMissing:
+        return None

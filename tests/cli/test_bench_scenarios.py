@@ -196,6 +196,33 @@ def test_summarize_shows_the_vllm_rows(tmp_path: Path) -> None:
     assert bad.returncode == 1 and "c.json" in bad.stderr
 
 
+def test_summarize_says_how_close_the_plan_came(tmp_path: Path) -> None:
+    """Every measurement with ``p2pxfer plan``'s prediction beside it (bench
+    records, the in-process KV push, the engine's push in kv_daemon) counts
+    toward one line: within 25% on how many, and the furthest first."""
+    writes = [_record(predicted_us=11.0), _record(pages=16, predicted_us=5.0)]
+    kv = {"benchmark": "kv", "results": [{
+        "provider": TCP, "pattern": "kv 2x16 of 4KiB blocks", "gbps": 1.0,
+        "baseline_gbps": 1.0, "time_to_first_layer_ms": 1.0, "seconds": 0.010,
+        "predicted_seconds": 0.012}]}
+    daemon = {"benchmark": "kv_daemon", "results": [{
+        "provider": "shm", "pattern": "KV push", "daemon_s": 0.02, "engine_s": 0.02,
+        "c_s": 0.01, "daemon_GBps": 1.0, "engine_GBps": 1.0, "c_GBps": 2.0,
+        "ratio_daemon_over_engine": 1.0, "ratio_daemon_over_c": 0.5, "ttfl_ms_median": 1.0,
+        "predicted_s": 0.03}]}
+    paths = []
+    for name, doc in (("w.json", writes), ("kv.json", kv), ("d.json", daemon)):
+        (tmp_path / name).write_text(json.dumps(doc))
+        paths.append(str(tmp_path / name))
+    r = _summarize("--summary", *paths)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "plan 11 us (+10%)" in text and "plan 12.0 ms (+20%)" in text
+    assert "plan 30.0 ms (+50%) of the engine's push" in text
+    assert ("within 25% on 2 of 4 cases; furthest: tcp;ofi_rxm loopback: 16x4KiB-random -50%; "
+            "shm kv_daemon: KV push (in-process engine) +50%") in text
+
+
 def test_summarize_rewrites_only_between_the_readme_markers(tmp_path: Path) -> None:
     good = tmp_path / "good.json"
     good.write_text(json.dumps([_record()]))

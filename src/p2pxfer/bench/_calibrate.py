@@ -1,12 +1,14 @@
-"""``p2pxfer bench --calibrate``: measure the shapes a cost model needs, fit
-it (``p2pxfer.plan.fit``) and save the profile that ``p2pxfer plan`` and the
-bench's predictions read.
+"""``p2pxfer bench --calibrate``: measure the shapes the cost model needs,
+fit it (``p2pxfer.plan.fit``) and save the profile that ``p2pxfer plan`` and
+the bench's predictions read.
 
 The shapes, each measured by ``run_bench`` in loopback (beside the C
-reference, as every bench case): one contiguous piece of 4 KiB, 256 KiB,
-4 MiB and 32 MiB (the fixed cost and the bandwidth), and transfers of
-random pages: 2048 x 4 KiB, 2048 x 16 KiB and 512 x 64 KiB (the cost per
-piece). Each point is the median time of one transfer.
+reference, as every bench case): one lone piece of every power of two from
+4 KiB to 64 MiB (the ``single`` curve), and transfers of many random pieces
+of 8 B to 4 MiB, 32-64 MiB each past the smallest (the ``stream`` curve; 8 B
+pieces are the posting rate). The knots are densest around the providers'
+protocol changes (shm's 4 KiB inject size, rxm's 16 KiB eager buffer). Each
+point is the median time of one transfer.
 
 What must not live here: the model (``p2pxfer.plan``), option parsing.
 """
@@ -19,17 +21,18 @@ from collections.abc import Callable
 
 from p2pxfer.plan import Point, Profile, fit
 
-from ._options import KIB, MIB, BenchOptions
+from ._options import KIB, MIB, BenchOptions, sweep_sizes
 from ._report import BenchResult
 from ._run import run_bench
 
 __all__ = ["CONTIGUOUS", "PAGED", "calibrate", "points_of"]
 
-CONTIGUOUS = (4 * KIB, 256 * KIB, 4 * MIB, 32 * MIB)
-PAGED = ((4 * KIB, 2048), (16 * KIB, 2048), (64 * KIB, 512))
+CONTIGUOUS = sweep_sizes(4 * KIB, 64 * MIB)
+PAGED = ((8, 16384), (4 * KIB, 2048), (8 * KIB, 2048), (16 * KIB, 2048), (32 * KIB, 1024),
+         (64 * KIB, 1024), (256 * KIB, 256), (MIB, 64), (4 * MIB, 16))
 # --quick: the same kinds of shape, small (checks the machinery, ~10 s)
-QUICK_CONTIGUOUS = (4 * KIB, 256 * KIB, 2 * MIB)
-QUICK_PAGED = ((4 * KIB, 256), (16 * KIB, 256))
+QUICK_CONTIGUOUS = (4 * KIB, 64 * KIB, MIB)
+QUICK_PAGED = ((4 * KIB, 256), (64 * KIB, 64))
 
 
 def points_of(results: list[BenchResult]) -> list[Point]:

@@ -23,7 +23,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from p2pxfer.plan import Profile, ProfileMissing, load_profile
+from p2pxfer.plan import Profile, find_profile
 
 from ._options import BenchError, format_size
 
@@ -410,10 +410,7 @@ def with_predictions(results: list[BenchResult]) -> list[BenchResult]:
     out = []
     for r in results:
         if r.provider not in profiles:
-            try:
-                profiles[r.provider] = load_profile(r.provider)
-            except ProfileMissing:
-                profiles[r.provider] = None
+            profiles[r.provider] = find_profile(r.provider)
         profile = profiles[r.provider]
         out.append(r if profile is None else dataclasses.replace(
             r, predicted_us=profile.seconds(r.pages, r.bytes, r.nrails) * 1e6))

@@ -44,6 +44,7 @@ from p2pxfer.kv import (
 )
 from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RegionDescriptor
+from p2pxfer.plan import find_profile, predict_kv
 from p2pxfer.scatter import ScatterList
 
 from ._local import same_daemon
@@ -266,6 +267,7 @@ async def _kv_push(provider: str, layers: int, blocks: int, block_bytes: int,
             ref.append(dts[0])
     gb = flat.nbytes * repeat / 1e9
     o, c = statistics.median(ours), statistics.median(ref)
+    profile = find_profile(provider)
     return {"provider": provider,
             "pattern": f"kv {layers}x{blocks} of {format_size(block_bytes)} blocks",
             "pages": len(flat), "bytes": flat.nbytes, "seconds": o, "baseline_seconds": c,
@@ -273,7 +275,10 @@ async def _kv_push(provider: str, layers: int, blocks: int, block_bytes: int,
             "ratio": c / o, "time_to_first_layer_ms": statistics.median(ttfl) * 1e3,
             "cpu_s_per_gb": (cpu["ours"] + cpu["ours_target"]) / gb,
             "baseline_cpu_s_per_gb": (cpu["ref"] + cpu["ref_target"]) / gb,
-            "reference": "c-to-c", "repeat": repeat}
+            "reference": "c-to-c", "repeat": repeat,
+            # what ``p2pxfer plan`` predicted for one push (None: no profile saved)
+            "predicted_seconds": None if profile is None else predict_kv(
+                profile, layout, sb, db).seconds}
 
 
 async def _kv_describe(provider: str, layers: int = 32, blocks: int = 1750,
