@@ -24,6 +24,7 @@ struct p2p_poller {
     int64_t bells_refused;
     ...;
 };
+#define P2P_GROUP_MAX ...
 struct p2p_cursor {
     struct fid_ep *ep;
     uint64_t dest;
@@ -43,6 +44,7 @@ struct p2p_cursor {
     int64_t bytes_posted;
     int64_t dc_from;
     struct p2p_bell *bell;
+    int group;
 };
 int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
                          int64_t budget_ns);
@@ -50,7 +52,8 @@ int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
                         const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                         int64_t start, int64_t end, uint64_t src_base, void *src_desc,
                         uint64_t dst_base, uint64_t dst_key,
-                        uint64_t imm, int with_imm, uint64_t context, int64_t *err);
+                        uint64_t imm, int with_imm, uint64_t context, int group,
+                        int64_t *err);
 int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
 int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq,
                       int fd);
@@ -69,7 +72,7 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
                     const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                     int64_t start, int64_t end, uint64_t src_base, void *src_desc,
                     uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
-                    uint64_t context, int64_t dc_from, struct p2p_bell *bell);
+                    uint64_t context, int64_t dc_from, struct p2p_bell *bell, int group);
 int p2p_tcp_reset(int fd);
 int p2p_mr_reg_hmem(struct fid_domain *domain, uint64_t address, size_t len, uint64_t access,
                     uint64_t requested_key, int iface, int device, struct fid_mr **mr);

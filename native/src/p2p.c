@@ -72,6 +72,55 @@ static void ring(struct p2p_bell *b)
         __atomic_add_fetch(&b->rings, 1, __ATOMIC_RELAXED);
 }
 
+/* Pieces [start, end), none with an immediate, up to `group` per RMA write
+ * (see P2P_GROUP_MAX): each group is one fi_writemsg of as many iovs and
+ * rma_iovs, its context carrying its piece count. A group goes out whole or
+ * not at all, so a cursor's next always sits between groups. Returns the
+ * index of the first piece not posted, as p2p_post_writes. */
+static int64_t post_groups(struct fid_ep *ep, uint64_t dest, const int64_t *src_off,
+                           const int64_t *dst_off, const int64_t *len, int64_t start,
+                           int64_t end, uint64_t src_base, void *src_desc, uint64_t dst_base,
+                           uint64_t dst_key, uint64_t context, int group, int64_t *err)
+{
+    struct iovec iov[P2P_GROUP_MAX];
+    struct fi_rma_iov rma[P2P_GROUP_MAX];
+    void *desc[P2P_GROUP_MAX];
+    struct fi_msg_rma msg;
+    int64_t i = start;
+    ssize_t rc;
+
+    if (group > P2P_GROUP_MAX)
+        group = P2P_GROUP_MAX;
+    memset(&msg, 0, sizeof(msg));
+    msg.msg_iov = iov;
+    msg.desc = desc;
+    msg.addr = (fi_addr_t)dest;
+    msg.rma_iov = rma;
+    while (i < end) {
+        int64_t k = end - i < group ? end - i : group;
+        for (int64_t j = 0; j < k; j++) {
+            iov[j].iov_base = (void *)(uintptr_t)(src_base + (uint64_t)src_off[i + j]);
+            iov[j].iov_len = (size_t)len[i + j];
+            desc[j] = src_desc;
+            rma[j].addr = dst_base + (uint64_t)dst_off[i + j];
+            rma[j].len = (size_t)len[i + j];
+            rma[j].key = dst_key;
+        }
+        msg.iov_count = (size_t)k;
+        msg.rma_iov_count = (size_t)k;
+        msg.context = (void *)(uintptr_t)(context | ((uint64_t)(k - 1) << P2P_GROUP_SHIFT));
+        rc = fi_writemsg(ep, &msg, FI_COMPLETION);
+        if (rc == 0) {
+            i += k;
+            continue;
+        }
+        if (rc != -FI_EAGAIN)
+            *err = rc;
+        break;
+    }
+    return i;
+}
+
 /* Post pieces [start, end) as RMA writes. Returns the index of the first piece
  * not posted: end when all went out, earlier when the TX queue pushed back
  * (-FI_EAGAIN, *err left 0) or a post failed (*err set to the negative code).
@@ -82,13 +131,17 @@ int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
                         int64_t start, int64_t end,
                         uint64_t src_base, void *src_desc,
                         uint64_t dst_base, uint64_t dst_key,
-                        uint64_t imm, int with_imm, uint64_t context, int64_t *err)
+                        uint64_t imm, int with_imm, uint64_t context, int group,
+                        int64_t *err)
 {
     int64_t i;
     ssize_t rc;
     void *ctx = (void *)(uintptr_t)context;
 
     *err = 0;
+    if (!with_imm && group > 1)
+        return post_groups(ep, dest, src_off, dst_off, len, start, end, src_base, src_desc,
+                           dst_base, dst_key, context, group, err);
     for (i = start; i < end; i++) {
         const void *buf = (const void *)(uintptr_t)(src_base + (uint64_t)src_off[i]);
         uint64_t raddr = dst_base + (uint64_t)dst_off[i];
@@ -117,8 +170,8 @@ int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
                            int64_t start, int64_t end,
                            uint64_t src_base, void *src_desc,
                            uint64_t dst_base, uint64_t dst_key,
-                           uint64_t imm, int with_imm, uint64_t context, int64_t dc_from,
-                           int64_t *err)
+                           uint64_t imm, int with_imm, uint64_t context, int group,
+                           int64_t dc_from, int64_t *err)
 {
     int64_t i = start;
     ssize_t rc;
@@ -127,7 +180,7 @@ int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
     if (dc_from > start) {
         int64_t stop = dc_from < end ? dc_from : end;
         i = p2p_post_writes(ep, dest, src_off, dst_off, len, start, stop, src_base, src_desc,
-                            dst_base, dst_key, imm, with_imm, context, err);
+                            dst_base, dst_key, imm, with_imm, context, group, err);
         if (i < stop || *err)
             return i;
     }
@@ -198,11 +251,14 @@ int p2p_poller_add_bell(struct p2p_poller *p, int fd)
     return 0;
 }
 
+/* Add one completion to the runs from index nruns (the last
+ * P2P_RUN_LOOKBACK looked at for its run); counts its pieces into
+ * p->entries. Returns the new number of runs. */
 static int64_t add_entry(struct p2p_poller *p, int64_t nruns, int cq,
                          const struct fi_cq_data_entry *e)
 {
     uint64_t ctx, data;
-    int64_t k, lo;
+    int64_t k, lo, pieces = 1;
 
     if (e->flags & FI_REMOTE_CQ_DATA) {
         /* A target-side arrival: only the immediate means anything. */
@@ -210,13 +266,16 @@ static int64_t add_entry(struct p2p_poller *p, int64_t nruns, int cq,
         data = e->data;
     } else {
         ctx = (uint64_t)(uintptr_t)e->op_context;
+        pieces = (int64_t)((ctx & P2P_GROUP_BITS) >> P2P_GROUP_SHIFT) + 1;
+        ctx &= ~P2P_GROUP_BITS;
         data = 0;
     }
+    p->entries += pieces;
     lo = nruns > P2P_RUN_LOOKBACK ? nruns - P2P_RUN_LOOKBACK : 0;
     for (k = nruns - 1; k >= lo; k--) {
         if (p->run_cq[k] == cq && p->run_ctx[k] == ctx && p->run_flags[k] == e->flags &&
             p->run_data[k] == data) {
-            p->run_count[k]++;
+            p->run_count[k] += pieces;
             p->run_bytes[k] += (int64_t)e->len;
             return nruns;
         }
@@ -225,7 +284,7 @@ static int64_t add_entry(struct p2p_poller *p, int64_t nruns, int cq,
     p->run_ctx[nruns] = ctx;
     p->run_flags[nruns] = e->flags;
     p->run_data[nruns] = data;
-    p->run_count[nruns] = 1;
+    p->run_count[nruns] = pieces;
     p->run_bytes[nruns] = (int64_t)e->len;
     return nruns + 1;
 }
@@ -272,7 +331,6 @@ static int64_t drain_into(struct p2p_poller *p, int64_t nruns, int64_t max_entri
         }
     }
 out:
-    p->entries += seen;
     return nruns;
 }
 
@@ -288,12 +346,12 @@ static int post_pass(struct p2p_cursor *cur, int ncur)
             c->next = p2p_post_writes_dc(c->ep, c->dest, c->src_off, c->dst_off, c->len,
                                          c->next, c->end, c->src_base, c->src_desc,
                                          c->dst_base, c->dst_key, c->imm, c->with_imm,
-                                         c->context, c->dc_from, &c->err);
+                                         c->context, c->group, c->dc_from, &c->err);
         else
             c->next = p2p_post_writes(c->ep, c->dest, c->src_off, c->dst_off, c->len,
                                       c->next, c->end, c->src_base, c->src_desc,
                                       c->dst_base, c->dst_key, c->imm, c->with_imm,
-                                      c->context, &c->err);
+                                      c->context, c->group, &c->err);
         for (i = from; i < c->next; i++)
             c->bytes_posted += c->len[i];
         /* Posted a piece whose completion waits for the target, or found
@@ -338,7 +396,7 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
                     const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                     int64_t start, int64_t end, uint64_t src_base, void *src_desc,
                     uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
-                    uint64_t context, int64_t dc_from, struct p2p_bell *bell)
+                    uint64_t context, int64_t dc_from, struct p2p_bell *bell, int group)
 {
     struct p2p_cursor *c = &cur[i];
     c->ep = ep;
@@ -349,6 +407,7 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
     c->dst_key = dst_key;
     c->dc_from = dc_from;
     c->bell = bell;
+    c->group = group < 1 ? 1 : group > P2P_GROUP_MAX ? P2P_GROUP_MAX : group;
     set_pieces(c, src_off, dst_off, len, start, end, imm, with_imm, context);
 }
 

@@ -16,6 +16,18 @@
 #include <rdma/fi_eq.h>
 
 #define P2P_MAX_CQ 16
+/* Pieces that carry no immediate go out up to P2P_GROUP_MAX per RMA write
+ * (fi_writemsg with that many iovs and rma_iovs, where the provider's
+ * iov_limit and rma_iov_limit allow): a message's fixed cost (its header,
+ * its send call, its completion) is then paid once per group, not per
+ * piece. How many pieces a completion stands for rides in its operation
+ * context, in the two bits at P2P_GROUP_SHIFT (that count less one), and is
+ * taken out again where completions are read (add_entry): runs count
+ * pieces. A piece with an immediate stays alone, as the target counts one
+ * arrival per immediate. */
+#define P2P_GROUP_MAX 4
+#define P2P_GROUP_SHIFT 54
+#define P2P_GROUP_BITS (3ULL << P2P_GROUP_SHIFT)
 
 /* A shm target's doorbell, as an initiator sees it: the target's abstract
  * unix datagram socket (its name) and this process's sending socket. shm CQs
@@ -55,7 +67,7 @@ struct p2p_poller {
     int err_cq;                  /* CQ with an error entry waiting (-FI_EAVAIL), or -1 */
     int64_t backoff_ns;          /* current sleep where a CQ has no wait fd */
     int64_t backoff_max_ns;
-    int64_t entries;             /* completions seen, lifetime */
+    int64_t entries;             /* pieces completed and arrivals seen, lifetime */
     int32_t hold;                /* nonzero: another thread is polling these CQs for a
                                   * small write; progress keeps its hands off them */
     int nbell;
@@ -88,6 +100,8 @@ struct p2p_cursor {
     int64_t dc_from;             /* pieces from this index on are posted with
                                   * FI_DELIVERY_COMPLETE (INT64_MAX: none) */
     struct p2p_bell *bell;       /* the peer's doorbell, or NULL (not shm) */
+    int group;                   /* pieces per RMA write at most (1..P2P_GROUP_MAX),
+                                  * for pieces without an immediate */
 };
 
 int64_t p2p_post_cursors(struct p2p_poller *p, struct p2p_cursor *cur, int ncur,
@@ -98,14 +112,15 @@ int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
                         int64_t start, int64_t end,
                         uint64_t src_base, void *src_desc,
                         uint64_t dst_base, uint64_t dst_key,
-                        uint64_t imm, int with_imm, uint64_t context, int64_t *err);
+                        uint64_t imm, int with_imm, uint64_t context, int group,
+                        int64_t *err);
 int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
                            const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                            int64_t start, int64_t end,
                            uint64_t src_base, void *src_desc,
                            uint64_t dst_base, uint64_t dst_key,
-                           uint64_t imm, int with_imm, uint64_t context, int64_t dc_from,
-                           int64_t *err);
+                           uint64_t imm, int with_imm, uint64_t context, int group,
+                           int64_t dc_from, int64_t *err);
 
 int p2p_poller_init(struct p2p_poller *p, int wake_fd, int64_t backoff_max_ns);
 int p2p_poller_add_cq(struct p2p_poller *p, struct fid_fabric *fabric, struct fid_cq *cq, int fd);
@@ -125,7 +140,7 @@ void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t d
                     const int64_t *src_off, const int64_t *dst_off, const int64_t *len,
                     int64_t start, int64_t end, uint64_t src_base, void *src_desc,
                     uint64_t dst_base, uint64_t dst_key, uint64_t imm, int with_imm,
-                    uint64_t context, int64_t dc_from, struct p2p_bell *bell);
+                    uint64_t context, int64_t dc_from, struct p2p_bell *bell, int group);
 int p2p_tcp_reset(int fd);
 
 int p2p_mr_reg_hmem(struct fid_domain *domain, uint64_t address, size_t len, uint64_t access,

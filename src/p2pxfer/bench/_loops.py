@@ -22,7 +22,7 @@ from p2pxfer.fabric import Rail, check, raw_address
 
 from ._cref import ffi, lib
 
-__all__ = ["reference_pingpong", "reference_target", "reference_write"]
+__all__ = ["reference_pingpong", "reference_target", "reference_write", "writes_of"]
 
 
 def _ns(seconds: float) -> int:
@@ -51,7 +51,8 @@ def reference_write(rail: Rail, dest: int, src_off: npt.NDArray[np.int64],
                     dst_off: npt.NDArray[np.int64], length: npt.NDArray[np.int64],
                     src_base: int, src_desc: Any, dst_base: int, dst_key: int,
                     imm: int | None, timeout: float) -> None:
-    """Post every piece (``fi_writedata`` with ``imm``, else ``fi_write``) and
+    """Post every piece, up to the rail's ``group`` per write, each write
+    with ``imm`` where given (the target counts writes: ``writes_of``), and
     return once all completed here. Raises ``FabricError`` (``-FI_ETIMEDOUT``
     after ``timeout`` seconds)."""
     n = len(length)
@@ -61,8 +62,14 @@ def reference_write(rail: Rail, dest: int, src_off: npt.NDArray[np.int64],
         _ep(rail), _cq(rail), dest,
         ffi.from_buffer("int64_t[]", src_off), ffi.from_buffer("int64_t[]", dst_off),
         ffi.from_buffer("int64_t[]", length), n, src_base, _desc(src_desc), dst_base, dst_key,
-        0 if imm is None else imm, imm is not None, _ns(timeout))
+        0 if imm is None else imm, imm is not None, rail.group, _ns(timeout))
     check(rc, "p2p_ref_write")
+
+
+def writes_of(rail: Rail, pieces: int) -> int:
+    """How many writes ``reference_write`` makes of ``pieces`` on ``rail``:
+    what a target counts."""
+    return -(-pieces // rail.group)
 
 
 def reference_pingpong(rail: Rail, dest: int, src_base: int, src_desc: Any, dst_base: int,

@@ -118,14 +118,14 @@ class Reference:
     def block(self, plans: list[list[RefStripe]], imm: int | None,
               timeout: float, gap_s: float = 0.0) -> tuple[int, list[float], float | None]:
         """Run the planned rounds back to back (``gap_s`` apart, untimed; the
-        C target busy-polls meanwhile); (pieces, seconds per round, target
-        CPU seconds or None where unknown)."""
+        C target busy-polls meanwhile); (writes, which a target counts with
+        ``imm``; seconds per round; target CPU seconds or None where unknown)."""
         cpu0 = None
         if self.target is not None:
             counts = [0] * self.nrails
             for plan in plans:
                 for s in plan:
-                    counts[s.rail] += len(s.length)
+                    counts[s.rail] += self.ini.writes(s.rail, len(s.length))
             self.target.expect(counts, timeout * len(plans))
         elif self.target_pid is not None:
             cpu0 = process_cpu_seconds(self.target_pid)
@@ -156,9 +156,9 @@ async def connect_paths(ours: OurPath, base: Reference | None, check: Check | No
         await check(imm, pieces)
     if base is not None:
         base_imm = CONNECT_IMM if base.kind == C_TO_C else imm
-        base_pieces = base.block([base.plan(sl)], base_imm, timeout)[0]
+        base_writes = base.block([base.plan(sl)], base_imm, timeout)[0]
         if base.kind == C_INITIATOR and check is not None and imm is not None:
-            await check(imm, base_pieces)
+            await check(imm, base_writes)
     for peer in peers:
         peer.block([peer.plan(sl)], timeout)
 

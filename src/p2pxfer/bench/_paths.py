@@ -1,9 +1,10 @@
 """Our paths, as a bandwidth test drives them: the engine and the daemons.
 
 ``EnginePath`` writes through ``Engine.write`` (``len(lists)`` trio tasks at a
-time), ``DaemonPath`` through the local daemon (``Client.write``), as users
-do. Both time each transfer. What must not live here: the reference, the
-measuring loop, fabric calls.
+time; a transfer of many pieces with one notification), ``DaemonPath``
+through the local daemon (``Client.write``), as users do. Both time each
+transfer. What must not live here: the reference, the measuring loop,
+fabric calls.
 """
 
 from __future__ import annotations
@@ -58,7 +59,12 @@ class EnginePath:
         self.engine, self.src, self.dst = engine, src, dst
 
     async def round(self, lists: list[ScatterList], imm: int | None) -> tuple[int, list[float]]:
-        return await _all(lists, lambda sl: self.engine.write(self.src, self.dst, sl, imm=imm))
+        # A transfer of many pieces the way serving engines send pages (a KV
+        # push, a daemon's write): one immediate, once all of it landed, and
+        # its pieces grouped into the provider's multi-piece writes. A lone
+        # piece carries its immediate itself.
+        return await _all(lists, lambda sl: self.engine.write(
+            self.src, self.dst, sl, imm=imm, notify=imm is not None and len(sl) > 1))
 
     async def rail_bytes(self) -> list[tuple[str, int]]:
         return [(n.name, n.bytes) for n in self.engine.statistics().nics]

@@ -42,7 +42,7 @@ from p2pxfer.fabric import (
 from p2pxfer.memory import RailDescriptor, RegionDescriptor, buffer_span
 from p2pxfer.scatter import ScatterList
 
-from ._loops import reference_pingpong, reference_target, reference_write
+from ._loops import reference_pingpong, reference_target, reference_write, writes_of
 from ._options import BenchError
 
 __all__ = ["C_INITIATOR", "C_TO_C", "RefStripe", "ReferenceInitiator", "ReferenceTarget",
@@ -167,7 +167,8 @@ class ReferenceInitiator:
                 for r, (s, e) in enumerate(ranges) if e > s]
 
     def round(self, plan: list[RefStripe], imm: int | None, timeout: float) -> int:
-        """Post a planned round and wait for all of it here; returns pieces."""
+        """Post a planned round and wait for all of it here; returns the
+        writes it made (``writes``: with ``imm``, what a target counts)."""
         def post(s: RefStripe) -> Callable[[], None]:
             rd, mr = self.dst.rails[s.rail], self.mrs[s.rail]
             return lambda: reference_write(self.rails[s.rail], self.dest[s.rail], s.src, s.dst,
@@ -175,7 +176,12 @@ class ReferenceInitiator:
                                            imm, timeout)
 
         _run_per_rail([post(s) for s in plan])
-        return sum(len(s.length) for s in plan)
+        return sum(self.writes(s.rail, len(s.length)) for s in plan)
+
+    def writes(self, rail: int, pieces: int) -> int:
+        """The writes ``round`` makes of ``pieces`` on rail ``rail``, each
+        carrying the immediate: what the C target counts."""
+        return writes_of(self.rails[rail], pieces)
 
     def pingpong(self, length: int, iters: int, timeout: float) -> npt.NDArray[np.int64]:
         """Round trips (ns) of one ``length``-byte write each way on rail 0."""

@@ -58,6 +58,10 @@ class EngineConfig:
     #: fails here with ``TransferError`` instead of completing unnoticed. Costs
     #: a round trip per write (tcp: ~2x a small write's latency; shm: far more)
     delivery_complete: bool = False
+    #: pieces without an immediate go out up to this many per RMA write, where
+    #: the provider takes as many iovs (tcp;ofi_rxm and shm: 4): a message's
+    #: fixed cost is paid per group. 1: one piece per write
+    write_group: int = 4
     pin_threads: bool = True
     cache_entries: int = 1024
     node_name: str = ""

@@ -174,20 +174,21 @@ class Failover:
 
     # -- detecting ------------------------------------------------------------------
 
-    def piece_failed(self, tr: TransferState, cur: int, text: str) -> None:
-        """A piece of ``tr`` on cursor ``cur`` completed with an error (either
-        thread). With another pair to the peer, its pair is taken down by the
-        poller thread (``run_pending``: only it may stop cursors, since it
-        posts them outside the lock); the piece stays counted until then, so
-        the write cannot end first."""
+    def piece_failed(self, tr: TransferState, cur: int, text: str, pieces: int = 1) -> None:
+        """``pieces`` of ``tr`` on cursor ``cur`` completed with an error (one
+        write's: a grouped write's pieces fail together; either thread).
+        With another pair to the peer, its pair is taken down by the poller
+        thread (``run_pending``: only it may stop cursors, since it posts
+        them outside the lock); the pieces stay counted until then, so the
+        write cannot end first."""
         self._lock.require("Failover.piece_failed")
         if cur != tr.notify_cursor and len(tr.w.targets) > 1:
             self._pending.append((pair_of(tr, cur), f"a piece failed: {text}"))
             os.eventfd_write(self._wake_fd, 1)
             return
-        self._queues.note_done(tr, tr.w.batch.rails[cur], 1)
-        tr.cdone[cur] += 1
-        tr.remaining -= 1
+        self._queues.note_done(tr, tr.w.batch.rails[cur], pieces)
+        tr.cdone[cur] += pieces
+        tr.remaining -= pieces
         if cur == tr.notify_cursor:
             tr.notify_lost = f"it failed: {text}"
         else:

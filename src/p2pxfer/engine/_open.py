@@ -53,7 +53,9 @@ async def open_engine_on(topo: Topology, config: EngineConfig) -> AsyncIterator[
                     info = nic.info
                     if config.delivery_complete:
                         info = info.with_tx_op_flags(DELIVERY_COMPLETE)
-                    rails.append(Rail(info))
+                    rail = Rail(info)
+                    rails.append(rail)
+                    rail.group = max(1, min(rail.group, config.write_group))
             except BaseException:
                 for r in rails:
                     r.close()

@@ -440,8 +440,8 @@ class Shard:
         else:
             log.warning("transfer.piece_failed", transfer_id=tid, code=e.code,
                         error=e.text, shard=self.index)
-            self.errors[e.rail] += 1
-            self._failover.piece_failed(tr, cur, e.text)
+            self.errors[e.rail] += e.pieces
+            self._failover.piece_failed(tr, cur, e.text, e.pieces)
 
     def _finish_if_done(self, tr: TransferState) -> None:
         self._lock.require("_finish_if_done")

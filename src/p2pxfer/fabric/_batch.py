@@ -4,8 +4,13 @@ Each cursor (``struct p2p_cursor``) covers pieces ``[start, end)`` of three
 ``int64`` arrays and carries its own operation context: the transfer id with
 the cursor's index in the top bits (``context_of`` / ``split_context``), so a
 completion says which cursor, and with it which (rail, peer rail) pair, it
-belongs to. Cursors can be added after posting began (a write failing over to
-another rail pair, its notification) and stopped for good (``kill``).
+belongs to. Pieces without an immediate go out up to the rail's
+``group`` per RMA write (``p2p.h``: ``P2P_GROUP_MAX``); the piece count of
+such a write rides in two bits below the cursor's (``GROUP_SHIFT``), which
+the completion reader takes out again: contexts and counts above this
+module are per piece, whatever was grouped. Cursors can be added after
+posting began (a write failing over to another rail pair, its notification)
+and stopped for good (``kill``).
 
 What must not live here: per-transfer bookkeeping beyond the cursors (the
 engine's), or any Python loop over pieces.
@@ -26,16 +31,19 @@ from ._binding import ffi, fi_strerror, lib
 if TYPE_CHECKING:
     from ._rail import Rail
 
-__all__ = ["CURSOR_SHIFT", "MAX_CURSORS", "TID_MASK", "ExpressCursor", "WriteBatch",
-           "context_of", "split_context"]
+__all__ = ["CURSOR_SHIFT", "GROUP_SHIFT", "MAX_CURSORS", "TID_MASK", "ExpressCursor",
+           "WriteBatch", "context_of", "group_of", "split_context"]
 
 I64 = npt.NDArray[np.int64]
 #: a cursor's index sits above this bit of its operation context; cursor 0's
 #: context is the transfer id itself
 CURSOR_SHIFT = 56
 MAX_CURSORS = 1 << (64 - CURSOR_SHIFT)
+#: a grouped write's piece count less one sits in the two bits from here
+#: (``P2P_GROUP_SHIFT``), below the cursor's index
+GROUP_SHIFT = 54
 #: the transfer id's bits of an operation context
-TID_MASK = (1 << CURSOR_SHIFT) - 1
+TID_MASK = (1 << GROUP_SHIFT) - 1
 _NO_DC = (1 << 63) - 1
 
 
@@ -46,6 +54,12 @@ def context_of(tid: int, cursor: int) -> int:
 def split_context(context: int) -> tuple[int, int]:
     """(transfer id, cursor index) of an operation context."""
     return context & TID_MASK, context >> CURSOR_SHIFT
+
+
+def group_of(context: int) -> tuple[int, int]:
+    """(the context without its group bits, pieces its write carried) of an
+    operation context as the provider hands it back (an error entry's)."""
+    return context & ~(3 << GROUP_SHIFT), ((context >> GROUP_SHIFT) & 3) + 1
 
 
 class WriteBatch:
@@ -107,7 +121,8 @@ class WriteBatch:
         lib.p2p_cursor_set(self._c, i, rail.endpoint.handle, dest, *ptrs, start, end,
                            src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
                            self.context | (i << CURSOR_SHIFT),
-                           _NO_DC if dc_from is None else dc_from, bell)
+                           _NO_DC if dc_from is None else dc_from, bell,
+                           rail.group_placed if dc_from is None else rail.group)
         self.rails.append(rail_index)
         self.starts.append(start)
         self.ends.append(end)
@@ -229,15 +244,15 @@ class ExpressCursor:
         self.aimed: Any = None
 
     def aim(self, key: Any, ep: Any, dest: int, src_base: int, src_desc: Any, dst_base: int,
-            dst_key: int, bell: Any) -> None:
+            dst_key: int, bell: Any, group: int) -> None:
         """Point the cursor at endpoint ``ep`` (``Rail.endpoint.handle``),
         peer ``dest`` and the memory at both ends: what every write of one
         plan shares. ``bell``: the peer's doorbell (``Rail.bell_of``), rung
-        after a piece that needs its progress. ``key`` is remembered as
-        ``aimed``."""
+        after a piece that needs its progress; ``group``: the rail's pieces
+        per RMA write (``Rail.group``). ``key`` is remembered as ``aimed``."""
         self._bell = bell  # the C cursor points at it until aimed elsewhere
         lib.p2p_cursor_set(self._c, 0, ep, dest, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0,
-                           src_base, src_desc, dst_base, dst_key, 0, 0, 0, _NO_DC, bell)
+                           src_base, src_desc, dst_base, dst_key, 0, 0, 0, _NO_DC, bell, group)
         self.aimed = key
 
     def post(self, poller: Any, src_off: I64, dst_off: I64, length: I64, imm: int | None,

@@ -164,6 +164,13 @@ class FabricInfo:
         return int(self._raw.tx_attr.size)
 
     @property
+    def write_iovs(self) -> int:
+        """Pieces one RMA write can carry: iovs on both sides
+        (``iov_limit``, ``rma_iov_limit``; tcp;ofi_rxm and shm: 4)."""
+        return max(1, min(int(self._raw.tx_attr.iov_limit),
+                          int(self._raw.tx_attr.rma_iov_limit)))
+
+    @property
     def manual_progress(self) -> bool:
         # tcp reports AUTO yet needs the CQ read for data to move: treat every
         # provider as manual and always progress; this flag is informational.

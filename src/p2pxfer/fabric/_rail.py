@@ -22,7 +22,7 @@ import numpy.typing as npt
 from p2pxfer.errors import FabricError
 from p2pxfer.log import get_logger
 
-from ._batch import WriteBatch
+from ._batch import WriteBatch, group_of
 from ._bell import Bells, Doorbell
 from ._binding import ffi, lib, raise_fabric_error
 from ._info import DELIVERY_COMPLETE, FabricInfo, getinfo
@@ -67,6 +67,11 @@ class Rail:
             self.av = self._own(AddressVector(self.domain))
             self.endpoint = self._own(self._enabled_endpoint(info))
             self.address: bytes = self.endpoint.address
+            #: pieces without an immediate per RMA write (``_batch.py``); one
+            #: where every write is delivery-complete by default, which
+            #: fi_writemsg's own flags would leave out
+            self.group = 1 if info.tx_op_flags & DELIVERY_COMPLETE else min(
+                info.write_iovs, int(lib.P2P_GROUP_MAX))
             # shm targets nap (no CQ wait fd): peers ring this to wake our
             # poller, and we ring theirs (``_bell.py``).
             if self.av.is_shm:
@@ -167,6 +172,16 @@ class Rail:
         if self.av.is_shm:
             check_shm_peer(address)
         return self.av.insert(address)
+
+    @property
+    def group_placed(self) -> int:
+        """Pieces per RMA write for a write whose completion must mean its
+        bytes are in place (a plain write: no notification follows it).
+        shm places a write of one piece to one place itself (CMA) before it
+        completes; a write of several goes through the target's command
+        queue and completes before the target ran it. So one there; tcp
+        completes a grouped write as it does a single one."""
+        return 1 if self.av.is_shm else self.group
 
     def bell_of(self, address: bytes) -> Any:
         """The doorbell to ring after posting to the peer at ``address``
@@ -317,13 +332,15 @@ class StallWatch:
 
 @dataclass(frozen=True)
 class CompletionError:
-    """A failed operation as its CQ reported it."""
+    """A failed operation as its CQ reported it: ``pieces`` of a write
+    failed together (a grouped write's, ``_batch.py``)."""
 
     rail: int
     context: int
     flags: int
     code: int
     text: str
+    pieces: int = 1
 
 
 @dataclass(frozen=True)
@@ -486,7 +503,8 @@ class Poller:
         if self._p.err_cq >= 0:
             r = int(self._p.err_cq)
             ctx, flags, code, text = self.rails[r].cq.read_error()
-            error = CompletionError(r, ctx, flags, code, text)
+            ctx, pieces = group_of(ctx)
+            error = CompletionError(r, ctx, flags, code, text, pieces)
         return Completions(
             self._rail[:n], self._ctx[:n], self._flags[:n], self._data[:n],
             self._count[:n], self._bytes[:n], error,
