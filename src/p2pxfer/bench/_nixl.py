@@ -3,7 +3,11 @@ same pages, the same run.
 
 ``NixlPeer`` runs NIXL's UCX backend without a GPU: a target process
 registers a zeroed DRAM buffer and busy-polls its agent (``get_new_notifs``:
-UCX needs the target to progress), this process registers the source, and
+UCX needs the target to progress) while NIXL is set up and during NIXL's own
+rounds only, and sleeps on its pipe otherwise, and neither agent runs
+NIXL's progress thread: spinning through our rounds and the C reference's,
+they took this machine's two cores from them (both ran at 0.2-0.3 of their
+speed beside them), this process registers the source, and
 each round is one transfer handle made before timing (``initialize_xfer``
 with every page of the round as a descriptor; NIXL merges adjacent ones) and
 posted again each time (``transfer``, then ``check_xfer_state`` until done).
@@ -65,7 +69,11 @@ def _agent(name: str, provider: str) -> Any:
         os.environ[k] = v
     # Through importlib: an optional dependency without type information.
     api = importlib.import_module("nixl._api")
-    agent = api.nixl_agent(name, api.nixl_agent_config(backends=[]))
+    # No progress thread: it ran beside every path of the run, ours and the C
+    # reference's included, and took a core from them; NIXL progresses where
+    # this bench calls it (the target's busy poll, check_xfer_state).
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False,
+                                                       backends=[]))
     params = {} if provider.startswith("tcp") else {"ucx_error_handling_mode": "none"}
     agent.create_backend("UCX", params)
     return agent
@@ -84,14 +92,20 @@ def _target_main(conn: Any, size: int, provider: str) -> None:
         buf = np.zeros(size, np.uint8)
         address = _register(agent, buf)  # before the metadata, which carries it
         conn.send(("ready", agent.get_agent_metadata(), address))
+        polling = True  # through the set-up (connections, handles)
         while True:
-            agent.get_new_notifs()  # progress
-            if not conn.poll(0):
-                continue
+            if polling:
+                agent.get_new_notifs()  # progress
+                if not conn.poll(0):
+                    continue
             msg = conn.recv()
             if msg[0] == "stop":
                 conn.send(("stopped",))
                 return
+            if msg[0] == "poll":  # busy-poll from now (True) or sleep on the pipe
+                polling = bool(msg[1])
+                conn.send(("polling", polling))
+                continue
             _, offsets, lengths, fill = msg  # check: every range holds the fill byte
             bad = sum(int(np.count_nonzero(buf[o:o + n] != fill))
                       for o, n in zip(offsets, lengths, strict=True))
@@ -135,7 +149,18 @@ class NixlPeer:
         self._handles.append(handle)
         return handle, sl
 
+    def _poll(self, on: bool) -> None:
+        self._target.conn.send(("poll", on))
+        self._target.reply(self._timeout, "start polling" if on else "stop polling")
+
     def block(self, plans: list[Any], timeout: float) -> tuple[int, list[float], float | None]:
+        self._poll(True)
+        try:
+            return self._block(plans, timeout)
+        finally:
+            self._poll(False)  # others' rounds come next: leave them the CPU
+
+    def _block(self, plans: list[Any], timeout: float) -> tuple[int, list[float], float | None]:
         cpu0 = process_cpu_seconds(self._pid)
         n, dts = 0, []
         for handle, sl in plans:
