@@ -354,12 +354,10 @@ static int post_pass(struct p2p_cursor *cur, int ncur)
                                       c->context, c->group, &c->err);
         for (i = from; i < c->next; i++)
             c->bytes_posted += c->len[i];
-        /* Posted a piece whose completion waits for the target (one with an
-         * immediate or delivery-complete, or a grouped write, which shm
-         * queues for the target to copy), or found its queue full (only its
-         * progress empties it): wake it. */
+        /* Posted a piece whose completion waits for the target, or found
+         * its queue full (only its progress empties it): wake it. */
         if (c->bell && ((c->next > from && (c->with_imm || c->bell->every ||
-                                            c->group > 1 || c->next > c->dc_from)) ||
+                                            c->next > c->dc_from)) ||
                         (c->next < c->end && !c->err)))
             ring(c->bell);
         pending |= c->next < c->end && !c->err;

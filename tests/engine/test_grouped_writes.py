@@ -1,15 +1,14 @@
-"""Pieces without an immediate go out several per RMA write (``fi_writemsg``
-with up to four iovs each side, ``P2P_GROUP_MAX``), and the completion of
-such a write counts all its pieces (the count rides in its operation
-context, ``fabric/_batch.py``).
+"""Pieces without an immediate go out several per RMA write on tcp;ofi_rxm
+(``fi_writemsg`` with up to four iovs each side, ``P2P_GROUP_MAX``), and the
+completion of such a write counts all its pieces (the count rides in its
+operation context, ``fabric/_batch.py``).
 
 Through real providers on loopback: random scatter lists (lengths across
 shm's 4 KiB inject size and rxm's 16 KiB eager buffer, counts that are no
 multiple of four) written plainly, with one notification, and with an
 immediate on every piece; every byte checked, every count exact. Which
-writes group is checked on the cursors themselves: shm keeps a plain
-write's pieces single (its one-piece writes are placed before they
-complete; a grouped one goes through the target's queue).
+writes group is checked on the cursors themselves: on shm none do (a
+grouped shm write goes through the target's queue; see ``Rail.group``).
 """
 
 from __future__ import annotations
@@ -47,9 +46,7 @@ async def test_grouped_writes_land_every_byte_and_count_every_piece(provider: st
     src = rng.integers(0, 256, REGION, dtype=np.uint8)
     async with pair(provider) as (a, b):
         a.register(src)
-        rail = a.shards[0]._group.rails[0]
-        assert rail.group == 4  # both providers take four iovs a write
-        assert rail.group_placed == (1 if provider == "shm" else 4)
+        assert a.shards[0]._group.rails[0].group == (1 if provider == "shm" else 4)
         for k, n in enumerate((1, 3, 5, 401, 1023)):
             for mode in ("plain", "notify", "imm"):
                 dst = np.zeros(REGION, np.uint8)
@@ -76,18 +73,21 @@ async def test_grouped_writes_land_every_byte_and_count_every_piece(provider: st
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 async def test_which_writes_group(provider: str) -> None:
-    """A cursor of a plain write groups on tcp only; a notified write's
-    pieces group on both (its delivery-complete tail stays single, in C);
-    ``write_group=1`` turns it off."""
+    """A cursor without an immediate groups on tcp (a notified write's
+    delivery-complete tail stays single, in C), none does on shm;
+    ``write_group=1`` turns it off; a rail whose every write is
+    delivery-complete never groups."""
     async with pair(provider) as (a, _):
         rail = a.shards[0]._group.rails[0]
         arrays = tuple(np.zeros(8, np.int64) for _ in range(3))
         batch = WriteBatch(*arrays, context=7, imm=None, capacity=2)  # type: ignore[misc]
         plain = batch.add(0, rail, 0, 0, 8, 0, ffi.NULL, 0, 0)
         notified = batch.add(0, rail, 0, 0, 8, 0, ffi.NULL, 0, 0, dc_from=7)
-        assert batch._c[plain].group == (1 if provider == "shm" else 4)
-        assert batch._c[notified].group == 4
+        want = 1 if provider == "shm" else 4
+        assert batch._c[plain].group == batch._c[notified].group == want
     async with pair(provider, write_group=1) as (a, _):
+        assert a.shards[0]._group.rails[0].group == 1
+    async with pair(provider, delivery_complete=True) as (a, _):
         assert a.shards[0]._group.rails[0].group == 1
 
 

@@ -184,7 +184,7 @@ class Express:
                 aim = (plan, dest, plan.bell)  # a new peer address or doorbell: aim anew
                 if cursor.aimed != aim:
                     cursor.aim(aim, plan.ep, dest, plan.base, t.src_desc, t.dst_base,
-                               t.dst_key, plan.bell, t.rail.group_placed)
+                               t.dst_key, plan.bell, t.rail.group)
                 # Holds the CQs first: the poller thread keeps off them.
                 left = cursor.post(s._poller.handle, scatter.src, scatter.dst, scatter.length,
                                    imm, tid)

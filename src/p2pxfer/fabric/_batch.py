@@ -121,8 +121,7 @@ class WriteBatch:
         lib.p2p_cursor_set(self._c, i, rail.endpoint.handle, dest, *ptrs, start, end,
                            src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
                            self.context | (i << CURSOR_SHIFT),
-                           _NO_DC if dc_from is None else dc_from, bell,
-                           rail.group_placed if dc_from is None else rail.group)
+                           _NO_DC if dc_from is None else dc_from, bell, rail.group)
         self.rails.append(rail_index)
         self.starts.append(start)
         self.ends.append(end)

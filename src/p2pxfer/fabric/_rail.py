@@ -67,11 +67,17 @@ class Rail:
             self.av = self._own(AddressVector(self.domain))
             self.endpoint = self._own(self._enabled_endpoint(info))
             self.address: bytes = self.endpoint.address
-            #: pieces without an immediate per RMA write (``_batch.py``); one
-            #: where every write is delivery-complete by default, which
-            #: fi_writemsg's own flags would leave out
-            self.group = 1 if info.tx_op_flags & DELIVERY_COMPLETE else min(
-                info.write_iovs, int(lib.P2P_GROUP_MAX))
+            #: pieces without an immediate per RMA write (``_batch.py``). One
+            #: where every write is delivery-complete by default (fi_writemsg's
+            #: own flags would leave that out), and on shm: there a write of
+            #: several pieces goes through the target's command queue for it
+            #: to copy, where a one-piece write is placed by its poster (CMA)
+            #: before it completes; with writes aborted under them, grouped
+            #: shm writes crashed in the provider's progress (the engine's
+            #: thread-safety stress, 2 full-suite runs of 2)
+            self.group = 1 if (info.tx_op_flags & DELIVERY_COMPLETE
+                               or self.av.is_shm) else min(info.write_iovs,
+                                                           int(lib.P2P_GROUP_MAX))
             # shm targets nap (no CQ wait fd): peers ring this to wake our
             # poller, and we ring theirs (``_bell.py``).
             if self.av.is_shm:
@@ -172,16 +178,6 @@ class Rail:
         if self.av.is_shm:
             check_shm_peer(address)
         return self.av.insert(address)
-
-    @property
-    def group_placed(self) -> int:
-        """Pieces per RMA write for a write whose completion must mean its
-        bytes are in place (a plain write: no notification follows it).
-        shm places a write of one piece to one place itself (CMA) before it
-        completes; a write of several goes through the target's command
-        queue and completes before the target ran it. So one there; tcp
-        completes a grouped write as it does a single one."""
-        return 1 if self.av.is_shm else self.group
 
     def bell_of(self, address: bytes) -> Any:
         """The doorbell to ring after posting to the peer at ``address``
