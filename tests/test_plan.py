@@ -87,14 +87,21 @@ def test_fit_follows_the_provider_across_its_protocol_change() -> None:
 
 
 def test_noise_never_makes_a_larger_piece_cheaper() -> None:
-    """A noisy measurement (here a 16 KiB stream faster than the 4 KiB
-    one) is pooled with its neighbour, never left as a dip."""
+    """A measurement that makes a larger piece cheaper (here a 16 KiB
+    stream faster than the 4 KiB one) lowers the smaller sizes' cost, never
+    stays a dip; one far slower than a larger piece's (a lone 16 KiB piece
+    10x slow, a disturbed measurement) is lowered to that, never raises its
+    neighbours."""
     pts = shapes(noise=0.05, seed=7)
     pts[SHAPES.index((2048, EAGER))] = Point(2048, 2048 * EAGER, 1e-3)
+    pts[SHAPES.index((1, EAGER))] = Point(1, EAGER, 10 * stepped(1, EAGER))
     got = fit(TCP, pts)
     for curve in (got.single, got.stream):
         costs = [c for _, c in curve]
         assert costs == sorted(costs) and min(costs) > 0
+    single = dict(got.single)
+    assert single[4 * KIB] == pytest.approx(stepped(1, 4 * KIB), rel=0.2)
+    assert single[EAGER] <= single[EAGER + 1] < 2 * stepped(1, EAGER + 1)
     mixed = ScatterList(np.arange(3, dtype=np.int64) * MIB, np.arange(3, dtype=np.int64) * MIB,
                         np.array([4 * KIB, EAGER, MIB], np.int64))
     assert predict(got, mixed).seconds >= got.seconds(1, MIB)

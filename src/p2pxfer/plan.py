@@ -96,8 +96,8 @@ def _curve(knots: Knots, sizes: np.ndarray) -> np.ndarray:
 
 def _tail_slope(knots: Knots) -> float:
     """A curve's cost per byte past its last knot: its last segment's slope,
-    or where that is flat (one knot, or two pooled equal) the last knot's
-    average cost per byte."""
+    or where that is flat (one knot, or two made equal by the envelope) the
+    last knot's average cost per byte."""
     (x1, y1), (x0, y0) = knots[-1], knots[-2] if len(knots) >= 2 else (0, 0.0)
     slope = (y1 - y0) / (x1 - x0) if len(knots) >= 2 else 0.0
     return slope if slope > 0 else y1 / x1
@@ -212,22 +212,21 @@ class Prediction:
         return {**asdict(self), "gbps": self.gbps}
 
 
-def _monotone(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence (pool adjacent violators): a
-    larger piece never costs less, whatever the noise of one measurement."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, c = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += c
-    return [s / c for s, c in blocks for _ in range(int(c))]
+def _envelope(values: Sequence[float]) -> list[float]:
+    """The lower non-decreasing envelope: each cost no more than any larger
+    piece's. A larger piece never costs less; a measurement slower than a
+    larger piece's was disturbed (here: both spinning ends of a loopback
+    transfer sharing one CPU, 50-60 us for a lone 64 KiB shm piece that
+    takes 8), and is lowered rather than averaged into its neighbours."""
+    out = list(values)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
 
 
 def _knots(pairs: dict[int, list[float]]) -> Knots:
     sizes = sorted(pairs)
-    costs = _monotone([float(np.median(pairs[s])) for s in sizes])
+    costs = _envelope([float(np.median(pairs[s])) for s in sizes])
     return tuple((s, max(MIN_COST_S, c)) for s, c in zip(sizes, costs, strict=True))
 
 
@@ -236,7 +235,8 @@ def fit(provider: str, points: Sequence[Point], *, nics: Sequence[str] = (),
     """The curves through ``points``: transfers of one piece make the
     ``single`` curve; transfers of many equal pieces the ``stream`` curve, as
     what each piece past the first added to a lone one of its size. Each
-    curve is made non-decreasing in size (a larger piece never costs less)."""
+    curve is the lower non-decreasing envelope of its measurements (a larger
+    piece never costs less: ``_envelope``)."""
     if not all(p.seconds > 0 and p.pieces >= 1 and p.nbytes >= 1 and p.rails >= 1
                for p in points):
         raise InvalidArgument("every measurement must be of >= 1 piece and byte and have "
