@@ -268,9 +268,15 @@ async def test_express_plans_hold_nothing_alive_and_count_as_uses() -> None:
             raw = bytearray(b"\x05" * 8192)
             a.register(raw)
             express = a.statistics().express
-            await a.write(raw, desc, sl, imm=1)
+            written = 0
+            for _ in range(50):  # until one went the express way (a busy
+                # machine hands some over: ``test_express_plans_follow...``)
+                await a.write(raw, desc, sl, imm=1)
+                written += 1
+                if a.statistics().express > express:
+                    break
             assert a.statistics().express == express + 1
-            await b.wait_imm(1, 5)
+            await b.wait_imm(1, 4 + written)
 
 
 def write_again_to_a_peer_gone_before_the_first(results: Any) -> None:
@@ -341,8 +347,11 @@ def write_after_the_peer_closed(results: Any) -> None:
             b = BlockingEngine.open("shm")
             try:
                 desc = b.export(np.zeros(4096, np.uint8), "r")
-                for _ in range(3):
+                for _ in range(50):  # until two went the express way (a busy
+                    # machine hands some over: ``test_express_plans_follow...``)
                     a.write(src, desc, ScatterList.contiguous(4096), imm=1)
+                    if a.statistics().express >= 2:
+                        break
                 express = a.statistics().express
             finally:
                 b.close()
