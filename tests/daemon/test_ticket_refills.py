@@ -30,6 +30,7 @@ class _Link:
 
     def __init__(self, slot: int, tag_bits: int) -> None:
         self.cut = True
+        self.delay = 0.1  # seconds each answer takes
         self.asked = 0
         self._next = 1
         self._slot, self._tag_bits = slot, tag_bits
@@ -37,7 +38,7 @@ class _Link:
     async def request(self, peer: str, kind: str, **fields: Any) -> dict[str, Any]:
         assert kind == "imm_tickets"
         self.asked += 1
-        await trio.sleep(0.1)
+        await trio.sleep(self.delay)
         if self.cut:
             raise PeerUnreachable(f"peer {peer}: TooSlowError")
         tickets = [self._slot | (self._next + i) for i in range(fields["n"])]
@@ -73,6 +74,33 @@ async def test_a_refill_that_failed_is_asked_again_at_once_after_a_reroute(
         ticket = await regions.ticket_for_write("node-b", "r", until)
         assert ticket is not None and ticket >> table.tag_bits == slot >> table.tag_bits
         assert link.asked == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_slow_refill_is_waited_for_within_the_writes_deadline(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A refill that takes longer than ``TICKET_WAIT_S`` (a busy host:
+    the peer's daemon answers late) is waited for while the write has time:
+    the write gets a ticket, not None (its notification could not be
+    settled). Giving up on it after a fixed 2 s made 150 notify writes at
+    once beside two busy loops end ``NotificationUnknown``."""
+    table = ImmTable(SimpleNamespace(imm_bits=64, route_imms=lambda *a: None))  # type: ignore[arg-type]
+    slot = 5 << table.tag_bits
+    link = _Link(slot, table.tag_bits)
+    link.cut, link.delay = False, 4.0
+    regions = Regions("node-a", link, SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
+                      lambda: table)
+    key = ("node-b", "r")
+    regions._slots[key] = slot
+    regions._tickets[key] = (slot, [])  # the batch spent
+    async with trio.open_nursery() as nursery:
+        regions.nursery = nursery
+        t0 = trio.current_time()
+        ticket = await regions.ticket_for_write("node-b", "r", t0 + 60)
+        assert ticket is not None and trio.current_time() - t0 == pytest.approx(4.0)
+        # Within a shorter deadline, the write goes without when it ends.
+        regions._tickets[key] = (slot, [])
+        assert await regions.ticket_for_write("node-b", "r", trio.current_time() + 1) is None
         nursery.cancel_scope.cancel()
 
 

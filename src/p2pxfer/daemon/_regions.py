@@ -48,10 +48,9 @@ INVALIDATE_GIVE_UP_S = 600.0
 #: notification tickets asked for at once (``_imms``: with ``resolve``, then
 #: ``imm_tickets`` in the background once half of them are spent)
 TICKET_BATCH = 64
-#: how long a notify-mode write with no ticket in hand waits for a refill
-#: (within its deadline): a notification without one cannot be settled
-#: when its outcome is unknown. Also the pause after a refill that failed
-#: before the next is asked for (the control link may be cut a while)
+#: the pause after a refill of notification tickets that failed before the
+#: next is asked for (the control link may be cut a while); a write with no
+#: ticket waits for a refill on its way within its own deadline
 TICKET_WAIT_S = 2.0
 
 
@@ -217,11 +216,14 @@ class Regions:
     async def ticket_for_write(self, peer: str, region: str, until: float) -> int | None:
         """``ticket``, or, with none in hand while a refill is on its way
         (a burst of writes spent the batch, or the control link was cut a
-        while), the refill waited for: at most ``TICKET_WAIT_S`` and within
-        ``until``. None if no ticket comes: the peer gives none, the refill
-        failed, or time ran out."""
+        while), the refill waited for, within the write's deadline ``until``
+        (the refill is bounded itself: ``_refill``). Not a fixed wait: on a
+        busy host a refill took longer than one, and the writes that gave up
+        on it went without a ticket, their notifications unsettleable. None
+        if no ticket comes: the peer gives none, the refill failed, or the
+        write's time ran out."""
         key = (peer, region)
-        with trio.move_on_at(min(until, trio.current_time() + TICKET_WAIT_S)):
+        with trio.move_on_at(until):
             while True:
                 ticket = self.ticket(peer, region)
                 refill = self._refilling.get(key)
