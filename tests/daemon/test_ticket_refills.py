@@ -46,17 +46,22 @@ class _Link:
         return {"tickets": tickets}
 
 
-async def test_a_refill_that_failed_is_asked_again_at_once_after_a_reroute(
-        autojump_clock: trio.testing.MockClock) -> None:
+def _spent() -> tuple[ImmTable, int, _Link, Regions]:
+    """A region on node-b whose batch of tickets is spent, behind ``_Link``."""
     table = ImmTable(SimpleNamespace(imm_bits=64, route_imms=lambda *a: None))  # type: ignore[arg-type]
     assert table.tag_bits > 0
     slot = 5 << table.tag_bits
     link = _Link(slot, table.tag_bits)
     regions = Regions("node-a", link, SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
                       lambda: table)
-    key = ("node-b", "r")
-    regions._slots[key] = slot
-    regions._tickets[key] = (slot, [])  # the batch spent
+    regions._slots["node-b", "r"] = slot
+    regions._tickets["node-b", "r"] = (slot, [])
+    return table, slot, link, regions
+
+
+async def test_a_refill_that_failed_is_asked_again_at_once_after_a_reroute(
+        autojump_clock: trio.testing.MockClock) -> None:
+    table, slot, link, regions = _spent()
     async with trio.open_nursery() as nursery:
         regions.nursery = nursery
         until = trio.current_time() + 60
@@ -84,22 +89,15 @@ async def test_a_slow_refill_is_waited_for_within_the_writes_deadline(
     the write gets a ticket, not None (its notification could not be
     settled). Giving up on it after a fixed 2 s made 150 notify writes at
     once beside two busy loops end ``NotificationUnknown``."""
-    table = ImmTable(SimpleNamespace(imm_bits=64, route_imms=lambda *a: None))  # type: ignore[arg-type]
-    slot = 5 << table.tag_bits
-    link = _Link(slot, table.tag_bits)
+    _, slot, link, regions = _spent()
     link.cut, link.delay = False, 4.0
-    regions = Regions("node-a", link, SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
-                      lambda: table)
-    key = ("node-b", "r")
-    regions._slots[key] = slot
-    regions._tickets[key] = (slot, [])  # the batch spent
     async with trio.open_nursery() as nursery:
         regions.nursery = nursery
         t0 = trio.current_time()
         ticket = await regions.ticket_for_write("node-b", "r", t0 + 60)
         assert ticket is not None and trio.current_time() - t0 == pytest.approx(4.0)
         # Within a shorter deadline, the write goes without when it ends.
-        regions._tickets[key] = (slot, [])
+        regions._tickets["node-b", "r"] = (slot, [])
         assert await regions.ticket_for_write("node-b", "r", trio.current_time() + 1) is None
         nursery.cancel_scope.cancel()
 
