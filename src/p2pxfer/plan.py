@@ -288,11 +288,6 @@ def _posted(scatter: ScatterList, rails: int) -> np.ndarray:
     return np.asarray(sl.length)
 
 
-def rail_pieces(scatter: ScatterList, rails: int) -> int:
-    """How many pieces a write of ``scatter`` posts over ``rails`` rails."""
-    return len(_posted(scatter, rails))
-
-
 def predict(profile: Profile, scatter: ScatterList, *, rails: int = 1) -> Prediction:
     """One write of ``scatter`` over ``rails`` rails."""
     if rails < 1:

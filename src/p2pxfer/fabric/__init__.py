@@ -29,10 +29,10 @@ from ._objects import Endpoint as Endpoint
 from ._objects import Fabric as Fabric
 from ._objects import MemoryRegion as MemoryRegion
 from ._objects import shm_segment as shm_segment
-from ._rail import FLAG_REMOTE_CQ_DATA as FLAG_REMOTE_CQ_DATA
-from ._rail import CompletionError as CompletionError
-from ._rail import Completions as Completions
-from ._rail import Poller as Poller
+from ._poller import FLAG_REMOTE_CQ_DATA as FLAG_REMOTE_CQ_DATA
+from ._poller import CompletionError as CompletionError
+from ._poller import Completions as Completions
+from ._poller import Poller as Poller
 from ._rail import Rail as Rail
 from ._rail import StallWatch as StallWatch
 from ._sockets import parse_sockaddr as parse_sockaddr
