@@ -26,6 +26,7 @@ from p2pxfer.membership import (
     EmbeddedBackend,
     EtcdBackend,
     Member,
+    MemberAlive,
     MemberDead,
     MemberJoined,
     MemberLeft,
@@ -34,6 +35,7 @@ from p2pxfer.membership import (
     MembershipError,
     MembershipEvent,
     MemberState,
+    MemberSuspect,
     PeerLost,
     StaleIncarnation,
     SwimConfig,
@@ -317,6 +319,56 @@ async def test_etcd_restart_before_expiry_and_forged_members(etcd: str) -> None:
                 await x.stop()
             nursery.cancel_scope.cancel()
     assert any(entry["event"] == "membership.auth_failed" for entry in logs)
+
+
+async def test_etcd_a_lapsed_lease_whose_host_accepts_is_suspect_not_dead(etcd: str) -> None:
+    """With ``host_check``: b stops keeping its lease (a starved daemon), its
+    key goes, but a socket still listens at its address: a sees it suspect,
+    never dead, and b's same life putting its key back is ``MemberAlive``.
+    c's lease lapses with nothing listening at its address: refused, dead at
+    once (no grace to wait out)."""
+    prefix = f"/p2pxfer-test-{uuid.uuid4().hex}/members/"
+    listener = trio.socket.socket()
+    await listener.bind((LOOPBACK, 0))
+    listener.listen(8)  # never accepted from: the kernel answers for a stopped process
+    b_addr = f"{LOOPBACK}:{listener.getsockname()[1]}"
+    c_addr = f"{LOOPBACK}:{free_port()}"  # nothing listens: refused
+
+    def member(name: str, address: str, **kw: object) -> EtcdBackend:
+        return EtcdBackend(name, address, TOKEN, etcd, ttl=2, prefix=prefix,
+                           host_check=0.3, starved_grace=8.0, **kw)  # type: ignore[arg-type]
+
+    with trio.fail_after(40), listener:
+        async with trio.open_nursery() as nursery:
+            a, b, c = member("a", f"{LOOPBACK}:1"), member("b", b_addr), member("c", c_addr)
+            for x in (a, b, c):
+                await x.start(nursery)
+            await wait_until(lambda: sees(a, "b", ALIVE) and sees(a, "c", ALIVE), 5, "joined")
+            events: list[MembershipEvent] = []
+            nursery.start_soon(collect, a.events(), events)
+
+            b_inc = b.incarnation
+            await b.stop(graceful=False)
+            await wait_until(lambda: sees(a, "b", MemberState.SUSPECT), 8, "b's lease lapsed")
+            await trio.sleep(1.5)  # several host checks, all answered
+            assert sees(a, "b", MemberState.SUSPECT, b_inc)
+            assert a.is_current("b", b_inc)
+            b2 = member("b", b_addr, incarnation=b_inc)  # the same life runs again
+            await b2.start(nursery)
+            await wait_until(lambda: sees(a, "b", ALIVE, b_inc), 3, "b back")
+            mine = [type(e) for e in events if getattr(e, "member", None)
+                    and e.member.name == "b"]  # type: ignore[union-attr]
+            assert mine == [MemberSuspect, MemberAlive], mine
+
+            await c.stop(graceful=False)
+            await wait_until(lambda: sees(a, "c", DEAD), 8, "c's lease lapsed")
+            mine = [type(e) for e in events if getattr(e, "member", None)
+                    and e.member.name == "c"]  # type: ignore[union-attr]
+            assert mine == [MemberSuspect, MemberDead], mine
+            assert a.detection_bound() == pytest.approx(2 + 2.0 + 0.3)
+            for x in (a, b2):
+                await x.stop()
+            nursery.cancel_scope.cancel()
 
 
 async def test_etcd_unreachable_is_a_clear_error() -> None:

@@ -317,15 +317,21 @@ def host_checked(d: DaemonProc) -> bool:
                for line in d.log.read_text(errors="replace").splitlines())
 
 
+@pytest.mark.parametrize("backend", ["embedded", "etcd"])
 def test_a_stopped_member_is_suspect_not_dead_while_its_host_answers(
-        tmp_path: Path, procs: list[Any]) -> None:
+        backend: str, request: pytest.FixtureRequest, tmp_path: Path,
+        procs: list[Any]) -> None:
     """A member daemon not scheduled for several suspicion timeouts (SIGSTOP:
-    a starved process) answers no probe, but its kernel still accepts on its
-    control port: the others keep it suspect (``STARVED_GRACE_S``), never
-    dead, and once it runs again it refutes and takes writes as before."""
+    a starved process) answers no probe (embedded) or lets its lease lapse
+    (etcd), but its kernel still accepts on its control port: the others
+    keep it suspect (``STARVED_GRACE_S``), never dead, and once it runs
+    again it refutes (puts its key back) and takes writes as before, the
+    same life."""
     from p2pxfer.daemon._follow import STARVED_GRACE_S
 
-    _, a, b, c = three_members(tmp_path, procs, "embedded")
+    keys = {} if backend == "embedded" else \
+        {"etcd_endpoint": request.getfixturevalue("etcd"), "etcd_ttl": 2}
+    _, a, b, c = three_members(tmp_path, procs, backend, **keys)
     plan = Plan(0x5709, pieces=64, min_len=4 << 10, max_len=16 << 10, region=4 << 20)
     target = Agent("trio", b.socket, "target")
     initiator = Agent("trio", a.socket, "initiator")

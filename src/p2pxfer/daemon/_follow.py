@@ -47,10 +47,10 @@ log = get_logger("p2pxfer.daemon")
 
 EVENT_LOG = 1024  # membership changes kept for watching clients
 WATCH_TIMEOUT_MAX_S = 300.0
-#: SWIM's host check: how long a suspect's host has to accept a connection
-#: on its control port before the verdict, and how long in all a member
-#: whose host keeps accepting (its daemon not scheduled: a busy host) stays
-#: suspect rather than dead
+#: The host check (SWIM's, and etcd's for a lapsed lease): how long a
+#: suspect's host has to accept a connection on its control port before the
+#: verdict, and how long in all a member whose host keeps accepting (its
+#: daemon not scheduled: a busy host) stays suspect rather than dead
 HOST_CHECK_S = 0.8
 STARVED_GRACE_S = 10.0
 
@@ -170,8 +170,11 @@ class Follower:
                                           host_check=HOST_CHECK_S,
                                           starved_grace=STARVED_GRACE_S))
         else:
+            # A lapsed lease is the same question: a starved daemon's lease
+            # lapses too; its host is asked before the verdict.
             backend = EtcdBackend(self.node, control_address, token, config.etcd_endpoint,
-                                  incarnation=incarnation, ttl=config.etcd_ttl)
+                                  incarnation=incarnation, ttl=config.etcd_ttl,
+                                  host_check=HOST_CHECK_S, starved_grace=STARVED_GRACE_S)
         events = backend.events()
         await backend.start(nursery)
         self.backend = backend

@@ -20,23 +20,13 @@ from typing import Any
 import trio
 
 from ._backend import MembershipBackend, MembershipError
+from ._hostcheck import check_host, join_hostport, split_hostport
 from ._member import Member, new_incarnation
 from ._swim import Outgoing, Swim, SwimConfig
 
 __all__ = ["EmbeddedBackend"]
 
 _MAX_DATAGRAM = 65536
-
-
-def split_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise MembershipError(f"{text!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-def join_hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class EmbeddedBackend(MembershipBackend):
@@ -223,38 +213,18 @@ class EmbeddedBackend(MembershipBackend):
                 self._nursery.start_soon(self._check_host, name, incarnation, address)
 
     async def _check_host(self, name: str, incarnation: int, address: str) -> None:
-        """Ask ``name``'s host whether a process still listens on its port
-        (a suspect's suspicion ran out; ``SwimConfig.host_check``): a TCP
-        connection its kernel accepts, made and closed, keeps a starved
-        member suspect; a refusal makes it dead now; no answer, at the end
-        of the check."""
+        """A suspect's suspicion ran out (``SwimConfig.host_check``): ask its
+        host (``check_host``). Accepted keeps a starved member suspect; a
+        refusal makes it dead now; no answer, at the end of the check."""
         swim = self.swim
-        verdict = "silent"
-        s: trio.socket.SocketType | None = None
-        try:
-            # A gossiped address is the member's word (checked for shape
-            # only), and a socket may be refused us (descriptors run out):
-            # either is no answer, never an error out of this task.
-            host, port = split_hostport(address)
-            s = trio.socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                   socket.SOCK_STREAM)
-            with trio.move_on_after(self.config.host_check * 0.8):
-                await s.connect((host, port))
-                verdict = "answered"
-        except ConnectionRefusedError:
-            verdict = "refused"
-        except (OSError, MembershipError) as exc:  # unreachable and such: no answer
-            verdict = f"silent ({exc})"
-        finally:
-            if s is not None:
-                s.close()
+        verdict, why = await check_host(address, self.config.host_check * 0.8)
         if verdict == "answered":
             swim.host_answered(name, incarnation)
         elif verdict == "refused":
             swim.host_refused(name, incarnation, trio.current_time())
             if swim.next_deadline() < self._sleeping_until:
                 self._wake.set()
-        self.log.info("membership.host_checked", member=name, verdict=verdict)
+        self.log.info("membership.host_checked", member=name, verdict=verdict, why=why)
 
     async def _say_goodbye(self) -> None:
         if self._swim is None or self._sock is None:

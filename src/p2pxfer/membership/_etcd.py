@@ -10,7 +10,13 @@ Everyone watches the prefix:
   ``MemberRestarted``; ``state: left``: ``MemberLeft`` (a graceful stop puts
   that, then revokes the lease);
 - a delete of a running member (its lease expired: it stopped keeping it
-  alive): ``MemberDead``.
+  alive): ``MemberDead``; with ``host_check`` (on in the daemon), first
+  ``MemberSuspect`` while its host is asked whether its process is still
+  there (``check_host``): a process starved of the CPU on a busy host
+  lets its lease lapse like a dead one, then puts its key back with the
+  same incarnation (``MemberAlive``). A refusal is the verdict at once, no
+  answer at the end of the check, and a host that keeps accepting is asked
+  again (twice as far apart each time) for up to ``starved_grace``.
 
 It speaks etcd's v3 JSON gateway over plain HTTP (httpx, under trio): no
 gRPC stack. Keys and values are base64 there; int64s are strings.
@@ -28,6 +34,7 @@ import httpx
 import trio
 
 from ._backend import MembershipBackend, MembershipError
+from ._hostcheck import check_host
 from ._member import (
     AuthFailed,
     Member,
@@ -38,6 +45,7 @@ from ._member import (
     MemberRestarted,
     MembershipEvent,
     MemberState,
+    MemberSuspect,
     Superseded,
     new_incarnation,
 )
@@ -47,6 +55,9 @@ __all__ = ["EtcdBackend"]
 
 VALUE_VERSION = 1
 KEEPALIVE_RETRY_S = 0.25  # a failed lease keepalive is tried again this soon, then later
+#: a renewal this many intervals after the last one that worked is logged:
+#: what let the lease get near its end (a starved daemon, a slow etcd)
+KEEPALIVE_LATE = 2.0
 
 
 def _b64(data: str | bytes) -> str:
@@ -69,16 +80,21 @@ class EtcdBackend(MembershipBackend):
     address); ``ttl`` the lease in seconds: a daemon that stops keeping its
     lease alive is seen dead about ``ttl`` seconds later (etcd rounds small
     TTLs up to its minimum, about 2 s with default timings). Dead and left
-    members are remembered ``tombstone`` seconds.
+    members are remembered ``tombstone`` seconds. ``host_check`` (seconds;
+    0: off) and ``starved_grace``: a member whose lease lapsed is suspect
+    while its host still accepts (see the module's docstring).
     """
 
     def __init__(self, name: str, address: str, token: bytes,
                  endpoint: str = "http://127.0.0.1:2379", *, incarnation: int | None = None,
                  ttl: int = 5, prefix: str = "/p2pxfer/members/", tombstone: float = 60.0,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, host_check: float = 0.0,
+                 starved_grace: float = 10.0) -> None:
         super().__init__(name, new_incarnation() if incarnation is None else incarnation)
         if not prefix or ttl < 1:
             raise MembershipError("EtcdBackend needs a prefix and ttl >= 1")
+        if host_check < 0 or starved_grace < host_check:
+            raise MembershipError("EtcdBackend needs 0 <= host_check <= starved_grace")
         self.address = address
         self.endpoint = endpoint
         self.ttl = ttl
@@ -87,6 +103,9 @@ class EtcdBackend(MembershipBackend):
         self._auth = ClusterAuth(token)
         self._tombstone = tombstone
         self._timeout = timeout
+        self._host_check = host_check
+        self._starved_grace = starved_grace
+        self._nursery: trio.Nursery | None = None
         self._client: httpx.AsyncClient | None = None
         self._lease = ""
         self._lease_lost = trio.Event()
@@ -99,8 +118,9 @@ class EtcdBackend(MembershipBackend):
     # -- views --------------------------------------------------------------------
 
     def detection_bound(self) -> float:
-        # The lease runs out (etcd may round it up a little), then the watch tells us.
-        return self.ttl + 2.0
+        # The lease runs out (etcd may round it up a little), the watch tells
+        # us, and a host that does not refuse gets its check.
+        return self.ttl + 2.0 + self._host_check
 
     def members(self) -> list[Member]:
         return sorted(self._view.values(), key=lambda m: m.name)
@@ -171,6 +191,7 @@ class EtcdBackend(MembershipBackend):
         self.log.info("membership.started", backend="etcd", endpoint=self.endpoint,
                       members=len(self._view))
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._keepalive_loop)
             nursery.start_soon(self._watch_loop, revision + 1)
             task_status.started()
@@ -181,7 +202,7 @@ class EtcdBackend(MembershipBackend):
         # must not stretch the gap towards the TTL. A failed one is tried
         # again soon.
         interval = max(self.ttl / 3, 0.2)
-        next_at = trio.current_time() + interval
+        next_at = last_ok = trio.current_time() + interval
         retry = KEEPALIVE_RETRY_S
         renew = False  # a new lease (and our key on it) is due
         while True:
@@ -195,15 +216,23 @@ class EtcdBackend(MembershipBackend):
                 if not renew:
                     data = await self._call("/v3/lease/keepalive", {"ID": self._lease})
                     if int(data.get("result", {}).get("TTL", 0)) <= 0:
-                        self.log.warning("membership.lease_lost", lease=self._lease)
+                        self.log.warning("membership.lease_lost", lease=self._lease,
+                                         since_last_s=round(trio.current_time() - last_ok, 3))
                         renew = True
                     else:
+                        now = trio.current_time()
+                        if now - last_ok > KEEPALIVE_LATE * interval:
+                            self.log.warning("membership.keepalive_late", lease=self._lease,
+                                             since_last_s=round(now - last_ok, 3),
+                                             ttl=self.ttl)
+                        last_ok = now
                         me = self._view[self.name]
-                        self._view[self.name] = replace(me, last_heard=trio.current_time())
+                        self._view[self.name] = replace(me, last_heard=now)
                 if renew:
                     # Until both are done: a new lease may hold no key of ours.
                     await self._renew()
                     renew = False
+                    last_ok = trio.current_time()
                 next_at, retry = started + interval, KEEPALIVE_RETRY_S
             except MembershipError as exc:
                 self.log.warning("membership.keepalive_failed", error=str(exc),
@@ -323,9 +352,9 @@ class EtcdBackend(MembershipBackend):
                 if old.running:
                     self._pending.append(MemberLeft(new))
             return
-        if old.running:
+        if old.state is MemberState.ALIVE:
             self._view[name] = replace(old, address=address, last_heard=now)
-        else:
+        else:  # a suspect whose lease had lapsed (starved), or back from dead
             self._set(new, now)  # same life back (its lease had lapsed)
             self._pending.append(MemberAlive(new))
 
@@ -336,10 +365,45 @@ class EtcdBackend(MembershipBackend):
                 self._lease_lost.set()
             return
         old = self._view.get(name)
-        if old is not None and old.running:
-            dead = replace(old, state=MemberState.DEAD)
-            self._set(dead, now)
-            self._pending.append(MemberDead(dead))
+        if old is None or not old.running:
+            return
+        if old.state is MemberState.SUSPECT:
+            return  # its host is being asked already
+        if self._host_check > 0 and self._nursery is not None:
+            suspect = replace(old, state=MemberState.SUSPECT)
+            self._set(suspect, now)
+            self._pending.append(MemberSuspect(suspect))
+            self._nursery.start_soon(self._settle, suspect)
+            return
+        self._declare_dead(old, now)
+
+    def _declare_dead(self, m: Member, now: float) -> None:
+        dead = replace(m, state=MemberState.DEAD)
+        self._set(dead, now)
+        self._pending.append(MemberDead(dead))
+
+    async def _settle(self, suspect: Member) -> None:
+        """``suspect``'s key went (its lease lapsed): dead unless its host
+        still accepts, asked again while it does, for up to ``starved_grace``.
+        Over as soon as the member is no longer this suspect (it put its key
+        back, restarted or left)."""
+        since = trio.current_time()
+        wait = self._host_check
+        while True:
+            verdict, why = await check_host(suspect.address, self._host_check * 0.8)
+            now = trio.current_time()
+            self.log.info("membership.host_checked", member=suspect.name, verdict=verdict,
+                          why=why)
+            m = self._view.get(suspect.name)
+            if m is None or m.incarnation != suspect.incarnation \
+                    or m.state is not MemberState.SUSPECT:
+                return
+            if verdict != "answered" or now - since >= self._starved_grace:
+                self._declare_dead(m, now)
+                self._flush()
+                return
+            await trio.sleep(min(wait, max(since + self._starved_grace - now, 0.0)))
+            wait = min(2 * wait, 16 * self._host_check)
 
     def _set(self, m: Member, now: float) -> None:
         self._view[m.name] = m
