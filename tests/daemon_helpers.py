@@ -226,6 +226,10 @@ async def _do(client: Any, mems: dict[str, Any], conn: Connection, op: str,
     if op == "digest":  # region: a hash of every byte (what changed, wherever it changed)
         (region,) = args
         return ("ok", hashlib.sha256(mems[region].array).hexdigest())
+    if op == "unexport":  # region
+        (region,) = args
+        await client.unexport(region)
+        return ("ok", None)
     if op == "status":
         return ("ok", await client.status())
     if op == "add_peer":

@@ -84,6 +84,30 @@ async def still_works(a: Engine, b: Engine, src: Any) -> None:
     b.unexport("fresh")
 
 
+async def test_unexport_later_frees_the_name_and_keeps_the_keys_until_closed() -> None:
+    """``unexport_later``: the name is free at once; a write through the old
+    descriptor still lands (delivery-complete: its writer hears it did) until
+    the returned function closes the keys, and is refused after."""
+    src = np.full(64 * KIB, 0x5A, np.uint8)
+    target = np.zeros(1 << 20, np.uint8)
+    async with pair("tcp;ofi_rxm", delivery_complete=True) as (a, b):
+        a.register(src)
+        desc = b.export(target, "r")
+        close = b.unexport_later("r")
+        assert close is not None and "r" not in b.exported()
+        b.export(np.zeros(4 * KIB, np.uint8), "r")  # taken again at once
+        assert await attempt(a, src, desc, ScatterList.contiguous(4 * KIB), 1) is None
+        assert (target[:4 * KIB] == 0x5A).all()
+        close()
+        target[:] = 0
+        err = await attempt(a, src, desc, ScatterList.contiguous(4 * KIB), 2)
+        assert isinstance(err, TransferError), err
+        await nothing_arrives(b, 2)  # and the connection it broke is dialed again
+        assert not target.any()
+        b.unexport("r")
+        await still_works(a, b, src)
+
+
 @REFUSED
 async def test_a_stale_descriptor_writes_nothing(provider: str, size: int) -> None:
     src = np.full(1 << 20, 0xA5, np.uint8)

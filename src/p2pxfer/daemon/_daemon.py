@@ -364,6 +364,7 @@ async def _start(daemon: Daemon, nursery: trio.Nursery,
     await daemon.serve_peers(nursery)
     nursery.start_soon(daemon.peers.close_idle_links)
     nursery.start_soon(daemon.kv.reap)
+    nursery.start_soon(daemon.exports.close_lingering)
     if config.metrics:
         daemon.metrics = DaemonMetrics(daemon)
         await nursery.start(serve_metrics, daemon.metrics, config.metrics)

@@ -24,7 +24,7 @@ resolved (``_regions``), a client's memory and its other requests
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,6 +58,13 @@ RESERVED = "p2pxfer.ping"
 #: than a writer waits for a region to appear (the vLLM decode's pull
 #: waits ``load_timeout_s``, 120 s by default)
 WITHDRAWN_KEEP_S = 600.0
+#: how long an unexported region's keys keep taking writes, into private
+#: pages (``Engine.unexport_later``): longer than a write that was already on
+#: its way takes to arrive (tcp retransmits across a short cut included)
+KEY_LINGER_S = 10.0
+#: at most this many unexported regions' keys linger (the oldest closed
+#: first); the ranges they write into are held longer (``_retire.HOLD_S``)
+MAX_LINGERING = 1024
 #: tombstones kept at most; one takes a name and a reason (bounded) ...
 MAX_WITHDRAWN = 4096
 #: ... and of one uid's regions: past it, that uid's oldest goes, so no uid
@@ -128,6 +135,11 @@ class Exports:
         #: called with each export as it goes, in order, after the copies into
         #: it stopped and before its slot and key are given up
         self.on_remove: list[Callable[[Export], None]] = []
+        #: unexported regions whose keys still take (late) writes into private
+        #: pages: (close after, the export, what closes its keys), oldest first
+        self._lingering: deque[tuple[float, str, Callable[[], None]]] = deque()
+        self._lingering_added = trio.Event()
+        self._reaping = False  # ``close_lingering`` runs: keys may linger
 
     def get(self, name: str) -> Export | None:
         return self._by_name.get(name)
@@ -224,11 +236,12 @@ class Exports:
         """Unexport ``name``: no new copy into it from now on; the running
         ones are stopped and waited for (shielded: bounded by the pieces in
         hand, and an export must never go while a copy still writes into
-        it); then the subscribers hear it, its slot and key go, and its
-        mapping is retired: once this returns no byte lands in the owner's
-        memory from here, and a peer's write still streaming in lands in
-        private pages. With ``reason``, a tombstone says so to later
-        writers (``absent``)."""
+        it); then the subscribers hear it, its slot goes, and its mapping
+        is retired (private pages replace the owner's): once this returns
+        no byte lands in the owner's memory. Its keys close
+        ``KEY_LINGER_S`` later (``close_lingering``): a peer's write still
+        on its way or streaming in lands in the private pages. With
+        ``reason``, a tombstone says so to later writers (``absent``)."""
         export = self._by_name.pop(name, None)
         if export is None:
             raise UnknownRegion(f"no region named {bounded(name, 100)!r} is exported here")
@@ -251,10 +264,54 @@ class Exports:
                 log.error("region.unexport_hook_failed", region=name, hook=repr(hook),
                           error=bounded(str(exc)))
         self._imm_slots().free(export.slot)
-        self._engine.unexport(name)
+        # Its keys stay open a while (where the provider copies into virtual
+        # addresses) over the private pages its retired mapping leaves: a
+        # peer's write already on its way lands there instead of meeting a
+        # closed key, which makes tcp drop the connection and every write
+        # queued behind it (``Engine.unexport_later``).
+        close = None
+        if self._reaping:
+            close = self._engine.unexport_later(name)
+        else:
+            self._engine.unexport(name)
         with contextlib.suppress(P2PXferError):
             self._engine.deregister(export.own.view)  # the registration the export pinned
         export.own.retire()
+        if close is not None:
+            self._lingering.append((trio.current_time() + KEY_LINGER_S, name, close))
+            self._lingering_added.set()
+            self._close_lingering(trio.current_time())
+
+    def _close_lingering(self, now: float, everything: bool = False) -> None:
+        while self._lingering and (everything or self._lingering[0][0] <= now
+                                   or len(self._lingering) > MAX_LINGERING):
+            _, name, close = self._lingering.popleft()
+            try:
+                close()
+            except P2PXferError as exc:  # the engine closing: its rails close them
+                log.warning("region.keys_close_failed", region=name, error=bounded(str(exc)))
+
+    @property
+    def lingering(self) -> int:
+        """Unexported regions whose keys still take writes (into private pages)."""
+        return len(self._lingering)
+
+    async def close_lingering(self) -> None:
+        """Close unexported regions' keys once they have lingered
+        ``KEY_LINGER_S``, for as long as the daemon runs (a task of its
+        nursery); every one still open when it is cancelled."""
+        self._reaping = True
+        try:
+            while True:
+                if not self._lingering:
+                    self._lingering_added = trio.Event()
+                    await self._lingering_added.wait()
+                    continue
+                await trio.sleep_until(self._lingering[0][0])
+                self._close_lingering(trio.current_time())
+        finally:
+            self._reaping = False
+            self._close_lingering(trio.current_time(), everything=True)
 
     def withdraw(self, name: str, reason: str, uid: int, writers: frozenset[int]) -> None:
         """Leave a tombstone for ``name`` (``absent``), which was exported by

@@ -8,6 +8,13 @@ Unmapping the pages at once would turn those bytes into a SIGSEGV of the whole
 daemon, and letting the kernel hand the address range to the next mapping
 would let them land in another client's memory.
 
+An export's keys even stay open a while after its owner gave it up
+(``Engine.unexport_later``: a late write through a closed key makes tcp drop
+the whole connection). An export's own mapping is made here (``map_file``,
+no Python ``mmap``) and retired in one step (``retire_range``): private
+pages replace the file's under it, so the keys still open write there, and
+the file is not held a moment longer.
+
 So a retired mapping is first replaced, in place, by private anonymous pages
 (``MAP_FIXED``; untouched pages cost nothing): late bytes land there, visible
 to no one. Then the Python ``mmap`` is closed (it holds a dup of the memfd,
@@ -34,7 +41,7 @@ from p2pxfer.errors import P2PXferError
 from p2pxfer.log import get_logger
 from p2pxfer.memory import buffer_span
 
-__all__ = ["HOLD_S", "MAX_HELD", "held", "held_bytes", "retire"]
+__all__ = ["HOLD_S", "MAX_HELD", "held", "held_bytes", "map_file", "retire", "retire_range"]
 
 log = get_logger("p2pxfer.daemon")
 
@@ -66,6 +73,36 @@ def _anonymous(address: int, size: int, fixed: int) -> None:
     if r == _MAP_FAILED or r != address:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot hold {size} bytes at {address:#x}: {os.strerror(err)}")
+
+
+def map_file(fd: int, offset: int, size: int) -> int:
+    """``size`` bytes of ``fd`` from ``offset`` (page aligned), mapped shared
+    read-write here without a Python ``mmap`` (which would keep a dup of the
+    fd, and so the file, until it is closed): its address. ``retire_range``
+    undoes it."""
+    r = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
+    if r is None or r == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map {size} bytes at offset {offset}: {os.strerror(err)}")
+    return int(r)
+
+
+def retire_range(address: int, size: int, owner: int | None = None, *,
+                 for_good: bool = False) -> None:
+    """Replace what ``map_file`` mapped at ``address`` with private pages in
+    one step (``MAP_FIXED``: the file leaves, no moment unmapped) and hold
+    the range ``HOLD_S`` (counted against ``owner``), then unmap it; with
+    ``for_good`` never unmap it (a Python view of it may outlive any hold)."""
+    now = time.monotonic()
+    try:
+        _anonymous(address, size, _MAP_FIXED)
+    except OSError as exc:
+        log.warning("memory.retire_failed", error=str(exc))
+        _libc.munmap(address, size)  # the file must go: the late-write hazard, logged
+        return
+    if not for_good:
+        _held.append((now + HOLD_S, address, size, owner))
+        _expire(now)
 
 
 def retire(m: mmap.mmap, owner: int | None = None) -> None:

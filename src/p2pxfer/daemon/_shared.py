@@ -9,14 +9,14 @@ engine's) or sessions.
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
 
 from p2pxfer.errors import InvalidArgument, ScatterError
 
-from ._retire import retire
+from ._retire import map_file, retire, retire_range
 
 __all__ = ["ExportMap", "SharedMap", "seal_shared"]
 
@@ -66,12 +66,10 @@ class SharedMap:
         self.view(offset, length)  # out_of_range if it does not fit
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         try:
-            m = mmap.mmap(self._fd, offset + length - start, mmap.MAP_SHARED,
-                          mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        except (OSError, ValueError) as exc:
+            return ExportMap(self._fd, start, offset - start, length, self.owner)
+        except OSError as exc:
             raise InvalidArgument(f"cannot map [{offset}, {offset + length}) of memory "
                                   f"{self.id} for its export: {exc}") from exc
-        return ExportMap(m, offset - start, length, self.owner)
 
     def view(self, offset: int, length: int | None = None) -> memoryview:
         end = self.size if length is None else offset + length
@@ -88,17 +86,31 @@ class SharedMap:
 
 
 class ExportMap:
-    """One export's own mapping of its range (``SharedMap.export_map``)."""
+    """One export's own mapping of its range (``SharedMap.export_map``),
+    made without a Python ``mmap`` (``_retire.map_file``): retired, private
+    pages replace the client's at once and nothing here holds its memfd,
+    while the export's keys may still take late writes there
+    (``Exports.remove``)."""
 
-    def __init__(self, m: mmap.mmap, start: int, length: int, owner: int | None) -> None:
-        self.map = m
-        self.size = len(m)
+    def __init__(self, fd: int, start: int, skip: int, length: int,
+                 owner: int | None) -> None:
+        self.size = skip + length  # mapped from ``start``, page aligned
         self.owner = owner
-        self.view = memoryview(m)[start:start + length]
+        self.address = map_file(fd, start, self.size)
+        buf = (ctypes.c_char * length).from_address(self.address + skip)
+        self.view = memoryview(buf).cast("B")
+        self._retired = False
 
     def retire(self) -> None:
-        """Its pages swapped for private ones now (``_retire``); the export's
-        registrations must be closed first."""
-        with contextlib.suppress(BufferError):  # a view still held: retire copes
+        """Private pages in under it now, the range held a while
+        (``_retire.retire_range``); for good if a view of it is still
+        exported (it may be read after any hold). Idempotent."""
+        if self._retired:
+            return
+        self._retired = True
+        try:
             self.view.release()
-        retire(self.map, self.owner)
+        except BufferError:
+            retire_range(self.address, self.size, self.owner, for_good=True)
+            return
+        retire_range(self.address, self.size, self.owner)

@@ -241,10 +241,17 @@ class RailGroup:
     def unexport(self, name: str) -> None:
         """Close the export's registrations now (a write through its descriptor
         fails from here on) and drop the pin it held on the cache's."""
+        self.unexport_later(name)()
+
+    def unexport_later(self, name: str) -> Callable[[], None]:
+        """Free ``name`` and drop the pin the export held on the cache's
+        registration now (only remote writes go through the export's keys);
+        what closes those keys, for the caller to call (see
+        ``Engine.unexport_later``)."""
         exp, region = self._exports.pop(name)
-        exp.close()
         if region is not None and not region.closed:
             self.cache.unpin(region)
+        return exp.close
 
     def deregister(self, obj: Any) -> None:
         """Deregister whatever covers ``obj`` now. Refused (``InvalidArgument``)

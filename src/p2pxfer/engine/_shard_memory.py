@@ -6,6 +6,7 @@ What must not live here: transfers, posting or polling (``_shard.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from p2pxfer.buffers import BufferSpan
@@ -56,6 +57,15 @@ class ShardMemory:
 
     def unexport(self, name: str) -> None:
         self._group.unexport(name)
+
+    def unexport_later(self, name: str) -> Callable[[], None]:
+        return self._group.unexport_later(name)
+
+    @property
+    def keys_are_virtual(self) -> bool:
+        """Every rail's provider copies late writes into the registered
+        virtual addresses (``Rail.keys_are_virtual``)."""
+        return all(rail.keys_are_virtual for rail in self._group.rails)
 
     def deregister(self, obj: Any) -> None:
         self._group.deregister(obj)

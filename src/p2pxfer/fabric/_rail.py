@@ -36,6 +36,8 @@ from ._sockets import Knocks, dialed, label, link_carries, parse_sockaddr, reset
 __all__ = ["Rail", "StallWatch"]
 
 log = get_logger("p2pxfer.fabric")
+#: core providers whose RMA writes are copies made by the provider's code
+VIRTUAL_KEY_PROVIDERS = frozenset({"tcp", "shm", "sockets", "udp"})
 
 ENABLE_TRIES = 3  # fi_enable of an endpoint whose port was taken meanwhile
 
@@ -86,6 +88,12 @@ class Rail:
         # Its connections are kernel TCP sockets we can see (``disconnect``).
         parts = info.provider.split(";")
         self._rxm_over_tcp = "ofi_rxm" in parts and "tcp" in parts
+        #: the provider's own code copies what a peer writes through our keys
+        #: into the registered *virtual* addresses as it arrives (tcp, shm):
+        #: pages replaced under a registration (``MAP_FIXED``) take the late
+        #: bytes instead. A NIC writes into the pages pinned at registration,
+        #: whatever is mapped there later.
+        self.keys_are_virtual = bool(set(parts) & VIRTUAL_KEY_PROVIDERS)
         #: held by whoever reads this rail's CQ outside the thread that calls
         #: ``disconnect``, and by ``disconnect`` (a shard shares one)
         self.progress_guard = threading.Lock()
