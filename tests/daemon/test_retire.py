@@ -9,6 +9,7 @@ import mmap
 import os
 
 from p2pxfer.daemon._retire import held, retire
+from p2pxfer.daemon._shared import ExportMap
 from p2pxfer.memory import buffer_span
 
 
@@ -30,5 +31,34 @@ def test_a_late_write_after_retire_misses_the_memfd() -> None:
         ctypes.memmove(address, b"late" * 1024, 4096)
         assert os.pread(fd, 4, 0) == b"live"
         assert os.pread(fd, 4096, 4096) == bytes(4096)
+    finally:
+        os.close(fd)
+
+
+def test_an_export_map_retires_in_one_step_and_lets_go_of_the_memfd() -> None:
+    """An export's own mapping (``ExportMap``: no Python ``mmap``) retired:
+    private pages replace the memfd's at once (its keys may still write
+    there: ``Exports.remove``), nothing maps or holds the memfd any more,
+    and once the keys are closed ``discard`` gives back what late writes
+    dirtied."""
+    size = 1 << 20
+    fd = os.memfd_create("export-map-test")
+    try:
+        os.ftruncate(fd, size)
+        own = ExportMap(fd, 0, 4096, 8192, owner=None)
+        assert (own.view.nbytes, own.view.format, own.view.readonly) == (8192, "B", False)
+        own.view[:4] = b"live"
+        assert os.pread(fd, 4, 4096) == b"live"  # shared with the client's memfd
+        address = own.address + 4096
+        before = held()
+        assert own.retire() and own.retire()  # idempotent
+        assert held() == before + 1
+        with open("/proc/self/maps") as maps:
+            assert not [line for line in maps if "export-map-test" in line]
+        ctypes.memmove(address, b"late" * 1024, 4096)  # a key still open writes here
+        assert os.pread(fd, 4, 4096) == b"live"
+        assert ctypes.string_at(address, 4) == b"late"
+        own.discard()
+        assert ctypes.string_at(address, 4096) == bytes(4096)
     finally:
         os.close(fd)

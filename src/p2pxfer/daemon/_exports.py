@@ -136,8 +136,10 @@ class Exports:
         #: it stopped and before its slot and key are given up
         self.on_remove: list[Callable[[Export], None]] = []
         #: unexported regions whose keys still take (late) writes into private
-        #: pages: (close after, the export, what closes its keys), oldest first
-        self._lingering: deque[tuple[float, str, Callable[[], None]]] = deque()
+        #: pages: (close after, name, what closes its keys, what drops the
+        #: pages they dirtied), oldest first
+        self._lingering: deque[tuple[float, str, Callable[[], None], Callable[[], None]]] = \
+            deque()
         self._lingering_added = trio.Event()
         self._reaping = False  # ``close_lingering`` runs: keys may linger
 
@@ -274,22 +276,34 @@ class Exports:
             close = self._engine.unexport_later(name)
         else:
             self._engine.unexport(name)
-        with contextlib.suppress(P2PXferError):
-            self._engine.deregister(export.own.view)  # the registration the export pinned
-        export.own.retire()
-        if close is not None:
-            self._lingering.append((trio.current_time() + KEY_LINGER_S, name, close))
-            self._lingering_added.set()
-            self._close_lingering(trio.current_time())
+        try:
+            with contextlib.suppress(P2PXferError):
+                self._engine.deregister(export.own.view)  # the registration the export pinned
+            retired = export.own.retire()
+        finally:
+            if close is not None:
+                own = export.own
+                self._lingering.append((trio.current_time() + KEY_LINGER_S, name, close,
+                                        own.discard))
+                self._lingering_added.set()
+        # Keys over a range that could not be kept mapped close now.
+        self._close_lingering(trio.current_time(), newest=not retired)
 
-    def _close_lingering(self, now: float, everything: bool = False) -> None:
+    def _close_lingering(self, now: float, everything: bool = False,
+                         newest: bool = False) -> None:
+        if newest and self._lingering:
+            self._close_keys(*self._lingering.pop()[1:])
         while self._lingering and (everything or self._lingering[0][0] <= now
                                    or len(self._lingering) > MAX_LINGERING):
-            _, name, close = self._lingering.popleft()
-            try:
-                close()
-            except P2PXferError as exc:  # the engine closing: its rails close them
-                log.warning("region.keys_close_failed", region=name, error=bounded(str(exc)))
+            self._close_keys(*self._lingering.popleft()[1:])
+
+    def _close_keys(self, name: str, close: Callable[[], None],
+                    discard: Callable[[], None]) -> None:
+        try:
+            close()
+        except P2PXferError as exc:  # the engine closing: its rails close them
+            log.warning("region.keys_close_failed", region=name, error=bounded(str(exc)))
+        discard()
 
     @property
     def lingering(self) -> int:

@@ -4,9 +4,10 @@
 the descriptors resolved from peers (cached per ``(peer, region)``), and
 which peers resolved each of ours, to tell them with ``invalidate`` when it goes:
 until they hear it, and however long that takes (a cut link), since a write
-through a closed key vanishes at our end without a word to the writer (tcp:
-small writes "succeed"; larger ones break the connection), also when a new
-export takes the name meanwhile. ``locate`` asks
+through an unexported region's key lands nowhere without a word to the
+writer (into private pages while the key lingers, ``Exports.remove``; once
+it is closed, tcp drops the connection and what was queued behind it), also
+when a new export takes the name meanwhile. ``locate`` asks
 every reachable peer at once who exports a name. Owned by the daemon's
 trio thread. What must not live here: the exports themselves (``_exports``),
 client memory (``_sessions``) or membership verdicts (``_follow``).

@@ -16,7 +16,7 @@ import os
 
 from p2pxfer.errors import InvalidArgument, ScatterError
 
-from ._retire import map_file, retire, retire_range
+from ._retire import discard, map_file, retire, retire_range
 
 __all__ = ["ExportMap", "SharedMap", "seal_shared"]
 
@@ -101,16 +101,21 @@ class ExportMap:
         self.view = memoryview(buf).cast("B")
         self._retired = False
 
-    def retire(self) -> None:
+    def retire(self) -> bool:
         """Private pages in under it now, the range held a while
         (``_retire.retire_range``); for good if a view of it is still
-        exported (it may be read after any hold). Idempotent."""
+        exported (it may be read after any hold). False if the pages could
+        not be replaced (the range is unmapped: keys over it must close
+        now). Idempotent."""
         if self._retired:
-            return
+            return True
         self._retired = True
         try:
             self.view.release()
         except BufferError:
-            retire_range(self.address, self.size, self.owner, for_good=True)
-            return
-        retire_range(self.address, self.size, self.owner)
+            return retire_range(self.address, self.size, self.owner, for_good=True)
+        return retire_range(self.address, self.size, self.owner)
+
+    def discard(self) -> None:
+        """Once its keys are closed: the pages late writes dirtied go."""
+        discard(self.address, self.size)

@@ -202,7 +202,8 @@ class EtcdBackend(MembershipBackend):
         # must not stretch the gap towards the TTL. A failed one is tried
         # again soon.
         interval = max(self.ttl / 3, 0.2)
-        next_at = last_ok = trio.current_time() + interval
+        last_ok = trio.current_time()  # the lease was just granted
+        next_at = last_ok + interval
         retry = KEEPALIVE_RETRY_S
         renew = False  # a new lease (and our key on it) is due
         while True:
@@ -386,20 +387,20 @@ class EtcdBackend(MembershipBackend):
         """``suspect``'s key went (its lease lapsed): dead unless its host
         still accepts, asked again while it does, for up to ``starved_grace``.
         Over as soon as the member is no longer this suspect (it put its key
-        back, restarted or left)."""
+        back, restarted or left): the view's entry is no longer this very
+        object (a lease that lapses again later makes a new suspect, with a
+        settling of its own and its own grace)."""
         since = trio.current_time()
         wait = self._host_check
-        while True:
+        while self._view.get(suspect.name) is suspect:
             verdict, why = await check_host(suspect.address, self._host_check * 0.8)
             now = trio.current_time()
             self.log.info("membership.host_checked", member=suspect.name, verdict=verdict,
                           why=why)
-            m = self._view.get(suspect.name)
-            if m is None or m.incarnation != suspect.incarnation \
-                    or m.state is not MemberState.SUSPECT:
+            if self._view.get(suspect.name) is not suspect:
                 return
             if verdict != "answered" or now - since >= self._starved_grace:
-                self._declare_dead(m, now)
+                self._declare_dead(suspect, now)
                 self._flush()
                 return
             await trio.sleep(min(wait, max(since + self._starved_grace - now, 0.0)))
