@@ -306,6 +306,14 @@ def _code(reply: dict[str, Any] | None) -> str:
     return reply["t"] if reply["t"] != "error" else f"{reply['code']}: {reply['message']}"
 
 
+#: the caps test's client_idle_s: long enough that its clients, silent
+#: between their first requests on a starved CPU (another client's
+#: requests come in between), are not closed as idle. With 1 s the child
+#: raised in a busy fresh-clone run (what it raised was not shown then; the
+#: test now shows it), and idling out is the one timing in its steps.
+IDLE_S = 4.0
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) -> None:
     """Before: no cap but max_clients (one uid's 256 idle clients locked root
@@ -315,7 +323,8 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
     d = start_daemon(open_dir, "caps", allowed_uids=[NOBODY], max_clients_per_uid=2,
                      max_requests_per_client=4, max_requests_per_uid=6,
                      max_mapped_per_client=mib + mib // 16, max_mapped_per_uid=3 * mib // 2,
-                     max_exports_per_client=2, max_exports_per_uid=3, client_idle_s=1.0)
+                     max_exports_per_client=2, max_exports_per_uid=3,
+                         client_idle_s=IDLE_S)
     daemons.append(d)
     ns = f"~{NOBODY}/"
 
@@ -365,7 +374,7 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
             c2.send({"t": "wait_imm", "id": 42, "imm": 1, "count": 1})
             c2.send({"t": "wait_imm", "id": 43, "imm": 1, "count": 1})
             out["c2 more waits"] = wait(c2, 44)  # its own cap of 4 now
-        with RawConn(d.socket) as idle:
+        with RawConn(d.socket, timeout=IDLE_S + 6) as idle:
             idle.hello()
             t0 = time.monotonic()
             out["idle closed"] = idle.closed_by_peer()
@@ -373,7 +382,8 @@ def test_per_client_and_per_uid_caps(open_dir: Path, daemons: list[DaemonProc]) 
         return out
 
     out = as_uid(NOBODY, user)
-    assert out.pop("idle after") < 4.5  # 1 s idle; closed_by_peer reads for up to 5
+    assert isinstance(out, dict), out  # else what the child raised
+    assert IDLE_S - 0.5 < out.pop("idle after") < IDLE_S + 3.5
     assert out["third client"].startswith("limit") and "max_clients_per_uid 2" \
         in out["third client"], out
     assert "max_mapped_per_client" in out["c1 more memory"], out
