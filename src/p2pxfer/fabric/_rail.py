@@ -209,11 +209,25 @@ class Rail:
         is reset above when the peer is on another host, and the provider
         fails what it had queued on it (same host: docs, "Known gaps").
         ``progress_guard`` keeps CQ reads of other threads (which can turn
-        a connecting connection into a refused one) out of that look."""
+        a connecting connection into a refused one) out of that look.
+
+        On shm nothing leaves the AV: there is no connection to reset, and
+        libfabric 1.17's ``fi_av_remove`` cancels nothing already in the
+        peer's queue while it blanks (or, for a peer in another process,
+        unmaps) the region its pending responses are read from, which no
+        lock of the provider keeps from a concurrent CQ read, nor from the
+        ``fi_av_insert`` of the next write to the peer: a NULL dereference
+        in ``smr_progress_resp`` (the thread-safety stress's crash). A peer
+        that is gone is caught by the express path's segment check and by
+        the provider's own errors."""
         reset: list[str] = []
+        if self.av.is_shm:
+            if self._bells is not None:
+                self._bells.forget(address)
+            return reset
         remove = True
         with self.progress_guard:
-            if not self.av.is_shm and self.av.holds(address):
+            if self.av.holds(address):
                 ours = parse_sockaddr(self.av.straddr(self.address))
                 peer = parse_sockaddr(self.av.straddr(address))
                 if ours is not None and peer is not None:
