@@ -20,9 +20,13 @@ import trio
 from p2pxfer.daemon import _peers
 from p2pxfer.daemon._imms import ImmTable
 from p2pxfer.daemon._peers import PeerTable
-from p2pxfer.daemon._regions import Regions
+from p2pxfer.daemon._regions import TICKET_BATCH, Regions
 from p2pxfer.errors import PeerUnreachable
+from p2pxfer.memory import RailDescriptor, RegionDescriptor
 from p2pxfer.testing import LOOPBACK
+
+DESC = RegionDescriptor("r", 4096, (RailDescriptor("tcp;ofi_rxm", b"\x02" * 16, 7, 0),),
+                        "node-b", 1)
 
 
 class _Link:
@@ -142,3 +146,42 @@ async def test_a_refill_behind_a_held_link_gives_up_within_peer_timeout(
             assert key not in regions._refilling
             assert trio.current_time() - t0 < 5
             nursery.cancel_scope.cancel()
+
+
+async def test_a_burst_of_writes_to_a_region_not_resolved_yet_resolves_it_once(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """150 writes at once to a region not resolved yet: one ``resolve`` goes
+    to the peer, the others wait for its answer, and its batch of tickets
+    is the one in hand. Each write used to send its own, each batch
+    replacing the last (tickets the peer counted as ours, lost here): past
+    the peer's cap its answers brought none, the region was marked as one
+    that gives none, and writes went without (a busy fresh-clone run: one
+    ended ``NotificationUnknown``)."""
+    table = ImmTable(SimpleNamespace(imm_bits=64, route_imms=lambda *a: None))  # type: ignore[arg-type]
+    slot = 5 << table.tag_bits
+    asked: list[int] = []
+    issued = iter(range(1, 1 << 20))
+
+    class Peer:
+        async def request(self, peer: str, kind: str, **fields: Any) -> dict[str, Any]:
+            assert kind == "resolve"
+            asked.append(fields["tickets"])
+            await trio.sleep(0.5)  # a busy peer
+            return {"descriptor": DESC.to_wire(), "slot": slot,
+                    "tickets": [slot | next(issued) for _ in range(fields["tickets"])]}
+
+    regions = Regions("node-a", Peer(), SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
+                      lambda: table)
+    got = []
+
+    async def write() -> None:
+        got.append(await regions.resolve("node-b", "r", until=trio.current_time() + 60))
+
+    async with trio.open_nursery() as nursery:
+        regions.nursery = nursery
+        for _ in range(150):
+            nursery.start_soon(write)
+    assert asked == [TICKET_BATCH]
+    assert len(got) == 150 and all(d == DESC for d in got)
+    assert len(regions._tickets["node-b", "r"][1]) == TICKET_BATCH
+    assert ("node-b", "r") not in regions._barren

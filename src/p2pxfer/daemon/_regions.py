@@ -87,6 +87,8 @@ class Regions:
         self._tickets: dict[tuple[str, str], tuple[int, list[int]]] = {}
         #: asked for more, not answered yet: set once answered
         self._refilling: dict[tuple[str, str], _Refill] = {}
+        #: a resolve on its way, per (peer, region): set once answered
+        self._resolving: dict[tuple[str, str], trio.Event] = {}
         #: the peer's last answer brought no tickets (none to give: no room
         #: for tags, or it holds too many for us): none asked for, none
         #: waited for, until the region is resolved afresh
@@ -162,8 +164,30 @@ class Regions:
         if peer == self.node:
             return self.local_descriptor(region)
         key = (peer, region)
-        if (hit := self._resolved.get(key)) is not None:
+        # One resolve of a region at a time: a burst of writes to a region
+        # not resolved yet sent one each, each bringing a batch of tickets
+        # that replaced the last (the peer counted them all as ours: past its
+        # cap it gave none, and the region was taken for one that gives
+        # none). The others wait for it, within their own deadlines.
+        while (hit := self._resolved.get(key)) is None \
+                and (asking := self._resolving.get(key)) is not None:
+            with trio.move_on_at(math.inf if until is None else until):
+                await asking.wait()
+            if until is not None and trio.current_time() >= until:
+                break  # the request below says so, in the usual words
+        if hit is not None:
             return hit
+        asking = self._resolving[key] = trio.Event()
+        try:
+            return await self._ask_resolve(peer, region, until)
+        finally:
+            if self._resolving.get(key) is asking:
+                del self._resolving[key]
+            asking.set()
+
+    async def _ask_resolve(self, peer: str, region: str,
+                           until: float | None) -> RegionDescriptor:
+        key = (peer, region)
         held = self._tickets.get(key)
         want = 0 if held is not None and held[1] else TICKET_BATCH
         result = await self.peers.request(peer, "resolve", region=region, until=until,
@@ -182,6 +206,7 @@ class Regions:
             self._barren.discard(key)
         elif want:
             self._barren.add(key)
+        held = self._tickets.get(key)  # now: a refill may have added to it meanwhile
         if held is not None and held[0] == slot:
             fresh.extend(held[1])
         self._tickets[key] = (slot, fresh)
