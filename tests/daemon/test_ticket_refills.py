@@ -56,7 +56,7 @@ def _spent() -> tuple[ImmTable, int, _Link, Regions]:
     assert table.tag_bits > 0
     slot = 5 << table.tag_bits
     link = _Link(slot, table.tag_bits)
-    regions = Regions("node-a", link, SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
+    regions = Regions("node-a", link, SimpleNamespace(on_remove=[], settle_remove=[]),  # type: ignore[arg-type]
                       lambda: table)
     regions._slots["node-b", "r"] = slot
     regions._tickets["node-b", "r"] = (slot, [])
@@ -127,7 +127,7 @@ async def test_a_refill_behind_a_held_link_gives_up_within_peer_timeout(
             listeners = await nursery.start(partial(trio.serve_tcp, hold, 0, host=LOOPBACK))
             peers = PeerTable("me", (), auth=None, max_frame=1 << 20)
             peers.add("slow", f"{LOOPBACK}:{listeners[0].socket.getsockname()[1]}")
-            regions = Regions("me", peers, SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
+            regions = Regions("me", peers, SimpleNamespace(on_remove=[], settle_remove=[]),  # type: ignore[arg-type]
                               lambda: table)
             regions.nursery = nursery
             regions._slots[key] = slot
@@ -170,7 +170,7 @@ async def test_a_burst_of_writes_to_a_region_not_resolved_yet_resolves_it_once(
             return {"descriptor": DESC.to_wire(), "slot": slot,
                     "tickets": [slot | next(issued) for _ in range(fields["tickets"])]}
 
-    regions = Regions("node-a", Peer(), SimpleNamespace(on_remove=[]),  # type: ignore[arg-type]
+    regions = Regions("node-a", Peer(), SimpleNamespace(on_remove=[], settle_remove=[]),  # type: ignore[arg-type]
                       lambda: table)
     got = []
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -135,6 +135,10 @@ class Exports:
         #: called with each export as it goes, in order, after the copies into
         #: it stopped and before its slot and key are given up
         self.on_remove: list[Callable[[Export], None]] = []
+        #: awaited with the name of each export as it goes, after ``on_remove``
+        #: (each bounded: the region directory waits a while for the peers
+        #: that resolved it to hear)
+        self.settle_remove: list[Callable[[str], Awaitable[None]]] = []
         #: unexported regions whose keys still take (late) writes into private
         #: pages: (close after, name, what closes its keys, what drops the
         #: pages they dirtied), oldest first
@@ -238,7 +242,8 @@ class Exports:
         """Unexport ``name``: no new copy into it from now on; the running
         ones are stopped and waited for (shielded: bounded by the pieces in
         hand, and an export must never go while a copy still writes into
-        it); then the subscribers hear it, its slot goes, and its mapping
+        it); then the subscribers hear it (the peers that resolved it are
+        told, and waited for a while: ``settle_remove``), its slot goes, and its mapping
         is retired (private pages replace the owner's): once this returns
         no byte lands in the owner's memory. Its keys close
         ``KEY_LINGER_S`` later (``close_lingering``): a peer's write still
@@ -265,18 +270,23 @@ class Exports:
             except Exception as exc:  # the export must still go, whatever a part says
                 log.error("region.unexport_hook_failed", region=name, hook=repr(hook),
                           error=bounded(str(exc)))
-        self._imm_slots().free(export.slot)
         # Its keys stay open a while (where the provider copies into virtual
-        # addresses) over the private pages its retired mapping leaves: a
+        # addresses), over the private pages its retired mapping leaves: a
         # peer's write already on its way lands there instead of meeting a
         # closed key, which makes tcp drop the connection and every write
-        # queued behind it (``Engine.unexport_later``).
+        # queued behind it (``Engine.unexport_later``). The name is free at
+        # once (a new export may take it while the peers are told).
         close = None
         if self._reaping:
             close = self._engine.unexport_later(name)
         else:
             self._engine.unexport(name)
+        retired = True
         try:
+            with trio.CancelScope(shield=True):  # bounded by each
+                for settle in self.settle_remove:
+                    await settle(name)
+            self._imm_slots().free(export.slot)
             with contextlib.suppress(P2PXferError):
                 self._engine.deregister(export.own.view)  # the registration the export pinned
             retired = export.own.retire()

@@ -46,6 +46,9 @@ LOCATE_CONCURRENCY = 32  # peers asked at once by ``locate``
 #: holds a released range)
 INVALIDATE_RETRY_S = (0.1, 1.0)
 INVALIDATE_GIVE_UP_S = 600.0
+#: how long an unexport waits for the peers that resolved the region to
+#: hear of it (``told``); a peer cut off is told later, in the background
+TELL_WAIT_S = 1.0
 #: notification tickets asked for at once (``_imms``: with ``resolve``, then
 #: ``imm_tickets`` in the background once half of them are spent)
 TICKET_BATCH = 64
@@ -65,6 +68,19 @@ class _Refill:
     ok: bool = False
 
 
+class _Telling:
+    """The peers still to hear that a region went (``Regions.told``)."""
+
+    def __init__(self, peers: int) -> None:
+        self.left = peers
+        self.done = trio.Event()
+
+    def one_done(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.done.set()
+
+
 class Regions:
     """Exports, resolved descriptors, and who resolved ours."""
 
@@ -75,6 +91,7 @@ class Regions:
         self.exports = exports
         self._imm_slots = imm_slots
         exports.on_remove.append(self.export_gone)
+        exports.settle_remove.append(self.told)
         self._resolved: dict[tuple[str, str], RegionDescriptor] = {}
         # The immediate slot of each region resolved (ours: its export's): a
         # write's immediate names it, so the owner counts it for that region only.
@@ -97,6 +114,8 @@ class Regions:
         self._resolved_by: dict[str, set[str]] = {}
         #: invalidations not delivered yet, per (peer, region) (``status``)
         self.pending_invalidations: Counter[tuple[str, str]] = Counter()
+        #: regions that went, until every peer that resolved them heard
+        self._telling: dict[str, _Telling] = {}
         #: whether a peer may be asked now (membership: it is running)
         self.reachable: Callable[[str], bool] = lambda peer: True
         self.nursery: trio.Nursery | None = None
@@ -104,12 +123,30 @@ class Regions:
     # -- ours -------------------------------------------------------------------
 
     def export_gone(self, export: Export) -> None:
-        """An export went: tell every peer that resolved it (in the background)."""
-        for peer in self._resolved_by.pop(export.name, set()):
-            if peer in self.peers and self.nursery is not None:
-                self.nursery.start_soon(self._invalidate, peer, export.name)
+        """An export went: tell every peer that resolved it (in the background;
+        ``told`` waits for them a while)."""
+        peers = [p for p in self._resolved_by.pop(export.name, set()) if p in self.peers]
+        if not peers or self.nursery is None:
+            return
+        telling = self._telling[export.name] = _Telling(len(peers))
+        for peer in peers:
+            self.nursery.start_soon(self._invalidate, peer, export.name, telling)
 
-    async def _invalidate(self, peer: str, region: str) -> None:
+    async def told(self, region: str) -> None:
+        """Wait until every peer that resolved ``region`` (which just went)
+        has heard, at most ``TELL_WAIT_S``: once an unexport has answered,
+        a write from any of them that can be reached fails with
+        ``unknown_region`` rather than going through the old key (whose
+        bytes land nowhere: ``Exports.remove``)."""
+        telling = self._telling.get(region)
+        if telling is None:
+            return
+        with trio.move_on_after(TELL_WAIT_S):
+            await telling.done.wait()
+        if self._telling.get(region) is telling and telling.done.is_set():
+            del self._telling[region]
+
+    async def _invalidate(self, peer: str, region: str, telling: _Telling) -> None:
         """Tell ``peer`` that ``region`` went, again and again until it has
         heard (or it is forgotten: a new life holds nothing of ours, or
         ``INVALIDATE_GIVE_UP_S`` passed)."""
@@ -137,6 +174,7 @@ class Regions:
                 await trio.sleep(delay)
                 delay = min(2 * delay, INVALIDATE_RETRY_S[1])
         finally:
+            telling.one_done()
             if key in self.pending_invalidations:
                 self.pending_invalidations[key] -= 1
                 if self.pending_invalidations[key] <= 0:
