@@ -139,47 +139,39 @@ class Engine:
         """Close the region's registrations before returning: a write through
         a descriptor handed out earlier fails from now on (on providers that
         check keys; shm does not)."""
-        obj = self._exports.pop(name, None)
-        if obj is None:
-            raise InvalidArgument(f"no region named {name!r} is exported")
-        for shard in self.shards:
-            shard.memory.unexport(name)
-        log.info("region.unexported", region=name)
+        self._unexport(name, linger=False)
 
     def unexport_later(self, name: str) -> Callable[[], None] | None:
         """Free ``name`` at once (it may be exported again; the memory may be
         deregistered) but keep the export's keys taking writes until the
-        returned function is called;
-        None, having closed them now, where a rail's NIC writes into pinned
-        pages (``Rail.keys_are_virtual`` false: there only a closed key keeps
-        a late write out of the memory).
+        returned function is called; None, having closed them now, where a
+        rail's NIC writes into pinned pages (``Rail.keys_are_virtual``
+        false: there only a closed key keeps a late write out of the memory).
 
-        For a caller that has already put the exported pages out of
-        everyone's sight (the daemon swaps private pages in under the
-        export's own mapping): a peer's write still on its way when the
-        owner gave the region up then lands there harmlessly. Through a
-        closed key, tcp's provider takes such a write for a protocol error
-        and drops the whole connection: every write queued behind it to
-        this engine is lost though its writer was told it completed, and
-        those posted before the writer's side notices fail with "Broken
-        pipe". (shm drops a refused write larger than 4 KiB without an
-        answer: its writer waits.)"""
-        obj = self._exports.pop(name, None)
-        if obj is None:
+        The caller must put the exported pages out of everyone's sight
+        before anyone may reuse them (the daemon swaps private pages in
+        under the export's own mapping): a peer's write still on its way
+        then lands there harmlessly. Through a closed key, tcp's provider
+        takes such a write for a protocol error and drops the whole
+        connection: every write queued behind it to this engine is lost
+        though its writer was told it completed, and those posted before
+        the writer's side notices fail with "Broken pipe"."""
+        return self._unexport(name, linger=True)
+
+    def _unexport(self, name: str, *, linger: bool) -> Callable[[], None] | None:
+        if self._exports.pop(name, None) is None:
             raise InvalidArgument(f"no region named {name!r} is exported")
-        if not all(shard.memory.keys_are_virtual for shard in self.shards):
-            for shard in self.shards:
-                shard.memory.unexport(name)
-            log.info("region.unexported", region=name)
-            return None
+        linger = linger and all(shard.memory.keys_are_virtual for shard in self.shards)
         closers = [shard.memory.unexport_later(name) for shard in self.shards]
-        log.info("region.unexported", region=name, keys="lingering")
+        log.info("region.unexported", region=name, keys="lingering" if linger else "closed")
 
         def close() -> None:
             for closer in closers:
                 closer()
-            log.debug("region.keys_closed", region=name)
 
+        if not linger:
+            close()
+            return None
         return close
 
     def deregister(self, obj: Any) -> None:
