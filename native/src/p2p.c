@@ -121,6 +121,34 @@ static int64_t post_groups(struct fid_ep *ep, uint64_t dest, const int64_t *src_
     return i;
 }
 
+/* Whether piece i carries the immediate: every piece (with_imm 1), or only
+ * the odd ones (P2P_IMM_TAILS: each piece k of the arrays goes as two, its
+ * head at index 2k without the immediate and its tail at 2k + 1 with it). */
+static inline int imm_at(int with_imm, int64_t i)
+{
+    return with_imm == 1 || (with_imm == P2P_IMM_TAILS && (i & 1));
+}
+
+/* Piece i as posted: entry i of the arrays, or under P2P_IMM_TAILS half of
+ * entry i / 2 (all but its last P2P_IMM_TAIL_BYTES, then those). */
+static inline int64_t piece_at(const int64_t *src_off, const int64_t *dst_off,
+                               const int64_t *len, int with_imm, int64_t i,
+                               int64_t *src, int64_t *dst)
+{
+    int64_t k, head;
+
+    if (with_imm != P2P_IMM_TAILS) {
+        *src = src_off[i];
+        *dst = dst_off[i];
+        return len[i];
+    }
+    k = i >> 1;
+    head = len[k] - P2P_IMM_TAIL_BYTES;
+    *src = src_off[k] + ((i & 1) ? head : 0);
+    *dst = dst_off[k] + ((i & 1) ? head : 0);
+    return (i & 1) ? P2P_IMM_TAIL_BYTES : head;
+}
+
 /* Post pieces [start, end) as RMA writes. Returns the index of the first piece
  * not posted: end when all went out, earlier when the TX queue pushed back
  * (-FI_EAGAIN, *err left 0) or a post failed (*err set to the negative code).
@@ -143,13 +171,14 @@ int64_t p2p_post_writes(struct fid_ep *ep, uint64_t dest,
         return post_groups(ep, dest, src_off, dst_off, len, start, end, src_base, src_desc,
                            dst_base, dst_key, context, group, err);
     for (i = start; i < end; i++) {
-        const void *buf = (const void *)(uintptr_t)(src_base + (uint64_t)src_off[i]);
-        uint64_t raddr = dst_base + (uint64_t)dst_off[i];
-        if (with_imm)
-            rc = fi_writedata(ep, buf, (size_t)len[i], src_desc, imm, (fi_addr_t)dest,
+        int64_t s, d, n = piece_at(src_off, dst_off, len, with_imm, i, &s, &d);
+        const void *buf = (const void *)(uintptr_t)(src_base + (uint64_t)s);
+        uint64_t raddr = dst_base + (uint64_t)d;
+        if (imm_at(with_imm, i))
+            rc = fi_writedata(ep, buf, (size_t)n, src_desc, imm, (fi_addr_t)dest,
                               raddr, dst_key, ctx);
         else
-            rc = fi_write(ep, buf, (size_t)len[i], src_desc, (fi_addr_t)dest, raddr,
+            rc = fi_write(ep, buf, (size_t)n, src_desc, (fi_addr_t)dest, raddr,
                           dst_key, ctx);
         if (rc == 0)
             continue;
@@ -189,11 +218,12 @@ int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
         struct fi_rma_iov rma;
         struct fi_msg_rma msg;
         void *desc = src_desc;
+        int64_t s, d, n = piece_at(src_off, dst_off, len, with_imm, i, &s, &d);
 
-        iov.iov_base = (void *)(uintptr_t)(src_base + (uint64_t)src_off[i]);
-        iov.iov_len = (size_t)len[i];
-        rma.addr = dst_base + (uint64_t)dst_off[i];
-        rma.len = (size_t)len[i];
+        iov.iov_base = (void *)(uintptr_t)(src_base + (uint64_t)s);
+        iov.iov_len = (size_t)n;
+        rma.addr = dst_base + (uint64_t)d;
+        rma.len = (size_t)n;
         rma.key = dst_key;
         memset(&msg, 0, sizeof(msg));
         msg.msg_iov = &iov;
@@ -205,7 +235,7 @@ int64_t p2p_post_writes_dc(struct fid_ep *ep, uint64_t dest,
         msg.context = (void *)(uintptr_t)context;
         msg.data = imm;
         rc = fi_writemsg(ep, &msg, FI_COMPLETION | FI_DELIVERY_COMPLETE |
-                         (with_imm ? FI_REMOTE_CQ_DATA : 0));
+                         (imm_at(with_imm, i) ? FI_REMOTE_CQ_DATA : 0));
         if (rc == 0)
             continue;
         if (rc != -FI_EAGAIN)
@@ -352,10 +382,13 @@ static int post_pass(struct p2p_cursor *cur, int ncur)
                                       c->next, c->end, c->src_base, c->src_desc,
                                       c->dst_base, c->dst_key, c->imm, c->with_imm,
                                       c->context, c->group, &c->err);
-        for (i = from; i < c->next; i++)
-            c->bytes_posted += c->len[i];
-        /* Posted a piece whose completion waits for the target, or found
-         * its queue full (only its progress empties it): wake it. */
+        for (i = from; i < c->next; i++) {
+            int64_t s, d;
+            c->bytes_posted += piece_at(c->src_off, c->dst_off, c->len, c->with_imm, i, &s, &d);
+        }
+        /* Posted a piece whose completion waits for the target or whose
+         * immediate it should hear of (a tail's completes at its post), or
+         * found its queue full (only its progress empties it): wake it. */
         if (c->bell && ((c->next > from && (c->with_imm || c->bell->every ||
                                             c->next > c->dc_from)) ||
                         (c->next < c->end && !c->err)))

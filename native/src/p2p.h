@@ -29,6 +29,15 @@
 #define P2P_GROUP_SHIFT 54
 #define P2P_GROUP_BITS (3ULL << P2P_GROUP_SHIFT)
 
+/* A cursor's with_imm: 0, no piece carries the immediate; 1, every piece;
+ * P2P_IMM_TAILS: each entry of its arrays goes as two pieces, its head (all
+ * but the last P2P_IMM_TAIL_BYTES, no immediate) at index 2k, then its tail
+ * with the immediate at 2k + 1, where a lone write carrying one would wait
+ * for the target's progress and one without is placed at its post (shm:
+ * FabricInfo.imm_tail). The cursor's indices count pieces so posted. */
+#define P2P_IMM_TAILS 2
+#define P2P_IMM_TAIL_BYTES 64
+
 /* A shm target's doorbell, as an initiator sees it: the target's abstract
  * unix datagram socket (its name) and this process's sending socket. shm CQs
  * have no wait fd, so an idle shm target naps between looks at its CQ; a

@@ -9,6 +9,7 @@ not: any Python loop over pieces.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -114,6 +115,10 @@ class ScatterList:
         step = k * max_piece
         length = np.minimum(self.length[idx] - step, max_piece)
         return ScatterList(self.src[idx] + step, self.dst[idx] + step, length)
+
+    @cached_property
+    def min_length(self) -> int:
+        return int(self.length.min())
 
     def stripe(self, parts: int, max_piece: int = INT64_MAX
                ) -> tuple[ScatterList, list[tuple[int, int]]]:

@@ -46,6 +46,8 @@ import trio
 from p2pxfer.fabric import CompletionError, Completions, ExpressCursor, shm_segment
 from p2pxfer.scatter import ScatterList
 
+from ._plan import imm_tails
+
 if TYPE_CHECKING:
     from p2pxfer.memory import LocalRegion, RegionDescriptor
 
@@ -167,9 +169,12 @@ class Express:
         if plan is None or scatter.max_length > s._group.max_msg:
             return None
         scatter.check_bounds(plan.size, dst.length)
+        t = plan.target
+        tails = False
         if imm is not None:
             s._group.check_imm(imm)
-        t = plan.target
+            tails = imm_tails(t.rail.imm_tail, scatter)
+        posts = n << tails  # the caller's pieces, or heads and tails
         tid = s.new_tid()
         start = time.perf_counter_ns()
         got, failed = 0, None  # failed: the poll that met an error entry
@@ -187,18 +192,18 @@ class Express:
                                t.dst_key, plan.bell, t.rail.group)
                 # Holds the CQs first: the poller thread keeps off them.
                 left = cursor.post(s._poller.handle, scatter.src, scatter.dst, scatter.length,
-                                   imm, tid)
+                                   imm, tid, tails)
             if not left:
                 with s._cq_guard:
                     got, arrivals, failed = s._inline_poller.express_poll(
-                        n, tid, budget_of(scatter.nbytes))
+                        posts, tid, budget_of(scatter.nbytes))
             received = [(rail, cnt) for rail, _ctx, _flags, _data, cnt in arrivals]
             imms = [(data, cnt) for _rail, _ctx, _flags, data, cnt in arrivals]
-            if got >= n:
+            if got >= posts:
                 now = time.monotonic()
                 with s._lock:
                     self.tid = -1
-                    s.count_pieces(t.key, n, now)
+                    s.count_pieces(t.key, n, now)  # statistics count the caller's pieces
                     if received:
                         self._count_received(received)
                 s.count_delivered(t.ours, n, scatter.nbytes)

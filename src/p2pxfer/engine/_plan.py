@@ -25,7 +25,7 @@ from p2pxfer.errors import (
     ReadOnlyBuffer,
     UnregisteredMemory,
 )
-from p2pxfer.fabric import Rail, WriteBatch
+from p2pxfer.fabric import IMM_TAIL_ABOVE, Rail, WriteBatch
 from p2pxfer.memory import (
     ExportedRegion,
     LocalRegion,
@@ -39,7 +39,7 @@ from p2pxfer.scatter import ScatterList
 from ._pairing import pair_rails
 
 __all__ = ["PairKey", "PreparedWrite", "RailGroup", "Source", "Stripe", "Target",
-           "plan_stripes"]
+           "imm_tails", "plan_stripes"]
 
 #: a (rail, peer rail) pair: our rail's index and the peer endpoint's address
 PairKey = tuple[int, bytes]
@@ -143,6 +143,9 @@ class PreparedWrite:
     notify_imm: int | None = None
     #: the pieces' (src, dst, length) arrays (a failover re-plans over them)
     arrays: tuple[Any, Any, Any] = ((), (), ())
+    #: each of the caller's pieces goes as two, its tail carrying the
+    #: immediate (``imm_tails``): ``pieces`` and the cursors count both
+    tails: bool = False
 
     @property
     def per_piece(self) -> bool:
@@ -154,7 +157,13 @@ class PreparedWrite:
         """How many immediates the receiver counts for this write."""
         if self.notify_imm is not None:
             return 1
-        return self.pieces if self.per_piece else 0
+        return self.written if self.per_piece else 0
+
+    @property
+    def written(self) -> int:
+        """The caller's pieces (after splitting and striping): a piece sent
+        as head and tail counts once."""
+        return self.pieces >> self.tails
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,16 @@ def plan_stripes(scatter: ScatterList, nrails: int, max_msg: int) -> tuple[Scatt
     if nrails == 1:
         return sl, [Stripe(0, 0, len(sl))]
     return sl, [Stripe(r, s, e) for r, (s, e) in enumerate(ranges) if e > s]
+
+
+def imm_tails(tail: int, sl: ScatterList) -> bool:
+    """Whether each piece of ``sl`` goes as two, its immediate riding its
+    last ``tail`` bytes (``Rail.imm_tail``; cut in C as it posts,
+    ``P2P_IMM_TAILS``). Not where the rail sends pieces whole, nor where
+    some piece is too short to gain (within shm's inject size a write
+    completes at its post whole): all pieces or none, as the cursor tells a
+    head from a tail by its index."""
+    return bool(tail) and sl.min_length > IMM_TAIL_ABOVE
 
 
 class RailGroup:
@@ -365,13 +384,16 @@ class RailGroup:
         if callable(imm):
             imm = imm(len(sl))
             self.check_imm(imm)
+        tails = imm is not None and not notify and imm_tails(live[0].rail.imm_tail, sl)
+        if tails:  # the cursors count heads and tails
+            stripes = [Stripe(st.rail, 2 * st.start, 2 * st.end) for st in stripes]
         batch = WriteBatch(sl.src, sl.dst, sl.length, tid, None if notify else imm,
-                           len(stripes) + (1 if notify else 0))
+                           len(stripes) + (1 if notify else 0), imm_tails=tails)
         for st in stripes:
             live[st.rail].add_to(batch, st.start, st.end, landed=notify)
-        return PreparedWrite(tid, region, batch, len(sl), sl.nbytes, dst.name,
+        return PreparedWrite(tid, region, batch, len(sl) << tails, sl.nbytes, dst.name,
                              route.dest, dst.node, targets,
-                             imm if notify else None, (sl.src, sl.dst, sl.length))
+                             imm if notify else None, (sl.src, sl.dst, sl.length), tails)
 
     def close(self, *, process_exits: bool = False) -> None:
         for exp, _ in self._exports.values():

@@ -280,7 +280,7 @@ class Shard:
             # may see the last completion before the posting call has stored
             # how far it got.
             for r, pieces, nbytes in tr.w.batch.progress():
-                self.count_delivered(r, pieces, nbytes)
+                self.count_delivered(r, pieces >> tr.w.tails, nbytes)
             self._group.cache.unpin(tr.w.region)
             # The slot goes back when the transfer ends, not when someone
             # awaits it: a caller may submit many before waiting for any.
@@ -353,7 +353,7 @@ class Shard:
         with self._lock:  # a consistent snapshot of what the poller changes
             for tr in list(self._inflight.values()) + list(self._finished):
                 for r, pieces, _ in tr.w.batch.progress():
-                    posting[r] += pieces
+                    posting[r] += pieces >> tr.w.tails
             pairs = self._failover.pair_stats(time.monotonic())
             # Failed and abandoned pieces are out of flight too. (The counts
             # too are the poller's to change: read in the same snapshot.)
@@ -417,10 +417,13 @@ class Shard:
 
     def count_done(self, tr: TransferState, cur: int, rail: int, cnt: int, now: float) -> None:
         """``cnt`` of ``tr``'s pieces on cursor ``cur`` (on ``rail``) completed
-        (under the lock)."""
-        self.count_pieces((rail, tr.w.batch.peers[cur][1]), cnt, now)
-        self._queues.note_done(tr, rail, cnt)
+        (under the lock). Statistics count the caller's pieces: a piece
+        sent as head and tail (``PreparedWrite.tails``) once both are."""
+        before = tr.cdone[cur]
         tr.cdone[cur] += cnt
+        shown = (tr.cdone[cur] >> 1) - (before >> 1) if tr.w.tails else cnt
+        self.count_pieces((rail, tr.w.batch.peers[cur][1]), shown, now)
+        self._queues.note_done(tr, rail, cnt)
         if cur != tr.notify_cursor:
             tr.completed += cnt
         tr.remaining -= cnt

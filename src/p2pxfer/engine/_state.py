@@ -133,11 +133,11 @@ class TransferState:
             return EngineClosed(f"engine closed while writing to {self.peer}")
         if self.aborted is not None:
             cls = TransferTimeout if self.timed_out else TransferAborted
-            n = self.w.pieces
-            return cls(f"write to {self.peer} {self.aborted}: {self.completed} of {n} "
-                       f"pieces acknowledged, {n - self.completed} not (posting stopped and "
+            n, done = self.w.written, self.completed >> self.w.tails
+            return cls(f"write to {self.peer} {self.aborted}: {done} of {n} "
+                       f"pieces acknowledged, {n - done} not (posting stopped and "
                        "the connection carrying them was torn down)",
-                       peer=self.peer, pieces=n, completed=self.completed)
+                       peer=self.peer, pieces=n, completed=done)
         if self.exhausted is not None:
             spans = ", ".join(f"{a}..{b - 1}" for a, b in self.landed) or "none known"
             return RailsExhausted(f"write to {self.peer} failed: no rail pair to the peer is "
@@ -147,8 +147,9 @@ class TransferState:
             return RailFailedUnderImmediates(
                 f"write to {self.peer} failed: a rail failed under it ({self.rail_lost}) and "
                 f"its pieces each carry the immediate, so re-posting them elsewhere could "
-                f"count some twice: {self.completed} of {self.w.pieces} pieces acknowledged; "
-                f"use notify=True to fail over", pieces=self.w.pieces, completed=self.completed)
+                f"count some twice: {self.completed >> self.w.tails} of {self.w.written} pieces "
+                f"acknowledged; use notify=True to fail over", pieces=self.w.written,
+                completed=self.completed >> self.w.tails)
         if self.gone is not None:
             return PeerUnreachable(f"write to {self.peer} failed: {self.gone}")
         if self.error is not None:

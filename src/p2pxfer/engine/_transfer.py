@@ -61,8 +61,9 @@ class Transfer:
     @property
     def pieces(self) -> int:
         """Pieces this write posts (each carrying its immediate, unless in
-        notify mode)."""
-        return self._tr.w.pieces
+        notify mode; a piece sent as head and tail, ``imm_tails``, counts
+        once)."""
+        return self._tr.w.written
 
     @property
     def imms(self) -> int:
@@ -143,5 +144,5 @@ class Transfer:
         if (exc := tr.exception()) is not None:
             raise exc
         log.debug("transfer.complete", transfer_id=tr.w.tid, nbytes=tr.w.nbytes,
-                  pieces=tr.w.pieces, peer=self._dst.node, region=self._dst.name)
-        return tr.w.pieces
+                  pieces=tr.w.written, peer=self._dst.node, region=self._dst.name)
+        return tr.w.written

@@ -16,6 +16,7 @@ from ._batch import split_context as split_context
 from ._binding import check as check
 from ._binding import raw_address as raw_address
 from ._info import DELIVERY_COMPLETE as DELIVERY_COMPLETE
+from ._info import IMM_TAIL_ABOVE as IMM_TAIL_ABOVE
 from ._info import SUPPORTED_MR_MODE as SUPPORTED_MR_MODE
 from ._info import FabricInfo as FabricInfo
 from ._info import MrMode as MrMode

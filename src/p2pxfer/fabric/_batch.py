@@ -71,7 +71,7 @@ class WriteBatch:
     """
 
     def __init__(self, src_off: I64, dst_off: I64, length: I64, context: int,
-                 imm: int | None, capacity: int) -> None:
+                 imm: int | None, capacity: int, *, imm_tails: bool = False) -> None:
         self._arrays = (src_off, dst_off, length)
         self._ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in self._arrays)
         self._keep: list[Any] = []  # other cursors' arrays (``add``), kept alive here
@@ -79,6 +79,9 @@ class WriteBatch:
         self._c = ffi.new("struct p2p_cursor[]", capacity)
         self.context = context
         self.imm = imm
+        #: each entry of the arrays goes as a head and a tail (``Rail.imm_tail``,
+        #: ``P2P_IMM_TAILS``): cursor indices count both, only tails carry ``imm``
+        self.imm_tails = imm_tails
         self.unposted_at_cancel = 0  # pieces a cancellation kept from going out
         self.rails: list[int] = []
         self.starts: list[int] = []
@@ -113,13 +116,16 @@ class WriteBatch:
         else:
             ptrs = tuple(ffi.from_buffer("int64_t[]", a) for a in arrays)
             self._keep.extend((*arrays, *ptrs))
+        with_imm = 0 if imm is None and self.imm is None else 1
+        if with_imm and imm is None and arrays is None and self.imm_tails:
+            with_imm = int(lib.P2P_IMM_TAILS)
         if imm is None:
             imm = self.imm
         bell = rail.bell_of(address)
         if bell != ffi.NULL:
             self._keep.append(bell)  # C points at it while this batch lives
         lib.p2p_cursor_set(self._c, i, rail.endpoint.handle, dest, *ptrs, start, end,
-                           src_base, src_desc, dst_base, dst_key, imm or 0, imm is not None,
+                           src_base, src_desc, dst_base, dst_key, imm or 0, with_imm,
                            self.context | (i << CURSOR_SHIFT),
                            _NO_DC if dc_from is None else dc_from, bell, rail.group)
         self.rails.append(rail_index)
@@ -162,7 +168,7 @@ class WriteBatch:
         until the next call); True if some cursor may post now."""
         can = False
         for i, c in enumerate(self._c[0:len(self.rails)]):
-            c.end = min(self.ends[i], c.next + max(room[i], 0))
+            c.end = self._whole(i, min(self.ends[i], c.next + max(room[i], 0)))
             can = can or (c.end > c.next and not c.err)
         return can
 
@@ -220,13 +226,22 @@ class WriteBatch:
         return n
 
     def cancel(self) -> int:
-        """Stop posting: returns how many pieces will now never be posted."""
+        """Stop posting: returns how many pieces will now never be posted.
+        A head posted keeps its tail: it carries the piece's immediate."""
         n = 0
         for i, c in enumerate(self._c[0:len(self.rails)]):
-            n += self.ends[i] - int(c.next)
-            c.end = c.next
-            self.ends[i] = int(c.next)
+            stop = self._whole(i, int(c.next))
+            n += self.ends[i] - stop
+            c.end = stop
+            self.ends[i] = stop
         return n
+
+    def _whole(self, i: int, at: int) -> int:
+        """Where cursor ``i`` may stop at or after ``at``: never between a
+        head and its tail (``P2P_IMM_TAILS``; its pieces start even)."""
+        if at & 1 and self._c[i].with_imm == lib.P2P_IMM_TAILS:
+            return min(self.ends[i], at + 1)
+        return at
 
 
 class ExpressCursor:
@@ -255,15 +270,18 @@ class ExpressCursor:
         self.aimed = key
 
     def post(self, poller: Any, src_off: I64, dst_off: I64, length: I64, imm: int | None,
-             context: int) -> bool:
+             context: int, imm_tails: bool = False) -> bool:
         """Hold ``poller``'s CQs (``Poller.handle``; the caller lets go) and
         post every piece where ``aim`` pointed; True if some are left (a full
-        TX queue) or one failed to post (``failed``)."""
+        TX queue) or one failed to post (``failed``). ``imm_tails``: each
+        entry goes as a head and a tail, and only the tails carry ``imm``
+        (``WriteBatch.imm_tails``)."""
         ptrs = (ffi.from_buffer("int64_t[]", src_off), ffi.from_buffer("int64_t[]", dst_off),
                 ffi.from_buffer("int64_t[]", length))
         self._keep = ptrs  # the C cursor points at them until the next write
-        return bool(lib.p2p_express_post(poller, self._c, *ptrs, len(length), imm or 0,
-                                         imm is not None, context))
+        with_imm = 0 if imm is None else int(lib.P2P_IMM_TAILS) if imm_tails else 1
+        return bool(lib.p2p_express_post(poller, self._c, *ptrs, len(length) << imm_tails,
+                                         imm or 0, with_imm, context))
 
     def hand_to(self, batch: WriteBatch) -> None:
         """Carry how far posting got into ``batch``'s cursor 0, which covers

@@ -14,13 +14,21 @@ from p2pxfer.errors import ProviderNotFound
 
 from ._binding import check, ffi, fi_strerror, lib
 
-__all__ = ["DELIVERY_COMPLETE", "SUPPORTED_MR_MODE", "FabricInfo", "MrMode", "getinfo",
-           "providers_here"]
+__all__ = ["DELIVERY_COMPLETE", "IMM_TAIL_ABOVE", "IMM_TAIL_BYTES", "SUPPORTED_MR_MODE",
+           "FabricInfo", "MrMode", "getinfo", "providers_here"]
 
 # FI_DELIVERY_COMPLETE (fabric.h; not among the binding's constants): a write
 # completes at the initiator only once the target has placed it, so a write the
 # target's provider refuses (stale key, out of range) fails at the initiator.
 DELIVERY_COMPLETE = 1 << 28
+
+# shm's tail of a piece sent apart with its immediate (``FabricInfo.imm_tail``;
+# cut in C, ``P2P_IMM_TAIL_BYTES``), within its inline size (a 256-byte
+# command less its header); only pieces over its inject size
+# (``SMR_INJECT_SIZE``, 4 KiB) are cut, smaller ones complete at their post
+# whole.
+IMM_TAIL_BYTES = int(lib.P2P_IMM_TAIL_BYTES)
+IMM_TAIL_ABOVE = 4096
 
 # The mr_mode bits p2pxfer implements. FI_MR_HMEM is declared so providers that
 # register device memory stay visible; host buffers are registered the same way.
@@ -158,6 +166,25 @@ class FabricInfo:
         after them. (Measured why it matters: delivery-complete on every
         piece stalled shm at a few thousand small pieces in flight.)"""
         return self.ordered_writes or self.provider == "shm"
+
+    @property
+    def imm_tail(self) -> int:
+        """Bytes of a piece to send apart, last, with its immediate (0: each
+        piece whole). shm (libfabric 1.x) places a write that carries no
+        immediate itself (CMA: ``smr_rma_fast``) before its post returns,
+        where one carrying an immediate and over its inject size (4 KiB)
+        waits, completion included, for the target's progress to copy it:
+        a napping target's wake-up instead of a copy. A piece sent as all but
+        its last ``IMM_TAIL_BYTES`` with no immediate (placed at its post),
+        then those with it (inline: completes at its post, delivered behind
+        the head in the peer's one FIFO command queue) waits for neither.
+        Not where writes are delivery-complete (every protocol then waits
+        for the target) or shm has no fast path (``FI_MR_VIRT_ADDR``);
+        libfabric 2.x's shm was not measured."""
+        if (self.provider != "shm" or self.tx_op_flags & DELIVERY_COMPLETE
+                or not self.mr_mode.virt_addr or lib.FI_MAJOR_VERSION != 1):
+            return 0
+        return IMM_TAIL_BYTES
 
     @property
     def tx_size(self) -> int:

@@ -85,6 +85,9 @@ class Rail:
         self.ordered = info.ordered_writes
         #: a completion read means landed or queued ahead of later writes
         self.completions_ordered = info.completions_order_writes
+        #: bytes at each piece's end sent apart with its immediate
+        #: (``FabricInfo.imm_tail``; 0: pieces go whole)
+        self.imm_tail = info.imm_tail
         # Its connections are kernel TCP sockets we can see (``disconnect``).
         parts = info.provider.split(";")
         self._rxm_over_tcp = "ofi_rxm" in parts and "tcp" in parts
