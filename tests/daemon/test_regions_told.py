@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from p2pxfer.daemon._regions import TELL_WAIT_S, Regions
+from p2pxfer.daemon._regions import INVALIDATE_GIVE_UP_S, TELL_WAIT_S, Regions
 from p2pxfer.errors import PeerUnreachable
 
 
@@ -41,8 +41,9 @@ class _Peers:
         return {}
 
 
-async def _gone_and_told(peers: _Peers) -> float:
-    """Time ``told`` took after the region went, with every peer having resolved it."""
+async def _gone_and_told(peers: _Peers, after: float = 0.0) -> tuple[float, set[str]]:
+    """Time ``told`` took after the region went, with every peer having
+    resolved it, and the regions still being told ``after`` seconds more."""
     exports = SimpleNamespace(on_remove=[], settle_remove=[])
     regions = Regions("node-b", peers, exports, lambda: None)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
@@ -55,21 +56,35 @@ async def _gone_and_told(peers: _Peers) -> float:
         for settle in exports.settle_remove:
             await settle("r")
         took = trio.current_time() - t0
+        await trio.sleep(after)
+        telling = set(regions._telling)
         nursery.cancel_scope.cancel()
-    return took
+    return took, telling
 
 
 async def test_an_unexport_answers_once_the_peers_that_resolved_it_heard(
         autojump_clock: trio.testing.MockClock) -> None:
     peers = _Peers({"node-a": 0.05, "node-c": 0.2})
-    took = await _gone_and_told(peers)
+    took, telling = await _gone_and_told(peers)
     assert took == pytest.approx(0.2)
+    assert telling == set()
     assert set(peers.heard) == {"node-a", "node-c"}
 
 
 async def test_a_peer_that_does_not_answer_holds_an_unexport_up_only_a_while(
         autojump_clock: trio.testing.MockClock) -> None:
     peers = _Peers({"node-a": 0.05, "cut": None})
-    took = await _gone_and_told(peers)
+    took, telling = await _gone_and_told(peers)
     assert took == pytest.approx(TELL_WAIT_S)
     assert set(peers.heard) == {"node-a"}
+    assert telling == {"r"}  # the cut peer is still being told
+
+
+async def test_a_region_is_forgotten_once_its_last_peer_is_told_or_given_up(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Past ``told``'s wait the background goes on; when it ends, nothing
+    of the region is kept (a daemon unexporting region after region beside
+    a cut-off peer must not grow)."""
+    peers = _Peers({"node-a": 0.05, "cut": None})
+    _, telling = await _gone_and_told(peers, after=INVALIDATE_GIVE_UP_S + 5)
+    assert telling == set()

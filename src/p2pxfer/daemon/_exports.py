@@ -281,7 +281,6 @@ class Exports:
             close = self._engine.unexport_later(name)
         else:
             self._engine.unexport(name)
-        retired = True
         try:
             with trio.CancelScope(shield=True):  # bounded by each
                 for settle in self.settle_remove:

@@ -139,12 +139,9 @@ class Regions:
         ``unknown_region`` rather than going through the old key (whose
         bytes land nowhere: ``Exports.remove``)."""
         telling = self._telling.get(region)
-        if telling is None:
-            return
-        with trio.move_on_after(TELL_WAIT_S):
-            await telling.done.wait()
-        if self._telling.get(region) is telling and telling.done.is_set():
-            del self._telling[region]
+        if telling is not None:
+            with trio.move_on_after(TELL_WAIT_S):
+                await telling.done.wait()
 
     async def _invalidate(self, peer: str, region: str, telling: _Telling) -> None:
         """Tell ``peer`` that ``region`` went, again and again until it has
@@ -175,6 +172,9 @@ class Regions:
                 delay = min(2 * delay, INVALIDATE_RETRY_S[1])
         finally:
             telling.one_done()
+            # The last to finish forgets it, whether or not ``told`` still waited.
+            if telling.done.is_set() and self._telling.get(region) is telling:
+                del self._telling[region]
             if key in self.pending_invalidations:
                 self.pending_invalidations[key] -= 1
                 if self.pending_invalidations[key] <= 0:
