@@ -28,7 +28,8 @@ from p2pxfer.errors import DeviceError
 from p2pxfer.log import get_logger
 from p2pxfer.pages import device_copy, device_copy_batch
 
-__all__ = ["DEVICE_MEMORY_TYPES", "CudaDriver", "address_of_array", "driver"]
+__all__ = ["DEVICE_MEMORY_TYPES", "IPC_HANDLE_BYTES", "UUID_BYTES", "CudaDriver",
+           "address_of_array", "driver"]
 
 log = get_logger("p2pxfer.cuda")
 
@@ -48,6 +49,18 @@ _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
 _CU_FLUSH_RDMA_TARGET_CURRENT_CTX = 0
 _CU_FLUSH_RDMA_TO_OWNER = 100
+_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+#: bytes of a CUDA IPC memory handle (CUipcMemHandle) and of a device UUID
+IPC_HANDLE_BYTES = 64
+UUID_BYTES = 16
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_char * UUID_BYTES)]
 
 
 def address_of_array(array: Any) -> int:
@@ -91,6 +104,12 @@ class CudaDriver:
             "cuMemAlloc_v2": [ctypes.POINTER(u64), sz],
             "cuMemFree_v2": [u64],
             "cuMemsetD8Async": [u64, ctypes.c_ubyte, sz, vp],
+            "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+            "cuDeviceGetUuid": [ctypes.POINTER(_Uuid), ctypes.c_int],
+            "cuMemGetAddressRange_v2": [ctypes.POINTER(u64), ctypes.POINTER(sz), u64],
+            "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), u64],
+            "cuIpcOpenMemHandle_v2": [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint],
+            "cuIpcCloseMemHandle": [u64],
         }.items():
             fn = getattr(c, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -208,6 +227,72 @@ class CudaDriver:
                                   _CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ctypes.c_ulonglong(0)),
                        "cuMemGetHandleForAddressRange")
             return int(fd.value), address - int(base.value)
+
+    def allocation(self, address: int, device: int) -> tuple[int, int]:
+        """(start, size) of the allocation holding ``address``."""
+        with self.on(device):
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            self.check(self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                         address), "cuMemGetAddressRange")
+            return int(base.value), int(size.value)
+
+    def uuid(self, device: int) -> bytes:
+        """``device``'s UUID: names one GPU in every process, whatever the
+        ordinals ``CUDA_VISIBLE_DEVICES`` gives it there."""
+        dev, out = ctypes.c_int(), _Uuid()
+        self.check(self._lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet",
+                   f"device {device}")
+        self.check(self._lib.cuDeviceGetUuid(ctypes.byref(out), dev), "cuDeviceGetUuid",
+                   f"device {device}")
+        return ctypes.string_at(ctypes.addressof(out), UUID_BYTES)
+
+    def device_of(self, uuid: bytes) -> int:
+        """This process's ordinal of the GPU whose UUID is ``uuid``."""
+        count = ctypes.c_int()
+        self.check(self._lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        for ordinal in range(count.value):
+            if self.uuid(ordinal) == uuid:
+                return ordinal
+        raise DeviceError(f"no GPU with UUID {uuid.hex()} is visible to this process "
+                          f"({count.value} are)")
+
+    def ipc_handle(self, address: int, nbytes: int, device: int) -> tuple[bytes, int]:
+        """A CUDA IPC handle of the allocation holding ``address`` (another
+        process opens it with :meth:`ipc_open`), and ``address``'s offset
+        into it. Memory of ``cuMemAlloc`` / ``cudaMalloc`` (a caching
+        allocator's segments); not of the virtual memory API
+        (``cuMemCreate``, torch's expandable segments)."""
+        base, size = self.allocation(address, device)
+        if address + nbytes > base + size:
+            raise DeviceError(f"{nbytes} bytes at {address:#x} run past their allocation")
+        out = _IpcHandle()
+        with self.on(device):
+            self.check(self._lib.cuIpcGetMemHandle(ctypes.byref(out), base), "cuIpcGetMemHandle",
+                       f"the allocation at {base:#x}")
+        return ctypes.string_at(ctypes.addressof(out), IPC_HANDLE_BYTES), address - base
+
+    def ipc_open(self, handle: bytes, device: int) -> tuple[int, int]:
+        """Map the allocation another process's ``handle`` names into this
+        process (:meth:`ipc_close` unmaps it): (its address here, its size)."""
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise DeviceError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, not "
+                              f"{len(handle)}")
+        h = _IpcHandle()
+        ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_BYTES)
+        with self.on(device):
+            out = ctypes.c_uint64()
+            self.check(self._lib.cuIpcOpenMemHandle_v2(
+                ctypes.byref(out), h, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                "cuIpcOpenMemHandle")
+        try:
+            return int(out.value), self.allocation(int(out.value), device)[1]
+        except BaseException:
+            self.ipc_close(int(out.value), device)
+            raise
+
+    def ipc_close(self, address: int, device: int) -> None:
+        with self.on(device):
+            self.check(self._lib.cuIpcCloseMemHandle(address), "cuIpcCloseMemHandle")
 
     def stream(self, device: int) -> int:
         with self.on(device):

@@ -44,7 +44,7 @@ from p2pxfer.errors import DeviceError, InvalidArgument
 from p2pxfer.kv_plan import KVLayout, expand_pages
 
 __all__ = ["CudaDriver", "DeviceMemory", "DeviceStage", "device_memory", "driver",
-           "memory_kind"]
+           "memory_kind", "share_fields"]
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -65,6 +65,9 @@ class DeviceMemory:
     device: int
     owner: Any
     kind: str = "cuda"
+
+    def __len__(self) -> int:  # sized as the memoryviews it stands beside
+        return self.nbytes
 
 
 def _typestr_bytes(typestr: str) -> int:
@@ -147,6 +150,15 @@ def device_memory(obj: Any) -> DeviceMemory | None:
     if found is not None and found.nbytes <= 0:
         raise InvalidArgument(f"cannot use an empty {type(obj).__name__}")
     return found
+
+
+def share_fields(dev: DeviceMemory) -> dict[str, Any]:
+    """A ``share_device`` request's fields for ``dev``: a CUDA IPC handle of
+    its allocation, its offset and size there, and its GPU's UUID (the
+    daemon's ordinals may differ from ours). Blocking driver calls."""
+    drv = driver()
+    handle, offset = drv.ipc_handle(dev.address, dev.nbytes, dev.device)
+    return {"handle": handle, "offset": offset, "size": dev.nbytes, "gpu": drv.uuid(dev.device)}
 
 
 def memory_kind(obj: Any) -> str:

@@ -133,7 +133,10 @@ class RegistrationError(P2PXferError):
 class DeviceError(RegistrationError):
     """Device (GPU) memory could not be used: no CUDA driver, memory of
     another kind than claimed, or a CUDA driver call failed (its
-    ``cuGetErrorString`` text is in the message)."""
+    ``cuGetErrorString`` text is in the message). From the daemon: it cannot
+    take device memory as is (``share_device``)."""
+
+    code: str = "device"
 
 
 class UnregisteredMemory(RegistrationError, InvalidArgument):

@@ -19,6 +19,10 @@ rc=0
 timeout 200 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || rc=1
 timeout 120 python3 -m p2pxfer bench --device cuda --provider shm --provider 'tcp;ofi_rxm' \
     --iterations 5 --json "$out/gpu_bench.json" 2>&1 | tee "$out/bench.log" || rc=1
+# Through two daemons asked for FI_HMEM: host pools, staged device pools, and
+# (where the daemons' libfabric registers CUDA memory: the pass below) direct.
+timeout 90 python3 bench/device_daemons.py --provider shm --layers 4 --blocks 64 --rounds 3 \
+    --json "$out/device_daemons.json" > "$out/device_daemons.log" 2>&1 || rc=1
 
 # A libfabric built with CUDA, where .dev/fabcuda holds one (lib/, bin/) and
 # the binding built against it (_fabric.abi3.so): the direct path (device
@@ -46,12 +50,14 @@ if [[ -d .dev/fabcuda/lib ]]; then
             fi_info --version | head -2
             FI_LOG_LEVEL=warn fi_info -p shm -c FI_HMEM 2>&1 | head -12
         } 2>&1 | tee "$out/machine-fabcuda.txt"
-        # Only these: on libfabric 2.x two shm endpoints of one process move
+        # Only these (and the daemons' direct path, test_device_direct: two
+        # processes): on libfabric 2.x two shm endpoints of one process move
         # every write through bounce buffers the target's progress drains (no
         # CMA between them), which the other in-process tests' napping
         # engines turn into minutes (docs/gpu.md).
-        timeout 120 python3 -m pytest tests/gpu -rA -q -p no:cacheprovider \
-            -k "hmem or device_to_device_in_process" 2>&1 | grep -E '^(PASSED|FAILED|ERROR)|passed|failed' \
+        timeout 180 python3 -m pytest tests/gpu -rA -q -p no:cacheprovider \
+            -k "hmem or device_to_device_in_process or test_device_direct" 2>&1 \
+            | tee "$out/gpu_tests_fabcuda_full.log" | grep -E '^(PASSED|FAILED|ERROR)|passed|failed' \
             | tee "$out/gpu_tests_fabcuda.log"
         grep -q ' passed' "$out/gpu_tests_fabcuda.log" && ! grep -qE 'failed|^ERROR' "$out/gpu_tests_fabcuda.log" \
             || exit 1
@@ -61,6 +67,9 @@ if [[ -d .dev/fabcuda/lib ]]; then
         grep -E 'device_registered|dmabuf|pool_staged|rror' "$out/bench_hmem.log" \
             | cut -c1-300 | sort | uniq -c | sort -rn | head -12
         grep -vE '\[(debug|info) ' "$out/bench_hmem.log" | tail -30
+        timeout 90 python3 bench/device_daemons.py --provider shm --layers 4 --blocks 64 \
+            --rounds 3 --json "$out/device_daemons_hmem.json" > "$out/device_daemons_hmem.log" 2>&1 \
+            || brc=1
         exit $brc
     ) || rc=1
 fi

@@ -395,6 +395,8 @@ DESCRIPTOR = {"v": 1, "name": "kv", "node": "node-b", "inc": 7, "len": 1 << 20,
 # (kind, request fields without id, result of the ok reply)
 CLIENT_CALLS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("share", {"size": 1 << 20}, {"mem": 1}),
+    ("share_device", {"handle": bytes(64), "offset": 4096, "size": 1 << 20, "gpu": bytes(16)},
+     {"mem": 2}),
     ("share", {"size": 4096, "name": "kv-cache"}, {"mem": 2}),
     ("unshare", {"mem": 2}, {}),
     ("export", {"name": "kv", "mem": 1, "offset": 0, "length": 1 << 20},

@@ -35,11 +35,12 @@ from p2pxfer.log import get_logger
 from p2pxfer.protocol import check_reason, pack_scatter
 from p2pxfer.scatter import ScatterList
 
+from ._devshare import DeviceShared, device_share
 from ._kv import KVPool, KVPush, open_pool, start_push
 from ._wire import Conversation, open_conversation
 
-__all__ = ["Client", "DaemonError", "KVPool", "KVPush", "MemberUpdate", "SharedMemory",
-           "connect"]
+__all__ = ["Client", "DaemonError", "DeviceShared", "KVPool", "KVPush", "MemberUpdate",
+           "SharedMemory", "connect"]
 
 log = get_logger("p2pxfer.client")
 
@@ -106,7 +107,7 @@ class Client:
     def __init__(self, conversation: Conversation) -> None:
         #: the conversation with the daemon, of this loop's regime
         self._conv = conversation
-        self._mems: list[SharedMemory] = []
+        self._mems: list[SharedMemory | DeviceShared] = []
 
     # -- API ------------------------------------------------------------------
 
@@ -118,13 +119,28 @@ class Client:
         self._mems.append(mem)
         return mem
 
-    async def free(self, mem: SharedMemory) -> None:
+    async def share_device(self, obj: Any) -> DeviceShared:
+        """Hand device memory (a CUDA tensor, ``__cuda_array_interface__``
+        or DLPack object) to the daemon as is: it opens the allocation from
+        a CUDA IPC handle and registers it, so writes land in it and
+        pushes read from it with no host copy. ``DeviceError`` where the
+        daemon cannot (its provider registers no device memory: status
+        ``device_memory``), or where CUDA cannot hand this memory over
+        (memory of the virtual memory API, e.g. torch's expandable
+        segments). Give it back with :meth:`free`."""
+        dev, fields = await anyio.to_thread.run_sync(device_share, obj)
+        result = await self._conv.request("share_device", **fields)
+        shared = DeviceShared(dev, int(result["mem"]))
+        self._mems.append(shared)
+        return shared
+
+    async def free(self, mem: SharedMemory | DeviceShared) -> None:
         """Give shared memory back: the daemon deregisters and unmaps it (it
         must not back an export), then it is unmapped here."""
         await self._conv.request("unshare", mem=mem.mem_id)
         self._forget(mem)
 
-    def _forget(self, mem: SharedMemory) -> None:
+    def _forget(self, mem: SharedMemory | DeviceShared) -> None:
         if mem in self._mems:
             self._mems.remove(mem)
         mem.close()
@@ -230,19 +246,24 @@ class Client:
 
     async def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
                       writers: Iterable[int] | None = None, device: Any = None,
-                      memory: SharedMemory | None = None) -> KVPool:
+                      memory: SharedMemory | None = None, direct: bool | None = None
+                      ) -> KVPool:
         """A paged KV pool of ``layout`` in memory shared with the daemon.
         ``receive``: exported as ``name`` so peers can push into it (the
         decode side); otherwise only a source to push from (prefill).
         ``writers``: other uids of this node that may push into it.
         ``device``: the pool is this device memory (a CUDA tensor,
         ``__cuda_array_interface__`` or DLPack object laid out as
-        ``layout``), staged through the shared memory (``p2pxfer.devmem``);
-        its waits then take ``blocks=``. ``memory``: lay the pool over shared
+        ``layout``): taken as is where the daemon can (:meth:`share_device`;
+        ``direct``, ``kind`` ``"cuda"``: peers write into it, pushes read
+        it), else staged through shared memory (``p2pxfer.devmem``; its
+        waits then take ``blocks=``). ``direct``: None tries direct, then
+        stages; True insists (``DeviceError`` where the daemon cannot);
+        False always stages. ``memory``: lay the pool over shared
         memory this client allocated already (``alloc``; e.g. where an
         engine placed its KV tensors) instead of allocating its own; it
         stays the caller's if the pool cannot be opened."""
-        return await open_pool(self, name, layout, receive, writers, device, memory)
+        return await open_pool(self, name, layout, receive, writers, device, memory, direct)
 
     async def kv_push(self, peer: str, pool: str, src: KVPool, src_blocks: Any,
                       dst_blocks: Any, *, request: int, layers: Iterable[int] | None = None,

@@ -32,15 +32,20 @@ import numpy as np
 import numpy.typing as npt
 
 from p2pxfer.buffers import RegionDescriptor
-from p2pxfer.devmem import DeviceStage, device_memory
-from p2pxfer.errors import InvalidArgument, TransferError, UsageError, WaitTimeout
+from p2pxfer.devmem import DeviceMemory, DeviceStage, device_memory, driver
+from p2pxfer.errors import DeviceError, InvalidArgument, TransferError, UsageError, WaitTimeout
 from p2pxfer.kv_plan import KVLayout, is_int
+from p2pxfer.log import get_logger
+
+from ._devshare import DeviceShared, device_share
 
 if TYPE_CHECKING:
     from ._client import Client, SharedMemory
     from ._wire import _Pending
 
 __all__ = ["KVPool", "KVPush", "KVPushResult"]
+
+log = get_logger("p2pxfer.client")
 
 
 def blocks_bin(name: str, blocks: Any) -> bytes:
@@ -148,9 +153,9 @@ class KVPool:
     device pool (``kind`` ``"cuda"``) they are its host mirror, and
     ``stage`` does the device copies."""
 
-    def __init__(self, client: Client | None, name: str, layout: KVLayout, mem: SharedMemory,
-                 descriptor: RegionDescriptor | None, stage: DeviceStage | None = None
-                 ) -> None:
+    def __init__(self, client: Client | None, name: str, layout: KVLayout,
+                 mem: SharedMemory | DeviceShared, descriptor: RegionDescriptor | None,
+                 stage: DeviceStage | None = None) -> None:
         #: None for a ``SyncClient``'s pool: wait through ``SyncClient.wait_layers``
         self._client = client
         self.name = name
@@ -159,16 +164,32 @@ class KVPool:
         #: set for a receiving pool (peers push into it under ``name``)
         self.descriptor = descriptor
         self.stage = stage
-        self.kind = "host" if stage is None else stage.kind
+        #: the pool is the device memory itself, registered by the daemon as
+        #: is (``Client.share_device``): no mirror, no copies, no ``blocks=``
+        self.direct = isinstance(mem, DeviceShared)
+        self.kind = "cuda" if self.direct else "host" if stage is None else stage.kind
+
+    def _host(self) -> npt.NDArray[np.uint8]:
+        if isinstance(self.mem, DeviceShared):
+            raise UsageError(f"pool {self.name!r} is device memory taken as is (direct): it "
+                             "has no host array; read it on the device")
+        return self.mem.array
 
     @property
     def array(self) -> npt.NDArray[np.uint8]:
-        return self.mem.array[: self.layout.nbytes]
+        return self._host()[: self.layout.nbytes]
 
     def block(self, layer: int, block: int, plane: int = 0) -> npt.NDArray[np.uint8]:
         lay = self.layout
         off = layer * lay.layer_stride + block * lay.block_stride + plane * lay.plane_stride
-        return self.mem.array[off:off + lay.block_bytes]
+        return self._host()[off:off + lay.block_bytes]
+
+    def landed(self) -> None:
+        """After a wait of a direct pool: writes a NIC placed in the GPU's
+        memory are visible to work started from now on (GPUDirect RDMA)."""
+        if isinstance(self.mem, DeviceShared):
+            dev = self.mem.device
+            driver().flush_rdma_writes(dev.device)
 
     async def wait_layers(self, request: int, upto_layer: int, *, first: int = 0,
                           timeout: float | None = None, blocks: Any = None) -> None:
@@ -181,6 +202,7 @@ class KVPool:
         and this returns once the copies are done."""
         if self.stage is None:
             await self._wait(request, first, upto_layer, timeout)
+            self.landed()
             return
         async for _ in self._landed(request, first, upto_layer, blocks, timeout, overall=True):
             pass
@@ -234,6 +256,7 @@ class KVPool:
             landed = list(range(nxt, min(done, last + 1)))
             if self.stage is not None:
                 await self.stage.copy_in(blocks, landed)
+            self.landed()
             yield landed
             nxt = done
 
@@ -265,7 +288,7 @@ def pool_stage(layout: KVLayout, device: Any, mem: SharedMemory) -> DeviceStage 
 
 
 def pool_memory(layout: KVLayout, device: Any, memory: SharedMemory,
-                mems: list[SharedMemory]) -> SharedMemory:
+                mems: list[Any]) -> SharedMemory:
     """``kv_pool(memory=...)`` checked: shared memory of this client, large
     enough for ``layout``, for a host pool (a device pool's mirror is its own)."""
     if not any(memory is m for m in mems):
@@ -280,11 +303,73 @@ def pool_memory(layout: KVLayout, device: Any, memory: SharedMemory,
     return memory
 
 
-async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
-                    writers: Iterable[int] | None = None, device: Any = None,
-                    memory: SharedMemory | None = None) -> KVPool:
+def direct_share(name: str, layout: KVLayout, device: Any, memory: Any, direct: bool | None
+                 ) -> tuple[DeviceMemory, dict[str, Any]] | None:
+    """A device pool taken as is: its memory and ``share_device`` fields
+    (blocking driver calls); None where it stages (``direct`` False, or
+    None and CUDA cannot hand this memory over)."""
     if not isinstance(layout, KVLayout):
         raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+    if direct and (device is None or memory is not None):
+        raise InvalidArgument("direct=True is for a device pool (device=) without memory=")
+    if device is None or memory is not None or direct is False:
+        return None
+    dev = device_memory(device)
+    if dev is None:
+        return None  # host memory: the staged path says what is wrong with it
+    if dev.nbytes < layout.nbytes:
+        raise InvalidArgument(f"device memory holds {dev.nbytes} bytes, the layout needs "
+                              f"{layout.nbytes}")
+    try:
+        return device_share(dev)
+    except DeviceError as exc:
+        staged_after(exc, direct, name)
+        return None
+
+
+def pool_fields(layout: KVLayout, receive: bool, writers: Iterable[int] | None,
+                kind: str) -> dict[str, Any]:
+    """A ``kv_pool`` request's fields but its name and memory."""
+    fields: dict[str, Any] = {"layout": layout.to_wire(), "receive": receive}
+    if writers is not None:
+        fields["writers"] = list(writers)
+    if kind != "host":  # a daemon that predates the field still takes host pools
+        fields["memory"] = kind
+    return fields
+
+
+def staged_after(exc: DeviceError, direct: bool | None, name: str) -> None:
+    """The daemon refused device memory (``share_device``): raise where the
+    caller insisted on the direct path, else the pool stages."""
+    if direct:
+        raise exc
+    log.info("kv.pool_staged", pool=name, reason=str(exc))
+
+
+async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
+                    writers: Iterable[int] | None = None, device: Any = None,
+                    memory: SharedMemory | None = None, direct: bool | None = None) -> KVPool:
+    # Off the loop where device memory is involved: the driver calls take
+    # milliseconds (the first one loads the driver).
+    share = direct_share(name, layout, device, memory, direct) if device is None else \
+        await anyio.to_thread.run_sync(direct_share, name, layout, device, memory, direct)
+    if share is not None:
+        try:
+            r = await client._conv.request("share_device", **share[1])
+        except DeviceError as exc:
+            staged_after(exc, direct, name)
+        else:
+            shared = DeviceShared(share[0], int(r["mem"]))
+            client._mems.append(shared)
+            try:
+                r = await client._conv.request("kv_pool", name=name, mem=shared.mem_id,
+                                               **pool_fields(layout, receive, writers, "cuda"))
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await client.free(shared)
+                raise
+            desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None
+            return KVPool(client, name, layout, shared, desc)
     mem = await client.alloc(layout.nbytes, name) if memory is None else \
         pool_memory(layout, device, memory, client._mems)
     stage = None
@@ -292,11 +377,8 @@ async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
         if memory is None:  # the pool is used whole: its pages are ours, mapped by the daemon
             await anyio.to_thread.run_sync(mem.buffer.commit)
         stage = pool_stage(layout, device, mem)
-        fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
-        if stage is not None:  # a daemon that predates the field still takes host pools
-            fields["memory"] = stage.kind
-        r = await client._conv.request("kv_pool", name=name, mem=mem.mem_id,
-                                  layout=layout.to_wire(), receive=receive, **fields)
+        r = await client._conv.request("kv_pool", name=name, mem=mem.mem_id, **pool_fields(
+            layout, receive, writers, "host" if stage is None else stage.kind))
     except BaseException:
         try:
             if stage is not None:

@@ -17,7 +17,14 @@ from typing import Any, Self
 import sniffio
 
 from p2pxfer.buffers import RegionDescriptor
-from p2pxfer.errors import ConnectionLost, InvalidArgument, TransferError, UsageError, WaitTimeout
+from p2pxfer.errors import (
+    ConnectionLost,
+    DeviceError,
+    InvalidArgument,
+    TransferError,
+    UsageError,
+    WaitTimeout,
+)
 from p2pxfer.kv_plan import KVLayout
 from p2pxfer.protocol import check_reason, pack_scatter
 from p2pxfer.scatter import ScatterList
@@ -30,15 +37,19 @@ from ._client import (
     unexport_fields,
     wait_timed_out,
 )
+from ._devshare import DeviceShared, device_share
 from ._kv import (
     KVPool,
     KVPushResult,
     combine,
+    direct_share,
+    pool_fields,
     pool_memory,
     pool_stage,
     push_fields,
     push_layer_list,
     push_result,
+    staged_after,
 )
 
 RETRY_S = 0.1  # call_daemon: between tries on a daemon still starting
@@ -61,7 +72,7 @@ class SyncClient:
                 "block that loop; use `async with p2pxfer.client.connect(path)` there, or "
                 "make the SyncClient in a worker thread (e.g. trio.to_thread.run_sync)")
         self._c = BlockingConversation(path, max_frame)
-        self._mems: list[SharedMemory] = []
+        self._mems: list[SharedMemory | DeviceShared] = []
 
     @property
     def node(self) -> str:
@@ -84,7 +95,7 @@ class SyncClient:
                                  length=length, **fields)
         return RegionDescriptor.from_wire(result["descriptor"])
 
-    def free(self, mem: SharedMemory) -> None:
+    def free(self, mem: SharedMemory | DeviceShared) -> None:
         self._c.request("unshare", mem=mem.mem_id)
         if mem in self._mems:
             self._mems.remove(mem)
@@ -139,12 +150,34 @@ class SyncClient:
         """See :meth:`Client.ping`."""
         return self._c.request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)))
 
+    def share_device(self, obj: Any) -> DeviceShared:
+        """See :meth:`Client.share_device`."""
+        dev, fields = device_share(obj)
+        shared = DeviceShared(dev, int(self._c.request("share_device", **fields)["mem"]))
+        self._mems.append(shared)
+        return shared
+
     def kv_pool(self, name: str, layout: KVLayout, *, receive: bool = True,
                 writers: Iterable[int] | None = None, device: Any = None,
-                memory: SharedMemory | None = None) -> KVPool:
+                memory: SharedMemory | None = None, direct: bool | None = None) -> KVPool:
         """See :meth:`Client.kv_pool`; wait on it with :meth:`wait_layers`."""
-        if not isinstance(layout, KVLayout):
-            raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+        share = direct_share(name, layout, device, memory, direct)
+        if share is not None:
+            try:
+                shared = DeviceShared(share[0], int(self._c.request("share_device",
+                                                                    **share[1])["mem"]))
+            except DeviceError as exc:
+                staged_after(exc, direct, name)
+            else:
+                self._mems.append(shared)
+                try:
+                    r = self._c.request("kv_pool", name=name, mem=shared.mem_id,
+                                        **pool_fields(layout, receive, writers, "cuda"))
+                except BaseException:
+                    self.free(shared)
+                    raise
+                desc = RegionDescriptor.from_wire(r["descriptor"]) if receive else None
+                return KVPool(None, name, layout, shared, desc)
         mem = self.alloc(layout.nbytes, name) if memory is None else \
             pool_memory(layout, device, memory, self._mems)
         stage = None
@@ -152,11 +185,8 @@ class SyncClient:
             if memory is None:  # as Client.kv_pool: allocated here, mapped whole there
                 mem.buffer.commit()
             stage = pool_stage(layout, device, mem)
-            fields: dict[str, Any] = {} if writers is None else {"writers": list(writers)}
-            if stage is not None:  # a daemon that predates the field still takes host pools
-                fields["memory"] = stage.kind
-            r = self._c.request("kv_pool", name=name, mem=mem.mem_id, layout=layout.to_wire(),
-                                receive=receive, **fields)
+            r = self._c.request("kv_pool", name=name, mem=mem.mem_id, **pool_fields(
+                layout, receive, writers, "host" if stage is None else stage.kind))
         except BaseException:
             try:
                 if stage is not None:
@@ -224,6 +254,7 @@ class SyncClient:
             r = self._c.request("kv_wait", pool=pool.name, request=request, first=nxt,
                                 upto=upto, **fields)
             done = pool.check_done(request, int(r["done"]), upto, timeout)
+            pool.landed()
             if pool.stage is not None:
                 events = pool.stage.to_device(blocks, list(range(nxt, min(done, upto_layer + 1))))
                 try:

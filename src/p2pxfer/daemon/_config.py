@@ -133,6 +133,11 @@ class DaemonConfig:
     #: acknowledged by then (a silent peer, a cut rail) is torn down and fails
     #: with ``transfer_failed``, naming the pieces known to have landed
     write_timeout_s: float = 60.0
+    #: take clients' device (CUDA) memory as is (``share_device``, direct KV
+    #: pools): ask the provider for FI_HMEM. Where it has none (tcp; a
+    #: libfabric built without CUDA, as Debian's), device memory is refused
+    #: with ``device`` and clients stage it through host memory instead
+    hmem: bool = False
     #: a write is done only once the target has its bytes (FI_DELIVERY_COMPLETE):
     #: without it, tcp calls a write done once its bytes are in a kernel socket,
     #: and a link cut right after leaves an "ok" write's tail undelivered until
@@ -425,6 +430,7 @@ _CHECKS: dict[str, Any] = {
     "local_copy": _bool,
     "local_copy_threads": lambda k, v: _int(k, v, 0),
     "delivery_complete": _bool,
+    "hmem": _bool,
     "rail_stall_s": _seconds,
     "fault_notify": lambda k, v: _choice(k, v, ("", "landed", "lost")),
 }

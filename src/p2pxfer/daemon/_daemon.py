@@ -34,6 +34,7 @@ from p2pxfer.membership import ClusterAuth
 from ._admit import Admission
 from ._config import DaemonConfig
 from ._control import serve_control
+from ._device import IpcMaps
 from ._exports import Exports
 from ._follow import Follower, rail_hosts
 from ._imms import ImmTable
@@ -147,6 +148,8 @@ class Daemon:
                                max_frame=config.max_frame, max_peers=config.max_peers,
                                tls=self.tls)
         self._imm_slots: ImmTable | None = None
+        #: clients' device allocations opened here (``share_device``)
+        self.ipc_maps = IpcMaps()
         #: every export of this daemon's clients (one record each)
         self.exports = Exports(self.node, engine, lambda: self.imm_slots)
         self.regions = Regions(self.node, self.peers, self.exports, lambda: self.imm_slots)
@@ -239,6 +242,8 @@ class Daemon:
             "control": self.control_address,
             "socket": self.config.socket,
             "provider": self.engine.config.provider,
+            # clients' device memory is registered as is (share_device)
+            "device_memory": self.engine.device_memory,
             "clients": len(self.sessions),
             "regions": regions,
             "kv_pools": [] if remote else self.kv.listing(self.sessions),
@@ -311,7 +316,7 @@ async def serve(config: DaemonConfig, *, handle_signals: bool = False,
         interfaces=config.interfaces or None, node_name=config.node,
         incarnation=time.time_ns(), imm_bytes=config.imm_bytes,
         write_timeout_s=config.write_timeout_s, delivery_complete=config.delivery_complete,
-        rail_stall_s=config.rail_stall_s,
+        rail_stall_s=config.rail_stall_s, hmem=config.hmem,
     )
     sock = None
     # Shielded: the deadline holds also when serve() itself is cancelled.

@@ -44,6 +44,7 @@ from p2pxfer.log import get_logger
 from p2pxfer.memory import RegionDescriptor
 
 if TYPE_CHECKING:
+    from ._device import DeviceExportMap, DeviceShare
     from ._imms import ImmTable, Sink
     from ._shared import ExportMap, SharedMap
 
@@ -88,9 +89,11 @@ class Export:
 
     name: str
     owner: ExportOwner
-    mem: SharedMap  # the owner's memory behind it
+    mem: SharedMap | DeviceShare  # the owner's memory behind it
     offset: int  # of the region in ``mem``
-    own: ExportMap  # the export's own mapping of its range (retired when it goes)
+    #: the export's own mapping of its range (retired when it goes); device
+    #: memory's is the memory itself (``_device``)
+    own: ExportMap | DeviceExportMap
     slot: int  # its immediate slot, tag included (``ImmTable.allocate``)
     desc: RegionDescriptor
     writers: frozenset[int]  # other uids its owner lets write into it from this node
@@ -212,7 +215,8 @@ class Exports:
             with trio.move_on_after(wait_s):
                 await export.owner.released.wait()
 
-    def add(self, owner: ExportOwner, name: str, mem: SharedMap, offset: int, length: int,
+    def add(self, owner: ExportOwner, name: str, mem: SharedMap | DeviceShare, offset: int,
+            length: int,
             writers: frozenset[int], sink: Sink) -> Export:
         """Export ``mem[offset:offset + length]`` as ``name``: its own
         mapping, an immediate slot routed to ``sink``, the engine's key

@@ -27,6 +27,7 @@ from p2pxfer.protocol import (
 )
 from p2pxfer.scatter import ScatterList
 
+from ._device import is_device
 from ._follow import WATCH_TIMEOUT_MAX_S
 
 if TYPE_CHECKING:
@@ -41,6 +42,10 @@ Handler = Callable[["ClientSession", Message], Awaitable[dict[str, Any]]]
 
 async def _share(s: ClientSession, msg: Message) -> dict[str, Any]:
     return {"mem": s.share(msg["size"])}
+
+
+async def _share_device(s: ClientSession, msg: Message) -> dict[str, Any]:
+    return {"mem": await s.share_device(msg["handle"], msg["offset"], msg["size"], msg["gpu"])}
 
 
 async def _unshare(s: ClientSession, msg: Message) -> dict[str, Any]:
@@ -135,6 +140,8 @@ async def _kv_pool(s: ClientSession, msg: Message) -> dict[str, Any]:
     if export is not None:
         views.append(export.own.view)
     for view in views:
+        if is_device(view):  # the client's GPU memory: resident already
+            continue
         err = await trio.to_thread.run_sync(populate_resident, view, abandon_on_cancel=True)
         if err:
             log.info("kv.pool_not_populated", client=s.label, pool=msg["name"],
@@ -172,7 +179,8 @@ async def _ping(s: ClientSession, msg: Message) -> dict[str, Any]:
 
 
 HANDLERS: dict[str, Handler] = {
-    "share": _share, "unshare": _unshare, "export": _export, "unexport": _unexport,
+    "share": _share, "share_device": _share_device, "unshare": _unshare, "export": _export,
+    "unexport": _unexport,
     "withdraw": _withdraw, "write": _write, "wait_imm": _wait_imm, "status": _status,
     "peers": _peers,
     "add_peer": _add_peer, "locate": _locate, "watch": _watch, "cancel": _cancel,

@@ -58,6 +58,7 @@ from p2pxfer.kv_plan import KVLayout
 from p2pxfer.log import get_logger
 from p2pxfer.protocol import MAX_REASON
 
+from ._device import is_device
 from ._kv_push import MAX_DEADLINE_MS, Pushes, pack_i64, unpack_i64
 
 if TYPE_CHECKING:
@@ -91,11 +92,13 @@ class Pool:
     session: ClientSession
     mem_id: int
     layout: KVLayout
-    view: memoryview
+    view: Any  # a memoryview of shared memory, or device memory (``_device``)
     receive: bool
     #: the memory the client keeps the pool in: "host", or "cuda" (a device
-    #: pool staged through this shared memory by the client)
+    #: pool: staged through this shared memory by the client, or ``direct``)
     kind: str = "host"
+    #: the pool is the client's device memory itself (``share_device``)
+    direct: bool = False
 
 
 @dataclass(eq=False, kw_only=True)
@@ -153,21 +156,26 @@ class KV:
         if name in s.kv_pools:
             raise InvalidArgument(f"this client has a KV pool named {name!r} already")
         mem = s.mem(mem_id)
+        direct = is_device(mem.map)
+        if direct and kind != "cuda":
+            raise InvalidArgument(f"kv_pool {name!r}: memory {mem_id} is device memory, so "
+                                  f"the pool's memory is 'cuda', not {kind!r}")
         view = mem.view(0, layout.nbytes)  # out_of_range if the memory is too small
         result: dict[str, Any] = {}
         if receive:
             result["descriptor"] = s.export(name, mem_id, 0, layout.nbytes, writers)
-        pool = Pool(name, s, mem_id, layout, view, receive, kind)
+        pool = Pool(name, s, mem_id, layout, view, receive, kind, direct)
         s.kv_pools[name] = pool
         if receive:
             self.pools[name] = pool
         log.info("kv.pool", client=s.label, pool=name, receive=receive, kind=kind,
-                 nbytes=layout.nbytes)
+                 direct=direct, nbytes=layout.nbytes)
         return result
 
     def listing(self, sessions: Any) -> list[dict[str, Any]]:
         """Every client's KV pools, for ``status``."""
         return [{"name": p.name, "client": p.session.label, "kind": p.kind,
+                 "path": "direct" if p.direct else "host" if p.kind == "host" else "staged",
                  "receive": p.receive, "nbytes": p.layout.nbytes}
                 for s in sessions for p in s.kv_pools.values()]
 

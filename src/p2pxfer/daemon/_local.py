@@ -31,6 +31,10 @@ byte lands in the owner's memory after ``unexport`` answers and
 nothing is copied into a mapping that is being retired. A copy holds buffer
 exports of both mappings while it runs, so neither can be closed under it.
 
+Where either side is device memory (``_device``), the copy is one batch of
+CUDA copies on the daemon's stream, waited for on a worker thread; it is not
+stopped part way (it is over in microseconds to milliseconds).
+
 What must not live here: the fabric path (``_writes``, ``p2pxfer.engine``),
 the uid rules (``_sessions``), the C loop (``p2pxfer.fabric``).
 """
@@ -50,6 +54,8 @@ from p2pxfer.errors import UnknownRegion
 from p2pxfer.log import get_logger
 from p2pxfer.pages import CopyStop, copy_scatter
 from p2pxfer.scatter import ScatterList
+
+from ._device import copy_device, is_device
 
 if TYPE_CHECKING:
     from ._exports import Exports
@@ -117,7 +123,7 @@ class LocalCopies:
 
     # -- copies -------------------------------------------------------------------------
 
-    async def write(self, writer: ClientSession, src: memoryview, scatter: ScatterList,
+    async def write(self, writer: ClientSession, src: Any, scatter: ScatterList,
                     region: str, imm: int | None, notify: bool = False, *,
                     slot: int | None = None) -> int:
         """Copy ``scatter`` from ``src`` into this daemon's export ``region``;
@@ -140,16 +146,20 @@ class LocalCopies:
         slots = self._imm_slots()
         full_imm = None if imm is None else slots.compose(
             target.slot if slot is None else slot, imm)
-        sl, parts = self._plan(scatter)
+        dst = target.mem.view(target.offset, target.length)
+        device = is_device(dst) or is_device(src)
+        sl, parts = (scatter, [(0, len(scatter))]) if device else self._plan(scatter)
         copy = _Copy()
         target.copies.add(copy)
         counts = [0] * len(parts)
         try:
-            dst = target.mem.view(target.offset, target.length)
-            if scatter.nbytes <= INLINE_MAX:
+            if device:  # one batch on the GPU's copy engines; not stopped part way
+                counts[0] = await trio.to_thread.run_sync(copy_device, dst, src, sl)
+            elif scatter.nbytes <= INLINE_MAX:
                 counts[0] = copy_scatter(dst, src, sl.src, sl.dst, sl.length, 0, len(sl),
                                          copy.stop)
             else:
+                assert isinstance(dst, memoryview)  # device memory went the GPU's way
                 await self._in_threads(dst, src, sl, parts, copy.stop, counts)
         finally:
             done = sum(counts)

@@ -26,9 +26,12 @@ import trio
 
 from p2pxfer._pump import Pump, bounded, where_raised
 from p2pxfer.errors import (
+    DeviceError,
+    FabricError,
     Forbidden,
     InvalidArgument,
     P2PXferError,
+    RegistrationError,
     UnknownRegion,
     UnregisteredMemory,
 )
@@ -43,6 +46,7 @@ from p2pxfer.protocol import (
     wire_error,
 )
 
+from ._device import DeviceShare, check_share, gpu_of
 from ._exports import Export
 from ._handlers import HANDLERS
 from ._imms import ImmCounts
@@ -96,7 +100,7 @@ class ClientSession:
         self.stream = UnixFdStream(sock, self.label)
         self.pump = Pump(Connection("client", RESPONDER, max_frame=daemon.config.max_frame),
                          self.stream, f"client {self.label}")
-        self.mems: dict[int, SharedMap] = {}
+        self.mems: dict[int, SharedMap | DeviceShare] = {}
         #: immediates landed in this session's regions (they die with it)
         self.counts = ImmCounts(self.label, max_waiters=daemon.config.max_waiters_per_client)
         self.kv_pools: dict[str, Pool] = {}  # this client's KV pools, by name
@@ -308,7 +312,7 @@ class ClientSession:
                             f"{bounded(name, 100)!r}: names without '~' belong to root and the "
                             f"daemon's uid ({os.getuid()})")
 
-    def mem(self, mem_id: int) -> SharedMap:
+    def mem(self, mem_id: int) -> SharedMap | DeviceShare:
         mem = self.mems.get(mem_id)
         if mem is None:
             raise UnregisteredMemory(f"no shared memory {mem_id} on this connection")
@@ -328,6 +332,37 @@ class ClientSession:
         self.mems[mem.id] = mem
         self.daemon.engine.register(mem.map, writable=True)
         log.info("memory.shared", client=self.label, mem=mem.id, nbytes=size)
+        return mem.id
+
+    async def share_device(self, handle: bytes, offset: int, size: int, gpu: bytes) -> int:
+        """Device memory of the client's, by its CUDA IPC handle (``_device``):
+        opened here and registered as is. ``DeviceError`` (before any CUDA
+        call) where this daemon's engine cannot register device memory."""
+        d = self.daemon
+        check_share(handle, offset, size, gpu)
+        if not d.engine.device_memory:
+            raise DeviceError(
+                f"this daemon does not take device memory: provider {d.config.provider!r} "
+                + ("was not offered with FI_HMEM (a libfabric built without CUDA, or a "
+                   "provider that never moves device memory, as tcp)" if d.config.hmem else
+                   "is not opened for it (config hmem = false)")
+                + "; stage it through shared memory instead")
+        d.limits.share(self, size)
+        device = await gpu_of(gpu)
+        mem = DeviceShare(d.ipc_maps, self._next_mem, handle, offset, size, device, self.uid)
+        try:
+            d.engine.register(mem.map, writable=True)
+        except (RegistrationError, FabricError) as exc:
+            mem.close()
+            raise DeviceError(f"share_device: {size} bytes of device memory could not be "
+                              f"registered: {exc}") from exc
+        except BaseException:
+            mem.close()
+            raise
+        self._next_mem += 1
+        self.mems[mem.id] = mem
+        log.info("memory.shared", client=self.label, mem=mem.id, nbytes=size, kind=mem.kind,
+                 device=mem.device)
         return mem.id
 
     def unshare(self, mem_id: int) -> None:

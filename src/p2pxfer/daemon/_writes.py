@@ -90,7 +90,7 @@ class Writes:
     def imm_slots(self) -> ImmTable:
         return self._imm_slots()
 
-    async def write(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
+    async def write(self, client: str, src: Any, scatter: ScatterList, peer: str,
                     region: str, imm: int | None, *,
                     session: ClientSession | None = None, notify: bool = False) -> int:
         """Write ``scatter`` from ``src`` into ``region`` on ``peer``, once
@@ -172,7 +172,7 @@ class Writes:
             if metrics is not None:
                 metrics.observe_write(time.perf_counter() - t0, ok)
 
-    async def _copy(self, session: ClientSession, src: memoryview, scatter: ScatterList,
+    async def _copy(self, session: ClientSession, src: Any, scatter: ScatterList,
                     region: str, imm: int | None, notify: bool) -> int:
         """A write into a region of this daemon's clients: a copy."""
         t0 = time.perf_counter()
@@ -183,7 +183,7 @@ class Writes:
                   path="local-copy")
         return pieces
 
-    async def _run(self, client: str, src: memoryview, scatter: ScatterList, peer: str,
+    async def _run(self, client: str, src: Any, scatter: ScatterList, peer: str,
                    region: str, desc: RegionDescriptor, imm: int | None,
                    session: ClientSession | None = None, notify: bool = False,
                    until: float = math.inf) -> int:
@@ -227,7 +227,7 @@ class Writes:
                   nbytes=scatter.nbytes, pieces=pieces, seconds=time.perf_counter() - t0)
         return pieces
 
-    async def _post(self, src: memoryview, desc: RegionDescriptor, scatter: ScatterList,
+    async def _post(self, src: Any, desc: RegionDescriptor, scatter: ScatterList,
                     peer: str, region: str, imm: int | None, notify: bool,
                     until: float) -> int:
         """The write on the engine, ``imm`` sent with the region's slot. A
@@ -275,7 +275,7 @@ class Writes:
                     raise
                 await trio.sleep(SETTLE_RETRY_S)
 
-    async def _faulty_notify(self, src: memoryview, desc: RegionDescriptor,
+    async def _faulty_notify(self, src: Any, desc: RegionDescriptor,
                              scatter: ScatterList, imm: int | None, until: float) -> None:
         """``fault_notify`` (tests): the write in notify mode, its
         notification sent through its ticket ("landed") or through slot 0,

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from p2pxfer.errors import (
     AuthenticationFailed,
     DaemonError,
+    DeviceError,
     EngineClosed,
     Forbidden,
     InvalidArgument,
@@ -74,6 +75,7 @@ _ANSWERS: tuple[tuple[type[P2PXferError], bool], ...] = (
     (RegionWithdrawn, False),
     (UnknownRegion, False),
     (UnregisteredMemory, False),
+    (DeviceError, False),
     (ScatterError, False),
     (NameTaken, False),
     (UnknownPeer, False),

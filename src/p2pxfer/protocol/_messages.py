@@ -69,6 +69,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "error": {"id": (_OPT_INT, False), "code": (_STR, True), "message": (_STR, True)},
     # client -> daemon
     "share": {"id": (_INT, True), "size": (_INT, True), "name": (_STR, False)},
+    "share_device": {"id": (_INT, True), "handle": (_BIN, True), "offset": (_INT, True),
+                     "size": (_INT, True), "gpu": (_BIN, True)},
     "unshare": {"id": (_INT, True), "mem": (_INT, True)},
     "export": {"id": (_INT, True), "name": (_STR, True), "mem": (_INT, True),
                "offset": (_INT, True), "length": (_INT, True), "writers": (_LIST, False)},
@@ -122,9 +124,9 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 }
 
 CLIENT_REQUESTS = frozenset(
-    {"share", "unshare", "export", "unexport", "withdraw", "write", "wait_imm", "status", "peers",
-     "add_peer", "watch", "locate", "cancel", "kv_pool", "kv_push", "kv_wait", "kv_forget",
-     "kv_abandon", "ping"}
+    {"share", "share_device", "unshare", "export", "unexport", "withdraw", "write", "wait_imm",
+     "status", "peers", "add_peer", "watch", "locate", "cancel", "kv_pool", "kv_push",
+     "kv_wait", "kv_forget", "kv_abandon", "ping"}
 )
 PEER_REQUESTS = frozenset({"auth", "resolve", "invalidate", "status", "peers", "kv_begin",
                            "kv_expect", "kv_arrived", "kv_abandoned", "imm_tickets",

@@ -123,7 +123,7 @@ class Worker(PushSide, DecodeSide):
                                      "closed while the KV caches were registered")
             self.gpu = gpu
         if memory == "moved":
-            assert self.pool is not None
+            assert self.pool is not None and isinstance(self.pool.mem, SharedMemory)
             self.layers = [move_into(lt, self.pool.mem.array, i * layout.layer_stride)
                            for i, lt in enumerate(self.layers)]
         log.info("vllm.registered", engine=o.engine, rank=o.rank, layers=len(self.layers),

@@ -1,0 +1,233 @@
+"""Device memory through the daemon, taken as is (``share_device``): the
+client hands a CUDA IPC handle over, the daemon opens and registers the
+allocation, peers write into the GPU's memory and pushes read from it, with
+no host copy. Two daemons asked for FI_HMEM on shm: where their libfabric
+registers CUDA memory (a libfabric built with CUDA, ``.dev/fabcuda``) the
+pools are direct; where it does not (Debian's), they stage, and
+``direct=True`` is refused with the daemon's reason. Every byte is checked
+on the device, from trio, asyncio and blocking callers.
+
+``P2PXFER_EXPECT_HMEM=shm`` (``tests/gpu/on_device.sh`` over a CUDA
+libfabric) makes a pool that falls back to staging fail the test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from device_arrays import cuda_or_skip, make
+from test_device_kv import LAYOUT, STEP, assert_landed, expected, scattered
+
+import p2pxfer
+from daemon_helpers import daemon_pair
+from p2pxfer.devmem import driver
+from p2pxfer.errors import DeviceError, UsageError
+
+pytestmark = pytest.mark.gpu
+
+EXPECT = "shm" in os.environ.get("P2PXFER_EXPECT_HMEM", "").split(",")
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cuda_or_skip()
+    with daemon_pair(tmp_path_factory.mktemp("gpudirect"), provider="shm", hmem=True) as pair:
+        yield pair
+    for d in pair:
+        assert "request.crashed" not in d.log.read_text(), d.log_tail()
+
+
+def check_path(pool: Any) -> None:
+    assert pool.kind == "cuda"
+    if EXPECT:
+        assert pool.direct, f"pool {pool.name} was staged where the direct path was expected"
+
+
+async def _round(daemons: Any, request: int, src: Any, dst: Any) -> None:
+    a, b = daemons
+    rng = np.random.default_rng(request)
+    lay = LAYOUT
+    data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
+    src.write(data)
+    sb, db = scattered(rng, 24, lay)
+    name = f"direct-{request}"
+    try:
+        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
+            dpool = await decode.kv_pool(name, lay, device=dst.obj)
+            spool = await prefill.kv_pool(name + "-src", lay, receive=False, device=src.obj)
+            for p in (dpool, spool):
+                check_path(p)
+            st = await decode.status()
+            entry = next(p for p in st["kv_pools"] if p["name"] == name)
+            assert entry["kind"] == "cuda"
+            assert entry["path"] == ("direct" if dpool.direct else "staged")
+            if dpool.direct:
+                with pytest.raises(UsageError, match="no host array"):
+                    _ = dpool.array
+            push = await prefill.kv_push("node-b", name, spool, sb, db, request=request)
+            await dpool.wait_layers(request, lay.num_layers - 1, blocks=db, timeout=STEP)
+            result = await push.wait(timeout=STEP)
+            assert result.layers == tuple(range(lay.num_layers))
+        assert_landed(dst, data, lay, sb, db)
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_direct_device_to_device_through_daemons(daemons: Any) -> None:
+    arrays = make("driver", LAYOUT.nbytes), make("driver", LAYOUT.nbytes)
+    trio.run(_round, daemons, 61, *arrays)
+
+
+def test_direct_torch_tensors_through_daemons(daemons: Any) -> None:
+    arrays = make("torch", LAYOUT.nbytes), make("torch", LAYOUT.nbytes)
+    trio.run(_round, daemons, 62, *arrays)
+
+
+def test_direct_from_asyncio(daemons: Any) -> None:
+    arrays = make("driver", LAYOUT.nbytes), make("driver", LAYOUT.nbytes)
+    asyncio.run(_round(daemons, 63, *arrays))
+
+
+def test_direct_blocking(daemons: Any) -> None:
+    a, b = daemons
+    rng = np.random.default_rng(64)
+    lay = LAYOUT
+    src, dst = make("driver", lay.nbytes), make("driver", lay.nbytes)
+    data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
+    src.write(data)
+    sb, db = scattered(rng, 20, lay)
+    try:
+        with p2pxfer.SyncClient(b.socket) as decode, p2pxfer.SyncClient(a.socket) as prefill:
+            dpool = decode.kv_pool("direct-sync", lay, device=dst.obj)
+            spool = prefill.kv_pool("direct-sync-src", lay, receive=False, device=src.obj)
+            for p in (dpool, spool):
+                check_path(p)
+            result = prefill.kv_push("node-b", "direct-sync", spool, sb, db, request=64,
+                                     layers=[0, 2, 3])
+            assert result.layers == (0, 2, 3)
+            decode.wait_layers(dpool, 64, 3, first=2, timeout=STEP, blocks=db)
+            decode.wait_layers(dpool, 64, 0, timeout=STEP, blocks=db)
+        got = dst.read().reshape(lay.num_layers, -1)
+        want = expected(data, np.zeros(lay.nbytes, np.uint8), lay, sb, db)
+        want = want.reshape(lay.num_layers, -1)
+        assert np.array_equal(got[[0, 2, 3]], want[[0, 2, 3]])
+        assert not got[1].any()  # never pushed
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_gpu_to_host_and_host_to_gpu_direct(daemons: Any) -> None:
+    dev = make("driver", LAYOUT.nbytes)
+    trio.run(_host_and_device, daemons, dev)
+
+
+async def _host_and_device(daemons: Any, dev: Any) -> None:
+    a, b = daemons
+    rng = np.random.default_rng(65)
+    lay = LAYOUT
+    sb, db = scattered(rng, 16, lay)
+    data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
+    zeros = np.zeros(lay.nbytes, np.uint8)
+    try:
+        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
+            dpool = await decode.kv_pool("direct-in", lay, device=dev.obj)
+            check_path(dpool)
+            hsrc = await prefill.kv_pool("direct-host-src", lay, receive=False)
+            hsrc.array[:] = data
+            push = await prefill.kv_push("node-b", "direct-in", hsrc, sb, db, request=65)
+            await dpool.wait_layers(65, lay.num_layers - 1, blocks=db, timeout=STEP)
+            await push.wait(timeout=STEP)
+            assert np.array_equal(dev.read(), expected(data, zeros, lay, sb, db))
+            hdst = await prefill.kv_pool("direct-host-dst", lay)
+            push = await decode.kv_push("node-a", "direct-host-dst", dpool, db, sb, request=66)
+            await hdst.wait_layers(66, lay.num_layers - 1, timeout=STEP)
+            await push.wait(timeout=STEP)
+            assert np.array_equal(hdst.array, expected(dev.read(), zeros, lay, db, sb))
+    finally:
+        dev.close()
+
+
+def test_same_daemon_copies_and_two_pools_of_one_allocation(daemons: Any) -> None:
+    """Two clients of one daemon: device -> device and host -> device
+    pushes are copies in the daemon (CUDA copies, no fabric); the two
+    device pools lie in one allocation (one IPC handle, opened once there),
+    and freeing one leaves the other working."""
+    a, _ = daemons
+    lay = LAYOUT
+    whole = make("driver", 2 * lay.nbytes)
+    rng = np.random.default_rng(67)
+    data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
+    sb, db = scattered(rng, 16, lay)
+
+    class Half:
+        def __init__(self, k: int) -> None:
+            self.__cuda_array_interface__ = {
+                "shape": (lay.nbytes,), "typestr": "|u1", "version": 3, "strides": None,
+                "data": (whole.address + k * lay.nbytes, False)}
+
+    async def main() -> None:
+        zeros = np.zeros(lay.nbytes, np.uint8)
+        async with p2pxfer.connect(a.socket) as two:
+            dst = await two.kv_pool("same-dst", lay, device=Half(1))
+            check_path(dst)
+            async with p2pxfer.connect(a.socket) as one:
+                src = await one.kv_pool("same-src", lay, receive=False, device=Half(0))
+                check_path(src)
+                push = await one.kv_push("node-a", "same-dst", src, sb, db, request=67)
+                await dst.wait_layers(67, lay.num_layers - 1, blocks=db, timeout=STEP)
+                await push.wait(timeout=STEP)
+            assert np.array_equal(whole.read()[lay.nbytes:], expected(data, zeros, lay, sb, db))
+            # The source's client went (its share of the allocation with it);
+            # the allocation stays open for the other pool.
+            async with p2pxfer.connect(a.socket) as three:
+                host = await three.kv_pool("same-host", lay, receive=False)
+                host.array[:] = 7
+                push = await three.kv_push("node-a", "same-dst", host, sb, db, request=68)
+                await dst.wait_layers(68, lay.num_layers - 1, blocks=db, timeout=STEP)
+                await push.wait(timeout=STEP)
+            sevens = np.full(lay.nbytes, 7, np.uint8)
+            assert np.array_equal(whole.read()[lay.nbytes:], expected(sevens, zeros, lay, sb, db))
+
+    full = np.zeros(2 * lay.nbytes, np.uint8)
+    full[:lay.nbytes] = data
+    whole.write(full)
+    try:
+        trio.run(main)
+    finally:
+        whole.close()
+
+
+def test_a_forged_handle_is_refused_and_the_daemon_serves_on(daemons: Any) -> None:
+    a, _ = daemons
+    with p2pxfer.SyncClient(a.socket) as client:
+        if not client.status()["device_memory"]:
+            pytest.skip("this libfabric offers no FI_HMEM on shm")
+        cuda_or_skip()
+        uuid = driver().uuid(0)
+        for handle in (bytes(64), os.urandom(64)):
+            with pytest.raises(DeviceError):
+                client._c.request("share_device", handle=handle, offset=0, size=4096, gpu=uuid)
+        with pytest.raises(DeviceError, match="no GPU with UUID"):
+            client._c.request("share_device", handle=os.urandom(64), offset=0, size=4096,
+                              gpu=bytes(16))
+        assert client.status()["clients"] >= 1
+
+
+def test_direct_true_where_the_daemon_cannot(tmp_path: Any) -> None:
+    """A daemon not asked for FI_HMEM: ``direct=True`` is refused with its
+    reason, the default stages (and still moves every byte: test_device_kv)."""
+    dev = make("driver", LAYOUT.nbytes)
+    try:
+        with daemon_pair(tmp_path) as (a, _), p2pxfer.SyncClient(a.socket) as client:
+            with pytest.raises(DeviceError, match="config hmem = false"):
+                client.kv_pool("never-direct", LAYOUT, device=dev.obj, direct=True)
+            pool = client.kv_pool("staged-instead", LAYOUT, device=dev.obj)
+            assert (pool.kind, pool.direct, pool.stage is not None) == ("cuda", False, True)
+    finally:
+        dev.close()
