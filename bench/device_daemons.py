@@ -37,40 +37,9 @@ import trio
 
 import p2pxfer
 from p2pxfer.kv_plan import KVLayout, expand_pages
-from p2pxfer.testing import LOOPBACK, free_port, start_daemon
+from p2pxfer.testing import LOOPBACK, DriverArray, free_port, start_daemon
 
 MODES = ("host", "staged", "direct")
-
-
-class Gpu:
-    """``nbytes`` of device memory from the CUDA driver, with host reads."""
-
-    def __init__(self, nbytes: int) -> None:
-        from p2pxfer.devmem import driver
-
-        self.drv = driver()
-        self.nbytes = nbytes
-        self.address = self.drv.alloc(nbytes, 0)
-        self.stream = self.drv.stream(0)
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
-                                         "data": (self.address, False), "strides": None}
-
-    def _copy(self, dst: int, src: int) -> None:
-        one = np.zeros(1, np.int64)
-        self.drv.copy(self.stream, 0, dst, src, one, one, np.array([self.nbytes], np.int64))
-        self.drv.stream_sync(self.stream, 0)
-
-    def read(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        out = np.empty(self.nbytes, np.uint8)
-        self._copy(out.ctypes.data, self.address)
-        return out
-
-    def write(self, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        self._copy(self.address, np.ascontiguousarray(data).ctypes.data)
-
-    def close(self) -> None:
-        self.drv.stream_destroy(self.stream, 0)
-        self.drv.free(self.address, 0)
 
 
 def expected(src: Any, lay: KVLayout, sb: Any, db: Any) -> Any:
@@ -89,7 +58,7 @@ async def run(args: argparse.Namespace, sockets: tuple[str, str]) -> dict[str, A
     db = rng.permutation(lay.num_blocks)[:args.blocks].astype(np.int64)
     want = expected(data, lay, sb, db)
     nbytes = args.blocks * 2 * lay.block_bytes * lay.num_layers
-    src_dev, dst_dev = Gpu(lay.nbytes), Gpu(lay.nbytes)
+    src_dev, dst_dev = DriverArray(lay.nbytes), DriverArray(lay.nbytes)
     src_dev.write(data)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     paths: dict[str, str] = {}

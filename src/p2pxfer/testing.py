@@ -3,7 +3,9 @@
 in a subprocess (tcp daemons bind the fabric to 127.0.0.1), returning once
 its socket accepts; ``DaemonProc`` stops it (SIGINT, then SIGKILL) and reads
 its status over ``RawConn``, a bare unix-socket connection. Every wait is
-bounded. What must not live here: anything the daemon itself runs.
+bounded. ``DriverArray``: device memory from the CUDA driver itself (no
+torch, no CuPy), for GPU tests and benches. What must not live here:
+anything the daemon itself runs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "START_TIMEOUT",
     "STOP_TIMEOUT",
     "DaemonProc",
+    "DriverArray",
     "LaunchError",
     "RawConn",
     "etcd_in",
@@ -397,3 +400,39 @@ def etcd_in(host: Any, workdir: Path, timeout: float = 20.0) -> Iterator[str]:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         shutil.rmtree(data, ignore_errors=True)
+
+
+class DriverArray:
+    """``nbytes`` from ``cuMemAlloc``, described by ``__cuda_array_interface__``."""
+
+    def __init__(self, nbytes: int) -> None:
+        from p2pxfer.devmem import driver  # only here: loads the CUDA driver
+
+        self.drv = driver()
+        self.nbytes = nbytes
+        self.address = self.drv.alloc(nbytes, 0)
+        self.stream = self.drv.stream(0)
+        self.obj = self
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (self.address, False),
+            "version": 3, "strides": None}
+        self.write(np.zeros(nbytes, np.uint8))  # cuMemAlloc leaves what was there
+
+    def _copy(self, dst: int, src: int) -> None:
+        one = np.zeros(1, np.int64)
+        self.drv.copy(self.stream, 0, dst, src, one, one, np.array([self.nbytes], np.int64))
+        self.drv.stream_sync(self.stream, 0)
+
+    def read(self) -> npt.NDArray[np.uint8]:
+        out = np.empty(self.nbytes, np.uint8)
+        self._copy(out.ctypes.data, self.address)
+        return out
+
+    def write(self, data: npt.NDArray[np.uint8]) -> None:
+        src = np.ascontiguousarray(data, np.uint8)
+        assert src.nbytes == self.nbytes
+        self._copy(self.address, src.ctypes.data)
+
+    def close(self) -> None:
+        self.drv.stream_destroy(self.stream, 0)
+        self.drv.free(self.address, 0)

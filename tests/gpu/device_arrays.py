@@ -15,6 +15,7 @@ import pytest
 
 from p2pxfer.devmem import driver
 from p2pxfer.errors import DeviceError
+from p2pxfer.testing import DriverArray
 
 U8 = npt.NDArray[np.uint8]
 
@@ -25,40 +26,6 @@ class DeviceArray(Protocol):
     def read(self) -> U8: ...
 
     def write(self, data: U8) -> None: ...
-
-
-class DriverArray:
-    """``nbytes`` from ``cuMemAlloc``, described by ``__cuda_array_interface__``."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.drv = driver()
-        self.nbytes = nbytes
-        self.address = self.drv.alloc(nbytes, 0)
-        self.stream = self.drv.stream(0)
-        self.obj = self
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (self.address, False),
-            "version": 3, "strides": None}
-        self.write(np.zeros(nbytes, np.uint8))  # cuMemAlloc leaves what was there
-
-    def _copy(self, dst: int, src: int) -> None:
-        one = np.zeros(1, np.int64)
-        self.drv.copy(self.stream, 0, dst, src, one, one, np.array([self.nbytes], np.int64))
-        self.drv.stream_sync(self.stream, 0)
-
-    def read(self) -> U8:
-        out = np.empty(self.nbytes, np.uint8)
-        self._copy(out.ctypes.data, self.address)
-        return out
-
-    def write(self, data: U8) -> None:
-        src = np.ascontiguousarray(data, np.uint8)
-        assert src.nbytes == self.nbytes
-        self._copy(self.address, src.ctypes.data)
-
-    def close(self) -> None:
-        self.drv.stream_destroy(self.stream, 0)
-        self.drv.free(self.address, 0)
 
 
 class TorchArray:

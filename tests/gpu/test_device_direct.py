@@ -20,12 +20,20 @@ import numpy as np
 import pytest
 import trio
 from device_arrays import cuda_or_skip, make
-from test_device_kv import LAYOUT, STEP, assert_landed, expected, scattered
+from test_device_kv import (
+    LAYOUT,
+    STEP,
+    blocking_round,
+    daemon_round,
+    expected,
+    host_and_device,
+    scattered,
+)
 
 import p2pxfer
 from daemon_helpers import daemon_pair
 from p2pxfer.devmem import driver
-from p2pxfer.errors import DeviceError, UsageError
+from p2pxfer.errors import DeviceError
 
 pytestmark = pytest.mark.gpu
 
@@ -47,110 +55,28 @@ def check_path(pool: Any) -> None:
         assert pool.direct, f"pool {pool.name} was staged where the direct path was expected"
 
 
-async def _round(daemons: Any, request: int, src: Any, dst: Any) -> None:
-    a, b = daemons
-    rng = np.random.default_rng(request)
-    lay = LAYOUT
-    data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
-    src.write(data)
-    sb, db = scattered(rng, 24, lay)
-    name = f"direct-{request}"
-    try:
-        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
-            dpool = await decode.kv_pool(name, lay, device=dst.obj)
-            spool = await prefill.kv_pool(name + "-src", lay, receive=False, device=src.obj)
-            for p in (dpool, spool):
-                check_path(p)
-            st = await decode.status()
-            entry = next(p for p in st["kv_pools"] if p["name"] == name)
-            assert entry["kind"] == "cuda"
-            assert entry["path"] == ("direct" if dpool.direct else "staged")
-            if dpool.direct:
-                with pytest.raises(UsageError, match="no host array"):
-                    _ = dpool.array
-            push = await prefill.kv_push("node-b", name, spool, sb, db, request=request)
-            await dpool.wait_layers(request, lay.num_layers - 1, blocks=db, timeout=STEP)
-            result = await push.wait(timeout=STEP)
-            assert result.layers == tuple(range(lay.num_layers))
-        assert_landed(dst, data, lay, sb, db)
-    finally:
-        src.close()
-        dst.close()
-
-
 def test_direct_device_to_device_through_daemons(daemons: Any) -> None:
     arrays = make("driver", LAYOUT.nbytes), make("driver", LAYOUT.nbytes)
-    trio.run(_round, daemons, 61, *arrays)
+    trio.run(daemon_round, daemons, "driver", 61, *arrays, check_path)
 
 
 def test_direct_torch_tensors_through_daemons(daemons: Any) -> None:
     arrays = make("torch", LAYOUT.nbytes), make("torch", LAYOUT.nbytes)
-    trio.run(_round, daemons, 62, *arrays)
+    trio.run(daemon_round, daemons, "torch", 62, *arrays, check_path)
 
 
 def test_direct_from_asyncio(daemons: Any) -> None:
     arrays = make("driver", LAYOUT.nbytes), make("driver", LAYOUT.nbytes)
-    asyncio.run(_round(daemons, 63, *arrays))
+    asyncio.run(daemon_round(daemons, "driver", 63, *arrays, check_path))
 
 
 def test_direct_blocking(daemons: Any) -> None:
-    a, b = daemons
-    rng = np.random.default_rng(64)
-    lay = LAYOUT
-    src, dst = make("driver", lay.nbytes), make("driver", lay.nbytes)
-    data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
-    src.write(data)
-    sb, db = scattered(rng, 20, lay)
-    try:
-        with p2pxfer.SyncClient(b.socket) as decode, p2pxfer.SyncClient(a.socket) as prefill:
-            dpool = decode.kv_pool("direct-sync", lay, device=dst.obj)
-            spool = prefill.kv_pool("direct-sync-src", lay, receive=False, device=src.obj)
-            for p in (dpool, spool):
-                check_path(p)
-            result = prefill.kv_push("node-b", "direct-sync", spool, sb, db, request=64,
-                                     layers=[0, 2, 3])
-            assert result.layers == (0, 2, 3)
-            decode.wait_layers(dpool, 64, 3, first=2, timeout=STEP, blocks=db)
-            decode.wait_layers(dpool, 64, 0, timeout=STEP, blocks=db)
-        got = dst.read().reshape(lay.num_layers, -1)
-        want = expected(data, np.zeros(lay.nbytes, np.uint8), lay, sb, db)
-        want = want.reshape(lay.num_layers, -1)
-        assert np.array_equal(got[[0, 2, 3]], want[[0, 2, 3]])
-        assert not got[1].any()  # never pushed
-    finally:
-        src.close()
-        dst.close()
+    blocking_round(daemons, 64, "direct-sync", check_path)
 
 
 def test_gpu_to_host_and_host_to_gpu_direct(daemons: Any) -> None:
     dev = make("driver", LAYOUT.nbytes)
-    trio.run(_host_and_device, daemons, dev)
-
-
-async def _host_and_device(daemons: Any, dev: Any) -> None:
-    a, b = daemons
-    rng = np.random.default_rng(65)
-    lay = LAYOUT
-    sb, db = scattered(rng, 16, lay)
-    data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
-    zeros = np.zeros(lay.nbytes, np.uint8)
-    try:
-        async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
-            dpool = await decode.kv_pool("direct-in", lay, device=dev.obj)
-            check_path(dpool)
-            hsrc = await prefill.kv_pool("direct-host-src", lay, receive=False)
-            hsrc.array[:] = data
-            push = await prefill.kv_push("node-b", "direct-in", hsrc, sb, db, request=65)
-            await dpool.wait_layers(65, lay.num_layers - 1, blocks=db, timeout=STEP)
-            await push.wait(timeout=STEP)
-            assert np.array_equal(dev.read(), expected(data, zeros, lay, sb, db))
-            hdst = await prefill.kv_pool("direct-host-dst", lay)
-            push = await decode.kv_push("node-a", "direct-host-dst", dpool, db, sb, request=66)
-            await hdst.wait_layers(66, lay.num_layers - 1, timeout=STEP)
-            await push.wait(timeout=STEP)
-            assert np.array_equal(hdst.array, expected(dev.read(), zeros, lay, db, sb))
-    finally:
-        dev.close()
+    trio.run(host_and_device, daemons, dev, 65, "direct", check_path)
 
 
 def test_same_daemon_copies_and_two_pools_of_one_allocation(daemons: Any) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import p2pxfer
 from conftest import PROVIDERS, engine_pair
 from daemon_helpers import daemon_pair
 from p2pxfer.devmem import DeviceStage, device_memory, driver, memory_kind
-from p2pxfer.errors import InvalidArgument
+from p2pxfer.errors import InvalidArgument, UsageError
 from p2pxfer.kv import KVPool, push_pages
 from p2pxfer.kv_plan import KVLayout, expand_pages
 
@@ -195,7 +196,10 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Any:
         assert "request.crashed" not in d.log.read_text(), d.log_tail()
 
 
-async def _daemon_round(daemons: Any, kind: str, request: int, src: Any, dst: Any) -> None:
+async def daemon_round(daemons: Any, kind: str, request: int, src: Any, dst: Any,
+                       check: Callable[[Any], None] = lambda pool: None) -> None:
+    """Device pool -> device pool through the daemons, staged or direct as
+    they can (``check`` sees each pool); every byte checked on the device."""
     a, b = daemons
     rng = np.random.default_rng(request)
     lay = LAYOUT
@@ -208,11 +212,20 @@ async def _daemon_round(daemons: Any, kind: str, request: int, src: Any, dst: An
             dpool = await decode.kv_pool(name, lay, device=dst.obj)
             spool = await prefill.kv_pool(name + "-src", lay, receive=False, device=src.obj)
             assert (dpool.kind, spool.kind) == ("cuda", "cuda")
+            for pool in (dpool, spool):
+                check(pool)
             st = await decode.status()
-            assert {"name": name, "kind": "cuda"}.items() <= next(
+            path = "direct" if dpool.direct else "staged"
+            assert {"name": name, "kind": "cuda", "path": path}.items() <= next(
                 p for p in st["kv_pools"] if p["name"] == name).items()
-            with pytest.raises(InvalidArgument, match="blocks="):
-                await dpool.wait_layers(request, 0)
+            region = next(r for r in st["regions"] if r["name"] == name)
+            assert region["kind"] == ("cuda" if dpool.direct else "host")  # what peers write
+            if dpool.direct:  # the device memory itself: no host array, no copies
+                with pytest.raises(UsageError, match="no host array"):
+                    _ = dpool.array
+            else:
+                with pytest.raises(InvalidArgument, match="blocks="):
+                    await dpool.wait_layers(request, 0)
             push = await prefill.kv_push("node-b", name, spool, sb, db, request=request)
             await dpool.wait_layers(request, lay.num_layers - 1, blocks=db, timeout=STEP)
             result = await push.wait(timeout=STEP)
@@ -228,17 +241,24 @@ async def _daemon_round(daemons: Any, kind: str, request: int, src: Any, dst: An
 def test_push_device_to_device_through_daemons(daemons: Any, kind: str) -> None:
     # Made here, not in trio: a skip raised inside trio loses its reason.
     arrays = make(kind, LAYOUT.nbytes), make(kind, LAYOUT.nbytes)
-    trio.run(_daemon_round, daemons, kind, 11 + KINDS.index(kind), *arrays)
+    trio.run(daemon_round, daemons, kind, 11 + KINDS.index(kind), *arrays)
 
 
 def test_push_through_daemons_from_asyncio(daemons: Any) -> None:
     arrays = make("driver", LAYOUT.nbytes), make("driver", LAYOUT.nbytes)
-    asyncio.run(_daemon_round(daemons, "driver", 21, *arrays))
+    asyncio.run(daemon_round(daemons, "driver", 21, *arrays))
 
 
 def test_push_through_daemons_blocking(daemons: Any) -> None:
+    blocking_round(daemons, 31, "gpu-sync")
+
+
+def blocking_round(daemons: Any, request: int, name: str,
+                   check: Callable[[Any], None] = lambda pool: None) -> None:
+    """A push of layers 0, 2 and 3 between device pools from ``SyncClient``s
+    (``check`` sees each pool), waited for in two parts; layer 1 stays zero."""
     a, b = daemons
-    rng = np.random.default_rng(31)
+    rng = np.random.default_rng(request)
     lay = LAYOUT
     src, dst = make("driver", lay.nbytes), make("driver", lay.nbytes)
     data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
@@ -246,13 +266,15 @@ def test_push_through_daemons_blocking(daemons: Any) -> None:
     sb, db = scattered(rng, 20, lay)
     try:
         with p2pxfer.SyncClient(b.socket) as decode, p2pxfer.SyncClient(a.socket) as prefill:
-            dpool = decode.kv_pool("gpu-sync", lay, device=dst.obj)
-            spool = prefill.kv_pool("gpu-sync-src", lay, receive=False, device=src.obj)
-            result = prefill.kv_push("node-b", "gpu-sync", spool, sb, db, request=31,
+            dpool = decode.kv_pool(name, lay, device=dst.obj)
+            spool = prefill.kv_pool(name + "-src", lay, receive=False, device=src.obj)
+            for pool in (dpool, spool):
+                check(pool)
+            result = prefill.kv_push("node-b", name, spool, sb, db, request=request,
                                      layers=[0, 2, 3])
             assert result.layers == (0, 2, 3)
-            decode.wait_layers(dpool, 31, 3, first=2, timeout=STEP, blocks=db)
-            decode.wait_layers(dpool, 31, 0, timeout=STEP, blocks=db)
+            decode.wait_layers(dpool, request, 3, first=2, timeout=STEP, blocks=db)
+            decode.wait_layers(dpool, request, 0, timeout=STEP, blocks=db)
         got = dst.read().reshape(lay.num_layers, -1)
         want = expected(data, np.zeros(lay.nbytes, np.uint8), lay, sb, db)
         want = want.reshape(lay.num_layers, -1)
@@ -265,30 +287,35 @@ def test_push_through_daemons_blocking(daemons: Any) -> None:
 
 def test_host_pool_to_device_pool_through_daemons(daemons: Any) -> None:
     dev = make("driver", LAYOUT.nbytes)
-    trio.run(_host_and_device, daemons, dev)
+    trio.run(host_and_device, daemons, dev)
 
 
-async def _host_and_device(daemons: Any, dev: Any) -> None:
-    """Host -> GPU and GPU -> host through the daemons."""
+async def host_and_device(daemons: Any, dev: Any, request: int = 41, prefix: str = "gpu",
+                          check: Callable[[Any], None] = lambda pool: None) -> None:
+    """Host -> GPU and GPU -> host through the daemons (``check`` sees the
+    device pool)."""
     a, b = daemons
-    rng = np.random.default_rng(41)
+    rng = np.random.default_rng(request)
     lay = LAYOUT
     sb, db = scattered(rng, 16, lay)
     data = rng.integers(0, 256, lay.nbytes, dtype=np.uint8)
     try:
         async with p2pxfer.connect(b.socket) as decode, p2pxfer.connect(a.socket) as prefill:
-            dpool = await decode.kv_pool("gpu-in", lay, device=dev.obj)
-            hsrc = await prefill.kv_pool("host-src", lay, receive=False)
+            dpool = await decode.kv_pool(f"{prefix}-in", lay, device=dev.obj)
+            check(dpool)
+            hsrc = await prefill.kv_pool(f"{prefix}-host-src", lay, receive=False)
             hsrc.array[:] = data
-            push = await prefill.kv_push("node-b", "gpu-in", hsrc, sb, db, request=41)
-            await dpool.wait_layers(41, lay.num_layers - 1, blocks=db, timeout=STEP)
+            push = await prefill.kv_push("node-b", f"{prefix}-in", hsrc, sb, db,
+                                         request=request)
+            await dpool.wait_layers(request, lay.num_layers - 1, blocks=db, timeout=STEP)
             await push.wait(timeout=STEP)
             zeros = np.zeros(lay.nbytes, np.uint8)
             assert np.array_equal(dev.read(), expected(data, zeros, lay, sb, db))
             # and back out of the device pool into a host pool
-            hdst = await prefill.kv_pool("host-dst", lay)
-            push = await decode.kv_push("node-a", "host-dst", dpool, db, sb, request=42)
-            await hdst.wait_layers(42, lay.num_layers - 1, timeout=STEP)
+            hdst = await prefill.kv_pool(f"{prefix}-host-dst", lay)
+            push = await decode.kv_push("node-a", f"{prefix}-host-dst", dpool, db, sb,
+                                        request=request + 1)
+            await hdst.wait_layers(request + 1, lay.num_layers - 1, timeout=STEP)
             await push.wait(timeout=STEP)
             assert np.array_equal(hdst.array, expected(dev.read(), zeros, lay, db, sb))
     finally:

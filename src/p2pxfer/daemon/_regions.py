@@ -190,8 +190,8 @@ class Regions:
         return export.desc
 
     def listing(self) -> list[dict[str, Any]]:
-        return [{"name": e.name, "length": e.length, "client": e.owner.label}
-                for e in self.exports]
+        return [{"name": e.name, "length": e.length, "client": e.owner.label,
+                 "kind": e.mem.kind} for e in self.exports]
 
     # -- theirs -----------------------------------------------------------------
 

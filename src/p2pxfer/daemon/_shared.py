@@ -44,6 +44,8 @@ class SharedMap:
     """A client's memfd, sealed against shrinking, mapped here and registered
     with the engine."""
 
+    kind = "host"
+
     def __init__(self, mem_id: int, fd: int, size: int, owner: int | None = None) -> None:
         seal_shared(fd)  # before the size check: the size cannot go down after it
         st = os.fstat(fd)
