@@ -410,13 +410,19 @@ class DriverArray:
 
         self.drv = driver()
         self.nbytes = nbytes
-        self.address = self.drv.alloc(nbytes, 0)
+        self.address = self._alloc()
         self.stream = self.drv.stream(0)
         self.obj = self
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (self.address, False),
             "version": 3, "strides": None}
         self.write(np.zeros(nbytes, np.uint8))  # cuMemAlloc leaves what was there
+
+    def _alloc(self) -> int:
+        return self.drv.alloc(self.nbytes, 0)
+
+    def _free(self) -> None:
+        self.drv.free(self.address, 0)
 
     def _copy(self, dst: int, src: int) -> None:
         one = np.zeros(1, np.int64)
@@ -435,4 +441,4 @@ class DriverArray:
 
     def close(self) -> None:
         self.drv.stream_destroy(self.stream, 0)
-        self.drv.free(self.address, 0)
+        self._free()

@@ -65,6 +65,26 @@ def test_direct_torch_tensors_through_daemons(daemons: Any) -> None:
     trio.run(daemon_round, daemons, "torch", 62, *arrays, check_path)
 
 
+def test_memory_an_ipc_handle_cannot_name_stages(daemons: Any) -> None:
+    """Memory of the virtual memory API (torch's expandable segments): CUDA
+    IPC handles do not cover it, so ``direct=True`` is refused naming the
+    call, and the default stages it, every byte landing."""
+    b = daemons[1]
+    vmm = make("vmm", LAYOUT.nbytes)
+    try:
+        with p2pxfer.SyncClient(b.socket) as client, \
+                pytest.raises(DeviceError, match=r"cuIpcGetMemHandle|cuMemGetAddressRange"):
+            client.kv_pool("vmm-direct", LAYOUT, device=vmm.obj, direct=True)
+    finally:
+        vmm.close()
+    arrays = make("vmm", LAYOUT.nbytes), make("vmm", LAYOUT.nbytes)
+    trio.run(daemon_round, daemons, "vmm", 69, *arrays, staged)
+
+
+def staged(pool: Any) -> None:
+    assert pool.kind == "cuda" and pool.stage is not None and not pool.direct
+
+
 def test_direct_from_asyncio(daemons: Any) -> None:
     arrays = make("driver", LAYOUT.nbytes), make("driver", LAYOUT.nbytes)
     asyncio.run(daemon_round(daemons, "driver", 63, *arrays, check_path))
