@@ -21,7 +21,7 @@ timeout 120 python3 -m p2pxfer bench --device cuda --provider shm --provider 'tc
     --iterations 5 --json "$out/gpu_bench.json" 2>&1 | tee "$out/bench.log" || rc=1
 # Through two daemons asked for FI_HMEM: host pools, staged device pools, and
 # (where the daemons' libfabric registers CUDA memory: the pass below) direct.
-timeout 90 python3 bench/device_daemons.py --provider shm --layers 4 --blocks 64 --rounds 3 \
+timeout 90 python3 bench/device_daemons.py --provider shm --rounds 3 \
     --json "$out/device_daemons.json" > "$out/device_daemons.log" 2>&1 || rc=1
 
 # A libfabric built with CUDA, where .dev/fabcuda holds one (lib/, bin/) and
@@ -67,8 +67,8 @@ if [[ -d .dev/fabcuda/lib ]]; then
         grep -E 'device_registered|dmabuf|pool_staged|rror' "$out/bench_hmem.log" \
             | cut -c1-300 | sort | uniq -c | sort -rn | head -12
         grep -vE '\[(debug|info) ' "$out/bench_hmem.log" | tail -30
-        timeout 90 python3 bench/device_daemons.py --provider shm --layers 4 --blocks 64 \
-            --rounds 3 --json "$out/device_daemons_hmem.json" > "$out/device_daemons_hmem.log" 2>&1 \
+        timeout 90 python3 bench/device_daemons.py --provider shm --rounds 3 \
+            --json "$out/device_daemons_hmem.json" > "$out/device_daemons_hmem.log" 2>&1 \
             || brc=1
         exit $brc
     ) || rc=1
