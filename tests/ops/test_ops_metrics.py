@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import p2pxfer
 from daemon_helpers import LOOPBACK, Agent, DaemonProc, Plan, free_port, start_daemon, wait_for
+from p2pxfer.kv_plan import KVLayout
 
 SCRAPE_TIMEOUT = 10.0
 
@@ -158,3 +160,20 @@ def test_a_kv_push_counts_as_a_transfer(pair: tuple[DaemonProc, DaemonProc, str]
         prefill.kv_push("node-b", "kv", src, [1, 2, 3], [4, 5, 6], request=1)
         assert pushed() == before + 1
         assert prefill.status()["transfers_in_flight"] == 0
+
+
+def test_kv_pool_bytes_by_kind_and_path(pair: tuple[DaemonProc, DaemonProc, str]) -> None:
+    """``p2pxfer_kv_pool_bytes{kind,path}``: a client's host pool counts as
+    host; the device rows (staged, direct: ``tests/gpu``) are there, at 0."""
+    a, _, metrics = pair
+    layout = KVLayout(2, 16, 4096)
+
+    def pools() -> dict[tuple[str, str], float]:
+        return {(lb["kind"], lb["path"]): v
+                for lb, v in scrape(metrics)["p2pxfer_kv_pool_bytes"]}
+
+    assert pools() == {("host", "host"): 0.0, ("cuda", "staged"): 0.0, ("cuda", "direct"): 0.0}
+    with p2pxfer.SyncClient(a.socket) as client:
+        client.kv_pool("metrics-kv", layout)
+        assert pools() == {("host", "host"): float(layout.nbytes), ("cuda", "staged"): 0.0,
+                           ("cuda", "direct"): 0.0}

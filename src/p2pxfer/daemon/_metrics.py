@@ -97,13 +97,14 @@ class DaemonMetrics(Collector):
                 family.add_metric(labels, getattr(nic, key))
         yield from fam.values()
         pools = GaugeMetricFamily("p2pxfer_kv_pool_bytes", "Bytes of clients' KV pools, by the "
-                                  "memory they keep them in (host, or cuda: staged)",
-                                  labels=["kind"])
-        by_kind = Counter[str]()
+                                  "memory they keep them in (host, cuda) and the path it "
+                                  "takes (host; staged through host memory; direct)",
+                                  labels=["kind", "path"])
+        by_kind = Counter[tuple[str, str]]()
         for p in d.kv.listing(d.sessions):
-            by_kind[p["kind"]] += p["nbytes"]
-        for kind in ("host", "cuda"):
-            pools.add_metric([kind], by_kind[kind])
+            by_kind[p["kind"], p["path"]] += p["nbytes"]
+        for kind, path in (("host", "host"), ("cuda", "staged"), ("cuda", "direct")):
+            pools.add_metric([kind, path], by_kind[kind, path])
         yield pools
         yield from self._pairs(stats)
         transfers = CounterMetricFamily("p2pxfer_transfers", "Engine transfers that ended",
