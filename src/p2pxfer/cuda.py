@@ -104,12 +104,6 @@ class CudaDriver:
             "cuMemAlloc_v2": [ctypes.POINTER(u64), sz],
             "cuMemFree_v2": [u64],
             "cuMemsetD8Async": [u64, ctypes.c_ubyte, sz, vp],
-            "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
-            "cuDeviceGetUuid": [ctypes.POINTER(_Uuid), ctypes.c_int],
-            "cuMemGetAddressRange_v2": [ctypes.POINTER(u64), ctypes.POINTER(sz), u64],
-            "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), u64],
-            "cuIpcOpenMemHandle_v2": [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint],
-            "cuIpcCloseMemHandle": [u64],
         }.items():
             fn = getattr(c, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -121,6 +115,29 @@ class CudaDriver:
         self.memcpy_batch = self._batch_entry()
         self._contexts: dict[int, int] = {}
         self._lock = threading.Lock()
+        # Bound on first use (``_call``): only device memory handed to another
+        # process needs them, and a driver (or a test's stand-in) without
+        # them serves everything else.
+        self._later: dict[str, list[Any]] = {
+            "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+            "cuDeviceGetUuid": [ctypes.POINTER(_Uuid), ctypes.c_int],
+            "cuMemGetAddressRange_v2": [ctypes.POINTER(u64), ctypes.POINTER(sz), u64],
+            "cuIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), u64],
+            "cuIpcOpenMemHandle_v2": [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint],
+            "cuIpcCloseMemHandle": [u64],
+        }
+
+    def _call(self, name: str, *args: Any) -> int:
+        """Driver entry point ``name`` (one of ``_later``), bound once;
+        ``DeviceError`` where this driver lacks it."""
+        fn = getattr(self._lib, name, None)
+        if fn is None:
+            raise DeviceError(f"this CUDA driver has no {name}")
+        with self._lock:
+            args_of = self._later.pop(name, None)
+            if args_of is not None:
+                fn.argtypes, fn.restype = args_of, ctypes.c_int
+        return int(fn(*args))
 
     def _batch_entry(self) -> int | None:
         if os.environ.get("P2PXFER_CUDA_BATCH", "1") == "0":
@@ -232,8 +249,8 @@ class CudaDriver:
         """(start, size) of the allocation holding ``address``."""
         with self.on(device):
             base, size = ctypes.c_uint64(), ctypes.c_size_t()
-            self.check(self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                         address), "cuMemGetAddressRange")
+            self.check(self._call("cuMemGetAddressRange_v2", ctypes.byref(base),
+                                  ctypes.byref(size), address), "cuMemGetAddressRange")
             return int(base.value), int(size.value)
 
     def uuid(self, device: int) -> bytes:
@@ -242,14 +259,14 @@ class CudaDriver:
         dev, out = ctypes.c_int(), _Uuid()
         self.check(self._lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet",
                    f"device {device}")
-        self.check(self._lib.cuDeviceGetUuid(ctypes.byref(out), dev), "cuDeviceGetUuid",
+        self.check(self._call("cuDeviceGetUuid", ctypes.byref(out), dev), "cuDeviceGetUuid",
                    f"device {device}")
         return ctypes.string_at(ctypes.addressof(out), UUID_BYTES)
 
     def device_of(self, uuid: bytes) -> int:
         """This process's ordinal of the GPU whose UUID is ``uuid``."""
         count = ctypes.c_int()
-        self.check(self._lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        self.check(self._call("cuDeviceGetCount", ctypes.byref(count)), "cuDeviceGetCount")
         for ordinal in range(count.value):
             if self.uuid(ordinal) == uuid:
                 return ordinal
@@ -267,8 +284,8 @@ class CudaDriver:
             raise DeviceError(f"{nbytes} bytes at {address:#x} run past their allocation")
         out = _IpcHandle()
         with self.on(device):
-            self.check(self._lib.cuIpcGetMemHandle(ctypes.byref(out), base), "cuIpcGetMemHandle",
-                       f"the allocation at {base:#x}")
+            self.check(self._call("cuIpcGetMemHandle", ctypes.byref(out), base),
+                       "cuIpcGetMemHandle", f"the allocation at {base:#x}")
         return ctypes.string_at(ctypes.addressof(out), IPC_HANDLE_BYTES), address - base
 
     def ipc_open(self, handle: bytes, device: int) -> tuple[int, int]:
@@ -281,9 +298,8 @@ class CudaDriver:
         ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_BYTES)
         with self.on(device):
             out = ctypes.c_uint64()
-            self.check(self._lib.cuIpcOpenMemHandle_v2(
-                ctypes.byref(out), h, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                "cuIpcOpenMemHandle")
+            self.check(self._call("cuIpcOpenMemHandle_v2", ctypes.byref(out), h,
+                                  _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         try:
             return int(out.value), self.allocation(int(out.value), device)[1]
         except BaseException:
@@ -292,7 +308,7 @@ class CudaDriver:
 
     def ipc_close(self, address: int, device: int) -> None:
         with self.on(device):
-            self.check(self._lib.cuIpcCloseMemHandle(address), "cuIpcCloseMemHandle")
+            self.check(self._call("cuIpcCloseMemHandle", address), "cuIpcCloseMemHandle")
 
     def stream(self, device: int) -> int:
         with self.on(device):

@@ -171,7 +171,13 @@ class PollerLoop:
                     never = tr.w.batch.cancel()
                     tr.w.batch.unposted_at_cancel = never
                     tr.remaining -= never
-                    s._finish_if_done(tr)
+                    if tr.w.batch.posted:
+                        s._finish_if_done(tr)
+                    else:
+                        # A head went out and its tail did not (its TX queue
+                        # was full, ``P2P_IMM_TAILS``): the tail still goes,
+                        # so what landed is whole pieces, each counted.
+                        s._queues.push_front(tr)
             elif what == "abort":
                 s._failover.abort(tr)
             s._inbox.popleft()
