@@ -35,7 +35,7 @@ from p2pxfer.log import get_logger
 from p2pxfer.protocol import check_reason, pack_scatter
 from p2pxfer.scatter import ScatterList
 
-from ._devshare import DeviceShared, device_share
+from ._devshare import DeviceShared, device_memory_of, device_share
 from ._kv import KVPool, KVPush, open_pool, start_push
 from ._wire import Conversation, open_conversation
 
@@ -108,6 +108,8 @@ class Client:
         #: the conversation with the daemon, of this loop's regime
         self._conv = conversation
         self._mems: list[SharedMemory | DeviceShared] = []
+        #: ``status``'s ``device_memory``, once asked (``takes_device_memory``)
+        self._takes_device: tuple[bool | None] | None = None
 
     # -- API ------------------------------------------------------------------
 
@@ -118,6 +120,14 @@ class Client:
         mem = SharedMemory(buf, int(result["mem"]))
         self._mems.append(mem)
         return mem
+
+    async def takes_device_memory(self) -> bool | None:
+        """Whether the daemon takes device memory as is (``status``'s
+        ``device_memory``, asked once per connection); None for a daemon
+        that predates :meth:`share_device`."""
+        if self._takes_device is None:
+            self._takes_device = (device_memory_of(await self.status()),)
+        return self._takes_device[0]
 
     async def share_device(self, obj: Any) -> DeviceShared:
         """Hand device memory (a CUDA tensor, ``__cuda_array_interface__``

@@ -10,7 +10,7 @@ from typing import Any
 from p2pxfer.devmem import DeviceMemory, device_memory, share_fields
 from p2pxfer.errors import InvalidArgument
 
-__all__ = ["DeviceShared", "device_share"]
+__all__ = ["DeviceShared", "device_memory_of", "device_share"]
 
 
 class DeviceShared:
@@ -42,3 +42,10 @@ def device_share(obj: Any) -> tuple[DeviceMemory, dict[str, Any]]:
                               f"__cuda_array_interface__ or DLPack object), got host memory "
                               f"({type(obj).__name__}): alloc shares host memory")
     return dev, share_fields(dev)
+
+
+def device_memory_of(status: dict[str, Any]) -> bool | None:
+    """A ``status`` reply's ``device_memory``; None from a daemon that
+    predates ``share_device`` (it must never be sent one)."""
+    found = status.get("device_memory")
+    return None if found is None else bool(found)

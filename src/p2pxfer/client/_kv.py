@@ -303,16 +303,28 @@ def pool_memory(layout: KVLayout, device: Any, memory: SharedMemory,
     return memory
 
 
-def direct_share(name: str, layout: KVLayout, device: Any, memory: Any, direct: bool | None
-                 ) -> tuple[DeviceMemory, dict[str, Any]] | None:
-    """A device pool taken as is: its memory and ``share_device`` fields
-    (blocking driver calls); None where it stages (``direct`` False, or
-    None and CUDA cannot hand this memory over)."""
+def tries_direct(layout: KVLayout, device: Any, memory: Any, direct: bool | None) -> bool:
+    """``kv_pool``'s arguments checked: whether to try the direct path
+    (device memory, no ``memory=``, ``direct`` not False)."""
     if not isinstance(layout, KVLayout):
         raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
     if direct and (device is None or memory is not None):
         raise InvalidArgument("direct=True is for a device pool (device=) without memory=")
-    if device is None or memory is not None or direct is False:
+    return device is not None and memory is None and direct is not False
+
+
+def direct_share(name: str, layout: KVLayout, device: Any, direct: bool | None,
+                 takes: bool | None) -> tuple[DeviceMemory, dict[str, Any]] | None:
+    """A device pool taken as is: its memory and ``share_device`` fields
+    (blocking driver calls); None where it stages. ``takes``: the daemon's
+    ``status`` ``device_memory`` (None: a daemon that predates
+    ``share_device``, which must never be sent one). Where the daemon does
+    not take device memory the pool stages without a driver call, unless
+    ``direct`` insists: then the daemon is asked, and says why not."""
+    if takes is None or (not takes and not direct):
+        staged_after(DeviceError("the daemon does not take device memory as is " + (
+            "(it predates share_device)" if takes is None else
+            "(status device_memory is false)")), direct, name)
         return None
     dev = device_memory(device)
     if dev is None:
@@ -349,10 +361,12 @@ def staged_after(exc: DeviceError, direct: bool | None, name: str) -> None:
 async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
                     writers: Iterable[int] | None = None, device: Any = None,
                     memory: SharedMemory | None = None, direct: bool | None = None) -> KVPool:
-    # Off the loop where device memory is involved: the driver calls take
-    # milliseconds (the first one loads the driver).
-    share = direct_share(name, layout, device, memory, direct) if device is None else \
-        await anyio.to_thread.run_sync(direct_share, name, layout, device, memory, direct)
+    share = None
+    if tries_direct(layout, device, memory, direct):
+        takes = await client.takes_device_memory()
+        # Off the loop: the driver calls take milliseconds (the first loads it).
+        share = await anyio.to_thread.run_sync(direct_share, name, layout, device, direct,
+                                               takes)
     if share is not None:
         try:
             r = await client._conv.request("share_device", **share[1])

@@ -37,7 +37,7 @@ from ._client import (
     unexport_fields,
     wait_timed_out,
 )
-from ._devshare import DeviceShared, device_share
+from ._devshare import DeviceShared, device_memory_of, device_share
 from ._kv import (
     KVPool,
     KVPushResult,
@@ -50,6 +50,7 @@ from ._kv import (
     push_layer_list,
     push_result,
     staged_after,
+    tries_direct,
 )
 
 RETRY_S = 0.1  # call_daemon: between tries on a daemon still starting
@@ -73,6 +74,7 @@ class SyncClient:
                 "make the SyncClient in a worker thread (e.g. trio.to_thread.run_sync)")
         self._c = BlockingConversation(path, max_frame)
         self._mems: list[SharedMemory | DeviceShared] = []
+        self._takes_device: tuple[bool | None] | None = None
 
     @property
     def node(self) -> str:
@@ -161,7 +163,11 @@ class SyncClient:
                 writers: Iterable[int] | None = None, device: Any = None,
                 memory: SharedMemory | None = None, direct: bool | None = None) -> KVPool:
         """See :meth:`Client.kv_pool`; wait on it with :meth:`wait_layers`."""
-        share = direct_share(name, layout, device, memory, direct)
+        share = None
+        if tries_direct(layout, device, memory, direct):
+            if self._takes_device is None:  # asked once per connection, as Client does
+                self._takes_device = (device_memory_of(self.status()),)
+            share = direct_share(name, layout, device, direct, self._takes_device[0])
         if share is not None:
             try:
                 shared = DeviceShared(share[0], int(self._c.request("share_device",

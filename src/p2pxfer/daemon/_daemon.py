@@ -149,7 +149,7 @@ class Daemon:
                                tls=self.tls)
         self._imm_slots: ImmTable | None = None
         #: clients' device allocations opened here (``share_device``)
-        self.ipc_maps = IpcMaps()
+        self.ipc_maps = IpcMaps(engine)
         #: every export of this daemon's clients (one record each)
         self.exports = Exports(self.node, engine, lambda: self.imm_slots)
         self.regions = Regions(self.node, self.peers, self.exports, lambda: self.imm_slots)

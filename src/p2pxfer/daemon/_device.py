@@ -35,16 +35,26 @@ session's bookkeeping (``_sessions``).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from p2pxfer.cuda import IPC_HANDLE_BYTES, UUID_BYTES, CudaDriver, driver
 from p2pxfer.devmem import DeviceMemory
-from p2pxfer.errors import InvalidArgument, ScatterError
+from p2pxfer.errors import (
+    DeviceError,
+    FabricError,
+    InvalidArgument,
+    RegistrationError,
+    ScatterError,
+)
 from p2pxfer.log import get_logger
 from p2pxfer.pages import address_of
 from p2pxfer.scatter import ScatterList
+
+if TYPE_CHECKING:
+    from p2pxfer.engine import Engine
 
 __all__ = ["DeviceExportMap", "DeviceShare", "IpcMaps", "check_share", "copy_device", "gpu_of",
            "is_device"]
@@ -52,28 +62,56 @@ __all__ = ["DeviceExportMap", "DeviceShare", "IpcMaps", "check_share", "copy_dev
 log = get_logger("p2pxfer.daemon")
 
 
+@dataclass(eq=False)
+class _Opened:
+    """One allocation opened here: its mapping, registered whole with the
+    engine (``memory``), and how many shares lie in it."""
+
+    memory: DeviceMemory
+    users: int = 0
+
+
 class IpcMaps:
-    """The allocations opened from clients' IPC handles, each once, counted."""
+    """The allocations opened from clients' IPC handles, each once, counted,
+    and registered with the engine once, whole: shares of one allocation
+    may overlap, and the engine's registrations are by address range (a
+    share deregistering its own range would take another's with it)."""
 
-    def __init__(self) -> None:
-        self._open: dict[tuple[bytes, int], list[int]] = {}  # -> [address, size, users]
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._open: dict[tuple[bytes, int], _Opened] = {}
 
-    def open(self, drv: CudaDriver, handle: bytes, device: int) -> tuple[int, int]:
+    def open(self, drv: CudaDriver, handle: bytes, device: int) -> DeviceMemory:
+        """The allocation ``handle`` names, mapped and registered (once)."""
         key = (handle, device)
         entry = self._open.get(key)
         if entry is None:
             address, size = drv.ipc_open(handle, device)
-            entry = self._open[key] = [address, size, 0]
-        entry[2] += 1
-        return entry[0], entry[1]
+            memory = DeviceMemory(address, size, device, None)
+            try:
+                self._engine.register(memory, writable=True)
+            except (RegistrationError, FabricError) as exc:
+                drv.ipc_close(address, device)
+                raise DeviceError(f"share_device: {size} bytes of device memory could not be "
+                                  f"registered: {exc}") from exc
+            except BaseException:
+                drv.ipc_close(address, device)
+                raise
+            entry = self._open[key] = _Opened(memory)
+        entry.users += 1
+        return entry.memory
 
     def close(self, drv: CudaDriver, handle: bytes, device: int) -> None:
+        """One share of the allocation less; the last deregisters and unmaps it."""
         key = (handle, device)
         entry = self._open[key]
-        entry[2] -= 1
-        if entry[2] == 0:
+        entry.users -= 1
+        if entry.users == 0:
             del self._open[key]
-            drv.ipc_close(entry[0], device)
+            try:
+                self._engine.deregister(entry.memory)
+            finally:
+                drv.ipc_close(entry.memory.address, device)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -81,7 +119,9 @@ class IpcMaps:
 
 class DeviceShare:
     """A client's device memory, opened here from its IPC handle (the
-    ``SharedMap`` of device memory). ``map`` is what the engine registers."""
+    ``SharedMap`` of device memory): ``map`` is it, within the allocation
+    ``IpcMaps`` registered. ``busy`` counts the same-daemon copies reading
+    or writing it now: it is not given back under them."""
 
     kind = "cuda"
 
@@ -91,16 +131,17 @@ class DeviceShare:
         self._drv = driver()
         self.device = device
         self._maps, self._handle = maps, handle
-        base, alloc = maps.open(self._drv, handle, self.device)
-        if offset + size > alloc:
+        whole = maps.open(self._drv, handle, self.device)
+        if offset + size > whole.nbytes:
             maps.close(self._drv, handle, self.device)
             raise ScatterError(f"share_device: [{offset}, {offset + size}) is outside the "
-                               f"allocation of {alloc} bytes the handle names")
+                               f"allocation of {whole.nbytes} bytes the handle names")
         self.id = mem_id
         self.size = size
         self.owner = owner
-        self.address = base + offset
+        self.address = whole.address + offset
         self.map = DeviceMemory(self.address, size, self.device, self)
+        self.busy = 0
         self._closed = False
 
     def view(self, offset: int, length: int | None = None) -> DeviceMemory:
@@ -114,7 +155,7 @@ class DeviceShare:
         return DeviceExportMap(self.view(offset, length))
 
     def close(self) -> None:
-        """Once nothing registered over it is left (the session deregistered it)."""
+        """Give the allocation back (its last share deregisters and unmaps it)."""
         if not self._closed:
             self._closed = True
             self._maps.close(self._drv, self._handle, self.device)
@@ -153,6 +194,8 @@ class DeviceExportMap:
     its keys close at once (``Exports.remove``)."""
 
     size = 0  # maps no host memory
+    #: its local registration is the allocation's (``IpcMaps``), not its own
+    registered_apart = False
 
     def __init__(self, view: DeviceMemory) -> None:
         self.view = view

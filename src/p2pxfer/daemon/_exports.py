@@ -290,8 +290,9 @@ class Exports:
                 for settle in self.settle_remove:
                     await settle(name)
             self._imm_slots().free(export.slot)
-            with contextlib.suppress(P2PXferError):
-                self._engine.deregister(export.own.view)  # the registration the export pinned
+            if export.own.registered_apart:
+                with contextlib.suppress(P2PXferError):
+                    self._engine.deregister(export.own.view)  # the registration it pinned
             retired = export.own.retire()
         finally:
             if close is not None:

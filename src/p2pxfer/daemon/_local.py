@@ -154,7 +154,7 @@ class LocalCopies:
         counts = [0] * len(parts)
         try:
             if device:  # one batch on the GPU's copy engines; not stopped part way
-                counts[0] = await trio.to_thread.run_sync(copy_device, dst, src, sl)
+                counts[0] = await self._on_device(dst, src, sl)
             elif scatter.nbytes <= INLINE_MAX:
                 counts[0] = copy_scatter(dst, src, sl.src, sl.dst, sl.length, 0, len(sl),
                                          copy.stop)
@@ -177,6 +177,19 @@ class LocalCopies:
                                 f"the write ({done} of {len(sl)} pieces landed)")
         self.bytes += scatter.nbytes
         return 1 if notify else len(sl)
+
+    async def _on_device(self, dst: Any, src: Any, sl: ScatterList) -> int:
+        """``copy_device`` on a worker thread, each device memory's share
+        marked busy meanwhile: its client cannot give it back (``unshare``)
+        under the copy."""
+        shares = [v.owner for v in (dst, src) if is_device(v)]
+        for share in shares:
+            share.busy += 1
+        try:
+            return await trio.to_thread.run_sync(copy_device, dst, src, sl)
+        finally:
+            for share in shares:
+                share.busy -= 1
 
     def _plan(self, scatter: ScatterList) -> tuple[ScatterList, list[tuple[int, int]]]:
         """The pieces to copy and each thread's contiguous range of them."""

@@ -27,11 +27,9 @@ import trio
 from p2pxfer._pump import Pump, bounded, where_raised
 from p2pxfer.errors import (
     DeviceError,
-    FabricError,
     Forbidden,
     InvalidArgument,
     P2PXferError,
-    RegistrationError,
     UnknownRegion,
     UnregisteredMemory,
 )
@@ -347,18 +345,9 @@ class ClientSession:
                    "provider that never moves device memory, as tcp)" if d.config.hmem else
                    "is not opened for it (config hmem = false)")
                 + "; stage it through shared memory instead")
-        d.limits.share(self, size)
         device = await gpu_of(gpu)
+        d.limits.share(self, size)  # after the wait: what others mapped meanwhile counts
         mem = DeviceShare(d.ipc_maps, self._next_mem, handle, offset, size, device, self.uid)
-        try:
-            d.engine.register(mem.map, writable=True)
-        except (RegistrationError, FabricError) as exc:
-            mem.close()
-            raise DeviceError(f"share_device: {size} bytes of device memory could not be "
-                              f"registered: {exc}") from exc
-        except BaseException:
-            mem.close()
-            raise
         self._next_mem += 1
         self.mems[mem.id] = mem
         log.info("memory.shared", client=self.label, mem=mem.id, nbytes=size, kind=mem.kind,
@@ -370,8 +359,13 @@ class ClientSession:
         if self.daemon.exports.backing(self, mem.id) or any(p.mem_id == mem.id
                                                             for p in self.kv_pools.values()):
             raise InvalidArgument(f"memory {mem.id} still backs an export or a KV pool")
-        self.daemon.engine.deregister(mem.map)
-        del self.mems[mem.id]
+        if isinstance(mem, DeviceShare):
+            if mem.busy:
+                raise InvalidArgument(f"memory {mem.id} is being copied from or into by "
+                                      f"{mem.busy} write(s): give it back once they are over")
+        else:
+            self.daemon.engine.deregister(mem.map)  # a share's own; a device share's goes
+        del self.mems[mem.id]                       # with its allocation's last (``_device``)
         mem.close()
 
     def hung_up(self) -> bool:
@@ -430,6 +424,7 @@ class ClientSession:
         self.kv_pools.clear()
         for mem in self.mems.values():
             with contextlib.suppress(P2PXferError):
-                self.daemon.engine.deregister(mem.map)
-            mem.close()
+                if isinstance(mem, SharedMap):
+                    self.daemon.engine.deregister(mem.map)
+                mem.close()
         self.mems.clear()

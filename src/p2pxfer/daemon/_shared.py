@@ -94,6 +94,9 @@ class ExportMap:
     while the export's keys may still take late writes there
     (``Exports.remove``)."""
 
+    #: the engine registered this mapping for the export alone
+    registered_apart = True
+
     def __init__(self, fd: int, start: int, skip: int, length: int,
                  owner: int | None) -> None:
         self.size = skip + length  # mapped from ``start``, page aligned

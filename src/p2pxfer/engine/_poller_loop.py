@@ -169,7 +169,7 @@ class PollerLoop:
                 if not under_way and s._queues.remove(tr):
                     tr.cancel_requested = True
                     never = tr.w.batch.cancel()
-                    tr.w.batch.unposted_at_cancel = never
+                    tr.w.batch.unposted_at_cancel += never  # a second cancel adds 0
                     tr.remaining -= never
                     if tr.w.batch.posted:
                         s._finish_if_done(tr)
