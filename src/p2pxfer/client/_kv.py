@@ -37,7 +37,7 @@ from p2pxfer.errors import DeviceError, InvalidArgument, TransferError, UsageErr
 from p2pxfer.kv_plan import KVLayout, is_int
 from p2pxfer.log import get_logger
 
-from ._devshare import DeviceShared, device_share
+from ._devshare import DeviceShared
 
 if TYPE_CHECKING:
     from ._client import Client, SharedMemory
@@ -313,14 +313,14 @@ def tries_direct(layout: KVLayout, device: Any, memory: Any, direct: bool | None
     return device is not None and memory is None and direct is not False
 
 
-def direct_share(name: str, layout: KVLayout, device: Any, direct: bool | None,
-                 takes: bool | None) -> tuple[DeviceMemory, dict[str, Any]] | None:
-    """A device pool taken as is: its memory and ``share_device`` fields
-    (blocking driver calls); None where it stages. ``takes``: the daemon's
-    ``status`` ``device_memory`` (None: a daemon that predates
-    ``share_device``, which must never be sent one). Where the daemon does
-    not take device memory the pool stages without a driver call, unless
-    ``direct`` insists: then the daemon is asked, and says why not."""
+def direct_device(name: str, layout: KVLayout, device: Any, direct: bool | None,
+                  takes: bool | None) -> DeviceMemory | None:
+    """The device memory of a pool to take as is (``share_device`` next),
+    or None where it stages. ``takes``: the daemon's ``status``
+    ``device_memory`` (None: a daemon that predates ``share_device``, which
+    must never be sent one). Where the daemon does not take device memory
+    the pool stages without a driver call, unless ``direct`` insists: then
+    the daemon is asked, and says why not. May load the driver (blocking)."""
     if takes is None or (not takes and not direct):
         staged_after(DeviceError("the daemon does not take device memory as is " + (
             "(it predates share_device)" if takes is None else
@@ -332,11 +332,7 @@ def direct_share(name: str, layout: KVLayout, device: Any, direct: bool | None,
     if dev.nbytes < layout.nbytes:
         raise InvalidArgument(f"device memory holds {dev.nbytes} bytes, the layout needs "
                               f"{layout.nbytes}")
-    try:
-        return device_share(dev)
-    except DeviceError as exc:
-        staged_after(exc, direct, name)
-        return None
+    return dev
 
 
 def pool_fields(layout: KVLayout, receive: bool, writers: Iterable[int] | None,
@@ -351,8 +347,9 @@ def pool_fields(layout: KVLayout, receive: bool, writers: Iterable[int] | None,
 
 
 def staged_after(exc: DeviceError, direct: bool | None, name: str) -> None:
-    """The daemon refused device memory (``share_device``): raise where the
-    caller insisted on the direct path, else the pool stages."""
+    """Device memory cannot be taken as is (the daemon refused it, or CUDA
+    cannot hand it over): raise where the caller insisted on the direct
+    path, else the pool stages."""
     if direct:
         raise exc
     log.info("kv.pool_staged", pool=name, reason=str(exc))
@@ -361,20 +358,17 @@ def staged_after(exc: DeviceError, direct: bool | None, name: str) -> None:
 async def open_pool(client: Client, name: str, layout: KVLayout, receive: bool,
                     writers: Iterable[int] | None = None, device: Any = None,
                     memory: SharedMemory | None = None, direct: bool | None = None) -> KVPool:
-    share = None
+    dev = None
     if tries_direct(layout, device, memory, direct):
         takes = await client.takes_device_memory()
-        # Off the loop: the driver calls take milliseconds (the first loads it).
-        share = await anyio.to_thread.run_sync(direct_share, name, layout, device, direct,
-                                               takes)
-    if share is not None:
+        # Off the loop: the first driver call loads the driver.
+        dev = await anyio.to_thread.run_sync(direct_device, name, layout, device, direct, takes)
+    if dev is not None:
         try:
-            r = await client._conv.request("share_device", **share[1])
+            shared = await client.share_device(dev)
         except DeviceError as exc:
             staged_after(exc, direct, name)
         else:
-            shared = DeviceShared(share[0], int(r["mem"]))
-            client._mems.append(shared)
             try:
                 r = await client._conv.request("kv_pool", name=name, mem=shared.mem_id,
                                                **pool_fields(layout, receive, writers, "cuda"))

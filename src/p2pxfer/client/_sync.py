@@ -42,7 +42,7 @@ from ._kv import (
     KVPool,
     KVPushResult,
     combine,
-    direct_share,
+    direct_device,
     pool_fields,
     pool_memory,
     pool_stage,
@@ -152,6 +152,12 @@ class SyncClient:
         """See :meth:`Client.ping`."""
         return self._c.request("ping", peer=peer, timeout_ms=max(1, round(timeout * 1000)))
 
+    def takes_device_memory(self) -> bool | None:
+        """See :meth:`Client.takes_device_memory`."""
+        if self._takes_device is None:
+            self._takes_device = (device_memory_of(self.status()),)
+        return self._takes_device[0]
+
     def share_device(self, obj: Any) -> DeviceShared:
         """See :meth:`Client.share_device`."""
         dev, fields = device_share(obj)
@@ -163,19 +169,15 @@ class SyncClient:
                 writers: Iterable[int] | None = None, device: Any = None,
                 memory: SharedMemory | None = None, direct: bool | None = None) -> KVPool:
         """See :meth:`Client.kv_pool`; wait on it with :meth:`wait_layers`."""
-        share = None
+        dev = None
         if tries_direct(layout, device, memory, direct):
-            if self._takes_device is None:  # asked once per connection, as Client does
-                self._takes_device = (device_memory_of(self.status()),)
-            share = direct_share(name, layout, device, direct, self._takes_device[0])
-        if share is not None:
+            dev = direct_device(name, layout, device, direct, self.takes_device_memory())
+        if dev is not None:
             try:
-                shared = DeviceShared(share[0], int(self._c.request("share_device",
-                                                                    **share[1])["mem"]))
+                shared = self.share_device(dev)
             except DeviceError as exc:
                 staged_after(exc, direct, name)
             else:
-                self._mems.append(shared)
                 try:
                     r = self._c.request("kv_pool", name=name, mem=shared.mem_id,
                                         **pool_fields(layout, receive, writers, "cuda"))

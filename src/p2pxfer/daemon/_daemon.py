@@ -34,7 +34,7 @@ from p2pxfer.membership import ClusterAuth
 from ._admit import Admission
 from ._config import DaemonConfig
 from ._control import serve_control
-from ._device import IpcMaps
+from ._device import IpcMaps, takes_device_memory
 from ._exports import Exports
 from ._follow import Follower, rail_hosts
 from ._imms import ImmTable
@@ -243,7 +243,7 @@ class Daemon:
             "socket": self.config.socket,
             "provider": self.engine.config.provider,
             # clients' device memory is registered as is (share_device)
-            "device_memory": self.engine.device_memory,
+            "device_memory": takes_device_memory(self.engine),
             "clients": len(self.sessions),
             "regions": regions,
             "kv_pools": [] if remote else self.kv.listing(self.sessions),

@@ -49,7 +49,6 @@ from p2pxfer.errors import (
     RegistrationError,
     ScatterError,
 )
-from p2pxfer.log import get_logger
 from p2pxfer.pages import address_of
 from p2pxfer.scatter import ScatterList
 
@@ -57,9 +56,8 @@ if TYPE_CHECKING:
     from p2pxfer.engine import Engine
 
 __all__ = ["DeviceExportMap", "DeviceShare", "IpcMaps", "check_share", "copy_device", "gpu_of",
-           "is_device"]
+           "is_device", "takes_device_memory"]
 
-log = get_logger("p2pxfer.daemon")
 
 
 @dataclass(eq=False)
@@ -205,6 +203,12 @@ class DeviceExportMap:
 
     def discard(self) -> None:
         pass  # nothing was mapped
+
+
+def takes_device_memory(engine: Engine) -> bool:
+    """Device memory registers as is on every rail of ``engine``: it was
+    opened with ``EngineConfig.hmem`` and its provider offered FI_HMEM."""
+    return all(rail.hmem for shard in engine.shards for rail in shard.memory.rails)
 
 
 def is_device(view: Any) -> bool:

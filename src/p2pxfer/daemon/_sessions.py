@@ -44,7 +44,7 @@ from p2pxfer.protocol import (
     wire_error,
 )
 
-from ._device import DeviceShare, check_share, gpu_of
+from ._device import DeviceShare, check_share, gpu_of, takes_device_memory
 from ._exports import Export
 from ._handlers import HANDLERS
 from ._imms import ImmCounts
@@ -338,7 +338,7 @@ class ClientSession:
         call) where this daemon's engine cannot register device memory."""
         d = self.daemon
         check_share(handle, offset, size, gpu)
-        if not d.engine.device_memory:
+        if not takes_device_memory(d.engine):
             raise DeviceError(
                 f"this daemon does not take device memory: provider {d.config.provider!r} "
                 + ("was not offered with FI_HMEM (a libfabric built without CUDA, or a "

@@ -185,12 +185,6 @@ class Engine:
         """Exported region names and their sizes."""
         return {name: buffer_span(obj).nbytes for name, obj in self._exports.items()}
 
-    @property
-    def device_memory(self) -> bool:
-        """Device (CUDA) memory registers as is on every rail: the engine was
-        opened with ``EngineConfig.hmem`` and its provider offered FI_HMEM."""
-        return all(rail.hmem for shard in self.shards for rail in shard.memory.rails)
-
     def export_kinds(self) -> dict[str, str]:
         """Exported region names and the memory each is: "host", or "cuda"
         (device memory registered as is, FI_HMEM)."""
