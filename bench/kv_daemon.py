@@ -108,7 +108,8 @@ async def measure(tmp: Path, provider: str, args: Any) -> list[dict[str, Any]]:
                     so, do, ln, _ = expand_pages(lay, lay, sb, db, range(lay.num_layers))
                     c_s.append(base.block([base.plan(ScatterList(so, do, ln))], 7, 60)[1][0])
                     if profile is not None:
-                        plan_s.append(predict_kv(profile, lay, sb, db).seconds)
+                        # both pools are daemons' shared memory
+                        plan_s.append(predict_kv(profile, lay, sb, db, shared=True).seconds)
             nbytes = lay.num_layers * n * lay.block_bytes
             d, e = statistics.median(daemon_s[1:]), statistics.median(engine_s[1:])
             c = statistics.median(c_s[1:])

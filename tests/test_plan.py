@@ -143,12 +143,55 @@ def test_kv_predictions_count_pieces_after_coalescing() -> None:
         predict_kv(TRUE, lay, run, np.zeros(64, np.int64))
 
 
+def test_fit_measures_further_transfers_and_shared_memory() -> None:
+    """What a KV push's further layers cost and how much slower shared
+    memory moves, each recovered from one measurement of its own on top of
+    the curves; a push is predicted with both, and named bound by its
+    transfers where those dominate."""
+    per_transfer, scale = 50e-6, 1.4
+    n, size = 2048, EAGER
+    lone = stepped(1, size)
+    extra = [Point(n, n * size, stepped(n, size) + 31 * per_transfer, transfers=32),
+             Point(n, n * size, lone + scale * (stepped(n, size) - lone), memory="shared")]
+    got = fit(TCP, shapes() + extra)
+    assert got.per_transfer_s == pytest.approx(per_transfer, rel=1e-6)
+    assert got.shared_scale == pytest.approx(scale, rel=1e-6)
+    assert all(p["model_s"] == pytest.approx(p["seconds"], rel=1e-6) for p in got.points)
+    plain = fit(TCP, shapes())  # the curves are the same with or without them
+    assert (plain.single, plain.stream) == (got.single, got.stream)
+    assert (plain.per_transfer_s, plain.shared_scale) == (0.0, 1.0)
+
+    lay = KVLayout(32, 1024, size)
+    rng = np.random.default_rng(2)
+    sb, db = rng.permutation(1024)[:64], rng.permutation(1024)[:64]
+    push = predict_kv(got, lay, sb, db)
+    assert push.terms["transfers"] == pytest.approx(31 * per_transfer)
+    assert push.seconds == pytest.approx(plain.transfer_seconds(
+        np.full(push.pieces, size)) + 31 * per_transfer)
+    assert sum(push.terms.values()) == pytest.approx(push.seconds)
+    shared = predict_kv(got, lay, sb, db, shared=True)
+    assert shared.seconds - shared.terms["transfers"] == pytest.approx(
+        lone + scale * (push.seconds - push.terms["transfers"] - lone))
+    assert shared.terms["latency"] == push.terms["latency"]
+    one_block = predict_kv(got, lay, sb[:1], db[:1])  # 32 layers of one piece each
+    assert one_block.bound == "transfers"
+    for bad in (Point(4, 4 * size, 1e-3, transfers=5), Point(4, 4 * size, 1e-3, memory="gpu")):
+        with pytest.raises(InvalidArgument, match="transfers, between private or shared"):
+            fit(TCP, [*shapes(), bad])
+
+
 def test_profiles_round_trip_and_say_what_is_missing(tmp_path: Path) -> None:
     fitted = fit(TCP, shapes())
     path = save_profile(fitted, profile_path(TCP, tmp_path))
     assert path.parent == tmp_path and "tcp_ofi_rxm" in path.name
     again = load_profile(TCP, path)
     assert (again.single, again.stream) == (fitted.single, fitted.stream)
+    # saved before further transfers and shared memory were measured: neither counts
+    old = {k: v for k, v in fitted.to_json().items()
+           if k not in ("per_transfer_s", "shared_scale")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    older = load_profile(TCP, tmp_path / "old.json")
+    assert (older.per_transfer_s, older.shared_scale) == (0.0, 1.0)
     with pytest.raises(ProfileMissing, match="p2pxfer bench --calibrate"):
         load_profile("shm", profile_path("shm", tmp_path))
     with pytest.raises(InvalidArgument, match="not 'shm'"):
@@ -157,7 +200,8 @@ def test_profiles_round_trip_and_say_what_is_missing(tmp_path: Path) -> None:
                      ({"version": 2, "provider": TCP}, "not a calibration profile"),
                      ({**fitted.to_json(), "stream": [[4096, 1e-6], [4096, 2e-6]]},
                       "increasing"),
-                     ({**fitted.to_json(), "single": [[4096, -1.0]]}, "<= 0")):
+                     ({**fitted.to_json(), "single": [[4096, -1.0]]}, "<= 0"),
+                     ({**fitted.to_json(), "shared_scale": 0}, "shared_scale")):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(InvalidArgument, match=why):
             load_profile(TCP, tmp_path / "bad.json")
@@ -175,7 +219,10 @@ def test_calibrate_then_plan_then_bench(tmp_path: Path, monkeypatch: pytest.Monk
     cal = runner.invoke(main, ["bench", "--calibrate", "--quick", "--provider", TCP])
     assert cal.exit_code == 0, cal.output
     profile = load_profile(TCP)
-    assert len(profile.points) == 5 and len(profile.single) == 3 and len(profile.stream) == 2
+    assert len(profile.points) == 7 and len(profile.single) == 3 and len(profile.stream) == 2
+    assert profile.per_transfer_s >= 0 and profile.shared_scale > 0
+    assert [(p["transfers"], p["memory"]) for p in profile.points[-2:]] == [
+        (8, "private"), (1, "shared")]
     out = runner.invoke(main, ["plan", "--pages", "512", "--page-size", "16KiB", "--json"])
     assert out.exit_code == 0, out.output
     got = json.loads(out.output)

@@ -15,6 +15,18 @@ A transfer of pieces ``s_1 >= s_2 >= ...`` over ``rails`` rails is predicted as
 
     seconds = single(s_1) + (stream(s_2) + stream(s_3) + ...) / rails
 
+Two constants beside the curves, each measured by the calibration too:
+
+- ``per_transfer_s``: what each further transfer costs when many are
+  submitted back to back (a KV push's layers: each a notified write of its
+  own, with its Python on both of the engine's threads); a push of ``L``
+  layers adds ``(L - 1) * per_transfer_s``;
+- ``shared_scale``: how much slower the pieces move between shared-memory
+  buffers (memfd pages, as a daemon's pools and its clients' shares are) than
+  between private ones (anonymous memory, which the kernel backs with huge
+  pages; shm's CMA copies walk every 4 KiB page of shared memory). It scales
+  the stream curve's part of a prediction with ``shared=True``.
+
 Between measured sizes a curve is linear in the size (a cost per message
 plus a cost per byte within one protocol regime); past the largest it goes
 on at the last segment's cost per byte. Curves rather than three constants,
@@ -24,8 +36,9 @@ them. ``predict`` applies the model to a scatter list (pieces as posted: the
 engine cuts pieces larger than a rail's share and stripes them over the
 rails by bytes) or a KV push (``predict_kv``: pieces after the push's own
 coalescing, one transfer per layer submitted back to back, so the fixed cost
-is paid once), and names what bounds it: the largest of its terms (the
-fixed cost, the cost of the pieces as messages, the bytes at the peak rate).
+is paid once, each further layer ``per_transfer_s``), and names what bounds
+it: the largest of its terms (the fixed cost, the cost of the pieces as
+messages, the bytes at the peak rate, the cost of the push's transfers).
 
 No fabric here, no I/O but the profile file. What must not live here:
 measuring (``p2pxfer.bench``), the push's planning itself (``kv_plan``).
@@ -33,6 +46,7 @@ measuring (``p2pxfer.bench``), the push's planning itself (``kv_plan``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -48,11 +62,13 @@ from p2pxfer.errors import InvalidArgument, P2PXferError
 from p2pxfer.kv_plan import KVLayout, plan_push
 from p2pxfer.scatter import ScatterList
 
-__all__ = ["PROFILE_VERSION", "Point", "Prediction", "Profile", "ProfileMissing", "find_profile",
-           "fit", "load_profile", "predict", "predict_kv", "profile_path", "save_profile"]
+__all__ = ["MEMORY", "PROFILE_VERSION", "Point", "Prediction", "Profile", "ProfileMissing",
+           "find_profile", "fit", "load_profile", "predict", "predict_kv", "profile_path",
+           "save_profile"]
 
 PROFILE_VERSION = 2
-BOUNDS = ("latency", "pieces", "bandwidth")
+BOUNDS = ("latency", "pieces", "bandwidth", "transfers")
+MEMORY = ("private", "shared")
 #: a knot's cost is never taken below this (a curve of zeros predicts nothing)
 MIN_COST_S = 1e-9
 
@@ -67,18 +83,27 @@ class ProfileMissing(P2PXferError):
 
 @dataclass(frozen=True)
 class Point:
-    """One calibration measurement: a transfer of ``pieces`` pieces of equal
-    size, ``nbytes`` in all, over ``rails`` rails took ``seconds`` (median)."""
+    """One calibration measurement: ``pieces`` pieces of equal size,
+    ``nbytes`` in all, over ``rails`` rails, as ``transfers`` transfers
+    submitted together (of ``pieces / transfers`` pieces each), between
+    ``memory`` (``private`` or ``shared``) buffers, took ``seconds`` (median)."""
 
     pieces: int
     nbytes: int
     seconds: float
     rails: int = 1
     label: str = ""
+    transfers: int = 1
+    memory: str = "private"
 
     @property
     def piece_size(self) -> int:
         return max(1, self.nbytes // max(1, self.pieces))
+
+    @property
+    def plain(self) -> bool:
+        """One transfer between private buffers: what the curves are fitted on."""
+        return self.transfers == 1 and self.memory == "private"
 
 
 def _curve(knots: Knots, sizes: np.ndarray) -> np.ndarray:
@@ -131,10 +156,17 @@ class Profile:
     points: tuple[dict[str, Any], ...] = ()
     #: CPU seconds per GB of both ends, as the bench measured it (None: unknown)
     cpu_s_per_gb: float | None = None
+    #: each further transfer submitted back to back (see the module's docstring)
+    per_transfer_s: float = 0.0
+    #: the stream's cost between shared-memory buffers over private ones
+    shared_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "single", _check_knots(self.single, "single"))
         object.__setattr__(self, "stream", _check_knots(self.stream, "stream"))
+        if not (self.per_transfer_s >= 0 and self.shared_scale > 0):
+            raise ValueError(f"per_transfer_s {self.per_transfer_s} must be >= 0 and "
+                             f"shared_scale {self.shared_scale} > 0")
 
     @property
     def latency_s(self) -> float:
@@ -157,22 +189,29 @@ class Profile:
         """One rail's bandwidth the model assumes (GB/s)."""
         return 1e-9 / self.per_byte_s if self.per_byte_s > 0 else float("inf")
 
-    def transfer_seconds(self, lengths: np.ndarray, rails: int = 1) -> float:
-        """A transfer of pieces of ``lengths`` bytes spread over ``rails``."""
+    def transfer_seconds(self, lengths: np.ndarray, rails: int = 1, *,
+                         shared: bool = False) -> float:
+        """A transfer of pieces of ``lengths`` bytes spread over ``rails``
+        (between ``shared`` memory buffers: the stream scaled)."""
         if len(lengths) == 0:
             return self.latency_s
         lengths = np.asarray(lengths)
         big = int(np.argmax(lengths))
         stream = float(_curve(self.stream, lengths).sum()
                        - _curve(self.stream, lengths[big:big + 1])[0])
-        return float(_curve(self.single, lengths[big:big + 1])[0]) + stream / rails
+        scale = self.shared_scale if shared else 1.0
+        return float(_curve(self.single, lengths[big:big + 1])[0]) + scale * stream / rails
 
-    def seconds(self, pieces: int, nbytes: int, rails: int = 1) -> float:
-        """A transfer of ``pieces`` equal pieces, ``nbytes`` in all."""
+    def seconds(self, pieces: int, nbytes: int, rails: int = 1, *, transfers: int = 1,
+                shared: bool = False) -> float:
+        """``pieces`` equal pieces, ``nbytes`` in all, as ``transfers``
+        transfers submitted together (between ``shared`` memory buffers)."""
         size = max(1, nbytes // max(1, pieces))
         lone = float(_curve(self.single, np.array([size]))[0])
         each = float(_curve(self.stream, np.array([size]))[0])
-        return lone + max(0, pieces - 1) * each / rails
+        scale = self.shared_scale if shared else 1.0
+        return (lone + scale * max(0, pieces - 1) * each / rails
+                + max(0, transfers - 1) * self.per_transfer_s)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -187,7 +226,10 @@ class Profile:
                        nics=tuple(obj.get("nics", ())), host=str(obj.get("host", "")),
                        created=float(obj.get("created", 0)),
                        points=tuple(obj.get("points", ())),
-                       cpu_s_per_gb=obj.get("cpu_s_per_gb"))
+                       cpu_s_per_gb=obj.get("cpu_s_per_gb"),
+                       # absent from profiles saved before they were measured
+                       per_transfer_s=float(obj.get("per_transfer_s", 0.0)),
+                       shared_scale=float(obj.get("shared_scale", 1.0)))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"{where} is not a calibration profile: {exc}") from None
 
@@ -236,14 +278,22 @@ def fit(provider: str, points: Sequence[Point], *, nics: Sequence[str] = (),
     ``single`` curve; transfers of many equal pieces the ``stream`` curve, as
     what each piece past the first added to a lone one of its size. Each
     curve is the lower non-decreasing envelope of its measurements (a larger
-    piece never costs less: ``_envelope``)."""
+    piece never costs less: ``_envelope``). Both from ``Point.plain``
+    measurements; then, on those curves, what the others add:
+    ``per_transfer_s`` from many transfers submitted together (their time
+    past one transfer of the same pieces, per further transfer) and
+    ``shared_scale`` from one transfer between shared buffers (its stream
+    past the private one's); the median of each, 0 and 1 where none."""
     if not all(p.seconds > 0 and p.pieces >= 1 and p.nbytes >= 1 and p.rails >= 1
-               for p in points):
-        raise InvalidArgument("every measurement must be of >= 1 piece and byte and have "
-                              "taken > 0 s")
+               and 1 <= p.transfers <= p.pieces and p.memory in MEMORY for p in points):
+        raise InvalidArgument("every measurement must be of >= 1 piece and byte, of 1 to "
+                              f"pieces transfers, between {' or '.join(MEMORY)} buffers, "
+                              "and have taken > 0 s")
     lone: dict[int, list[float]] = {}
     many: list[Point] = []
     for p in points:
+        if not p.plain:
+            continue
         if p.pieces == 1:
             lone.setdefault(p.nbytes, []).append(p.seconds)
         else:
@@ -258,24 +308,40 @@ def fit(provider: str, points: Sequence[Point], *, nics: Sequence[str] = (),
         each.setdefault(p.piece_size, []).append(
             max(0.0, p.seconds - first) * p.rails / (p.pieces - 1))
     prof = Profile(provider, single, _knots(each), nics=tuple(nics), cpu_s_per_gb=cpu_s_per_gb)
-    fitted = tuple({**asdict(p), "model_s": prof.seconds(p.pieces, p.nbytes, p.rails)}
-                   for p in points)
-    return Profile(provider, prof.single, prof.stream, nics=prof.nics, points=fitted,
-                   cpu_s_per_gb=cpu_s_per_gb)
+    per_transfer = [max(0.0, p.seconds - prof.seconds(p.pieces, p.nbytes, p.rails))
+                    / (p.transfers - 1)
+                    for p in points if p.memory == "private" and p.transfers > 1]
+    scale = []
+    for p in points:
+        if p.memory == "shared" and p.transfers == 1 and p.pieces > 1:
+            lone_s = prof.seconds(1, p.piece_size, p.rails)
+            stream = prof.seconds(p.pieces, p.nbytes, p.rails) - lone_s
+            scale.append(max(MIN_COST_S, p.seconds - lone_s) / stream)
+    prof = dataclasses.replace(
+        prof, per_transfer_s=float(np.median(per_transfer)) if per_transfer else 0.0,
+        shared_scale=float(np.median(scale)) if scale else 1.0)
+    fitted = tuple({**asdict(p), "model_s": prof.seconds(
+        p.pieces, p.nbytes, p.rails, transfers=p.transfers, shared=p.memory == "shared")}
+        for p in points)
+    return dataclasses.replace(prof, points=fitted)
 
 
 def _prediction(profile: Profile, lengths: np.ndarray, rails: int,
-                transfers: int = 1) -> Prediction:
+                transfers: int = 1, shared: bool = False) -> Prediction:
     """The model on pieces of ``lengths``, with its terms: the fixed cost
-    (a lone smallest piece), the bytes at the peak rate, and what the pieces
-    cost as messages beyond both (what is left)."""
+    (a lone smallest piece), the bytes at the peak rate, what the pieces
+    cost as messages beyond both (what is left), and what the further
+    transfers of a push cost as such."""
     nbytes = int(lengths.sum())
-    seconds = profile.transfer_seconds(lengths, rails)
+    seconds = profile.transfer_seconds(lengths, rails, shared=shared)
     fixed = min(profile.latency_s, seconds)
-    wire = min(nbytes / rails * profile.per_byte_s, seconds - fixed)
-    terms = {"latency": fixed, "pieces": seconds - fixed - wire, "bandwidth": wire}
+    scale = profile.shared_scale if shared else 1.0
+    wire = min(scale * nbytes / rails * profile.per_byte_s, seconds - fixed)
+    extra = max(0, transfers - 1) * profile.per_transfer_s
+    terms = {"latency": fixed, "pieces": seconds - fixed - wire, "bandwidth": wire,
+             "transfers": extra}
     bound = max(BOUNDS, key=lambda k: terms[k])
-    return Prediction(seconds, len(lengths), nbytes, rails, bound, terms, transfers)
+    return Prediction(seconds + extra, len(lengths), nbytes, rails, bound, terms, transfers)
 
 
 def _posted(scatter: ScatterList, rails: int) -> np.ndarray:
@@ -288,19 +354,23 @@ def _posted(scatter: ScatterList, rails: int) -> np.ndarray:
     return np.asarray(sl.length)
 
 
-def predict(profile: Profile, scatter: ScatterList, *, rails: int = 1) -> Prediction:
-    """One write of ``scatter`` over ``rails`` rails."""
+def predict(profile: Profile, scatter: ScatterList, *, rails: int = 1,
+            shared: bool = False) -> Prediction:
+    """One write of ``scatter`` over ``rails`` rails; ``shared``: between
+    shared-memory buffers (a write through a daemon, from a client's share)."""
     if rails < 1:
         raise InvalidArgument(f"rails must be >= 1, got {rails}")
-    return _prediction(profile, _posted(scatter, rails), rails)
+    return _prediction(profile, _posted(scatter, rails), rails, shared=shared)
 
 
 def predict_kv(profile: Profile, layout: KVLayout, src_blocks: Any, dst_blocks: Any, *,
-               layers: Iterable[int] | None = None, rails: int = 1) -> Prediction:
+               layers: Iterable[int] | None = None, rails: int = 1,
+               shared: bool = False) -> Prediction:
     """A KV push of ``src_blocks`` into ``dst_blocks`` (same layout both
     sides), every layer or ``layers``: pieces after coalescing as the push
     does them, one transfer per layer submitted back to back (their fixed
-    costs overlap: paid once)."""
+    costs overlap: paid once; each further layer costs ``per_transfer_s``).
+    ``shared``: between shared-memory pools (a push through daemons)."""
     if rails < 1:
         raise InvalidArgument(f"rails must be >= 1, got {rails}")
     lays, so, do, ln, counts = plan_push(layout, layout, src_blocks, dst_blocks, layers,
@@ -311,7 +381,7 @@ def predict_kv(profile: Profile, layout: KVLayout, src_blocks: Any, dst_blocks: 
         lengths = np.concatenate([
             _posted(ScatterList(so[e - c:e], do[e - c:e], ln[e - c:e]), rails)
             for e, c in zip(ends.tolist(), counts.tolist(), strict=True)])
-    return _prediction(profile, lengths, rails, transfers=len(lays))
+    return _prediction(profile, lengths, rails, transfers=len(lays), shared=shared)
 
 
 # -- the profile file ------------------------------------------------------------------

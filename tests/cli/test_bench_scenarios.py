@@ -126,6 +126,40 @@ def test_command_line_write_with_its_reference(tmp_path: Path) -> None:
     assert rec["ratio"] > 0
 
 
+@pytest.mark.parametrize("provider", [TCP, "shm"])
+def test_write_between_shared_memory_buffers(provider: str, tmp_path: Path) -> None:
+    """``--memory shared``: both ends memfd pages, as daemons' pools are
+    (what ``p2pxfer plan``'s ``shared_scale`` is calibrated on); the
+    target counts every transfer's notification."""
+    js = tmp_path / "w.json"
+    r = CliRunner().invoke(main, ["write", "--provider", provider, "--pages", "64",
+                                  "--page-size", "16KiB", "--pages-per-transfer", "16",
+                                  "--concurrency", "4", "--memory", "shared",
+                                  "--iterations", "2", "--warmup", "1",
+                                  "--memcpy-size", "4MiB", "--json", str(js)])
+    assert r.exit_code == 0, r.output
+    (rec,) = json.loads(js.read_text())
+    assert (rec["memory"], rec["pages"], rec["concurrency"]) == ("shared", 16, 4)
+    assert rec["ratio"] > 0
+    bad = CliRunner().invoke(main, ["write", "--provider", provider, "--memory", "huge"])
+    assert bad.exit_code == 2 and "--memory" in bad.output
+
+
+def test_the_bench_server_checks_the_memory_it_is_asked_for() -> None:
+    from p2pxfer.bench._server import (
+        PROTOCOL_VERSION,
+        ProtocolViolation,
+        ServerConfig,
+        _hello_fields,
+    )
+
+    hello = {"t": "hello", "v": PROTOCOL_VERSION, "provider": TCP, "size": 4096}
+    assert _hello_fields(hello, ServerConfig())[4] is False  # a client that predates it
+    assert _hello_fields({**hello, "memory": "shared"}, ServerConfig())[4] is True
+    with pytest.raises(ProtocolViolation, match="memory"):
+        _hello_fields({**hello, "memory": ["shared"]}, ServerConfig())
+
+
 # -- bench/summarize.py --check: what run_all fails on ---------------------------
 
 

@@ -87,6 +87,10 @@ def main(log_level: str) -> None:
 @click.option("--order", type=click.Choice(["random", "sequential"]), default="random",
               show_default=True)
 @click.option("--concurrency", type=int, default=1, show_default=True)
+@click.option("--pages-per-transfer", type=int, help="paged: pieces per transfer [all]")
+@click.option("--memory", type=click.Choice(["private", "shared"]), default="private",
+              show_default=True, help="both ends' buffers: anonymous memory, or memfd "
+              "pages as daemons' pools")
 @click.option("--warmup", type=int, default=2, show_default=True)
 @click.option("--iterations", type=int, help="timed rounds [enough for ~256 MiB]")
 @click.option("--memcpy-size", default="256MiB", callback=_size, show_default=True)
@@ -94,12 +98,13 @@ def main(log_level: str) -> None:
 @click.option("--nixl", is_flag=True, help="NIXL (UCX backend) on the same pages")
 def write(providers: tuple[str, ...], json_path: str | None, pattern: str,
           sizes: tuple[int, ...], page_size: int, pages: int, order: str, concurrency: int,
-          warmup: int, iterations: int | None, memcpy_size: int, mooncake: bool,
-          nixl: bool) -> None:
+          pages_per_transfer: int | None, memory: str, warmup: int, iterations: int | None,
+          memcpy_size: int, mooncake: bool, nixl: bool) -> None:
     """Scatter writes over loopback: ours, the C reference (and NIXL, Mooncake)."""
     opts = BenchOptions(providers=tuple(_providers(providers)), pattern=pattern,
                         sizes=sizes or (64 << 20,), page_size=page_size, pages=pages,
-                        order=order, concurrency=concurrency, warmup=warmup,
+                        order=order, concurrency=concurrency,
+                        pages_per_transfer=pages_per_transfer, memory=memory, warmup=warmup,
                         iterations=iterations, memcpy_size=memcpy_size, mooncake=mooncake,
                         nixl=nixl)
     _run(opts.check)

@@ -314,4 +314,6 @@ async def measure_case(case: Case, ours: OurPath, base: Reference | None, check:
         nixl_gbps=total / nx.seconds / 1e9 if nx else None,
         nixl_p50_us=_pct(nx.lat, 50) if nx else None,
         nixl_cpu_s_per_gb=nx.cpu_per_gb(total) if nx else None,
+        # a daemon moves a client's share (memfd pages) into its peer's region
+        memory="shared" if opts.mode == "via-daemon" else opts.memory,
     )

@@ -101,6 +101,8 @@ class BenchOptions:
     pages: int = 4096
     pages_per_transfer: int | None = None  # None: all pages
     order: str = "random"  # random | sequential
+    #: both ends' buffers: anonymous memory, or memfd pages (as daemons' pools)
+    memory: str = "private"  # private | shared
     concurrency: int = 1
     warmup: int = 2
     iterations: int | None = None
@@ -140,6 +142,10 @@ class BenchOptions:
             raise BenchConfigError(f"--pattern must be contiguous or paged, got {self.pattern!r}")
         if self.order not in ("random", "sequential"):
             raise BenchConfigError(f"--order must be random or sequential, got {self.order!r}")
+        if self.memory not in ("private", "shared"):
+            raise BenchConfigError(f"--memory must be private or shared, got {self.memory!r}")
+        if self.memory == "shared" and self.mode != "loopback":
+            raise BenchConfigError("--memory shared runs in loopback mode only")
         for name, value, least in (("--concurrency", self.concurrency, 1),
                                    ("--warmup", self.warmup, 0),
                                    ("--iterations", self.iterations, 1),

@@ -55,7 +55,9 @@ __all__ = [
 #: pages in the same run, ``null`` unless it was asked for and could run; the
 #: ``nixl_*`` fields NIXL's (UCX backend), likewise.
 #: ``predicted_us``: what ``p2pxfer plan`` predicts for one transfer from the
-#: provider's calibration profile, ``null`` where none was saved.
+#: provider's calibration profile, ``null`` where none was saved. ``memory``:
+#: ``private`` (anonymous memory at both ends) or ``shared`` (memfd pages, as
+#: a daemon's pools and clients' shares are).
 RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mode": str,
     "provider": str,
@@ -93,6 +95,7 @@ RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
     "nixl_p50_us": (float, type(None)),
     "nixl_cpu_s_per_gb": (float, type(None)),
     "predicted_us": (float, type(None)),
+    "memory": str,
 }
 
 
@@ -153,6 +156,7 @@ class BenchResult:
     #: what ``p2pxfer plan`` predicted for one transfer, from the provider's
     #: calibration profile (None: no profile)
     predicted_us: float | None = None
+    memory: str = "private"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -413,5 +417,6 @@ def with_predictions(results: list[BenchResult]) -> list[BenchResult]:
             profiles[r.provider] = find_profile(r.provider)
         profile = profiles[r.provider]
         out.append(r if profile is None else dataclasses.replace(
-            r, predicted_us=profile.seconds(r.pages, r.bytes, r.nrails) * 1e6))
+            r, predicted_us=profile.seconds(r.pages, r.bytes, r.nrails,
+                                            shared=r.memory == "shared") * 1e6))
     return out

@@ -29,7 +29,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import trio
 
 from p2pxfer.engine import EngineConfig, open_engine
@@ -56,6 +55,7 @@ from ._report import BenchResult, with_predictions
 from ._server import (
     ServerConfig,
     ServerLink,
+    bench_buffer,
     connect_server,
     fabric_node,
     pick_interfaces,
@@ -96,11 +96,11 @@ async def _server_session(opts: BenchOptions, provider: str, link: ServerLink, h
     same_host = names if loopback and opts.interfaces else None
     async with AsyncExitStack() as stack:
         dst = await stack.enter_async_context(link.region(provider, size, len(names),
-                                                          same_host))
+                                                          same_host, opts.memory))
         if dst.length < size:
             raise BenchError(f"the server exported {format_size(dst.length)}, not "
                              f"{format_size(size)}")
-        src = np.empty(size, np.uint8)
+        src = bench_buffer(size, opts.memory == "shared", stack)  # freed after the engine
         src.fill(FILL)
         target = f"{link.host}@{link.address}" if link.host else link.address
         engine = await stack.enter_async_context(open_engine(EngineConfig(

@@ -37,13 +37,15 @@ import ipaddress
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import trio
 
+from p2pxfer.buffers import SharedBuffer
 from p2pxfer.engine import EngineConfig, open_engine
 from p2pxfer.errors import ConfigError, P2PXferError
 from p2pxfer.log import get_logger
@@ -57,7 +59,8 @@ from ._options import GIB, BenchError, format_size
 if TYPE_CHECKING:
     from p2pxfer.daemon._tls import TlsCredentials
 
-__all__ = ["PROTOCOL_VERSION", "TOKEN_ENV", "ServerConfig", "ServerLink", "connect_server",
+__all__ = ["PROTOCOL_VERSION", "TOKEN_ENV", "ServerConfig", "ServerLink", "bench_buffer",
+           "connect_server",
            "fabric_node", "is_loopback", "pick_interfaces", "resolve_region", "serve"]
 
 log = get_logger("p2pxfer.bench")
@@ -139,8 +142,8 @@ def pick_interfaces(provider: str, node: str | None, rails: int,
     return names[:rails]
 
 
-def _hello_fields(msg: dict[str, Any],
-                  cfg: ServerConfig) -> tuple[str, int, int, tuple[str, ...] | None]:
+def _hello_fields(msg: dict[str, Any], cfg: ServerConfig
+                  ) -> tuple[str, int, int, tuple[str, ...] | None, bool]:
     if msg.get("t") != "hello" or msg.get("v") != PROTOCOL_VERSION:
         raise ProtocolViolation(f"expected hello version {PROTOCOL_VERSION}, got "
                                 f"{msg.get('t')!r} {msg.get('v')!r}")
@@ -162,7 +165,11 @@ def _hello_fields(msg: dict[str, Any],
     if names is not None and (not isinstance(names, list)
                               or not all(isinstance(n, str) and n for n in names)):
         raise ProtocolViolation("hello: interfaces must be a list of names")
-    return provider, size, rails, cfg.interfaces or (tuple(names) if names else None)
+    memory = msg.get("memory", "private")
+    if memory not in ("private", "shared"):
+        raise ProtocolViolation("hello: memory must be private or shared")
+    return (provider, size, rails, cfg.interfaces or (tuple(names) if names else None),
+            memory == "shared")
 
 
 def fabric_node(provider: str, node: str | None, peer_host: str | None,
@@ -192,15 +199,17 @@ def is_loopback(host: str) -> bool:
 
 
 async def _serve_region(cfg: ServerConfig, wire: Wire, provider: str, size: int,
-                        rails: int, interfaces: tuple[str, ...] | None) -> bool:
-    """One provider's engine and region, until the client says ``end`` (returns
-    True: more may follow) or ``bye`` (False)."""
+                        rails: int, interfaces: tuple[str, ...] | None,
+                        shared: bool = False) -> bool:
+    """One provider's engine and region (memfd pages where ``shared``), until
+    the client says ``end`` (returns True: more may follow) or ``bye`` (False)."""
     node = fabric_node(provider, cfg.node, cfg.bind, interfaces)
     names = pick_interfaces(provider, node, rails, interfaces)
     config = EngineConfig(provider=provider, node=node, interfaces=names,
                           node_name=socket.gethostname(), backoff_max_ns=cfg.backoff_max_ns)
-    async with open_engine(config) as engine:
-        region = np.zeros(size, np.uint8)
+    async with AsyncExitStack() as stack:
+        region = bench_buffer(size, shared, stack)  # freed after the engine closed
+        engine = await stack.enter_async_context(open_engine(config))
         region.fill(0)  # fault the pages in now, not during the first transfer
         desc = engine.export(region, "bench")
         await wire.send("ready", descriptor=desc.to_bytes(), rails=list(names),
@@ -223,6 +232,19 @@ async def _serve_region(cfg: ServerConfig, wire: Wire, provider: str, size: int,
                 continue
             raise BenchError(f"only {engine.imm_count(imm)} of {count} pieces with "
                              f"immediate {imm} arrived within {timeout:g} s")
+    raise AssertionError("unreachable")  # pragma: no cover (mypy: the stack may swallow)
+
+
+def bench_buffer(size: int, shared: bool, stack: AsyncExitStack | ExitStack
+                 ) -> npt.NDArray[np.uint8]:
+    """``size`` bytes for one end of a bench transfer: anonymous memory, or
+    where ``shared`` memfd pages (a ``SharedBuffer``, as a daemon's pools and
+    its clients' shares are), closed with ``stack``."""
+    if not shared:
+        return np.empty(size, np.uint8)
+    buf = SharedBuffer(size, "p2pxfer-bench")
+    stack.callback(buf.close)
+    return buf.array
 
 
 async def _session(cfg: ServerConfig, stream: trio.SocketStream) -> None:
@@ -232,8 +254,8 @@ async def _session(cfg: ServerConfig, stream: trio.SocketStream) -> None:
             msg = await wire.recv()
             if msg["t"] == "bye":
                 return
-            provider, size, rails, interfaces = _hello_fields(msg, cfg)
-            if not await _serve_region(cfg, wire, provider, size, rails, interfaces):
+            provider, size, rails, interfaces, shared = _hello_fields(msg, cfg)
+            if not await _serve_region(cfg, wire, provider, size, rails, interfaces, shared):
                 return
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         log.info("bench.session.gone")
@@ -310,12 +332,15 @@ class ServerLink:
 
     @asynccontextmanager
     async def region(self, provider: str, size: int, rails: int,
-                     interfaces: tuple[str, ...] | None = None
+                     interfaces: tuple[str, ...] | None = None, memory: str = "private"
                      ) -> AsyncIterator[RegionDescriptor]:
         """A region of ``size`` bytes on ``rails`` NICs of the server (or on
         ``interfaces``, for a server on this host), exported by an engine the
-        server opens for ``provider`` until the block ends."""
-        extra = {"interfaces": list(interfaces)} if interfaces else {}
+        server opens for ``provider`` until the block ends; of ``memory``
+        (``private`` or ``shared``)."""
+        extra: dict[str, Any] = {"interfaces": list(interfaces)} if interfaces else {}
+        if memory != "private":  # a server that predates it would refuse nothing
+            extra["memory"] = memory
         await self.wire.send("hello", v=PROTOCOL_VERSION, provider=provider, size=size,
                              rails=rails, **extra)
         msg = await self._reply("hello")

@@ -35,20 +35,23 @@ __all__ = ["plan"]
 @click.option("--kv", "kv_shape", metavar="LAYERS,BLOCKS,BLOCK_SIZE[,PLANES]",
               help="a KV push between two pools of this layout ...")
 @click.option("--blocks", type=click.IntRange(min=1), help="... of this many blocks")
+@click.option("--shared", is_flag=True, help="between shared-memory buffers (through "
+              "daemons: their pools and clients' shares are memfd pages)")
 @click.option("--seed", type=int, default=1, show_default=True, help="for random places")
 @click.option("--json", "as_json", is_flag=True, help="print the prediction as JSON")
 def plan(provider: str, profile_file: str | None, rails: int, size: str | None,
          pages: int | None, page_size: str, order: str, kv_shape: str | None,
-         blocks: int | None, seed: int, as_json: bool) -> None:
+         blocks: int | None, shared: bool, seed: int, as_json: bool) -> None:
     """Predict one write or KV push from this machine's calibration profile:
     its time, bandwidth, pieces after coalescing, rails, and what bounds it
-    (the fixed cost per transfer, the cost per piece, or bandwidth).
+    (the fixed cost per transfer, the cost per piece, bandwidth, or a KV
+    push's further transfers: one per layer).
 
     \b
       p2pxfer bench --calibrate --provider 'tcp;ofi_rxm'     (once, ~1 min)
       p2pxfer plan --size 64MiB
       p2pxfer plan --pages 4096 --page-size 16KiB
-      p2pxfer plan --kv 32,1024,16KiB --blocks 64
+      p2pxfer plan --kv 32,1024,16KiB --blocks 64 --shared
     """
     from p2pxfer.plan import load_profile, predict, predict_kv
     from p2pxfer.scatter import ScatterList
@@ -65,7 +68,7 @@ def plan(provider: str, profile_file: str | None, rails: int, size: str | None,
         if size is not None:
             what = f"one piece of {size}"
             prediction = predict(profile, ScatterList.contiguous(parse_size_flag(size)),
-                                 rails=rails)
+                                 rails=rails, shared=shared)
         elif pages is not None:
             psize = parse_size_flag(page_size)
             where = rng.permutation(pages) if order == "random" else np.arange(pages)
@@ -73,7 +76,8 @@ def plan(provider: str, profile_file: str | None, rails: int, size: str | None,
             lengths = np.full(pages, psize, np.int64)
             sl = ScatterList(off, rng.permutation(off) if order == "random" else off, lengths)
             what = f"{pages} {order} pages of {page_size}"
-            prediction = predict(profile, sl, rails=rails)  # plain writes post as given
+            # plain writes post as given
+            prediction = predict(profile, sl, rails=rails, shared=shared)
         else:
             assert kv_shape is not None
             layout = _kv_layout(kv_shape)
@@ -85,14 +89,14 @@ def plan(provider: str, profile_file: str | None, rails: int, size: str | None,
                     else np.arange(n))
             dst = rng.choice(layout.num_blocks, n, replace=False) if order == "random" else pick
             what = f"KV push of {n} {order} blocks x {layout.num_layers} layers"
-            prediction = predict_kv(profile, layout, pick, dst, rails=rails)
+            prediction = predict_kv(profile, layout, pick, dst, rails=rails, shared=shared)
     except P2PXferError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
-        click.echo(json.dumps({"what": what, "provider": provider, **prediction.to_json()},
-                              indent=2))
+        click.echo(json.dumps({"what": what, "provider": provider, "shared": shared,
+                               **prediction.to_json()}, indent=2))
         return
-    console.print(f"{what} over {provider}:")
+    console.print(f"{what} over {provider}" + (" between shared memory:" if shared else ":"))
     table = Table()
     for col in ("time", "GB/s", "pieces", "rails", "bound by"):
         table.add_column(col, justify="right")
