@@ -231,6 +231,12 @@ def test_calibrate_then_plan_then_bench(tmp_path: Path, monkeypatch: pytest.Monk
     kv = runner.invoke(main, ["plan", "--kv", "4,128,16KiB,2", "--blocks", "16"])
     assert kv.exit_code == 0, kv.output
     assert "KV push of 16 random blocks x 4 layers" in " ".join(kv.output.split())
+    through = runner.invoke(main, ["plan", "--kv", "4,128,16KiB,2", "--blocks", "16",
+                                   "--shared", "--json"])
+    assert through.exit_code == 0, through.output
+    got = json.loads(through.output)
+    assert got["shared"] is True and got["transfers"] == 4
+    assert got["terms"]["transfers"] == pytest.approx(3 * profile.per_transfer_s)
     assert runner.invoke(main, ["plan", "--blocks", "3", "--size", "1MiB"]).exit_code == 2
     report = tmp_path / "bench.json"
     run = runner.invoke(main, ["bench", "--loopback", "--size", "256KiB", "--iterations", "5",
