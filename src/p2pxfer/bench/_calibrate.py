@@ -73,7 +73,11 @@ def calibrate(provider: str, *, quick: bool = False, rails: int | None = None,
     base = BenchOptions(mode="loopback", providers=(provider,), rails=rails,
                         interfaces=interfaces, auto_bytes=auto, memcpy_size=16 * MIB)
     say(f"{provider}: one piece of {len(contiguous)} sizes")
-    results = run_bench(dataclasses.replace(base, sizes=contiguous)).results
+    # As many rounds as the sweep (``p2pxfer bench --sweep``) takes: over half
+    # as many, a lone 8 MiB tcp piece came out 1.7x slower than there.
+    results = run_bench(dataclasses.replace(
+        base, sizes=contiguous,
+        auto_bytes=auto if quick else BenchOptions.auto_bytes)).results
 
     def pages_of(page_size: int, pages: int, **more: object) -> list[BenchResult]:
         opts = dataclasses.replace(base, pattern="paged", page_size=page_size, pages=pages,
