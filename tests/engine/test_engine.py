@@ -733,6 +733,44 @@ async def test_a_large_write_alone_is_polled_inline_for_its_size(provider: str) 
         assert a._inline_budget(shard, tr) == 1_000
 
 
+async def test_many_bytes_are_posted_by_the_trio_thread_only_alone(provider: str) -> None:
+    """A write of few pieces is posted by the trio thread; one of many bytes
+    only while nothing else of its shard is in flight (posting copies its
+    bytes under the shard's lock on shm and tcp, where a KV push's 1 MiB
+    layers held the poller thread off it); a push of such layers lands
+    whole either way."""
+    source = random_bytes(26, 4 << 20)
+    region = np.zeros(4 << 20, np.uint8)
+
+    def pieces(first: int, count: int, size: int) -> ScatterList:
+        off = first + np.arange(count, dtype=np.int64) * size
+        return ScatterList(off, off.copy(), np.full(count, size, np.int64))
+
+    async with pair(provider) as (a, b):
+        desc = b.export(region, "r")
+        a.register(source)
+        shard = a.shards[0]
+        layer = shard.prepare(source, desc, pieces(0, 64, 16 << 10), 3, dry_run=False,
+                              notify=True)  # 1 MiB in 64 pieces
+        small = shard.prepare(source, desc, pieces(0, 64, 1 << 10), 4, dry_run=False)
+        assert shard.posts_directly(layer) and shard.posts_directly(small)  # nothing else
+        other = shard.prepare(source, desc, ScatterList.contiguous(4096), None, dry_run=True)
+        shard._inflight[other.w.tid] = other  # as if in flight (never posted)
+        assert not shard.posts_directly(layer) and shard.posts_directly(small)
+        del shard._inflight[other.w.tid]
+        many = shard.prepare(source, desc, pieces(0, 65, 1 << 10), 4, dry_run=False)
+        assert not shard.posts_directly(many)  # over DIRECT_POST_MAX pieces
+        for tr in (layer, small, other, many):
+            shard._group.cache.unpin(tr.w.region)  # prepared, never submitted
+        with trio.fail_after(STEP):
+            sends = [await a.submit(source, desc, pieces(k << 20, 64, 16 << 10), imm=3,
+                                    notify=True) for k in range(4)]
+            for t in sends:
+                await t.wait()
+            await b.wait_imm(3, 4)
+        assert_image(region, source)
+
+
 def test_a_held_poller_reads_no_cq(provider: str) -> None:
     """The C side of the hold: while held, ``progress`` leaves a completion
     waiting (for the thread that holds) even with time to spare; let go, it
