@@ -175,6 +175,10 @@ def test_fit_measures_further_transfers_and_shared_memory() -> None:
     assert shared.terms["latency"] == push.terms["latency"]
     one_block = predict_kv(got, lay, sb[:1], db[:1])  # 32 layers of one piece each
     assert one_block.bound == "transfers"
+    # a shared measurement faster than a lone piece is noise: it is left out
+    quick = Point(n, n * size, lone / 2, memory="shared")
+    assert fit(TCP, shapes() + extra + [quick]).shared_scale == pytest.approx(scale, rel=1e-6)
+    assert fit(TCP, [*shapes(), quick]).shared_scale == 1.0
     for bad in (Point(4, 4 * size, 1e-3, transfers=5), Point(4, 4 * size, 1e-3, memory="gpu")):
         with pytest.raises(InvalidArgument, match="transfers, between private or shared"):
             fit(TCP, [*shapes(), bad])
@@ -201,7 +205,8 @@ def test_profiles_round_trip_and_say_what_is_missing(tmp_path: Path) -> None:
                      ({**fitted.to_json(), "stream": [[4096, 1e-6], [4096, 2e-6]]},
                       "increasing"),
                      ({**fitted.to_json(), "single": [[4096, -1.0]]}, "<= 0"),
-                     ({**fitted.to_json(), "shared_scale": 0}, "shared_scale")):
+                     ({**fitted.to_json(), "shared_scale": 0}, "shared_scale"),
+                     ({**fitted.to_json(), "per_transfer_s": float("inf")}, "finite")):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(InvalidArgument, match=why):
             load_profile(TCP, tmp_path / "bad.json")

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import time
@@ -164,9 +165,9 @@ class Profile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "single", _check_knots(self.single, "single"))
         object.__setattr__(self, "stream", _check_knots(self.stream, "stream"))
-        if not (self.per_transfer_s >= 0 and self.shared_scale > 0):
+        if not (0 <= self.per_transfer_s < math.inf and 0 < self.shared_scale < math.inf):
             raise ValueError(f"per_transfer_s {self.per_transfer_s} must be >= 0 and "
-                             f"shared_scale {self.shared_scale} > 0")
+                             f"shared_scale {self.shared_scale} > 0, both finite")
 
     @property
     def latency_s(self) -> float:
@@ -242,7 +243,7 @@ class Prediction:
     pieces: int  # as posted (after coalescing, cut to rail shares)
     nbytes: int
     rails: int
-    bound: str  # "latency", "pieces" or "bandwidth": the largest term
+    bound: str  # "latency", "pieces", "bandwidth" or "transfers": the largest term
     terms: dict[str, float]  # seconds of each term; they add up to ``seconds``
     transfers: int = 1  # a KV push: one per layer
 
@@ -283,7 +284,9 @@ def fit(provider: str, points: Sequence[Point], *, nics: Sequence[str] = (),
     ``per_transfer_s`` from many transfers submitted together (their time
     past one transfer of the same pieces, per further transfer) and
     ``shared_scale`` from one transfer between shared buffers (its stream
-    past the private one's); the median of each, 0 and 1 where none."""
+    past the private one's, where its time is past a lone piece's); the
+    median of each, 0 and 1 where none. (A batched point's time is the mean
+    of its rounds: the bench times a round of transfers as a whole.)"""
     if not all(p.seconds > 0 and p.pieces >= 1 and p.nbytes >= 1 and p.rails >= 1
                and 1 <= p.transfers <= p.pieces and p.memory in MEMORY for p in points):
         raise InvalidArgument("every measurement must be of >= 1 piece and byte, of 1 to "
@@ -313,10 +316,10 @@ def fit(provider: str, points: Sequence[Point], *, nics: Sequence[str] = (),
                     for p in points if p.memory == "private" and p.transfers > 1]
     scale = []
     for p in points:
-        if p.memory == "shared" and p.transfers == 1 and p.pieces > 1:
-            lone_s = prof.seconds(1, p.piece_size, p.rails)
+        lone_s = prof.seconds(1, p.piece_size, p.rails)
+        if p.memory == "shared" and p.transfers == 1 and p.pieces > 1 and p.seconds > lone_s:
             stream = prof.seconds(p.pieces, p.nbytes, p.rails) - lone_s
-            scale.append(max(MIN_COST_S, p.seconds - lone_s) / stream)
+            scale.append((p.seconds - lone_s) / stream)
     prof = dataclasses.replace(
         prof, per_transfer_s=float(np.median(per_transfer)) if per_transfer else 0.0,
         shared_scale=float(np.median(scale)) if scale else 1.0)

@@ -705,9 +705,12 @@ async def test_a_large_write_alone_is_polled_inline_for_its_size(provider: str) 
         one = shard.prepare(source, desc, ScatterList.contiguous(1 << 20), None, dry_run=True)
         assert a._inline_budget(shard, one) == 1_000 + 1024 * INLINE_NS_PER_KIB
         other = shard.prepare(source, desc, ScatterList.contiguous(4096), None, dry_run=True)
-        shard._inflight[other.w.tid] = other  # as if in flight (never posted)
-        assert a._inline_budget(shard, one) == 1_000
-        del shard._inflight[other.w.tid]
+        # As if in flight (never posted): under the lock, which keeps the
+        # poller thread, reading the in-flight table, from seeing it.
+        with shard._lock:
+            shard._inflight[other.w.tid] = other
+            assert a._inline_budget(shard, one) == 1_000
+            del shard._inflight[other.w.tid]
         with trio.fail_after(STEP):
             await a.write(source, desc, ScatterList.contiguous(4096), imm=1)  # connects
             inline = a.statistics().read_inline
@@ -755,9 +758,10 @@ async def test_many_bytes_are_posted_by_the_trio_thread_only_alone(provider: str
         small = shard.prepare(source, desc, pieces(0, 64, 1 << 10), 4, dry_run=False)
         assert shard.posts_directly(layer) and shard.posts_directly(small)  # nothing else
         other = shard.prepare(source, desc, ScatterList.contiguous(4096), None, dry_run=True)
-        shard._inflight[other.w.tid] = other  # as if in flight (never posted)
-        assert not shard.posts_directly(layer) and shard.posts_directly(small)
-        del shard._inflight[other.w.tid]
+        with shard._lock:  # as if in flight (never posted), unseen by the poller thread
+            shard._inflight[other.w.tid] = other
+            assert not shard.posts_directly(layer) and shard.posts_directly(small)
+            del shard._inflight[other.w.tid]
         many = shard.prepare(source, desc, pieces(0, 65, 1 << 10), 4, dry_run=False)
         assert not shard.posts_directly(many)  # over DIRECT_POST_MAX pieces
         for tr in (layer, small, other, many):

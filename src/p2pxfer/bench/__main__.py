@@ -89,8 +89,8 @@ def main(log_level: str) -> None:
 @click.option("--concurrency", type=int, default=1, show_default=True)
 @click.option("--pages-per-transfer", type=int, help="paged: pieces per transfer [all]")
 @click.option("--memory", type=click.Choice(["private", "shared"]), default="private",
-              show_default=True, help="both ends' buffers: anonymous memory, or memfd "
-              "pages as daemons' pools")
+              show_default=True, help="our two ends' buffers: anonymous memory, or memfd "
+              "pages as daemons' pools (the C target's stays anonymous)")
 @click.option("--warmup", type=int, default=2, show_default=True)
 @click.option("--iterations", type=int, help="timed rounds [enough for ~256 MiB]")
 @click.option("--memcpy-size", default="256MiB", callback=_size, show_default=True)

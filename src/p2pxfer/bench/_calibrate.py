@@ -12,8 +12,9 @@ the serving engines' shape twice more: 2048 random 16 KiB pieces as 32
 notified transfers of 64 submitted together (a KV push's layers: the cost
 of each further transfer), and as one transfer between memfd buffers (a
 daemon's pools: shared memory's cost over private). Each point is the
-median time of one transfer (of a whole round where transfers go together),
-over at least ``MIN_ROUNDS`` rounds.
+median time of one transfer (the mean of a round where transfers go
+together), the lone pieces over as many rounds as the sweep takes, the
+paged shapes over at least ``MIN_ROUNDS``.
 
 What must not live here: the model (``p2pxfer.plan``), option parsing.
 """

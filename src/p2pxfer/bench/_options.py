@@ -101,7 +101,8 @@ class BenchOptions:
     pages: int = 4096
     pages_per_transfer: int | None = None  # None: all pages
     order: str = "random"  # random | sequential
-    #: both ends' buffers: anonymous memory, or memfd pages (as daemons' pools)
+    #: our two ends' buffers: anonymous memory, or memfd pages (as daemons' pools);
+    #: the C reference's target stays anonymous
     memory: str = "private"  # private | shared
     concurrency: int = 1
     warmup: int = 2

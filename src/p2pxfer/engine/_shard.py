@@ -181,7 +181,8 @@ class Shard:
 
     def submit(self, tr: TransferState, *, inline: bool = False) -> None:
         """Post a small write now, from this (trio) thread, saving a thread
-        hop; the poller posts long lists and what the TX queue refused. With
+        hop (``posts_directly``); the poller posts long lists, many bytes
+        beside other writes, and what the TX queue refused. With
         ``inline``, :meth:`poll_inline` must follow whenever ``tr.direct``:
         the poller keeps off the CQs until then. Raises only before anything
         is posted, with the hold released."""
