@@ -3,6 +3,7 @@ immediates and the daemon's per-session counts (issue 24, finding 2)."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -19,17 +20,27 @@ async def test_waiters_withdraw_in_linear_time() -> None:
 
     async def cancel_all(n: int) -> float:
         tally = Tally[int]()
-        async with trio.open_nursery() as nursery:
-            for _ in range(n):
-                nursery.start_soon(tally.wait, 7, 1)
-            await trio.testing.wait_all_tasks_blocked()
-            t0 = time.process_time()
-            nursery.cancel_scope.cancel()
-        took = time.process_time() - t0
+        # This thread's CPU only, with the collector off: a busy host's other
+        # work, and full collections over 40,000 tasks' objects (more of
+        # them the larger the heap), are not the withdrawal.
+        gc.collect()
+        gc.disable()
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(n):
+                    nursery.start_soon(tally.wait, 7, 1)
+                await trio.testing.wait_all_tasks_blocked()
+                t0 = time.thread_time()
+                nursery.cancel_scope.cancel()
+            took = time.thread_time() - t0
+        finally:
+            gc.enable()
         assert tally.waiting == 0 and not tally.awaited(7)
         return took
 
-    small, large = await cancel_all(2_000), await cancel_all(40_000)
+    # The best of three each: a starved host can still preempt one run.
+    small = min([await cancel_all(2_000) for _ in range(3)])
+    large = min([await cancel_all(40_000) for _ in range(3)])
     # 20 times the waiters: linear is about 20 times the work, quadratic 400.
     assert large < 80 * max(small, 0.005), (small, large)
 
