@@ -190,6 +190,10 @@ class Profile:
         """One rail's bandwidth the model assumes (GB/s)."""
         return 1e-9 / self.per_byte_s if self.per_byte_s > 0 else float("inf")
 
+    def scale(self, shared: bool) -> float:
+        """What the stream's costs are multiplied by between ``shared`` buffers."""
+        return self.shared_scale if shared else 1.0
+
     def transfer_seconds(self, lengths: np.ndarray, rails: int = 1, *,
                          shared: bool = False) -> float:
         """A transfer of pieces of ``lengths`` bytes spread over ``rails``
@@ -200,8 +204,8 @@ class Profile:
         big = int(np.argmax(lengths))
         stream = float(_curve(self.stream, lengths).sum()
                        - _curve(self.stream, lengths[big:big + 1])[0])
-        scale = self.shared_scale if shared else 1.0
-        return float(_curve(self.single, lengths[big:big + 1])[0]) + scale * stream / rails
+        return (float(_curve(self.single, lengths[big:big + 1])[0])
+                + self.scale(shared) * stream / rails)
 
     def seconds(self, pieces: int, nbytes: int, rails: int = 1, *, transfers: int = 1,
                 shared: bool = False) -> float:
@@ -210,8 +214,7 @@ class Profile:
         size = max(1, nbytes // max(1, pieces))
         lone = float(_curve(self.single, np.array([size]))[0])
         each = float(_curve(self.stream, np.array([size]))[0])
-        scale = self.shared_scale if shared else 1.0
-        return (lone + scale * max(0, pieces - 1) * each / rails
+        return (lone + self.scale(shared) * max(0, pieces - 1) * each / rails
                 + max(0, transfers - 1) * self.per_transfer_s)
 
     def to_json(self) -> dict[str, Any]:
@@ -316,10 +319,12 @@ def fit(provider: str, points: Sequence[Point], *, nics: Sequence[str] = (),
                     for p in points if p.memory == "private" and p.transfers > 1]
     scale = []
     for p in points:
+        if p.memory != "shared" or p.transfers != 1 or p.pieces == 1:
+            continue
         lone_s = prof.seconds(1, p.piece_size, p.rails)
-        if p.memory == "shared" and p.transfers == 1 and p.pieces > 1 and p.seconds > lone_s:
-            stream = prof.seconds(p.pieces, p.nbytes, p.rails) - lone_s
-            scale.append((p.seconds - lone_s) / stream)
+        if p.seconds > lone_s:
+            scale.append((p.seconds - lone_s) / (prof.seconds(p.pieces, p.nbytes, p.rails)
+                                                 - lone_s))
     prof = dataclasses.replace(
         prof, per_transfer_s=float(np.median(per_transfer)) if per_transfer else 0.0,
         shared_scale=float(np.median(scale)) if scale else 1.0)
@@ -338,8 +343,7 @@ def _prediction(profile: Profile, lengths: np.ndarray, rails: int,
     nbytes = int(lengths.sum())
     seconds = profile.transfer_seconds(lengths, rails, shared=shared)
     fixed = min(profile.latency_s, seconds)
-    scale = profile.shared_scale if shared else 1.0
-    wire = min(scale * nbytes / rails * profile.per_byte_s, seconds - fixed)
+    wire = min(profile.scale(shared) * nbytes / rails * profile.per_byte_s, seconds - fixed)
     extra = max(0, transfers - 1) * profile.per_transfer_s
     terms = {"latency": fixed, "pieces": seconds - fixed - wire, "bandwidth": wire,
              "transfers": extra}

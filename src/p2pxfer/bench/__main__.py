@@ -22,6 +22,7 @@ import click
 
 from p2pxfer.errors import P2PXferError
 from p2pxfer.log import configure
+from p2pxfer.plan import MEMORY
 
 from ._options import BenchConfigError, BenchOptions, parse_size
 from ._report import write_document, write_json
@@ -88,7 +89,7 @@ def main(log_level: str) -> None:
               show_default=True)
 @click.option("--concurrency", type=int, default=1, show_default=True)
 @click.option("--pages-per-transfer", type=int, help="paged: pieces per transfer [all]")
-@click.option("--memory", type=click.Choice(["private", "shared"]), default="private",
+@click.option("--memory", type=click.Choice(MEMORY), default="private",
               show_default=True, help="our two ends' buffers: anonymous memory, or memfd "
               "pages as daemons' pools (the C target's stays anonymous)")
 @click.option("--warmup", type=int, default=2, show_default=True)

@@ -16,6 +16,7 @@ import numpy as np
 
 from p2pxfer import address
 from p2pxfer.errors import InvalidArgument, P2PXferError
+from p2pxfer.plan import MEMORY
 from p2pxfer.scatter import ScatterList
 
 __all__ = [
@@ -143,8 +144,9 @@ class BenchOptions:
             raise BenchConfigError(f"--pattern must be contiguous or paged, got {self.pattern!r}")
         if self.order not in ("random", "sequential"):
             raise BenchConfigError(f"--order must be random or sequential, got {self.order!r}")
-        if self.memory not in ("private", "shared"):
-            raise BenchConfigError(f"--memory must be private or shared, got {self.memory!r}")
+        if self.memory not in MEMORY:
+            raise BenchConfigError(f"--memory must be {' or '.join(MEMORY)}, got "
+                                   f"{self.memory!r}")
         if self.memory == "shared" and self.mode != "loopback":
             raise BenchConfigError("--memory shared runs in loopback mode only")
         for name, value, least in (("--concurrency", self.concurrency, 1),

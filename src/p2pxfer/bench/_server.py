@@ -51,6 +51,7 @@ from p2pxfer.errors import ConfigError, P2PXferError
 from p2pxfer.log import get_logger
 from p2pxfer.loopback import loopback_node
 from p2pxfer.memory import RegionDescriptor
+from p2pxfer.plan import MEMORY
 from p2pxfer.protocol import FrameDecoder, ProtocolError, encode_frame
 from p2pxfer.topology import discover
 
@@ -166,8 +167,8 @@ def _hello_fields(msg: dict[str, Any], cfg: ServerConfig
                               or not all(isinstance(n, str) and n for n in names)):
         raise ProtocolViolation("hello: interfaces must be a list of names")
     memory = msg.get("memory", "private")
-    if memory not in ("private", "shared"):
-        raise ProtocolViolation("hello: memory must be private or shared")
+    if memory not in MEMORY:
+        raise ProtocolViolation(f"hello: memory must be {' or '.join(MEMORY)}")
     return (provider, size, rails, cfg.interfaces or (tuple(names) if names else None),
             memory == "shared")
 
@@ -339,7 +340,7 @@ class ServerLink:
         server opens for ``provider`` until the block ends; of ``memory``
         (``private`` or ``shared``)."""
         extra: dict[str, Any] = {"interfaces": list(interfaces)} if interfaces else {}
-        if memory != "private":  # a server that predates it would refuse nothing
+        if memory != "private":  # sent only when asked for: the default needs no field
             extra["memory"] = memory
         await self.wire.send("hello", v=PROTOCOL_VERSION, provider=provider, size=size,
                              rails=rails, **extra)
