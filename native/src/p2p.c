@@ -7,6 +7,7 @@
 #include <sched.h>
 #include <stddef.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -770,11 +771,23 @@ static int64_t take_runs(struct p2p_poller *p, int64_t from, int64_t nruns, uint
  * (its peer, memory and bell set with p2p_cursor_set for this plan) this
  * write's pieces, immediate and context, and post them. Returns 1 if pieces
  * are left (a full TX queue) or a post failed (c->err), else 0. With the
- * polling half, what was five crossings into C and back is two. */
+ * polling half, what was five crossings into C and back is two.
+ *
+ * alive_fd (or -1): a file that must still have a name for the peer to be
+ * posted to, looked at first (shm: the peer's segment, opened O_PATH when
+ * the peer was looked up; libfabric 1.17's shm kills a process that posts
+ * to a peer in it whose segment is gone, and a write to one in another
+ * process that exited "completes"). Unlinked: P2P_PEER_GONE, nothing held
+ * or posted. An fstat of a held fd walks no path: a stat by name cost a
+ * 4 KiB write about a seventh of its time. */
 int64_t p2p_express_post(struct p2p_poller *p, struct p2p_cursor *c, const int64_t *src_off,
                          const int64_t *dst_off, const int64_t *len, int64_t n, uint64_t imm,
-                         int with_imm, uint64_t context)
+                         int with_imm, uint64_t context, int alive_fd)
 {
+    struct stat st;
+
+    if (alive_fd >= 0 && (fstat(alive_fd, &st) != 0 || st.st_nlink == 0))
+        return P2P_PEER_GONE;
     __atomic_store_n(&p->hold, 1, __ATOMIC_RELEASE);
     set_pieces(c, src_off, dst_off, len, 0, n, imm, with_imm, context);
     return post_pass(c, 1) || c->err;

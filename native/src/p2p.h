@@ -38,6 +38,9 @@
 #define P2P_IMM_TAILS 2
 #define P2P_IMM_TAIL_BYTES 64
 
+/* p2p_express_post: the peer's segment is gone (unlinked), nothing posted */
+#define P2P_PEER_GONE 2
+
 /* A shm target's doorbell, as an initiator sees it: the target's abstract
  * unix datagram socket (its name) and this process's sending socket. shm CQs
  * have no wait fd, so an idle shm target naps between looks at its CQ; a
@@ -142,7 +145,7 @@ int64_t p2p_now_ns(void);
 int64_t p2p_post_once(struct p2p_cursor *cur, int ncur);
 int64_t p2p_express_post(struct p2p_poller *p, struct p2p_cursor *c, const int64_t *src_off,
                          const int64_t *dst_off, const int64_t *len, int64_t n, uint64_t imm,
-                         int with_imm, uint64_t context);
+                         int with_imm, uint64_t context, int alive_fd);
 int64_t p2p_express_poll(struct p2p_poller *p, int64_t want, uint64_t ctx, int64_t budget_ns,
                          uint64_t data_flag, int64_t *kept);
 void p2p_cursor_set(struct p2p_cursor *cur, int i, struct fid_ep *ep, uint64_t dest,

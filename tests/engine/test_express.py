@@ -376,3 +376,62 @@ def test_an_express_write_to_a_shm_peer_that_closed_raises() -> None:
     express, got = run_in_child(write_after_the_peer_closed)
     assert express >= 2, got
     assert got.startswith("PeerUnreachable") and "is gone" in got, got
+
+
+def _serve_a_region(desc_q: Any, go_q: Any) -> None:
+    """Child: export a region over shm, hand its descriptor over, close once told."""
+    from p2pxfer import BlockingEngine
+
+    with BlockingEngine.open("shm") as b:
+        desc_q.put(b.export(np.zeros(SIZE, np.uint8), "r").to_bytes())
+        go_q.get(timeout=60)
+
+
+def test_an_express_write_to_a_shm_peer_process_that_exited_raises() -> None:
+    """A peer in another process exits between two express writes: the
+    next one raises ``PeerUnreachable`` (a 4 KiB shm write into the dead
+    peer's queue would complete as if it had landed), and the segment's
+    descriptor the plan held is closed once the peer was found gone."""
+    import contextlib
+    import multiprocessing as mp
+    import os
+
+    from p2pxfer import BlockingEngine
+    from p2pxfer.errors import PeerUnreachable
+    from p2pxfer.memory import RegionDescriptor
+
+    ctx = mp.get_context("spawn")
+    desc_q, go_q = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_serve_a_region, args=(desc_q, go_q))
+    child.start()
+    try:
+        desc = RegionDescriptor.from_bytes(desc_q.get(timeout=60))
+        segment = os.path.realpath("/dev/shm/" + desc.rails[0].address.rstrip(b"\0")
+                                   .decode().removeprefix("fi_shm://"))
+
+        def held() -> int:
+            links = []
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):  # the listing's own fd is gone
+                    links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            return sum(link.startswith(segment) for link in links)
+
+        with BlockingEngine.open("shm") as a:
+            src = np.ones(4096, np.uint8)
+            a.register(src)
+            for _ in range(50):
+                a.write(src, desc, ScatterList.contiguous(4096), imm=1)
+                if a.statistics().express >= 2:
+                    break
+            assert a.statistics().express >= 2
+            assert held() == 1
+            go_q.put(True)
+            child.join(60)
+            assert child.exitcode == 0
+            for _ in range(2):  # the plan looks again, and raises again
+                with pytest.raises(PeerUnreachable, match="is gone"):
+                    a.write(src, desc, ScatterList.contiguous(4096), imm=1, timeout=10)
+            assert held() == 0
+    finally:
+        child.kill()
+        child.join()

@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from p2pxfer.fabric import CompletionError, Completions, ExpressCursor, shm_segment
+from p2pxfer.fabric import (
+    PEER_GONE,
+    CompletionError,
+    Completions,
+    ExpressCursor,
+    open_shm_segment,
+    shm_peer_gone,
+)
 from p2pxfer.scatter import ScatterList
 
 from ._plan import imm_tails
@@ -68,7 +75,7 @@ class _Plan:
     Holds the array and its registration weakly: a plan must never keep a
     buffer alive."""
 
-    __slots__ = ("base", "bell", "dest", "dst", "ep", "epoch", "region", "segment", "size",
+    __slots__ = ("alive_fd", "base", "bell", "dest", "dst", "ep", "epoch", "region", "size",
                  "src", "target", "touch")
 
     def __init__(self, src: weakref.ref[Any] | None, dst: RegionDescriptor,
@@ -82,7 +89,20 @@ class _Plan:
         self.epoch = -1  # looked up at first use (``_peer``)
         self.dest = 0
         self.bell: Any = None
-        self.segment = ""
+        #: the shm peer's segment, open (``open_shm_segment``; the post
+        #: looks at it first), or -1
+        self.alive_fd = -1
+
+    def forget_peer(self) -> None:
+        """Look the peer up anew at the next write."""
+        self.epoch = -1
+        if self.alive_fd >= 0:
+            os.close(self.alive_fd)
+            self.alive_fd = -1
+
+    def __del__(self) -> None:
+        if self.alive_fd >= 0:
+            os.close(self.alive_fd)
 
 
 class Express:
@@ -131,25 +151,24 @@ class Express:
         return plan
 
     def _peer(self, plan: _Plan) -> int:
-        """The peer's ``fi_addr_t`` (under the shard's lock). On shm, the
-        peer's segment is looked at on every write, as ``Rail.peer`` does:
-        libfabric 1.17's shm crashes the process that posts to a peer whose
-        segment is gone. A failed look-up leaves the plan to look again."""
+        """The peer's ``fi_addr_t`` (under the shard's lock), looked up when
+        the rail's AV epoch moved. A failed look-up leaves the plan to look
+        again. On shm the peer's segment is also looked at on every write,
+        as ``Rail.peer`` does, by the post itself (``plan.alive_fd``):
+        libfabric 1.17's shm crashes the process that posts to a peer in it
+        whose segment is gone, and a small write to one in a process that
+        exited completes as if it had landed."""
         t = plan.target
         rail = t.rail
         av = rail.av
         if plan.epoch != av.epoch:
             epoch = av.epoch
+            plan.forget_peer()
             dest = rail.peer(t.address)  # checks a shm peer's segment too
             plan.bell = rail.bell_of(t.address)
-            plan.segment = shm_segment(t.address) if av.is_shm else ""
+            if av.is_shm:
+                plan.alive_fd = open_shm_segment(t.address)
             plan.dest, plan.epoch = dest, epoch
-        elif plan.segment:
-            try:
-                os.stat(plan.segment)
-            except OSError:
-                plan.epoch = -1
-                return rail.peer(t.address)  # raises, naming the peer
         return plan.dest
 
     def write(self, src: Any, dst: RegionDescriptor, scatter: ScatterList, imm: int | None,
@@ -192,13 +211,20 @@ class Express:
                                t.dst_key, plan.bell, t.rail.group)
                 # Holds the CQs first: the poller thread keeps off them.
                 left = cursor.post(s._poller.handle, scatter.src, scatter.dst, scatter.length,
-                                   imm, tid, tails)
+                                   imm, tid, tails, plan.alive_fd)
+                if left == PEER_GONE:
+                    self.tid = -1
+                    plan.forget_peer()
+                    raise shm_peer_gone(t.address)
             if not left:
                 with s._cq_guard:
                     got, arrivals, failed = s._inline_poller.express_poll(
                         posts, tid, budget_of(scatter.nbytes))
-            received = [(rail, cnt) for rail, _ctx, _flags, _data, cnt in arrivals]
-            imms = [(data, cnt) for _rail, _ctx, _flags, data, cnt in arrivals]
+            received: list[tuple[int, int]] = []
+            imms: list[tuple[int, int]] = []
+            if arrivals:
+                received = [(rail, cnt) for rail, _ctx, _flags, _data, cnt in arrivals]
+                imms = [(data, cnt) for _rail, _ctx, _flags, data, cnt in arrivals]
             if got >= posts:
                 now = time.monotonic()
                 with s._lock:

@@ -8,6 +8,7 @@ drains completions in batches; it holds no per-transfer bookkeeping.
 """
 
 from ._batch import CURSOR_SHIFT as CURSOR_SHIFT
+from ._batch import PEER_GONE as PEER_GONE
 from ._batch import TID_MASK as TID_MASK
 from ._batch import ExpressCursor as ExpressCursor
 from ._batch import WriteBatch as WriteBatch
@@ -29,6 +30,8 @@ from ._objects import Domain as Domain
 from ._objects import Endpoint as Endpoint
 from ._objects import Fabric as Fabric
 from ._objects import MemoryRegion as MemoryRegion
+from ._objects import open_shm_segment as open_shm_segment
+from ._objects import shm_peer_gone as shm_peer_gone
 from ._objects import shm_segment as shm_segment
 from ._poller import FLAG_REMOTE_CQ_DATA as FLAG_REMOTE_CQ_DATA
 from ._poller import CompletionError as CompletionError

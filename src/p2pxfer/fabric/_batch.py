@@ -31,7 +31,7 @@ from ._binding import ffi, fi_strerror, lib
 if TYPE_CHECKING:
     from ._rail import Rail
 
-__all__ = ["CURSOR_SHIFT", "GROUP_SHIFT", "MAX_CURSORS", "TID_MASK", "ExpressCursor",
+__all__ = ["CURSOR_SHIFT", "GROUP_SHIFT", "MAX_CURSORS", "PEER_GONE", "TID_MASK", "ExpressCursor",
            "WriteBatch", "context_of", "group_of", "split_context"]
 
 I64 = npt.NDArray[np.int64]
@@ -45,6 +45,9 @@ GROUP_SHIFT = 54
 #: the transfer id's bits of an operation context
 TID_MASK = (1 << GROUP_SHIFT) - 1
 _NO_DC = (1 << 63) - 1
+_IMM_TAILS = int(lib.P2P_IMM_TAILS)
+#: ``ExpressCursor.post``: the peer's segment is gone, nothing posted
+PEER_GONE = int(lib.P2P_PEER_GONE)
 
 
 def context_of(tid: int, cursor: int) -> int:
@@ -270,18 +273,28 @@ class ExpressCursor:
         self.aimed = key
 
     def post(self, poller: Any, src_off: I64, dst_off: I64, length: I64, imm: int | None,
-             context: int, imm_tails: bool = False) -> bool:
+             context: int, imm_tails: bool = False, alive_fd: int = -1) -> int:
         """Hold ``poller``'s CQs (``Poller.handle``; the caller lets go) and
-        post every piece where ``aim`` pointed; True if some are left (a full
-        TX queue) or one failed to post (``failed``). ``imm_tails``: each
-        entry goes as a head and a tail, and only the tails carry ``imm``
-        (``WriteBatch.imm_tails``)."""
-        ptrs = (ffi.from_buffer("int64_t[]", src_off), ffi.from_buffer("int64_t[]", dst_off),
-                ffi.from_buffer("int64_t[]", length))
-        self._keep = ptrs  # the C cursor points at them until the next write
-        with_imm = 0 if imm is None else int(lib.P2P_IMM_TAILS) if imm_tails else 1
-        return bool(lib.p2p_express_post(poller, self._c, *ptrs, len(length) << imm_tails,
-                                         imm or 0, with_imm, context))
+        post every piece where ``aim`` pointed: 0 once all were, 1 if some
+        are left (a full TX queue) or one failed to post (``failed``),
+        ``PEER_GONE`` if the file open at ``alive_fd`` (a shm peer's segment,
+        ``open_shm_segment``) has lost its name: then nothing was held or
+        posted.
+        ``imm_tails``: each entry goes as a head and a tail, and only the
+        tails carry ``imm`` (``WriteBatch.imm_tails``)."""
+        keep = self._keep
+        if keep and keep[0] is src_off and keep[1] is dst_off and keep[2] is length:
+            # The same arrays as the last write (a scatter list written again;
+            # its arrays are read-only copies of its own): the same pointers.
+            ptrs = keep[3:]
+        else:
+            ptrs = (ffi.from_buffer("int64_t[]", src_off),
+                    ffi.from_buffer("int64_t[]", dst_off), ffi.from_buffer("int64_t[]", length))
+            # the C cursor points at them until the next write
+            self._keep = (src_off, dst_off, length, *ptrs)
+        with_imm = 0 if imm is None else _IMM_TAILS if imm_tails else 1
+        return int(lib.p2p_express_post(poller, self._c, *ptrs, len(length) << imm_tails,
+                                        imm or 0, with_imm, context, alive_fd))
 
     def hand_to(self, batch: WriteBatch) -> None:
         """Carry how far posting got into ``batch``'s cursor 0, which covers

@@ -246,9 +246,28 @@ def check_shm_peer(address: bytes) -> None:
             return
         except OSError:
             pass
+    raise shm_peer_gone(address)
+
+
+def open_shm_segment(address: bytes) -> int:
+    """An ``O_PATH`` descriptor of the shm peer's segment at ``address``
+    (``shm_segment``), for ``ExpressCursor.post`` to look at on every write
+    without walking its path; -1 for a name that is no plain file name. The
+    caller closes it. A segment that is gone raises ``PeerUnreachable``."""
+    path = shm_segment(address)
+    if not path:
+        return -1
+    try:
+        return os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        raise shm_peer_gone(address) from None
+
+
+def shm_peer_gone(address: bytes) -> PeerUnreachable:
+    """The error for a shm peer at ``address`` whose segment is gone."""
     text = address.rstrip(b"\0").decode(errors="replace")
-    raise PeerUnreachable(f"shm peer {text!r} is gone: no /dev/shm/"
-                          f"{text.removeprefix('fi_shm://')}")
+    return PeerUnreachable(f"shm peer {text!r} is gone: no /dev/shm/"
+                           f"{text.removeprefix('fi_shm://')}")
 
 
 class Endpoint(_Fid):
