@@ -240,7 +240,7 @@ class Express:
                     s._deliver()
                 return n
             deadline = trio.current_time() + limit - (time.perf_counter_ns() - start) / 1e9
-            return self._hand_over(src, dst, scatter, imm, tid, deadline, got, left, failed,
+            return self._hand_over(src, dst, scatter, imm, tid, deadline, got, bool(left), failed,
                                    received, imms)
         finally:
             s._poller.hold(False)
