@@ -90,8 +90,8 @@ class BenchOptions:
     """One bandwidth test, as the command line describes it.
 
     ``iterations=None`` picks, per size, enough timed rounds to move about
-    ``auto_bytes`` (within 5..200 rounds). A round is ``concurrency`` transfers
-    in flight at once."""
+    ``auto_bytes`` (``AUTO_MIN_ROUNDS``..``AUTO_MAX_ROUNDS`` rounds). A round
+    is ``concurrency`` transfers in flight at once."""
 
     mode: str = "loopback"  # loopback | client | via-daemon
     providers: tuple[str, ...] = ("tcp;ofi_rxm",)
@@ -243,10 +243,18 @@ class Case:
         return self.rounds[v], self.merged[v]
 
 
+#: timed rounds per case when the options leave it to ``auto_bytes``: at most
+#: AUTO_MAX_ROUNDS, so that small writes are measured over more than a scheduler
+#: tick (200 rounds of one 4 KiB shm write were ~1.5 ms, and the first few
+#: writes after each alternation with the reference, 2x the rest, moved the
+#: ratio by a third)
+AUTO_MIN_ROUNDS, AUTO_MAX_ROUNDS = 5, 2000
+
+
 def _iterations(opts: BenchOptions, round_bytes: int) -> int:
     if opts.iterations is not None:
         return opts.iterations
-    return max(5, min(200, math.ceil(opts.auto_bytes / round_bytes)))
+    return max(AUTO_MIN_ROUNDS, min(AUTO_MAX_ROUNDS, math.ceil(opts.auto_bytes / round_bytes)))
 
 
 def _merge(lists: list[ScatterList]) -> ScatterList:

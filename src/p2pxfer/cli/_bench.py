@@ -83,7 +83,7 @@ def _given(ctx: click.Context, name: str) -> bool:
               help="transfers in flight (trio tasks)")
 @click.option("--warmup", type=int, default=2, show_default=True, help="untimed rounds")
 @click.option("--iterations", type=int,
-              help="timed rounds per size [enough for ~256 MiB, 5..200]")
+              help="timed rounds per size [enough for ~256 MiB, 5..2000]")
 @click.option("--memcpy-size", metavar="SIZE", callback=_size_option,
               default="256MiB", show_default=True,
               help="buffer for the memcpy reference")
