@@ -130,3 +130,38 @@ async def test_kv_begin_says_whether_a_request_number_starts_afresh(
     assert kv.begin("node-a", "kv", 3, pack_i64([2]), 60_000)["first"] is False
     await kv.forget(owner, "kv", 3)  # type: ignore[arg-type]
     assert kv.begin("node-a", "kv", 3, pack_i64([0]), 60_000)["first"] is True
+
+
+async def test_kv_begin_takes_the_layers_counts_so_no_kv_expect_follows(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """``kv_begin`` with ``pieces`` (a daemon pushing through its engine
+    knows each layer brings one notification before it posts): the answer
+    says they were taken, layers complete as their notifications land with
+    no ``kv_expect``, a ``kv_expect`` for them is refused, and the slot goes
+    back once all landed. Bad counts are refused by name and claim
+    nothing."""
+    imms = ImmTable(_Routes())  # type: ignore[arg-type]
+    kv, owner = receiver(imms)
+    begun = kv.begin("node-a", "kv", 1, pack_i64([2, 0, 3]), 60_000, pack_i64([1, 1, 1]))
+    assert begun["expected"] is True and begun["first"] is True
+    slot = begun["slot"]
+    base = imms.compose(slot, 0)
+    imms.deliver(layer_imm(base, 2), 1)
+    # done: the first layer from 2 not complete (3 has not landed)
+    assert await kv.wait(owner, "kv", 1, 2, 2, 1.0) == {"done": 3}  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="sent already"):
+        kv.expect("node-a", slot, pack_i64([1]), 0)
+    imms.deliver(layer_imm(base, 0), 1)
+    imms.deliver(layer_imm(base, 3), 1)
+    assert await kv.wait(owner, "kv", 1, 2, 3, 1.0) == {"done": 4}  # type: ignore[arg-type]
+    assert await kv.wait(owner, "kv", 1, 0, 0, 1.0) == {"done": 1}  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="not a request"):  # the slot went back
+        kv.expect("node-a", slot, pack_i64([1]), 0)
+    # Without counts the answer is as it was: kv_expect follows.
+    assert "expected" not in kv.begin("node-a", "kv", 2, pack_i64([0]), 60_000)
+    for bad, why in ((pack_i64([1]), "a piece count > 0 for each of the push's 2"),
+                     (pack_i64([1, 0]), "a piece count > 0"),
+                     (b"\x01" * 9, "whole number of int64")):
+        with pytest.raises(InvalidArgument, match=why):
+            kv.begin("node-a", "kv", 3, pack_i64([0, 1]), 60_000, bad)
+    assert kv.begin("node-a", "kv", 3, pack_i64([0, 1]), 60_000)["first"] is True

@@ -109,7 +109,8 @@ def _invalidate(d: Daemon, caller: Caller, msg: Message) -> dict[str, Any]:
 
 HANDLERS: dict[str, Handler] = {
     "kv_begin": lambda d, caller, msg: d.kv.begin(caller.name, msg["pool"], msg["request"],
-                                                  msg["layers"], msg["deadline_ms"]),
+                                                  msg["layers"], msg["deadline_ms"],
+                                                  msg.get("pieces")),
     "kv_expect": lambda d, caller, msg: d.kv.expect(caller.name, msg["slot"], msg["pieces"],
                                                     msg.get("first", 0)),
     "kv_arrived": lambda d, caller, msg: d.kv.arrived(caller.name, msg["pool"], msg["request"],

@@ -19,10 +19,11 @@ layout out with its descriptor. A push (``kv_push``, the sending side in
    immediates could no longer be counted exactly). Into a pool of this same
    daemon the send is the same-daemon copy (``_local``), whose immediates
    reach the slot exactly as the engine's do;
-3. ``kv_expect`` tells the receiver how many immediates each layer brings
-   (1 in notify mode; the receiver does not assume how the sender sends),
-   so it knows when a layer is complete; arrivals before that are counted,
-   not lost.
+3. the receiver hears how many immediates each layer brings (1 in notify
+   mode; the receiver does not assume how the sender sends), so it knows
+   when a layer is complete: with ``kv_begin`` where the sender knows them
+   before it posts (its engine's sends), else by ``kv_expect``; arrivals
+   before that are counted, not lost.
 
 The receiving side's per-layer counts are ``_kv_core.LayerArrivals`` (the
 in-process receiver's too); what this module adds is the daemon's: request
@@ -200,7 +201,13 @@ class KV:
     # -- receiving (peer requests, and the owner's waits) -------------------------------
 
     def begin(self, sender: str, pool: str, request: int, layers: bytes,
-              deadline_ms: int) -> dict[str, Any]:
+              deadline_ms: int, pieces: bytes | None = None) -> dict[str, Any]:
+        """A request slot for these ``layers`` of ``request``. ``pieces``:
+        each layer's count of immediates, known before the sender posts
+        (one per layer in notify mode), as ``expect`` takes them later
+        otherwise: the answer's ``expected`` says they were taken, and the
+        sender sends no ``kv_expect`` (a control round trip less between its
+        first layer and the next)."""
         p = self.pools.get(pool)
         if p is None:
             raise UnknownRegion(f"no KV pool named {pool!r} on {self.node}")
@@ -209,6 +216,12 @@ class KV:
         if len(lays) == 0 or int(lays.min()) < 0 or int(lays.max()) >= n \
                 or len(np.unique(lays)) != len(lays):
             raise InvalidArgument(f"kv_begin: layers must be distinct, within 0..{n - 1}")
+        counts = None
+        if pieces is not None:
+            counts = unpack_i64(pieces, "kv_begin pieces")
+            if len(counts) != len(lays) or int(counts.min()) <= 0:
+                raise InvalidArgument(f"kv_begin: want a piece count > 0 for each of the "
+                                      f"push's {len(lays)} layers, got {len(counts)}")
         if not 0 < deadline_ms <= MAX_DEADLINE_MS:
             raise InvalidArgument(f"kv_begin: deadline_ms must be within 1..{MAX_DEADLINE_MS}, "
                                   f"got {deadline_ms}")
@@ -234,8 +247,12 @@ class KV:
                             trio.current_time() + deadline_ms / 1000)
         self._slots[slot] = (recv, lays, [len(lays)])
         log.debug("kv.begin", pool=pool, request=request, sender=sender, slot=slot,
-                  layers=len(lays))
-        return {"slot": slot, "first": first}
+                  layers=len(lays), counted=counts is not None)
+        if counts is None:
+            return {"slot": slot, "first": first}
+        # Nothing can have arrived for a slot given out just now.
+        self._completed(slot, self._slots[slot][2], recv.announce(lays, counts))
+        return {"slot": slot, "first": first, "expected": True}
 
     def expect(self, sender: str, slot: int, pieces: bytes, first: int = 0
                ) -> dict[str, Any]:

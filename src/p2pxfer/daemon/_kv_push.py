@@ -1,8 +1,9 @@
 """The sending side of a KV push (``kv_push``): a client's source pool into a
 pool on a peer (or on this node), layer by layer.
 
-See ``_kv`` for the steps (``kv_begin``, one notify-mode send per layer,
-``kv_expect``); the push itself runs in ``p2pxfer._kv_core.push_layers``
+See ``_kv`` for the steps (``kv_begin``, with the layers' counts where they
+go through the engine, one notify-mode send per layer, else ``kv_expect``);
+the push itself runs in ``p2pxfer._kv_core.push_layers``
 (the in-process push's too), and the receiver's bookkeeping is
 ``_kv.KV``'s. Each layer goes through the engine, or, into a pool of this
 same daemon, through the same-daemon copy (``_local``: ``LocalCopies.write``
@@ -165,7 +166,7 @@ class Pushes:
         if peer == self.node:  # into a pool of this node: no control link needed
             if kind == "kv_begin":
                 return self.kv.begin(peer, fields["pool"], fields["request"], fields["layers"],
-                                  fields["deadline_ms"])
+                                     fields["deadline_ms"], fields.get("pieces"))
             if kind == "kv_arrived":
                 return self.kv.arrived(peer, fields["pool"], fields["request"], fields["layer"])
             return self.kv.expect(peer, fields["slot"], fields["pieces"], fields["first"])
@@ -221,13 +222,18 @@ class Pushes:
                 None if layers is None else unpack_i64(layers, "layers").tolist(),
                 src_size=len(src.view), dst_size=desc.length)
             t0 = time.perf_counter()
+            copied = self.writes.copies(desc)
+            # Through the engine each layer is one notify-mode send: one
+            # notification, known now; the receiver takes the counts with
+            # the slot, and no kv_expect has to wait between layers.
+            counts = {} if copied else {"pieces": pack_i64(np.ones(len(plan.layers)))}
             begun = await self._ask(peer, "kv_begin", until, pool=pool, request=request,
                                     layers=pack_i64(plan.layers),
-                                    deadline_ms=deadline_ms)
+                                    deadline_ms=deadline_ms, **counts)
             slot = begun.get("slot")
             if type(slot) is not int or slot <= 0:
                 raise InvalidArgument(f"{peer} answered kv_begin without a slot")
-            copied = self.writes.copies(desc)
+            told = bool(counts) and begun.get("expected") is True
             # Into this daemon's own pool nothing can overtake anything (the
             # copy counts its notifications as it goes): nothing to record.
             landed = {} if copied else self._landing(
@@ -235,7 +241,7 @@ class Pushes:
             try:
                 with self.writes.accounted():
                     pieces, first = await self._post(s, src, desc, peer, slot, plan, until,
-                                                     pool, request, copied, landed)
+                                                     pool, request, copied, landed, told)
             except (trio.Cancelled, P2PXferError):
                 # As for a failed write: the pool (or its owner's life) may be
                 # what went; the next push resolves it afresh.
@@ -250,12 +256,13 @@ class Pushes:
 
     async def _post(self, s: ClientSession, src: Pool, desc: RegionDescriptor, peer: str,
                     slot: int, plan: PushPlan, until: float, pool: str, request: int,
-                    copied: bool, landed: dict[int, int]) -> tuple[list[int], float]:
+                    copied: bool, landed: dict[int, int], told: bool) -> tuple[list[int], float]:
         """The layers, by ``push_layers``: through the engine, or ``copied``
-        (the pool is this daemon's: ``Writes.copies``). The
-        receiver hears each layer's count (``kv_expect``) as ``push_layers``
-        announces it; a layer whose notification is unknown is settled
-        (``_kv_settle``). Each layer known landed is counted into ``landed``."""
+        (the pool is this daemon's: ``Writes.copies``). Unless ``told``
+        (``kv_begin`` carried the counts), the receiver hears each layer's
+        count (``kv_expect``) as ``push_layers`` announces it; a layer whose
+        notification is unknown is settled (``_kv_settle``). Each layer
+        known landed is counted into ``landed``."""
         local = self.writes.local
         base = self._imm_slots().compose(slot, 0)
 
@@ -282,8 +289,8 @@ class Pushes:
                 unknown)
             landed.setdefault(layer, 1)  # the one the receiver answered for
 
-        return await push_layers(plan, copy if copied else send, announce=announce,
-                                 settle=settle)
+        return await push_layers(plan, copy if copied else send,
+                                 announce=None if told else announce, settle=settle)
 
     async def abandon(self, s: ClientSession, msg: Any) -> dict[str, Any]:
         """A ``kv_abandon``: this node's pushes of the request under way are

@@ -31,11 +31,12 @@ __all__ = [
     "validate",
 ]
 
-SCHEMA_VERSION = 5  # 2: control connections authenticate (nonce/proof/auth); watch, locate
+SCHEMA_VERSION = 6  # 2: control connections authenticate (nonce/proof/auth); watch, locate
 # 3: frames MACed after auth, 4 KiB handshake frames, forbidden; cancel; wait_imm
 # scoped to a region or the session; resolve returns a slot
 # 4: kv_forget refuse; kv_abandon (client) and kv_abandoned (peer)
 # 5: unexport reason, withdraw, region_withdrawn
+# 6: kv_begin pieces (and expected in its answer)
 
 #: the longest name a message carries (node, peer, region, pool, client):
 #: a name is a key in tables and log lines, not a payload
@@ -107,7 +108,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                    "request": (_INT, True), "reason": (_STR, False)},
     # daemon -> daemon
     "kv_begin": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
-                 "layers": (_BIN, True), "deadline_ms": (_INT, True)},
+                 "layers": (_BIN, True), "deadline_ms": (_INT, True), "pieces": (_BIN, False)},
     "kv_expect": {"id": (_INT, True), "slot": (_INT, True), "pieces": (_BIN, True),
                   "first": (_INT, False)},
     "kv_arrived": {"id": (_INT, True), "pool": (_STR, True), "request": (_INT, True),
