@@ -93,16 +93,17 @@ class _Plan:
         #: looks at it first), or -1
         self.alive_fd = -1
 
-    def forget_peer(self) -> None:
-        """Look the peer up anew at the next write."""
+    def forget_peer(self, _close: Callable[[int], None] = os.close) -> None:
+        """Look the peer up anew at the next write (and let go of its
+        segment). ``_close`` is bound here: a plan may be dropped while the
+        interpreter exits, when module globals are gone."""
         self.epoch = -1
-        if self.alive_fd >= 0:
-            os.close(self.alive_fd)
-            self.alive_fd = -1
+        fd, self.alive_fd = self.alive_fd, -1
+        if fd >= 0:
+            _close(fd)
 
     def __del__(self) -> None:
-        if self.alive_fd >= 0:
-            os.close(self.alive_fd)
+        self.forget_peer()
 
 
 class Express:
