@@ -227,3 +227,55 @@ async def test_many_small_pieces_in_flight(provider: str) -> None:
         assert np.array_equal(got, src.reshape(-1, 64))
         await settle()
         assert b.imm_count(IMM) == 0
+
+
+async def test_the_notification_rides_behind_its_data_to_a_peer_of_one_rail_pair() -> None:
+    """To a peer reached over one rail pair at all, on a rail that places
+    one peer's writes in order (tcp;ofi_rxm), a notify write's notification
+    goes right behind its data, however large, instead of waiting for the
+    data's acknowledgement (a KV push's 1 MiB layers landed that much
+    later). Shown against a target that does not read: the C reference
+    target progresses only while told to, so nothing can be acknowledged,
+    yet the notification is posted; once the target reads, the write
+    completes with exactly one immediate counted there."""
+    from p2pxfer.bench._reference import ReferenceTarget
+    from p2pxfer.bench._server import pick_interfaces
+    from p2pxfer.engine import open_engine
+    from p2pxfer.engine._failover import EAGER_NOTIFY_BYTES, landed
+
+    tcp = "tcp;ofi_rxm"
+    node = loopback_node(tcp)
+    names = pick_interfaces(tcp, node, 1, None)
+    size = 4 << 20
+    with ReferenceTarget(tcp, node, names, size) as target:
+        async with open_engine(EngineConfig(provider=tcp, node=node, interfaces=names)) as a:
+            src = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+            a.register(src)
+            # Connected first, while the target reads (one piece, its immediate).
+            target.expect([1], STEP)
+            with trio.fail_after(STEP):
+                assert await a.write(src, target.descriptor, ScatterList.contiguous(64),
+                                     imm=1) == 1
+            await trio.to_thread.run_sync(target.collect, STEP)
+            shard = a.shards[0]
+            seen: list[list[bool]] = []
+            notify = shard._failover.notify
+
+            def spy(tr: object, t: object, wake_fd: int) -> None:
+                b = tr.w.batch  # type: ignore[attr-defined]
+                seen.append([landed(tr, i) for i in range(len(b))])  # type: ignore[arg-type]
+                notify(tr, t, wake_fd)  # type: ignore[arg-type]
+
+            shard._failover.notify = spy  # type: ignore[method-assign]
+            data = pages(32, 64 << 10, 64 << 10)
+            assert data.nbytes > EAGER_NOTIFY_BYTES
+            t = await a.submit(src, target.descriptor, data, imm=2, notify=True)
+            with trio.fail_after(STEP):
+                while not seen:
+                    await trio.sleep(0.005)
+            assert seen == [[False]], "the notification waited for its data to land"
+            assert not t.done
+            target.expect([1], STEP)  # the notification: the one arrival with data
+            with trio.fail_after(STEP):
+                assert await t.wait() == 32 and t.imms == 1
+            await trio.to_thread.run_sync(target.collect, STEP)
