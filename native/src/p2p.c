@@ -777,7 +777,7 @@ static int64_t take_runs(struct p2p_poller *p, int64_t from, int64_t nruns, uint
  * posted to, looked at first (shm: the peer's segment, opened O_PATH when
  * the peer was looked up; libfabric 1.17's shm kills a process that posts
  * to a peer in it whose segment is gone, and a write to one in another
- * process that exited "completes"). Unlinked: P2P_PEER_GONE, nothing held
+ * process that closed "completes"). Unlinked: P2P_PEER_GONE, nothing held
  * or posted. An fstat of a held fd walks no path: a stat by name cost a
  * 4 KiB write about a seventh of its time. */
 int64_t p2p_express_post(struct p2p_poller *p, struct p2p_cursor *c, const int64_t *src_off,

@@ -317,8 +317,9 @@ async def push_pages(engine: Engine, src_pool: KVPool, dst_pool: KVPoolDescripto
     async def submit(layer: int, sl: ScatterList) -> LayerSend:
         if staged is not None:
             await staged.ready(index[layer])
+        # A layer is pushed once per request: its notification may go early.
         return await engine.submit(src_pool.buffer, dst_pool.region, sl,
-                                   imm=layer_imm(base, layer), notify=True)
+                                   imm=layer_imm(base, layer), notify=True, notify_early=True)
 
     try:
         pieces, first = await push_layers(plan, submit)

@@ -387,11 +387,13 @@ def _serve_a_region(desc_q: Any, go_q: Any) -> None:
         go_q.get(timeout=60)
 
 
-def test_an_express_write_to_a_shm_peer_process_that_exited_raises() -> None:
-    """A peer in another process exits between two express writes: the
-    next one raises ``PeerUnreachable`` (a 4 KiB shm write into the dead
-    peer's queue would complete as if it had landed), and the segment's
-    descriptor the plan held is closed once the peer was found gone."""
+def test_an_express_write_to_a_shm_peer_process_that_closed_raises() -> None:
+    """A peer in another process closes its engine and exits between two
+    express writes: the next one raises ``PeerUnreachable`` (a 4 KiB shm
+    write into the closed peer's queue would complete as if it had landed),
+    and the segment's descriptor the plan held is closed once the peer was
+    found gone. (A peer killed outright leaves its segment: membership's to
+    find.)"""
     import contextlib
     import multiprocessing as mp
     import os

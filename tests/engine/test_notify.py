@@ -229,15 +229,15 @@ async def test_many_small_pieces_in_flight(provider: str) -> None:
         assert b.imm_count(IMM) == 0
 
 
-async def test_the_notification_rides_behind_its_data_to_a_peer_of_one_rail_pair() -> None:
-    """To a peer reached over one rail pair at all, on a rail that places
-    one peer's writes in order (tcp;ofi_rxm), a notify write's notification
-    goes right behind its data, however large, instead of waiting for the
-    data's acknowledgement (a KV push's 1 MiB layers landed that much
-    later). Shown against a target that does not read: the C reference
-    target progresses only while told to, so nothing can be acknowledged,
-    yet the notification is posted; once the target reads, the write
-    completes with exactly one immediate counted there."""
+async def test_notify_early_sends_the_notification_behind_its_data_to_a_one_pair_peer() -> None:
+    """``notify_early`` (KV pushes ask for it): to a peer reached over one
+    rail pair at all, on a rail that places one peer's writes in order
+    (tcp;ofi_rxm), the notification goes right behind the data, however
+    large, instead of waiting for the data's acknowledgement. Without it a
+    write over ``EAGER_NOTIFY_BYTES`` waits. Shown against a target that
+    does not read: the C reference target progresses only while told to, so
+    nothing can be acknowledged; once it reads, each write completes with
+    exactly one immediate counted there."""
     from p2pxfer.bench._reference import ReferenceTarget
     from p2pxfer.bench._server import pick_interfaces
     from p2pxfer.engine import open_engine
@@ -269,7 +269,19 @@ async def test_the_notification_rides_behind_its_data_to_a_peer_of_one_rail_pair
             shard._failover.notify = spy  # type: ignore[method-assign]
             data = pages(32, 64 << 10, 64 << 10)
             assert data.nbytes > EAGER_NOTIFY_BYTES
+            # Without notify_early the notification waits for the data's
+            # acknowledgement, which a target that does not read never sends.
             t = await a.submit(src, target.descriptor, data, imm=2, notify=True)
+            await trio.sleep(0.3)
+            assert seen == [] and not t.done
+            target.expect([1], STEP)
+            with trio.fail_after(STEP):
+                assert await t.wait() == 32 and t.imms == 1
+            await trio.to_thread.run_sync(target.collect, STEP)
+            assert seen == [[True]]
+            seen.clear()
+            t = await a.submit(src, target.descriptor, data, imm=3, notify=True,
+                               notify_early=True)
             with trio.fail_after(STEP):
                 while not seen:
                     await trio.sleep(0.005)
@@ -279,3 +291,5 @@ async def test_the_notification_rides_behind_its_data_to_a_peer_of_one_rail_pair
             with trio.fail_after(STEP):
                 assert await t.wait() == 32 and t.imms == 1
             await trio.to_thread.run_sync(target.collect, STEP)
+            with pytest.raises(InvalidArgument, match="notify_early needs notify"):
+                await a.submit(src, target.descriptor, data, imm=3, notify_early=True)

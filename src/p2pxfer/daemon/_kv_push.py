@@ -271,9 +271,12 @@ class Pushes:
                                                 notify=True, slot=slot), len(sl))
 
         async def send(layer: int, sl: ScatterList) -> LayerSend:
+            # A layer is pushed once per request (kv_begin claims it), and a
+            # failed push tells the receiver what it knows landed: the
+            # notification may go right behind the layer's data.
             return _Counted(await self.engine.submit(
                 src.view, desc, sl, imm=layer_imm(base, layer), notify=True,
-                timeout=seconds_left(until)), layer, landed)
+                notify_early=True, timeout=seconds_left(until)), layer, landed)
 
         async def announce(first: int, sends: list[LayerSend]) -> None:
             await self._ask(peer, "kv_expect", until, slot=slot, first=first,

@@ -81,6 +81,9 @@ class _Plan:
     def __init__(self, src: weakref.ref[Any] | None, dst: RegionDescriptor,
                  region: LocalRegion, base: int, size: int, target: Target,
                  touch: Callable[[], None]) -> None:
+        #: the shm peer's segment, open (``open_shm_segment``; the post
+        #: looks at it first), or -1. Set first: ``__del__`` reads it
+        self.alive_fd = -1
         self.src = src  # None: not kept (``Express._plan``)
         self.dst = dst
         self.region = weakref.ref(region)
@@ -89,9 +92,6 @@ class _Plan:
         self.epoch = -1  # looked up at first use (``_peer``)
         self.dest = 0
         self.bell: Any = None
-        #: the shm peer's segment, open (``open_shm_segment``; the post
-        #: looks at it first), or -1
-        self.alive_fd = -1
 
     def forget_peer(self, _close: Callable[[int], None] = os.close) -> None:
         """Look the peer up anew at the next write (and let go of its
@@ -155,10 +155,11 @@ class Express:
         """The peer's ``fi_addr_t`` (under the shard's lock), looked up when
         the rail's AV epoch moved. A failed look-up leaves the plan to look
         again. On shm the peer's segment is also looked at on every write,
-        as ``Rail.peer`` does, by the post itself (``plan.alive_fd``):
-        libfabric 1.17's shm crashes the process that posts to a peer in it
-        whose segment is gone, and a small write to one in a process that
-        exited completes as if it had landed."""
+        as ``Rail.peer`` does, by the post itself (``plan.alive_fd``; a
+        plan not kept is looked up on its one write): libfabric 1.17's shm
+        crashes the process that posts to a peer in it whose segment is
+        gone, and a small write to one in a process that closed completes
+        as if it had landed."""
         t = plan.target
         rail = t.rail
         av = rail.av
@@ -167,7 +168,9 @@ class Express:
             plan.forget_peer()
             dest = rail.peer(t.address)  # checks a shm peer's segment too
             plan.bell = rail.bell_of(t.address)
-            if av.is_shm:
+            if av.is_shm and plan.src is not None:
+                # A plan not kept serves this one write, whose segment
+                # ``Rail.peer`` has just looked at.
                 plan.alive_fd = open_shm_segment(t.address)
             plan.dest, plan.epoch = dest, epoch
         return plan.dest
@@ -245,6 +248,13 @@ class Express:
                                    received, imms)
         finally:
             s._poller.hold(False)
+
+    def close(self) -> None:
+        """Let go of every plan (and the shm segments they hold open)."""
+        for plan in self._plans.values():
+            plan.forget_peer()
+        self._plans.clear()
+        self._cursor.aimed = None
 
     def _count_received(self, received: list[tuple[int, int]]) -> None:
         for rail, cnt in received:

@@ -113,16 +113,14 @@ class Failover:
         """Where notify-mode ``tr``'s notification may go now, or None (not
         yet). Once every share landed: any up pair. Sooner, when the peer has
         one up pair only, and that pair has pieces of it in flight, all
-        posted, on a rail that places one peer's writes in order: right
-        behind them (its delivery-complete then covers them too), saving a
-        round trip. At most ``EAGER_NOTIFY_BYTES`` in flight where another
-        pair could take the pieces over once it is back: a notification in
-        flight is never re-sent, so a failing pair would end the write
-        ``NotificationUnknown`` instead of failing over (a flapping rail
-        does that often). With one pair to the peer at all, any amount:
-        there a failing pair fails the write either way, and waiting for the
-        data's acknowledgement cost a KV push's first 1 MiB layer half its
-        time to land (tcp: 3.1-3.8 -> 1.5-1.9 ms of a 32-layer push)."""
+        posted, at most ``EAGER_NOTIFY_BYTES``, on a rail that places one
+        peer's writes in order: right behind them (its delivery-complete then
+        covers them too), saving a round trip. Not where another pair could
+        take the pieces over: a notification in flight is never re-sent, so a
+        failing pair would end the write ``NotificationUnknown`` instead of
+        failing over (a flapping rail does that often). Any amount where the
+        write asked for it (``notify_early``) and the peer has one pair at
+        all: a failing pair fails such a write either way."""
         b = tr.w.batch
         open_keys: set[PairKey] = set()
         unposted, nbytes = False, 0
@@ -137,7 +135,8 @@ class Failover:
         if not open_keys:
             return ups[0] if ups else tr.w.targets[0]
         if (len(open_keys) == 1 and len(ups) == 1 and not unposted
-                and (len(tr.w.targets) == 1 or nbytes <= EAGER_NOTIFY_BYTES)):
+                and (nbytes <= EAGER_NOTIFY_BYTES
+                     or (tr.notify_early and len(tr.w.targets) == 1))):
             t = next((t for t in ups if t.key in open_keys), None)
             if t is not None and t.rail.ordered:
                 return t

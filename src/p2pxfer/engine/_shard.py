@@ -313,6 +313,7 @@ class Shard:
     def close(self, *, process_exits: bool = False) -> None:
         """Deregister everything and close the rails (the poller thread has
         stopped); ``Rail.close`` says what ``process_exits`` leaves open."""
+        self.express.close()
         self._group.close(process_exits=process_exits)
         os.close(self.wake_fd)
 

@@ -82,6 +82,9 @@ class TransferState:
     completed: int = 0
     #: notify mode: the notification's cursor once added (-1: not yet)
     notify_cursor: int = -1
+    #: notify mode: the notification may ride behind unacknowledged data of
+    #: any size (``Engine.submit``'s ``notify_early``)
+    notify_early: bool = False
     #: why its rail pairs all failed (``RailsExhausted``), and the piece
     #: ranges known landed then
     exhausted: str | None = None

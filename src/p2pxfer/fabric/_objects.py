@@ -15,7 +15,13 @@ import threading
 from types import TracebackType
 from typing import Any, Self
 
-from p2pxfer.errors import FabricError, P2PXferError, PeerUnreachable, RegistrationError
+from p2pxfer.errors import (
+    FabricError,
+    P2PXferError,
+    PeerUnreachable,
+    RegistrationError,
+    TransferError,
+)
 from p2pxfer.log import get_logger
 
 from ._binding import check, ffi, lib, raise_fabric_error
@@ -259,8 +265,10 @@ def open_shm_segment(address: bytes) -> int:
         return -1
     try:
         return os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         raise shm_peer_gone(address) from None
+    except OSError as exc:  # out of descriptors, say: the peer may be fine
+        raise TransferError(f"cannot look at shm peer segment {path}: {exc}") from exc
 
 
 def shm_peer_gone(address: bytes) -> PeerUnreachable:
