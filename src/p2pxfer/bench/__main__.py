@@ -88,7 +88,9 @@ def main(log_level: str) -> None:
 @click.option("--order", type=click.Choice(["random", "sequential"]), default="random",
               show_default=True)
 @click.option("--concurrency", type=int, default=1, show_default=True)
-@click.option("--pages-per-transfer", type=int, help="paged: pieces per transfer [all]")
+@click.option("--pages-per-transfer", type=int,
+              help="paged: pieces per transfer, the transfers submitted together as a KV "
+                   "push's layers (notified early) [all in one]")
 @click.option("--memory", type=click.Choice(MEMORY), default="private",
               show_default=True, help="our two ends' buffers: anonymous memory, or memfd "
               "pages as daemons' pools (the C target's stays anonymous)")

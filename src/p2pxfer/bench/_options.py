@@ -100,7 +100,9 @@ class BenchOptions:
     sweep: bool = False
     page_size: int = 64 * KIB
     pages: int = 4096
-    pages_per_transfer: int | None = None  # None: all pages
+    #: None: all pages in one transfer; else a round's transfers, submitted
+    #: together, notify as a KV push's layers do (``notify_early``)
+    pages_per_transfer: int | None = None
     order: str = "random"  # random | sequential
     #: our two ends' buffers: anonymous memory, or memfd pages (as daemons' pools);
     #: the C reference's target stays anonymous

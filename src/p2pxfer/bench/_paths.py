@@ -55,16 +55,27 @@ class EnginePath:
 
     imm = True
 
-    def __init__(self, engine: Engine, src: npt.NDArray[np.uint8], dst: RegionDescriptor) -> None:
+    def __init__(self, engine: Engine, src: npt.NDArray[np.uint8], dst: RegionDescriptor, *,
+                 notify_early: bool = False) -> None:
         self.engine, self.src, self.dst = engine, src, dst
+        #: notifications sent as a KV push's layers send theirs (``notify_early``)
+        self.notify_early = notify_early
 
     async def round(self, lists: list[ScatterList], imm: int | None) -> tuple[int, list[float]]:
         # A transfer of many pieces the way serving engines send pages (a KV
         # push, a daemon's write): one immediate, once all of it landed, and
         # its pieces grouped into the provider's multi-piece writes. A lone
         # piece carries its immediate itself.
-        return await _all(lists, lambda sl: self.engine.write(
-            self.src, self.dst, sl, imm=imm, notify=imm is not None and len(sl) > 1))
+        async def one(sl: ScatterList) -> int:
+            notify = imm is not None and len(sl) > 1
+            if not (notify and self.notify_early):
+                return await self.engine.write(self.src, self.dst, sl, imm=imm, notify=notify)
+            t = await self.engine.submit(self.src, self.dst, sl, imm=imm, notify=True,
+                                         notify_early=True)
+            await t.wait()
+            return t.imms
+
+        return await _all(lists, one)
 
     async def rail_bytes(self) -> list[tuple[str, int]]:
         return [(n.name, n.bytes) for n in self.engine.statistics().nics]

@@ -106,7 +106,10 @@ async def _server_session(opts: BenchOptions, provider: str, link: ServerLink, h
         engine = await stack.enter_async_context(open_engine(EngineConfig(
             provider=provider, node=node, interfaces=names)))
         engine.register(src)
-        ours = EnginePath(engine, src, dst)
+        # A round's transfers submitted together are a KV push's layers
+        # (``--pages-per-transfer``; what calibration measures them for):
+        # their notifications go as ``push_pages`` sends them.
+        ours = EnginePath(engine, src, dst, notify_early=opts.pages_per_transfer is not None)
         # The C target runs where it can: on this host, beside the loopback server.
         ref_target = stack.enter_context(ReferenceTarget(provider, node, names, size)) \
             if loopback else None
