@@ -30,7 +30,7 @@ import p2pxfer
 from conftest import engine_config, inflight, returns_without_blocking, stalled, wait_until
 from conftest import engine_pair as pair
 from p2pxfer.engine import Engine, open_engine
-from p2pxfer.engine._engine import INLINE_NS_PER_KIB
+from p2pxfer.engine._express import INLINE_NS_PER_KIB
 from p2pxfer.errors import (
     DescriptorError,
     EngineClosed,

@@ -11,6 +11,7 @@ poller (ask the shard).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ from p2pxfer.topology import Shard as ShardTopology
 from p2pxfer.topology import Topology
 
 from ._config import EngineConfig, EngineStats
+from ._express import alone_budget_ns
 from ._imms import Immediates
 from ._plan import Source
 from ._shard import Shard
@@ -46,11 +48,6 @@ from ._transfer import Transfer, _YieldClock
 __all__ = ["Engine", "EngineConfig", "EngineStats", "NicStats", "Transfer"]
 
 log = get_logger("p2pxfer.engine")
-
-#: a write alone in flight polls inline this much longer per KiB it carries
-#: (~2 GB/s: about what tcp and shm move here; the budget only caps a spin
-#: that ends as soon as the completion is read)
-INLINE_NS_PER_KIB = 500
 
 class Engine:
     """Many trio tasks' transfers over every NIC of the machine. Use
@@ -69,6 +66,7 @@ class Engine:
         #: daemon): ``Rail.close`` then leaves what crashes libfabric to exit
         self.process_exits = False
         self._clock = _YieldClock()
+        self._alone_budget = functools.partial(alone_budget_ns, config)
 
     # -- memory ---------------------------------------------------------------
 
@@ -256,17 +254,11 @@ class Engine:
         slot, posting and completing must all fit in it. ``notify``: see
         :meth:`write`.
 
-        ``notify_early`` (with ``notify``): to a peer reached over one rail
-        pair at all, on a rail that places one peer's writes in order, the
-        notification goes right behind the data whatever its size, not once
-        the data is acknowledged (a round trip, and on tcp the target's
-        acknowledgements queue behind what it still reads: a KV push's first
-        1 MiB layer landed in 1.5-1.9 ms instead of 3.1-3.8). The price: if
-        the write then fails, its receiver may have counted the notification
-        (and then every piece landed, the rail being ordered), so a caller
-        must not send it again blindly. For protocols that settle per
-        notification (KV pushes: a layer is pushed once per request). Without
-        it, only small writes (``EAGER_NOTIFY_BYTES``) notify early."""
+        ``notify_early`` (with ``notify``; KV pushes): to a peer of one rail
+        pair on an ordered rail, the notification rides right behind data of
+        any size, not only ``EAGER_NOTIFY_BYTES``; if the write then fails,
+        its receiver may have counted it (docs/architecture.md, "Notify
+        mode"), so it must never be sent again blindly."""
         if notify_early and not notify:
             raise InvalidArgument("notify_early needs notify=True")
         shard, tr = await self._submit(src, dst, scatter, imm, dry_run, inline=False,
@@ -379,7 +371,7 @@ class Engine:
             shard = self.shards[0]
             if not callable(capped):
                 out = shard.express.write(src, dst, scatter, capped, limit,
-                                          self._express_budget)
+                                          self._alone_budget)
                 if isinstance(out, int):
                     await self._clock.maybe_yield()
                     return out
@@ -394,21 +386,13 @@ class Engine:
         pieces = await t.wait()
         return t.imms if notify else pieces
 
-    def _express_budget(self, nbytes: int) -> int:
-        """The inline budget of a write alone in flight (``_inline_budget``)."""
-        cfg = self.config
-        return max(cfg.inline_poll_ns, min(cfg.inline_poll_max_ns,
-                                           cfg.inline_poll_ns + (nbytes >> 10) * INLINE_NS_PER_KIB))
-
     def _inline_budget(self, shard: Shard, tr: TransferState) -> int:
         """How long the trio thread polls for ``tr`` before handing it to the
-        poller thread: ``inline_poll_ns``, plus, when nothing else of its
-        shard is in flight, about the time its bytes take (up to
-        ``inline_poll_max_ns``): for a write alone, the hop to the poller
-        thread and back into trio was most of its time. Not with others in
-        flight: they keep the event loop and the poller thread pipelining."""
+        poller thread: ``alone_budget_ns`` when nothing else of its shard is
+        in flight, else ``inline_poll_ns`` (others keep the event loop and
+        the poller thread pipelining)."""
         if shard.alone(tr):
-            return self._express_budget(tr.w.nbytes)
+            return self._alone_budget(tr.w.nbytes)
         return self.config.inline_poll_ns
 
     async def wait_imm(self, imm: int, count: int, *, timeout: float | None = None) -> None:

@@ -58,14 +58,29 @@ from ._plan import imm_tails
 if TYPE_CHECKING:
     from p2pxfer.memory import LocalRegion, RegionDescriptor
 
+    from ._config import EngineConfig
     from ._plan import Target
     from ._shard import Shard
     from ._state import TransferState
 
-__all__ = ["Express"]
+__all__ = ["INLINE_NS_PER_KIB", "Express", "alone_budget_ns"]
 
 #: plans kept per shard (``Express._plan``); past this many, start over
 MAX_PLANS = 64
+#: a write alone in flight polls inline this much longer per KiB it carries
+#: (~2 GB/s: about what tcp and shm move here; the budget only caps a spin
+#: that ends as soon as the completion is read)
+INLINE_NS_PER_KIB = 500
+
+
+def alone_budget_ns(cfg: EngineConfig, nbytes: int) -> int:
+    """How long the trio thread polls for a write of ``nbytes`` alone in
+    flight on its shard (an express write, or a regular one alone) before
+    handing it to the poller thread: ``inline_poll_ns``, plus about the time
+    its bytes take, up to ``inline_poll_max_ns``: for a write alone, the hop
+    to the poller thread and back into trio was most of its time."""
+    return max(cfg.inline_poll_ns, min(cfg.inline_poll_max_ns,
+                                       cfg.inline_poll_ns + (nbytes >> 10) * INLINE_NS_PER_KIB))
 
 
 class _Plan:
